@@ -1,0 +1,92 @@
+"""The ``tandem`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="local Hugging Face-format model directory (default: the built-in model)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    kv = parser.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, help="exact number of KV blocks")
+    kv.add_argument("--kv-cache-memory-fraction", type=float, default=0.25,
+                    help="share of device memory (RAM on a CPU) for the KV cache (default: 0.25)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    parser.add_argument("--no-chunked-prefill", action="store_true", help="schedule each prompt whole")
+    parser.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def _engine_args(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        seed=args.seed,
+        num_threads=args.threads,
+    )
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from cluster.engine.config import EngineConfigError
+    from cluster.engine.llm import LLM
+    from cluster.engine.models.config import ModelConfigError
+    from cluster.engine.models.loader import WeightLoadError
+    from cluster.offline import run_file
+
+    try:
+        llm = LLM(args.model, **_engine_args(args))
+    except (EngineConfigError, ModelConfigError, WeightLoadError, FileNotFoundError) as exc:
+        print(f"tandem run: {exc}", file=sys.stderr)
+        return 2
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    with source, sink:
+        counts = run_file(llm, source, sink, progress=not args.quiet)
+    summary = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
+    stats = llm.engine.stats
+    print(
+        f"[tandem] {sum(counts.values())} requests ({summary}); {stats.generated_tokens} tokens generated; "
+        f"prefix-cache hit rate {stats.prefix_cache_hit_rate:.0%}; wrote {args.output}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="offline generation: JSONL requests in, JSONL results out")
+    run.add_argument("--input", required=True, help="JSONL file of requests ('-' for stdin)")
+    run.add_argument("--output", required=True, help="JSONL file for results ('-' for stdout)")
+    run.add_argument("--quiet", action="store_true", help="no progress line")
+    _add_engine_flags(run)
+    run.set_defaults(func=_cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "input", None) not in (None, "-") and not Path(args.input).is_file():
+        print(f"tandem {args.command}: input file {args.input} does not exist", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

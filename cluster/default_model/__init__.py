@@ -1,0 +1,91 @@
+"""Tandem's default model, trained by Tandem itself so the quick start needs no download.
+
+:func:`default_model_dir` returns a folder that ``transformers`` (and Tandem's engine) can load
+as a Llama checkpoint. The first call on a machine builds it (a few minutes on a laptop CPU,
+from the documentation shipped with Python; see :mod:`cluster.default_model.train`); later
+calls find it in the cache.
+
+The cache is ``$TANDEM_CACHE_DIR/models/tandem-default-v1``, or ``~/.cache/tandem/...`` when
+the variable is unset. A build writes into a temporary folder beside that one and renames it
+into place when complete, so the model folder either does not exist or is whole; a lock file
+makes concurrent callers wait for one build rather than racing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "tandem-default-v1"
+
+# Files a finished build always has; a folder without them is not a model.
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+__all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir"]
+
+
+def cache_dir() -> Path:
+    """Tandem's cache root: ``$TANDEM_CACHE_DIR`` if set, else ``~/.cache/tandem``."""
+    configured = os.environ.get("TANDEM_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tandem"
+
+
+def _is_complete(path: Path) -> bool:
+    return all((path / name).is_file() for name in _REQUIRED_FILES)
+
+
+def default_model_dir() -> Path:
+    """The default model's folder, built first (progress on stderr) if it is not cached yet."""
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / f".{DEFAULT_MODEL_NAME}.lock"
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, even on a crash
+        if _is_complete(target):  # another process built it while we waited
+            return target
+        _remove_leftovers(target)
+        _build_into(target)
+    return target
+
+
+def _remove_leftovers(target: Path) -> None:
+    """Delete temp folders of builds that were killed, and any incomplete model folder.
+
+    Safe because the caller holds the lock: no other build can be running.
+    """
+    for stale in target.parent.glob(f".{DEFAULT_MODEL_NAME}.*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if target.exists():
+        shutil.rmtree(target)
+
+
+def _build_into(target: Path) -> None:
+    # Imported here: torch and tokenizers are only needed the first time.
+    from cluster.default_model.train import build
+
+    print(
+        f"Tandem: building the default model {DEFAULT_MODEL_NAME} into {target} "
+        "(first run only; about five minutes on a laptop CPU)",
+        file=sys.stderr,
+        flush=True,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", suffix=".tmp", dir=target.parent))
+    try:
+        build(tmp)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"Tandem: default model ready at {target}", file=sys.stderr, flush=True)

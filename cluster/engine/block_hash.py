@@ -1,0 +1,68 @@
+"""The one block hash of the cluster.
+
+A full block's hash is SHA-256 over its parent's hash, its token ids and the extra keys
+(model, adapter, tenant salt). The encoding is fixed byte for byte, so the router, every
+worker and the registry compute the same 32 bytes in every process on every machine
+(Python's ``hash()`` is salted per process and would not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Sequence
+
+BlockHash = bytes
+ExtraKey = str | int | bytes
+
+HASH_BYTES = 32
+_ROOT = bytes(HASH_BYTES)
+
+
+def _encode_extra_key(key: ExtraKey) -> bytes:
+    if isinstance(key, bool):
+        raise TypeError("extra keys are str, int or bytes, not bool")
+    if isinstance(key, str):
+        tag, payload = b"s", key.encode("utf-8")
+    elif isinstance(key, int):
+        tag, payload = b"i", str(key).encode("ascii")
+    elif isinstance(key, bytes):
+        tag, payload = b"b", key
+    else:
+        raise TypeError(f"extra keys are str, int or bytes, got {type(key).__name__}")
+    return tag + struct.pack("<I", len(payload)) + payload
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[ExtraKey] = ()
+) -> BlockHash:
+    """Hash of one full block, chained to ``parent`` (None for the first block of a prompt)."""
+    h = hashlib.sha256()
+    h.update(parent if parent is not None else _ROOT)
+    h.update(struct.pack("<I", len(token_ids)))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(struct.pack("<I", len(extra_keys)))
+    for key in extra_keys:
+        h.update(_encode_extra_key(key))
+    return h.digest()
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[ExtraKey] = (),
+    parent: BlockHash | None = None,
+    start_block: int = 0,
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``token_ids`` from ``start_block`` on.
+
+    ``parent`` must be the hash of block ``start_block - 1`` when ``start_block > 0``. The
+    partial last block, if any, gets no hash: only full blocks are cached.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    hashes: list[BlockHash] = []
+    for i in range(start_block, len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,219 @@
+"""Paged-KV block bookkeeping, free of torch.
+
+The manager hands out block ids and counts references; the KV tensors live elsewhere and are
+indexed by these ids. A block whose last reference is dropped goes to the tail of an LRU free
+list but keeps its hash, so a later request with the same prefix can take it back (``touch``)
+instead of recomputing it. Only when a fresh block is needed is the least recently freed one
+reused, and its hash evicted. Every change to the set of cached hashes is recorded as an
+event for the cluster's KV registry.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Fewer free blocks than asked for; nothing was allocated."""
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """These hashes became cached, in order."""
+
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """These hashes were evicted or dropped."""
+
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every cached hash was dropped at once."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._hashes: list[bytes | None] = [None] * num_blocks
+        # Insertion order is eviction order: the head is the least recently freed block.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self._events: list[KVEvent] = []
+        self._pending_kind: type[BlockStored] | type[BlockRemoved] | None = None
+        self._pending_hashes: list[bytes] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[self._check_id(block_id)]
+
+    def block_hash_of(self, block_id: int) -> bytes | None:
+        """The hash this block is cached under; None if uncached or a duplicate."""
+        return self._hashes[self._check_id(block_id)]
+
+    def free_block_ids(self) -> list[int]:
+        """The free list in eviction order, least recently used first."""
+        return list(self._free)
+
+    def lookup_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Block ids of the longest cached prefix of block_hashes; no side effects.
+
+        [] when caching is off.
+        """
+        hits: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits
+        for block_hash in block_hashes:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_blocks_to_touch(self, block_ids: Sequence[int]) -> int:
+        """How many of these blocks sit in the free list now.
+
+        Touching them takes that much free capacity, which the scheduler must budget for.
+        """
+        return sum(1 for block_id in set(block_ids) if block_id in self._free)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit).
+
+        A block at ref 0 leaves the free list but keeps its hash, so it can no longer be evicted.
+        """
+        for block_id in block_ids:
+            if self._hashes[self._check_id(block_id)] is None:
+                raise ValueError(f"block {block_id} is not cached; only cached blocks are touched")
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` fresh blocks with ref 1, taken from the LRU end of the free list.
+
+        A taken block that held a hash is evicted from the cache (recorded as BlockRemoved).
+        Raises NoFreeBlocksError, allocating nothing, if fewer than `count` blocks are free.
+        """
+        if count < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({count})")
+        if count > len(self._free):
+            raise NoFreeBlocksError(
+                f"need {count} free blocks, only {len(self._free)} of {self.num_blocks} are free"
+            )
+        allocated: list[int] = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
+            self._ref_counts[block_id] = 1
+            allocated.append(block_id)
+        return allocated
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block.
+
+        Blocks are walked in reverse, so a request's tail blocks reach the free list first and
+        are evicted before its head blocks, which other requests are likelier to share. Freeing
+        a block more times than it is referenced raises ValueError and changes nothing.
+        """
+        for block_id, times in Counter(block_ids).items():
+            if times > self._ref_counts[self._check_id(block_id)]:
+                raise ValueError(
+                    f"block {block_id} freed {times}x at ref count {self._ref_counts[block_id]}"
+                )
+        for block_id in reversed(block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        """Mark a full, referenced block as holding block_hash.
+
+        If another block already caches this hash, the existing mapping stays and this block
+        remains an uncached duplicate (it is reused like any fresh block once freed).
+        No-op when caching is off.
+        """
+        if not self.enable_prefix_caching:
+            return
+        if self._ref_counts[self._check_id(block_id)] == 0:
+            raise ValueError(f"block {block_id} is free; only referenced blocks can be cached")
+        current = self._hashes[block_id]
+        if current is not None:
+            if current != block_hash:
+                raise ValueError(f"block {block_id} is already cached under another hash")
+            return
+        if block_hash in self._cached:
+            return
+        self._hashes[block_id] = block_hash
+        self._cached[block_hash] = block_id
+        self._record(BlockStored, block_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash if no block is referenced and record AllBlocksCleared.
+
+        Returns False, changing nothing, while any block is referenced.
+        """
+        if self.num_used_blocks:
+            return False
+        self._cached.clear()
+        self._hashes = [None] * self.num_blocks
+        if self.enable_prefix_caching:
+            self._flush_pending()
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def drain_events(self) -> list[KVEvent]:
+        """Events since the last drain, in order; consecutive stores or removes come as one."""
+        self._flush_pending()
+        events, self._events = self._events, []
+        return events
+
+    def _check_id(self, block_id: int) -> int:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        return block_id
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._hashes[block_id]
+        if block_hash is None:
+            return
+        self._hashes[block_id] = None
+        del self._cached[block_hash]
+        self._record(BlockRemoved, block_hash)
+
+    def _record(self, kind: type[BlockStored] | type[BlockRemoved], block_hash: bytes) -> None:
+        """Add a hash to the open batch, closing it first if it is of the other kind."""
+        if kind is not self._pending_kind:
+            self._flush_pending()
+            self._pending_kind = kind
+        self._pending_hashes.append(block_hash)
+
+    def _flush_pending(self) -> None:
+        if self._pending_kind is not None:
+            self._events.append(self._pending_kind(tuple(self._pending_hashes)))
+        self._pending_kind = None
+        self._pending_hashes = []

@@ -1,0 +1,50 @@
+"""The engine's configuration: one frozen, validated object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EngineConfigError(ValueError):
+    """A setting that cannot work; the message names it."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs a model.
+
+    ``num_kv_blocks`` fixes the KV cache size; otherwise ``kv_cache_memory_fraction`` of the
+    device's memory (the machine's RAM on a CPU) is given to it, capped at what
+    ``max_num_seqs`` requests of ``max_model_len`` tokens could ever use.
+    """
+
+    model: str
+    dtype: str | None = None
+    device: str = "cpu"
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.25
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        positive = {
+            "block_size": self.block_size,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+        }
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            if getattr(self, name) is not None:
+                positive[name] = getattr(self, name)
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise EngineConfigError(
+                f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
+            )

@@ -1,0 +1,267 @@
+"""The engine: requests in, one scheduled step at a time, outputs out.
+
+A prefill worker runs this engine until each request's first token; a decode worker runs it
+with requests whose KV arrives already computed; the colocated mode runs both phases here.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.config import EngineConfig, EngineConfigError
+from cluster.engine.model_runner import ModelRunner
+from cluster.engine.models.config import load_model_config
+from cluster.engine.request import FinishReason, Request
+from cluster.engine.sampler import make_generator
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    usage: Usage
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class StepRecord:
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    seconds: float
+    context_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """Counters an operator (and the benchmarks) read; ``steps`` keeps the recent steps."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _log(message: str) -> None:
+    print(f"[tandem] {message}", file=sys.stderr, flush=True)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, verbose: bool = True):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        model_dir = Path(config.model)
+        self.model_config = load_model_config(model_dir, config.dtype)
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = self._load_tokenizer(model_dir)
+        progress = (lambda done, total: _log(f"loading weights: {done}/{total} files")) if verbose else None
+        started = time.perf_counter()
+        self.runner = ModelRunner(
+            self.model_config, model_dir, config.block_size, self.max_model_len, config.device, progress=progress
+        )
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        if verbose:
+            _log(
+                f"{self.model_config.architecture} from {model_dir}: {self.runner.weight_bytes / 2**20:.1f} MiB of "
+                f"{str(self.model_config.dtype).removeprefix('torch.')} weights, {num_blocks} KV blocks of "
+                f"{config.block_size} tokens ({num_blocks * self.runner.block_bytes / 2**20:.0f} MiB), "
+                f"ready in {time.perf_counter() - started:.1f}s"
+            )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            extra_hash_keys=(self.model_config.architecture, str(model_dir.resolve().name)),
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.stats = EngineStats()
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise EngineConfigError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        return wanted
+
+    @staticmethod
+    def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
+        try:
+            return Tokenizer(model_dir)
+        except TokenizerError:
+            return None
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        by_memory = self.runner.blocks_for_memory_fraction(cfg.kv_cache_memory_fraction)
+        if by_memory < 1:
+            raise EngineConfigError("kv_cache_memory_fraction leaves no room for a single KV block")
+        return min(by_memory, useful)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer.json; send prompt_token_ids instead of prompt")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queues a request; raises InvalidRequestError (naming what to fix) if it can never run."""
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has no tokenizer.json")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            generator=make_generator(params.seed) if params.seed is not None else None,
+        )
+        self.scheduler.add(request)
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        return self._output(request, []) if request is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs and samples one step; returns an output for every request that got
+        a token or finished."""
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.stats.num_preemptions += len(out.preempted)
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for request, _ in out.prefills:
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = now
+                self.stats.prompt_tokens += request.num_prompt_tokens
+                self.stats.cached_prompt_tokens += request.num_cached_tokens
+        inputs = self.runner.prepare(out)
+        logits = self.runner.execute(inputs)
+        sampled = self.runner.sample(logits, inputs.sampling_requests) if inputs.sampling_requests else None
+
+        tokens: dict[str, int] = {}
+        if sampled is not None:
+            for row, request in enumerate(inputs.sampling_requests):
+                tokens[request.request_id] = sampled.token_ids[row]
+                if sampled.logprobs is not None and request.params.logprobs is not None:
+                    request.logprobs.append(sampled.logprobs[row])
+                    request.top_logprobs.append(sampled.top_logprobs[row] if sampled.top_logprobs else [])
+        self.scheduler.update(out, tokens)
+
+        now = time.monotonic()
+        outputs = []
+        for request in inputs.sampling_requests:
+            if request.times.first_token is None:
+                request.times.first_token = now
+            new = [tokens[request.request_id]]
+            detok = self.detokenizers.get(request.request_id)
+            if detok is not None and detok.append(new[0]) and not request.finished:
+                self.scheduler.finish(request, FinishReason.STOP)
+            outputs.append(self._output(request, new))
+        self.stats.generated_tokens += len(tokens)
+        self.stats.num_steps += 1
+        self.stats.steps.append(
+            StepRecord(
+                num_decode_tokens=len(out.decodes),
+                num_prefill_tokens=out.num_tokens - len(out.decodes),
+                seconds=time.perf_counter() - started,
+                context_tokens=sum(r.num_computed_tokens for r in out.decodes),
+            )
+        )
+        return outputs
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        finished = request.finished
+        if finished and request.times.finished is None:
+            request.times.finished = time.monotonic()
+        detok = self.detokenizers.get(request.request_id)
+        text, delta = (detok.text, detok.take_delta(finished)) if detok is not None else ("", "")
+        if finished:
+            self.detokenizers.pop(request.request_id, None)
+        wants_logprobs = request.params.logprobs is not None
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            new_token_ids=new_token_ids,
+            text=text,
+            delta_text=delta,
+            finished=finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            error=request.error,
+            usage=Usage(request.num_prompt_tokens, request.num_cached_tokens, request.num_output_tokens),
+            logprobs=list(request.logprobs) if wants_logprobs else None,
+            top_logprobs=list(request.top_logprobs) if wants_logprobs else None,
+            arrival_time=request.times.arrival,
+            first_token_time=request.times.first_token,
+            finish_time=request.times.finished,
+        )

@@ -1,0 +1,169 @@
+"""Turns a scheduled step into tensors, runs the model over them, and samples.
+
+Owns the model and the paged KV cache: one tensor [layers, 2, blocks, block_size, kv_heads,
+head_dim], each layer's attention holding views of its K and V parts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from cluster.engine.models.attention import AttentionMetadata, PrefillSpan, visible_keys
+from cluster.engine.models.config import ModelConfig
+from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup
+from cluster.engine.models.loader import build_model, parameter_bytes
+from cluster.engine.request import Request
+from cluster.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from cluster.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
+    sampling_requests: list[Request]
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        model_dir: Path,
+        block_size: int,
+        max_model_len: int,
+        device: str = "cpu",
+        group: ParallelGroup = SINGLE_RANK,
+        progress: Callable[[int, int], None] | None = None,
+    ):
+        self.config = config
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.model = build_model(config, model_dir, max_model_len, group, self.device, progress)
+        self.weight_bytes = parameter_bytes(self.model)
+        self.sampler = Sampler()
+        self.sliding_window = config.sliding_window
+        self.kv_cache = torch.empty(0)
+        self.num_blocks = 0
+
+    # -- KV cache -------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        attn = self.model.attention_layers()[0]
+        element = torch.empty((), dtype=self.config.dtype).element_size()
+        return 2 * self.config.num_layers * self.block_size * attn.num_kv_heads * attn.head_dim * element
+
+    def blocks_for_memory_fraction(self, fraction: float) -> int:
+        return int(device_memory_bytes(self.device) * fraction) // self.block_bytes
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        attention = self.model.attention_layers()
+        first = attention[0]
+        self.kv_cache = torch.zeros(
+            len(attention), 2, num_blocks, self.block_size, first.num_kv_heads, first.head_dim,
+            dtype=self.config.dtype, device=self.device,
+        )
+        for index, attn in enumerate(attention):
+            attn.k_cache = self.kv_cache[index, 0]
+            attn.v_cache = self.kv_cache[index, 1]
+        self.num_blocks = num_blocks
+
+    # -- one step -------------------------------------------------------------------------
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+
+        decode_lens: list[int] = []
+        for request in out.decodes:
+            pos = request.num_computed_tokens
+            input_ids.append(request.token_ids[pos])
+            positions.append(pos)
+            slots.append(request.block_ids[pos // bs] * bs + pos % bs)
+            decode_lens.append(pos + 1)
+            sample_rows.append(len(input_ids) - 1)
+            sampling.append(request)
+
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(out.decodes))
+        if out.decodes:
+            self._decode_metadata(meta, out.decodes, decode_lens)
+
+        for request, count in out.prefills:
+            start = request.num_computed_tokens
+            end = start + count
+            span = PrefillSpan(query_start=len(input_ids), query_len=count, context_len=end)
+            input_ids.extend(request.token_ids[start:end])
+            span_positions = range(start, end)
+            positions.extend(span_positions)
+            blocks = request.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in span_positions)
+            needs_mask = self.sliding_window is not None and end > self.sliding_window
+            if start > 0:
+                span.block_ids = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=self.device)
+            if start > 0 or needs_mask:
+                query_positions = torch.arange(start, end)
+                span.mask = visible_keys(query_positions, end, self.sliding_window).to(self.device)
+            meta.prefills.append(span)
+            if end == request.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(request)
+
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sampling_requests=sampling,
+        )
+
+    def _decode_metadata(self, meta: AttentionMetadata, requests: list[Request], lengths: list[int]) -> None:
+        bs = self.block_size
+        max_blocks = -(-max(lengths) // bs)
+        table = [r.block_ids[: -(-n // bs)] for r, n in zip(requests, lengths)]
+        padded = [ids + [ids[-1]] * (max_blocks - len(ids)) for ids in table]
+        meta.decode_block_ids = torch.tensor(padded, dtype=torch.long, device=self.device).view(-1)
+        meta.decode_max_blocks = max_blocks
+        lens = torch.tensor(lengths, device=self.device)
+        keys = torch.arange(max_blocks * bs, device=self.device)[None, :]
+        mask = keys < lens[:, None]
+        if self.sliding_window is not None:
+            mask &= keys >= lens[:, None] - self.sliding_window
+        meta.decode_mask = mask[:, None, None, :]
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Runs the model; returns logits for the rows that sample a token."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        penalised = [r.params.has_penalties for r in requests]
+        batch = SamplingBatch.build(
+            [r.params for r in requests],
+            [r.prompt_token_ids if p else () for r, p in zip(requests, penalised)],
+            [r.output_token_ids if p else () for r, p in zip(requests, penalised)],
+            [r.generator for r in requests],
+            self.config.vocab_size,
+            device=self.device,
+        )
+        return self.sampler(logits, batch)

@@ -1,0 +1,105 @@
+"""Attention over a paged KV cache, in plain torch so it runs on any device.
+
+A step's tokens are flattened: first one token for each decoding request, then the prompt
+chunks. New keys and values are written into their cache slots; decodes then attend in one
+batched call over their gathered blocks, and each prompt chunk attends either to itself alone
+(a fresh prompt: causal attention on the new keys, no gather) or to its cached context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillSpan:
+    """One prompt chunk: ``query_len`` new tokens at ``query_start`` in the flattened step,
+    whose context (cached tokens plus the chunk) is ``context_len`` long."""
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    @property
+    def fresh(self) -> bool:
+        return self.context_len == self.query_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    num_decodes: int = 0
+    decode_block_ids: torch.Tensor | None = None
+    decode_max_blocks: int = 0
+    decode_mask: torch.Tensor | None = None
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def visible_keys(query_positions: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:
+    """Boolean mask [queries, context_len]: key j is visible to a query at position p when
+    j <= p (and p - j < window)."""
+    keys = torch.arange(context_len)
+    mask = keys[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        mask &= keys[None, :] > query_positions[:, None] - sliding_window
+    return mask
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
+        num_tokens = q.shape[0]
+        kv, d = self.num_kv_heads, self.head_dim
+        num_blocks = self.k_cache.shape[0]
+        self.k_cache.view(-1, kv, d).index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.view(-1, kv, d).index_copy_(0, meta.slot_mapping, v)
+        out = q.new_empty(num_tokens, self.num_heads * d)
+
+        if meta.num_decodes:
+            n = meta.num_decodes
+            length = meta.decode_max_blocks * self.k_cache.shape[1]
+            keys = self._gather(self.k_cache, num_blocks, meta.decode_block_ids).view(n, length, kv, d).transpose(1, 2)
+            values = self._gather(self.v_cache, num_blocks, meta.decode_block_ids).view(n, length, kv, d).transpose(1, 2)
+            grouped_q = q[:n].view(n, kv, self.group, d)
+            o = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+            out[:n] = o.reshape(n, self.num_heads * d)
+
+        for span in meta.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            span_q = q[rows].transpose(0, 1).unsqueeze(0)
+            if span.fresh and span.mask is None:
+                keys, values = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(span_q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                if span.fresh:
+                    keys, values = k[rows], v[rows]
+                else:
+                    keys = self._gather(self.k_cache, num_blocks, span.block_ids).view(-1, kv, d)[: span.context_len]
+                    values = self._gather(self.v_cache, num_blocks, span.block_ids).view(-1, kv, d)[: span.context_len]
+                o = F.scaled_dot_product_attention(
+                    span_q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+                    attn_mask=span.mask, scale=self.scale, enable_gqa=True,
+                )
+            out[rows] = o.squeeze(0).transpose(0, 1).reshape(span.query_len, self.num_heads * d)
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, num_blocks: int, block_ids: torch.Tensor) -> torch.Tensor:
+        return cache.view(num_blocks, -1).index_select(0, block_ids)

@@ -1,0 +1,127 @@
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+One module tree whose parameter names follow the Hugging Face checkpoints, except that q/k/v
+and gate/up are fused; ``PACKED_MODULES`` tells the loader how checkpoint tensors map to the
+fused parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.engine.models.attention import AttentionMetadata, PagedAttention
+from cluster.engine.models.config import ModelConfig
+from cluster.engine.models.layers import (
+    SINGLE_RANK,
+    MergedColumnParallelLinear,
+    ParallelGroup,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from cluster.engine.models.rotary import RotaryEmbedding
+
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, group: ParallelGroup):
+        super().__init__()
+        dtype = config.dtype
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
+            bias=config.qkv_bias, dtype=dtype, group=group,
+        )
+        self.num_heads = self.qkv_proj.local_heads
+        self.num_kv_heads = self.qkv_proj.local_kv_heads
+        self.head_dim = config.head_dim
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype, group=group)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig, group: ParallelGroup):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=config.mlp_bias, dtype=config.dtype, group=group
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias, dtype=config.dtype, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, group: ParallelGroup):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.self_attn = SelfAttention(config, rotary, group)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.mlp = GatedMLP(config, group)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int, group: ParallelGroup):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.dtype, group)
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, config.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, group) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None, group: ParallelGroup = SINGLE_RANK):
+        super().__init__()
+        self.config = config
+        self.group = group
+        self.model = DecoderModel(config, max_positions or config.max_position_embeddings, group)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.dtype, group)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

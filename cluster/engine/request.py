@@ -1,0 +1,90 @@
+"""A request's state inside the engine: its tokens, how many have KV computed, its blocks."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.engine.block_hash import BlockHash
+from cluster.engine.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class RequestTimes:
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """``token_ids`` holds the prompt followed by the output; ``num_computed_tokens`` of them
+    have KV in ``block_ids``. A step moves that count forward by the tokens it schedules."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: Any = None
+
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    num_cached_tokens: int = field(default=0, init=False)
+    block_ids: list[int] = field(default_factory=list, init=False)
+    block_hashes: list[BlockHash] = field(default_factory=list, init=False)
+    num_registered_blocks: int = field(default=0, init=False)
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    finish_reason: FinishReason | None = field(default=None, init=False)
+    error: str | None = field(default=None, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    logprobs: list[float] = field(default_factory=list, init=False)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list, init=False)
+    times: RequestTimes = field(init=False)
+    order: tuple[int, float, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.times = RequestTimes(arrival=self.arrival_time)
+        self.order = (-self.priority, self.arrival_time, next(_arrival_counter))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

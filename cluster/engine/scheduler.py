@@ -1,0 +1,259 @@
+"""Continuous batching by token counts.
+
+Each step gives every scheduled request a number of tokens under a token budget: one for a
+request that is decoding, a chunk of what is left for one whose prompt (or, after preemption,
+prompt and output) still lacks KV. Running requests go first in priority order; waiting ones
+are admitted while budget and blocks last. When a running request needs a block and none is
+free, the lowest-priority running request is preempted: its blocks are freed (their contents
+stay cached) and it is recomputed later. Knows nothing of torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from cluster.engine.block_hash import ExtraKey, hash_token_blocks
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.request import FinishReason, Request, RequestStatus
+from cluster.engine.sampling_params import InvalidRequestError
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: decodes (one token each) first, then prompt chunks."""
+
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    def scheduled(self) -> Iterable[tuple[Request, int]]:
+        yield from ((r, 1) for r in self.decodes)
+        yield from self.prefills
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        extra_hash_keys: Sequence[ExtraKey] = (),
+    ):
+        self.blocks = block_manager
+        self.block_size = block_manager.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.extra_hash_keys = tuple(extra_hash_keys)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- admission ------------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Refuses a request that could never run, with a message saying what to change."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError("prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
+                f"(the prompt must leave room for at least one generated token)"
+            )
+        longest = min(n + request.params.max_tokens, self.max_model_len)
+        needed = _cdiv(longest, self.block_size)
+        if needed > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) plus max_tokens ({request.params.max_tokens}) needs {needed} KV blocks "
+                f"but the cache has {self.blocks.num_blocks}; lower max_tokens or give the engine more KV blocks"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check(request)
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.order)
+
+    def _hash_blocks(self, request: Request, token_ids: Sequence[int], start_block: int = 0) -> list[bytes]:
+        keys = self.extra_hash_keys + ((request.cache_salt,) if request.cache_salt else ())
+        parent = request.block_hashes[start_block - 1] if start_block else None
+        return hash_token_blocks(token_ids, self.block_size, keys, parent=parent, start_block=start_block)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda r: r.order)
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve_until_fits(request, request.num_computed_tokens + count, out):
+                break
+            self._emit(out, request, count)
+            budget -= count
+            index += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _reserve_until_fits(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Makes room for ``request``'s blocks by preempting from the back of the running list;
+        False when the request itself had to be preempted."""
+        while not self._reserve(request, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        needed = _cdiv(num_tokens, self.block_size) - len(request.block_ids)
+        if needed <= 0:
+            return True
+        if needed > self.blocks.num_free_blocks:
+            return False
+        request.block_ids.extend(self.blocks.allocate(needed))
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits = self._prefix_hits(request)
+            start = len(hits) * self.block_size
+            remaining = request.num_tokens - start
+            count = min(remaining, budget)
+            if count < remaining and not self.enable_chunked_prefill:
+                if budget < self.max_num_batched_tokens:
+                    return
+                count = remaining
+            new_blocks = _cdiv(start + count, self.block_size) - len(hits)
+            if new_blocks + self.blocks.num_blocks_to_touch(hits) > self.blocks.num_free_blocks:
+                return
+            self.blocks.touch(hits)
+            request.block_ids = hits + self.blocks.allocate(new_blocks)
+            request.num_computed_tokens = start
+            request.num_registered_blocks = len(hits)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = start
+            request.status = RequestStatus.RUNNING
+            self.waiting.pop(0)
+            self.running.append(request)
+            self._emit(out, request, count)
+            budget -= count
+
+    def _prefix_hits(self, request: Request) -> list[int]:
+        """Cached blocks of the longest known prefix, leaving at least the last token to compute."""
+        if not self.blocks.enable_prefix_caching:
+            return []
+        usable = (request.num_tokens - 1) // self.block_size
+        if len(request.block_hashes) < usable:
+            full = request.num_tokens // self.block_size
+            request.block_hashes += self._hash_blocks(request, request.token_ids[: full * self.block_size],
+                                                      len(request.block_hashes))
+        return self.blocks.lookup_prefix(request.block_hashes[:usable])
+
+    def _emit(self, out: SchedulerOutput, request: Request, count: int) -> None:
+        if count == 1 and request.num_computed_tokens == request.num_tokens - 1:
+            out.decodes.append(request)
+        else:
+            out.prefills.append((request, count))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=lambda r: r.order)
+
+    # -- after the model ran --------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advances computed counts, caches blocks that became full, appends sampled tokens and
+        finishes requests that hit a token-level stop. Returns the requests that finished."""
+        finished = []
+        for request, count in out.scheduled():
+            request.num_computed_tokens += count
+            self._register_full_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def _register_full_blocks(self, request: Request) -> None:
+        if not self.blocks.enable_prefix_caching:
+            return
+        full = request.num_computed_tokens // self.block_size
+        if full <= request.num_registered_blocks:
+            return
+        if len(request.block_hashes) < full:
+            request.block_hashes += self._hash_blocks(
+                request, request.token_ids[: full * self.block_size], len(request.block_hashes)
+            )
+        for i in range(request.num_registered_blocks, full):
+            self.blocks.cache_block(request.block_ids[i], request.block_hashes[i])
+        request.num_registered_blocks = full
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Ends a request wherever it is and returns its blocks at once."""
+        if request.finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.block_ids:
+            self.blocks.free(request.block_ids)
+            request.block_ids = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORT)
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+

@@ -1,0 +1,103 @@
+"""``tandem run``: a JSONL file of requests in, a JSONL file of results out, in input order.
+
+A bad line (malformed JSON, an unknown field, a prompt longer than the context) gets an
+``error`` in its output line; every other line still runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, TextIO
+
+from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.llm import LLM
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+
+REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "priority"})
+
+
+@dataclass
+class InputLine:
+    line_number: int
+    request_id: str | None
+    error: str | None = None
+
+
+def _parse(line_number: int, raw: str) -> tuple[InputLine, dict[str, Any] | None]:
+    try:
+        item = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return InputLine(line_number, None, f"line {line_number}: malformed JSON: {exc.msg} at column {exc.colno}"), None
+    if not isinstance(item, dict):
+        return InputLine(line_number, None, f"line {line_number}: expected a JSON object"), None
+    request_id = item.get("id")
+    if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+        return InputLine(line_number, None, f"line {line_number}: 'id' must be a string or integer"), None
+    return InputLine(line_number, str(request_id)), item
+
+
+def _submit(engine: LLMEngine, entry: InputLine, item: dict[str, Any]) -> None:
+    sampling = {k: v for k, v in item.items() if k not in REQUEST_FIELDS}
+    params = SamplingParams.from_mapping(sampling)
+    has_text, has_ids = "prompt" in item, "prompt_token_ids" in item
+    if has_text == has_ids:
+        raise InvalidRequestError("give exactly one of 'prompt' (text) or 'prompt_token_ids' (list of ints)")
+    prompt = item["prompt"] if has_text else item["prompt_token_ids"]
+    if has_text and not isinstance(prompt, str):
+        raise InvalidRequestError("'prompt' must be a string")
+    if has_ids and not isinstance(prompt, list):
+        raise InvalidRequestError("'prompt_token_ids' must be a list of integers")
+    priority = item.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError("'priority' must be an integer")
+    engine.add_request(entry.request_id, prompt, params, priority=priority)
+
+
+def _result(entry: InputLine, output: RequestOutput | None) -> dict[str, Any]:
+    if output is None:
+        return {
+            "id": entry.request_id, "token_ids": [], "text": "", "finish_reason": "error",
+            "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}, "error": entry.error,
+        }
+    result = {
+        "id": entry.request_id,
+        "token_ids": output.token_ids,
+        "text": output.text,
+        "finish_reason": output.finish_reason,
+        "usage": vars(output.usage),
+        "error": output.error,
+    }
+    if output.logprobs is not None:
+        result["logprobs"] = output.logprobs
+        result["top_logprobs"] = [[[tid, lp] for tid, lp in row] for row in output.top_logprobs or []]
+    return result
+
+
+def run_file(llm: LLM, lines: Iterable[str], out: TextIO, progress: bool = True) -> dict[str, int]:
+    """Runs every request of a JSONL stream; returns counts of results by finish reason."""
+    entries: list[InputLine] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        entry, item = _parse(number, raw)
+        entries.append(entry)
+        if item is None:
+            continue
+        if entry.request_id in seen:
+            entry.error = f"line {number}: duplicate id {entry.request_id!r}"
+            continue
+        try:
+            _submit(llm.engine, entry, item)
+            seen.add(entry.request_id)
+        except InvalidRequestError as exc:
+            entry.error = f"line {number}: {exc}"
+    outputs = llm.run_until_done([e.request_id for e in entries if e.error is None], progress=progress)
+    by_id = {o.request_id: o for o in outputs}
+    counts: dict[str, int] = {}
+    for entry in entries:
+        result = _result(entry, by_id.get(entry.request_id) if entry.error is None else None)
+        counts[result["finish_reason"]] = counts.get(result["finish_reason"], 0) + 1
+        out.write(json.dumps(result) + "\n")
+    return counts

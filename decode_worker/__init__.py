@@ -1,0 +1,1 @@
+"""decode_worker role (built in later issues)."""

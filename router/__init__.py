@@ -1,0 +1,1 @@
+"""router role (built in later issues)."""
