@@ -44,10 +44,11 @@ def num_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def use_all_cores() -> int:
-    cores = num_cores()
-    torch.set_num_threads(cores)
-    return cores
+def use_all_cores(threads: int | None = None) -> int:
+    """Sets torch's thread count (default: every usable core) and returns it."""
+    threads = threads or num_cores()
+    torch.set_num_threads(threads)
+    return threads
 
 
 def cpu_model() -> str:

@@ -135,8 +135,8 @@ def plot_cdf(path: Path, latencies: dict[str, list[float]], title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, values in latencies.items():
-        xs = sorted(values)
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+        xs = [0.0] + sorted(values)
+        ax.step(xs, [i / len(values) for i in range(len(xs))], where="post", label=name)
     ax.set_xlabel("end-to-end latency (s, all requests sent at t=0)")
     ax.set_ylabel("fraction of requests done")
     ax.set_ylim(0, 1.02)
@@ -156,10 +156,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="run ours only")
+    parser.add_argument("--threads", type=int, help="torch threads for both (default: the usable cores)")
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
 
-    cores = use_all_cores()
+    cores = use_all_cores(args.threads)
     model_dir, num_params = ensure_checkpoint(args.model_dir)
     workload = make_workload(args.num_requests, args.seed, vocab=8192)
     useful = sum(n for _, n in workload)
@@ -200,7 +201,7 @@ def main() -> None:
     curves = {f"tandem ({ours_wall:.0f}s wall)": ours_lat}
     if not args.skip_hf:
         curves[f"transformers, batches of {args.hf_batch_size} ({hf_wall:.0f}s wall)"] = hf_lat
-    plot_cdf(png, curves, f"{len(workload)} requests, {num_params / 1e6:.1f}M-param Llama fp32, {cores} CPU cores")
+    plot_cdf(png, curves, f"{len(workload)} requests, {num_params / 1e6:.1f}M-param Llama fp32, {cores} torch threads")
     print(f"latency CDF: {png}")
 
 

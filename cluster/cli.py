@@ -54,7 +54,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except (EngineConfigError, ModelConfigError, WeightLoadError, FileNotFoundError) as exc:
         print(f"tandem run: {exc}", file=sys.stderr)
         return 2
-    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    # Undecodable bytes become surrogates, so that run_file fails that line alone.
+    if args.input == "-":
+        sys.stdin.reconfigure(errors="surrogateescape")
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8", errors="surrogateescape")
     sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
     with source, sink:
         counts = run_file(llm, source, sink, progress=not args.quiet)

@@ -26,9 +26,14 @@ class InputLine:
 
 def _parse(line_number: int, raw: str) -> tuple[InputLine, dict[str, Any] | None]:
     try:
-        item = json.loads(raw)
+        raw.encode("utf-8")  # the CLI reads with surrogateescape: undecodable bytes show up here
+    except UnicodeEncodeError as exc:
+        return InputLine(line_number, None, f"line {line_number}: malformed JSON: not valid UTF-8 at "
+                                            f"character {exc.start + 1}"), None
+    try:
+        item = json.loads(raw.rstrip("\r\n"))  # so that a column past the end is the line's end
     except json.JSONDecodeError as exc:
-        return InputLine(line_number, None, f"line {line_number}: malformed JSON: {exc.msg} at column {exc.colno}"), None
+        return InputLine(line_number, None, f"line {line_number}: malformed JSON: {exc.msg} at column {exc.pos + 1}"), None
     if not isinstance(item, dict):
         return InputLine(line_number, None, f"line {line_number}: expected a JSON object"), None
     request_id = item.get("id")
@@ -46,6 +51,11 @@ def _submit(engine: LLMEngine, entry: InputLine, item: dict[str, Any]) -> None:
     prompt = item["prompt"] if has_text else item["prompt_token_ids"]
     if has_text and not isinstance(prompt, str):
         raise InvalidRequestError("'prompt' must be a string")
+    if has_text:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(f"'prompt' is not valid Unicode: lone surrogate at character {exc.start + 1}")
     if has_ids and not isinstance(prompt, list):
         raise InvalidRequestError("'prompt_token_ids' must be a list of integers")
     priority = item.get("priority", 0)
@@ -88,9 +98,9 @@ def run_file(llm: LLM, lines: Iterable[str], out: TextIO, progress: bool = True)
         if entry.request_id in seen:
             entry.error = f"line {number}: duplicate id {entry.request_id!r}"
             continue
+        seen.add(entry.request_id)  # a later line with this id is a duplicate even if this one fails
         try:
             _submit(llm.engine, entry, item)
-            seen.add(entry.request_id)
         except InvalidRequestError as exc:
             entry.error = f"line {number}: {exc}"
     outputs = llm.run_until_done([e.request_id for e in entries if e.error is None], progress=progress)

@@ -89,7 +89,7 @@ class TrainConfig:
     warmup_steps: int = 40
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    calibration_steps: int = 8  # steps timed before fixing the total under --max-seconds
+    calibration_steps: int = 8  # steps timed before the first estimate of what fits
     log_every_s: float = 10.0
     vocab_size: int = 4096
     seed: int = 0
@@ -317,10 +317,8 @@ def train_model(
     opt = _optimizer(model, tc)
     tokens_per_step = tc.batch_size * tc.seq_len
     total = max_steps if max_steps is not None else 10**9
-    # Above this, stop even if the cosine has not finished (a machine far slower than timed).
-    hard_stop = max_seconds * 1.25
     start = last_log = time.perf_counter()
-    calib_start = None
+    timed_from = None  # (step, time) where speed measurement starts
     ema = None
     step = 0
     while step < total:
@@ -336,25 +334,26 @@ def train_model(
         value = loss.item()
         ema = value if ema is None else 0.95 * ema + 0.05 * value
         now = time.perf_counter()
-        # The first two steps are slow (allocations); time the next ones to fix the total.
+        elapsed = now - start
+        # The first steps are slow (allocations), so speed is timed from step 2 on.
         if step == 2:
-            calib_start = now
-        if step == 2 + tc.calibration_steps and calib_start is not None:
-            per_step = (now - calib_start) / tc.calibration_steps
-            fit = step + int((max_seconds - (now - start)) / per_step)
-            total = max(step, min(total, fit))
-            _log(f"{per_step:.2f} s/step measured: training for {total} steps")
-        if now - last_log >= tc.log_every_s or step == total:
-            elapsed = now - start
+            timed_from = (step, now)
+        replan = step == 2 + tc.calibration_steps or now - last_log >= tc.log_every_s
+        if replan and timed_from is not None and step > timed_from[0]:
+            # Fit the remaining steps into what is left of the budget. The total only ever
+            # shrinks (e.g. when other processes start competing for the CPU).
+            per_step = (now - timed_from[1]) / (step - timed_from[0])
+            fit = step + max(0, int((max_seconds - elapsed) / per_step))
+            if fit < total:
+                _log(f"{per_step:.2f} s/step: {fit} steps fit in {max_seconds:.0f}s")
+                total = fit
+        if now - last_log >= tc.log_every_s or step >= total:
             eta = elapsed / step * (total - step)
             _log(
                 f"step {step}/{total} loss {value:.3f} (avg {ema:.3f}) lr {lr:.2e} "
                 f"{step * tokens_per_step / elapsed:,.0f} tok/s elapsed {elapsed:.0f}s ETA {eta:.0f}s"
             )
             last_log = now
-        if now - start > hard_stop:
-            _log(f"stopping at step {step}: past the hard limit of {hard_stop:.0f}s")
-            break
     seconds = time.perf_counter() - start
     return {
         "steps": step,

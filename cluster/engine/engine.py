@@ -19,7 +19,7 @@ from cluster.engine.block_manager import BlockManager
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.models.config import load_model_config
-from cluster.engine.request import FinishReason, Request
+from cluster.engine.request import Request
 from cluster.engine.sampler import make_generator
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
@@ -209,24 +209,24 @@ class LLMEngine:
         sampled = self.runner.sample(logits, inputs.sampling_requests) if inputs.sampling_requests else None
 
         tokens: dict[str, int] = {}
+        stopped: set[str] = set()
         if sampled is not None:
             for row, request in enumerate(inputs.sampling_requests):
-                tokens[request.request_id] = sampled.token_ids[row]
+                token = tokens[request.request_id] = sampled.token_ids[row]
                 if sampled.logprobs is not None and request.params.logprobs is not None:
                     request.logprobs.append(sampled.logprobs[row])
                     request.top_logprobs.append(sampled.top_logprobs[row] if sampled.top_logprobs else [])
-        self.scheduler.update(out, tokens)
+                detokenizer = self.detokenizers.get(request.request_id)
+                if detokenizer is not None and detokenizer.append(token):
+                    stopped.add(request.request_id)
+        self.scheduler.update(out, tokens, frozenset(stopped))
 
         now = time.monotonic()
         outputs = []
         for request in inputs.sampling_requests:
             if request.times.first_token is None:
                 request.times.first_token = now
-            new = [tokens[request.request_id]]
-            detok = self.detokenizers.get(request.request_id)
-            if detok is not None and detok.append(new[0]) and not request.finished:
-                self.scheduler.finish(request, FinishReason.STOP)
-            outputs.append(self._output(request, new))
+            outputs.append(self._output(request, [tokens[request.request_id]]))
         self.stats.generated_tokens += len(tokens)
         self.stats.num_steps += 1
         self.stats.steps.append(

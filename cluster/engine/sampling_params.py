@@ -6,6 +6,7 @@ request, can be answered with a message that says what to fix.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -53,7 +54,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check_int(self.seed, "seed", minimum=0)
+            _check_int(self.seed, "seed", minimum=0, maximum=2**64 - 1)
         _check_number(self.repetition_penalty, "repetition_penalty")
         if self.repetition_penalty <= 0:
             raise InvalidRequestError(f"repetition_penalty must be > 0 (1 means none), got {self.repetition_penalty}")
@@ -104,8 +105,8 @@ def _as_tuple(value: Any, name: str, kind: type) -> tuple:
 
 
 def _check_number(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequestError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
 
 
 def _check_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> None:

@@ -175,7 +175,9 @@ class Scheduler:
         return self.blocks.lookup_prefix(request.block_hashes[:usable])
 
     def _emit(self, out: SchedulerOutput, request: Request, count: int) -> None:
-        if count == 1 and request.num_computed_tokens == request.num_tokens - 1:
+        # A decode feeds back a sampled token; the last token of a prompt (a one-token prompt,
+        # a prompt one token past a cached prefix, a chunk's tail) is still a prompt chunk.
+        if count == 1 and request.num_computed_tokens == request.num_tokens - 1 and request.num_output_tokens:
             out.decodes.append(request)
         else:
             out.prefills.append((request, count))
@@ -192,9 +194,10 @@ class Scheduler:
 
     # -- after the model ran --------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], stopped: frozenset[str] = frozenset()) -> list[Request]:
         """Advances computed counts, caches blocks that became full, appends sampled tokens and
-        finishes requests that hit a token-level stop. Returns the requests that finished."""
+        finishes requests that hit a stop: a token-level one, or a stop string completed by this
+        step's token (``stopped``, found by the detokenizer). Returns the requests that finished."""
         finished = []
         for request, count in out.scheduled():
             request.num_computed_tokens += count
@@ -203,7 +206,7 @@ class Scheduler:
             if token is None:
                 continue
             request.token_ids.append(token)
-            reason = self._stop_reason(request, token)
+            reason = FinishReason.STOP if request.request_id in stopped else self._stop_reason(request, token)
             if reason is not None:
                 self.finish(request, reason)
                 finished.append(request)
