@@ -137,17 +137,11 @@ class ModelRunner:
 
     def _decode_metadata(self, meta: AttentionMetadata, requests: list[Request], lengths: list[int]) -> None:
         bs = self.block_size
-        max_blocks = -(-max(lengths) // bs)
-        table = [r.block_ids[: -(-n // bs)] for r, n in zip(requests, lengths)]
-        padded = [ids + [ids[-1]] * (max_blocks - len(ids)) for ids in table]
-        meta.decode_block_ids = torch.tensor(padded, dtype=torch.long, device=self.device).view(-1)
-        meta.decode_max_blocks = max_blocks
-        lens = torch.tensor(lengths, device=self.device)
-        keys = torch.arange(max_blocks * bs, device=self.device)[None, :]
-        mask = keys < lens[:, None]
-        if self.sliding_window is not None:
-            mask &= keys >= lens[:, None] - self.sliding_window
-        meta.decode_mask = mask[:, None, None, :]
+        meta.decode_context_lens = lengths
+        meta.decode_block_ids = [
+            torch.tensor(r.block_ids[: -(-n // bs)], dtype=torch.long, device=self.device)
+            for r, n in zip(requests, lengths)
+        ]
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
