@@ -67,6 +67,7 @@ def machine_rows() -> list[tuple[str, str]]:
         ("cpu", cpu_model()),
         ("cores (usable)", f"{num_cores()} (torch threads {torch.get_num_threads()})"),
         ("memory", f"{ram / 2**30:.1f} GiB"),
+        ("load average (1, 5 min)", "{:.1f}, {:.1f} (other processes share these cores)".format(*os.getloadavg()[:2])),
         ("python / torch", f"{platform.python_version()} / {torch.__version__}"),
         ("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU run)"),
     ]

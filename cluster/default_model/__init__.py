@@ -84,6 +84,7 @@ def _build_into(target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", suffix=".tmp", dir=target.parent))
     try:
         build(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
         os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

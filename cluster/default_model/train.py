@@ -9,10 +9,10 @@ Two products, written into one folder that Hugging Face ``transformers`` can loa
   HF "rotate_half" convention, SwiGLU MLP, grouped-query attention, tied embeddings) whose
   parameter names are those of an HF Llama checkpoint.
 
-The training budget is wall-clock time: after a few steps the run measures its own speed and
-fixes the number of steps that fit in ``--max-seconds``, then follows warmup + cosine decay over
-exactly that many steps. Warmup does not depend on the total, so two runs that settle on the
-same number of steps (always the case with a small ``--max-steps``) produce identical weights.
+The default budget is wall-clock time (``--max-seconds``, 240): the learning rate warms up
+over the first steps and then follows a cosine over the fraction of the budget spent, so a
+machine that is slower than expected, or busy, trains for fewer steps but still anneals. A
+build given only ``--max-steps`` schedules by step instead and is reproducible bit for bit.
 
 Usage: ``python -m cluster.default_model.train --out DIR [--max-seconds S] [--max-steps N]``
 """
@@ -37,6 +37,7 @@ from torch import nn
 from cluster.default_model.corpus import corpus_fingerprint, gather_corpus
 
 EOS_TOKEN = "<|endoftext|>"
+DEFAULT_MAX_SECONDS = 240.0
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int = 256
     intermediate_size: int = 704
-    num_hidden_layers: int = 6
+    num_hidden_layers: int = 4
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
     max_position_embeddings: int = 1024
@@ -89,7 +90,6 @@ class TrainConfig:
     warmup_steps: int = 40
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    calibration_steps: int = 8  # steps timed before the first estimate of what fits
     log_every_s: float = 10.0
     vocab_size: int = 4096
     seed: int = 0
@@ -257,14 +257,15 @@ def encode_documents(tokenizer: Tokenizer, docs: list[str], eos_id: int) -> torc
 # ---------------------------------------------------------------------------- training
 
 
-def lr_at(step: int, total: int, tc: TrainConfig) -> float:
-    """Linear warmup over a fixed number of steps, then cosine decay to min_lr_ratio."""
-    if step < tc.warmup_steps:
-        return tc.peak_lr * (step + 1) / tc.warmup_steps
-    span = max(1, total - tc.warmup_steps)
-    progress = min(1.0, (step - tc.warmup_steps) / span)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return tc.peak_lr * (tc.min_lr_ratio + (1.0 - tc.min_lr_ratio) * cosine)
+def lr_at(step: int, progress: float, tc: TrainConfig) -> float:
+    """Linear warmup over the first steps, times a cosine over the run's progress (0 to 1).
+
+    Progress is a fraction of the step budget or of the time budget, so a run that is slowed
+    down (say by other processes on the machine) still ends with a fully decayed rate.
+    """
+    warmup = min(1.0, (step + 1) / tc.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return tc.peak_lr * warmup * (tc.min_lr_ratio + (1.0 - tc.min_lr_ratio) * cosine)
 
 
 def _batch(data: torch.Tensor, tc: TrainConfig, gen: torch.Generator) -> torch.Tensor:
@@ -309,20 +310,24 @@ def train_model(
     model: TinyLlama,
     data: torch.Tensor,
     tc: TrainConfig,
-    max_seconds: float,
+    max_seconds: float | None,
     max_steps: int | None,
 ) -> dict:
-    """Train in place; returns a summary (steps, losses, tokens, seconds)."""
+    """Train in place until either budget is spent; returns a summary.
+
+    With only ``max_steps``, progress (hence every learning rate) is a function of the step,
+    and the result is bit-for-bit reproducible. A time budget makes the run's length, and so
+    its weights, depend on the machine's speed at the time.
+    """
+    if max_seconds is None and max_steps is None:
+        raise ValueError("give max_seconds, max_steps or both")
     gen = torch.Generator().manual_seed(tc.seed + 1)
     opt = _optimizer(model, tc)
     tokens_per_step = tc.batch_size * tc.seq_len
-    total = max_steps if max_steps is not None else 10**9
     start = last_log = time.perf_counter()
-    timed_from = None  # (step, time) where speed measurement starts
-    ema = None
-    step = 0
-    while step < total:
-        lr = lr_at(step, total, tc)
+    step, progress, ema = 0, 0.0, None
+    while progress < 1.0:
+        lr = lr_at(step, progress, tc)
         for group in opt.param_groups:
             group["lr"] = lr
         loss = _loss(model, _batch(data, tc, gen))
@@ -335,32 +340,23 @@ def train_model(
         ema = value if ema is None else 0.95 * ema + 0.05 * value
         now = time.perf_counter()
         elapsed = now - start
-        # The first steps are slow (allocations), so speed is timed from step 2 on.
-        if step == 2:
-            timed_from = (step, now)
-        replan = step == 2 + tc.calibration_steps or now - last_log >= tc.log_every_s
-        if replan and timed_from is not None and step > timed_from[0]:
-            # Fit the remaining steps into what is left of the budget. The total only ever
-            # shrinks (e.g. when other processes start competing for the CPU).
-            per_step = (now - timed_from[1]) / (step - timed_from[0])
-            fit = step + max(0, int((max_seconds - elapsed) / per_step))
-            if fit < total:
-                _log(f"{per_step:.2f} s/step: {fit} steps fit in {max_seconds:.0f}s")
-                total = fit
-        if now - last_log >= tc.log_every_s or step >= total:
-            eta = elapsed / step * (total - step)
+        progress = max(
+            step / max_steps if max_steps is not None else 0.0,
+            elapsed / max_seconds if max_seconds is not None else 0.0,
+        )
+        if now - last_log >= tc.log_every_s or progress >= 1.0:
+            eta = elapsed * max(0.0, 1.0 - progress) / progress
             _log(
-                f"step {step}/{total} loss {value:.3f} (avg {ema:.3f}) lr {lr:.2e} "
+                f"step {step} ({progress:.0%}) loss {value:.3f} (avg {ema:.3f}) lr {lr:.2e} "
                 f"{step * tokens_per_step / elapsed:,.0f} tok/s elapsed {elapsed:.0f}s ETA {eta:.0f}s"
             )
             last_log = now
-    seconds = time.perf_counter() - start
     return {
         "steps": step,
         "final_loss": value,
         "final_loss_avg": ema,
         "tokens_seen": step * tokens_per_step,
-        "train_seconds": round(seconds, 1),
+        "train_seconds": round(time.perf_counter() - start, 1),
     }
 
 
@@ -387,7 +383,7 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def build(
     out: Path,
-    max_seconds: float = 240.0,
+    max_seconds: float | None = DEFAULT_MAX_SECONDS,
     max_steps: int | None = None,
     max_corpus_bytes: int | None = None,
     tc: TrainConfig = TrainConfig(),
@@ -454,8 +450,15 @@ def build(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write the model into")
-    parser.add_argument("--max-seconds", type=float, default=240.0, help="training time budget")
-    parser.add_argument("--max-steps", type=int, default=None, help="at most this many steps")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help=f"training time budget (default {DEFAULT_MAX_SECONDS:.0f} unless --max-steps is given)",
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="step budget; alone, the build is reproducible"
+    )
     parser.add_argument(
         "--max-corpus-bytes", type=int, default=None, help="train on a prefix of the corpus"
     )
@@ -463,8 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_steps is not None and args.max_steps < 1:
         parser.error("--max-steps must be at least 1")
-    if args.max_seconds <= 0:
+    if args.max_seconds is not None and args.max_seconds <= 0:
         parser.error("--max-seconds must be positive")
+    if args.max_seconds is None and args.max_steps is None:
+        args.max_seconds = DEFAULT_MAX_SECONDS
     build(
         args.out,
         max_seconds=args.max_seconds,
