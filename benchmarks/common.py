@@ -38,6 +38,7 @@ BENCH_MODEL = dict(
     pad_token_id=0,
 )
 BENCH_MODEL_SEED = 0
+LOAD_AT_START = os.getloadavg()[0]
 
 
 def num_cores() -> int:
@@ -67,7 +68,7 @@ def machine_rows() -> list[tuple[str, str]]:
         ("cpu", cpu_model()),
         ("cores (usable)", f"{num_cores()} (torch threads {torch.get_num_threads()})"),
         ("memory", f"{ram / 2**30:.1f} GiB"),
-        ("load average (1, 5 min)", "{:.1f}, {:.1f} (other processes share these cores)".format(*os.getloadavg()[:2])),
+        ("load average (1 min)", f"{LOAD_AT_START:.1f} at start, {os.getloadavg()[0]:.1f} now (other processes count)"),
         ("python / torch", f"{platform.python_version()} / {torch.__version__}"),
         ("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU run)"),
     ]
