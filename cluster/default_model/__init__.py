@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -52,7 +53,13 @@ def default_model_dir() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{DEFAULT_MODEL_NAME}.lock"
     with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, even on a crash
+        # The lock is released when the file closes, even if this process dies.
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print("Tandem: waiting for another process to build the default model",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_complete(target):  # another process built it while we waited
             return target
         _remove_leftovers(target)
@@ -71,10 +78,16 @@ def _remove_leftovers(target: Path) -> None:
         shutil.rmtree(target)
 
 
-def _build_into(target: Path) -> None:
-    # Imported here: torch and tokenizers are only needed the first time.
-    from cluster.default_model.train import build
+# Extra command-line arguments for the build (tests shrink it with --max-steps).
+_BUILD_ARGS: tuple[str, ...] = ()
 
+
+def _build_into(target: Path) -> None:
+    """Run the build in a child process, into a temp folder, then rename it into place.
+
+    A child process leaves this one's torch thread pool, RNG and memory untouched, and lets
+    the trainer choose OpenMP settings that only take effect before torch is loaded.
+    """
     print(
         f"Tandem: building the default model {DEFAULT_MODEL_NAME} into {target} "
         "(first run only; about five minutes on a laptop CPU)",
@@ -82,8 +95,15 @@ def _build_into(target: Path) -> None:
         flush=True,
     )
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", suffix=".tmp", dir=target.parent))
+    # The folder holding the ``cluster`` package, so the child imports this same code.
+    source_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "cluster.default_model.train", "--out", str(tmp), *_BUILD_ARGS]
     try:
-        build(tmp)
+        subprocess.run(cmd, env=env, check=True)
+        if not _is_complete(tmp):
+            raise RuntimeError(f"the default model build left an incomplete folder {tmp}")
         tmp.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
         os.rename(tmp, target)
     except BaseException:

@@ -22,11 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+if __name__ == "__main__":
+    # Run as a command, torch is not loaded yet, so this still reaches OpenMP: idle threads
+    # sleep instead of spinning. That costs ~5% on an idle machine, but on a busy one (other
+    # processes on the same cores) spinning threads made each step ~6x slower.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F
@@ -448,7 +455,9 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster.default_model.train", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder to write the model into")
     parser.add_argument(
         "--max-seconds",

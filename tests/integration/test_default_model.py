@@ -198,25 +198,20 @@ def test_corpus_order_is_fixed(tmp_path: Path) -> None:
 def test_default_model_dir_builds_once_and_atomically(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The cache path, the atomic rename and the no-rebuild path, with a 1-step build."""
+    """The cache path, the child-process build, the atomic rename and the cached path."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    calls = []
-    real_build = train.build
-
-    def quick_build(out: Path) -> dict:
-        calls.append(out)
-        return real_build(out, max_steps=1, max_corpus_bytes=50_000)
-
-    monkeypatch.setattr(train, "build", quick_build)
+    monkeypatch.setattr(
+        default_model, "_BUILD_ARGS", ("--max-steps", "1", "--max-corpus-bytes", "50000")
+    )
     leftover = tmp_path / "models" / f".{default_model.DEFAULT_MODEL_NAME}.dead.tmp"
     leftover.mkdir(parents=True)  # as if an earlier build had been killed
 
     path = default_model.default_model_dir()
     assert path == tmp_path / "models" / "tandem-default-v1"
     assert (path / "model.safetensors").is_file()
-    assert len(calls) == 1 and calls[0] != path  # built elsewhere, then renamed
     assert not leftover.exists()
     assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
 
+    built_at = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model.default_model_dir() == path
-    assert len(calls) == 1  # cached
+    assert (path / "model.safetensors").stat().st_mtime_ns == built_at  # not rebuilt
