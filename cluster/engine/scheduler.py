@@ -168,11 +168,15 @@ class Scheduler:
         if not self.blocks.enable_prefix_caching:
             return []
         usable = (request.num_tokens - 1) // self.block_size
-        if len(request.block_hashes) < usable:
-            full = request.num_tokens // self.block_size
-            request.block_hashes += self._hash_blocks(request, request.token_ids[: full * self.block_size],
-                                                      len(request.block_hashes))
+        self._extend_hashes(request, usable)
         return self.blocks.lookup_prefix(request.block_hashes[:usable])
+
+    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        """Hashes the request's blocks up to ``num_blocks``, continuing the chain it has."""
+        have = len(request.block_hashes)
+        if have < num_blocks:
+            tokens = request.token_ids[: num_blocks * self.block_size]
+            request.block_hashes += self._hash_blocks(request, tokens, have)
 
     def _emit(self, out: SchedulerOutput, request: Request, count: int) -> None:
         # A decode feeds back a sampled token; the last token of a prompt (a one-token prompt,
@@ -218,10 +222,7 @@ class Scheduler:
         full = request.num_computed_tokens // self.block_size
         if full <= request.num_registered_blocks:
             return
-        if len(request.block_hashes) < full:
-            request.block_hashes += self._hash_blocks(
-                request, request.token_ids[: full * self.block_size], len(request.block_hashes)
-            )
+        self._extend_hashes(request, full)
         for i in range(request.num_registered_blocks, full):
             self.blocks.cache_block(request.block_ids[i], request.block_hashes[i])
         request.num_registered_blocks = full

@@ -23,7 +23,7 @@ from cluster.engine.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from cluster.engine.models.rotary import RotaryEmbedding
+from cluster.engine.models.rotary import RopeRows, RotaryEmbedding, apply_rotary
 
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", "q"),
@@ -35,7 +35,7 @@ PACKED_MODULES = {
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, group: ParallelGroup):
+    def __init__(self, config: ModelConfig, group: ParallelGroup):
         super().__init__()
         dtype = config.dtype
         self.qkv_proj = QKVParallelLinear(
@@ -48,10 +48,9 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype, group=group)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: RopeRows, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -61,7 +60,7 @@ class SelfAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(rope, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -80,15 +79,15 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, group: ParallelGroup):
+    def __init__(self, config: ModelConfig, group: ParallelGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
-        self.self_attn = SelfAttention(config, rotary, group)
+        self.self_attn = SelfAttention(config, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.mlp = GatedMLP(config, group)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+    def forward(self, rope: RopeRows, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -96,14 +95,15 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, group: ParallelGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.dtype, group)
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, config.dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, group) for _ in range(config.num_layers))
+        self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, config.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, group) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
+            hidden = layer(rope, hidden, meta)
         return self.norm(hidden)
 
 
