@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cluster.paths import cache_dir
+
 DEFAULT_MODEL_NAME = "tandem-default-v1"
 
 # Files a finished build always has; a folder without them is not a model.
@@ -33,12 +35,6 @@ _REQUIRED_FILES = (
 )
 
 __all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir"]
-
-
-def cache_dir() -> Path:
-    """Tandem's cache root: ``$TANDEM_CACHE_DIR`` if set, else ``~/.cache/tandem``."""
-    configured = os.environ.get("TANDEM_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tandem"
 
 
 def _is_complete(path: Path) -> bool:

@@ -12,9 +12,12 @@ Two products, written into one folder that Hugging Face ``transformers`` can loa
 The default budget is wall-clock time (``--max-seconds``, 240): the learning rate warms up
 over the first steps and then follows a cosine over the fraction of the budget spent, so a
 machine that is slower than expected, or busy, trains for fewer steps but still anneals. A
-build given only ``--max-steps`` schedules by step instead and is reproducible bit for bit.
+floor of steps (``--min-steps``, 300; an idle 2-core machine does about 400 in the budget)
+keeps a badly overloaded machine from caching a model that has not learnt to write: there the
+run takes longer than the budget, and the schedule follows the steps instead. A build given
+only ``--max-steps`` schedules by step and is reproducible bit for bit.
 
-Usage: ``python -m cluster.default_model.train --out DIR [--max-seconds S] [--max-steps N]``
+Usage: ``python -m cluster.default_model.train --out DIR [--max-seconds S] [--min-steps N] [--max-steps N]``
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from cluster.default_model.corpus import corpus_fingerprint, gather_corpus
 
 EOS_TOKEN = "<|endoftext|>"
 DEFAULT_MAX_SECONDS = 240.0
+DEFAULT_MIN_STEPS = 300
 
 
 @dataclass(frozen=True)
@@ -319,8 +323,11 @@ def train_model(
     tc: TrainConfig,
     max_seconds: float | None,
     max_steps: int | None,
+    min_steps: int = 0,
 ) -> dict:
     """Train in place until either budget is spent; returns a summary.
+
+    A time budget ends only once ``min_steps`` steps are done as well.
 
     With only ``max_steps``, progress (hence every learning rate) is a function of the step,
     and the result is bit-for-bit reproducible. A time budget makes the run's length, and so
@@ -349,7 +356,7 @@ def train_model(
         elapsed = now - start
         progress = max(
             step / max_steps if max_steps is not None else 0.0,
-            elapsed / max_seconds if max_seconds is not None else 0.0,
+            min(elapsed / max_seconds, step / min_steps if min_steps else 1.0) if max_seconds is not None else 0.0,
         )
         if now - last_log >= tc.log_every_s or progress >= 1.0:
             eta = elapsed * max(0.0, 1.0 - progress) / progress
@@ -392,6 +399,7 @@ def build(
     out: Path,
     max_seconds: float | None = DEFAULT_MAX_SECONDS,
     max_steps: int | None = None,
+    min_steps: int = DEFAULT_MIN_STEPS,
     max_corpus_bytes: int | None = None,
     tc: TrainConfig = TrainConfig(),
     model_overrides: dict | None = None,
@@ -428,7 +436,7 @@ def build(
             model.init_weights()
             n_params = sum(p.numel() for p in model.parameters())
             _log(f"model: {n_params:,} parameters, {asdict(cfg)}")
-            summary = train_model(model, train_data, tc, max_seconds, max_steps)
+            summary = train_model(model, train_data, tc, max_seconds, max_steps, min_steps)
             if len(held_out) > tc.seq_len + 1:
                 summary["held_out_loss"] = round(evaluate(model, held_out, tc), 4)
             save_model(model, out, eos_id)
@@ -469,12 +477,18 @@ def main(argv: list[str] | None = None) -> int:
         "--max-steps", type=int, default=None, help="step budget; alone, the build is reproducible"
     )
     parser.add_argument(
+        "--min-steps", type=int, default=DEFAULT_MIN_STEPS,
+        help=f"with a time budget, train at least this many steps (default {DEFAULT_MIN_STEPS})",
+    )
+    parser.add_argument(
         "--max-corpus-bytes", type=int, default=None, help="train on a prefix of the corpus"
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.max_steps is not None and args.max_steps < 1:
         parser.error("--max-steps must be at least 1")
+    if args.min_steps < 0:
+        parser.error("--min-steps must not be negative")
     if args.max_seconds is not None and args.max_seconds <= 0:
         parser.error("--max-seconds must be positive")
     if args.max_seconds is None and args.max_steps is None:
@@ -483,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         max_seconds=args.max_seconds,
         max_steps=args.max_steps,
+        min_steps=args.min_steps,
         max_corpus_bytes=args.max_corpus_bytes,
         tc=TrainConfig(seed=args.seed),
     )

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from cluster.engine.memory import empty_huge_paged
 from cluster.engine.models.attention import AttentionMetadata, PrefillSpan, visible_keys
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup
@@ -73,10 +74,11 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         attention = self.model.attention_layers()
         first = attention[0]
-        self.kv_cache = torch.zeros(
-            len(attention), 2, num_blocks, self.block_size, first.num_kv_heads, first.head_dim,
-            dtype=self.config.dtype, device=self.device,
-        )
+        shape = (len(attention), 2, num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = empty_huge_paged(shape, self.config.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
         for index, attn in enumerate(attention):
             attn.k_cache = self.kv_cache[index, 0]
             attn.v_cache = self.kv_cache[index, 1]
@@ -137,11 +139,12 @@ class ModelRunner:
 
     def _decode_metadata(self, meta: AttentionMetadata, requests: list[Request], lengths: list[int]) -> None:
         bs = self.block_size
+        counts = [-(-n // bs) for n in lengths]
+        widest = max(counts)
+        table = [r.block_ids[:c] + [0] * (widest - c) for r, c in zip(requests, counts)]
         meta.decode_context_lens = lengths
-        meta.decode_block_ids = [
-            torch.tensor(r.block_ids[: -(-n // bs)], dtype=torch.long, device=self.device)
-            for r, n in zip(requests, lengths)
-        ]
+        meta.decode_lens = torch.tensor(lengths, dtype=torch.long)
+        meta.decode_block_table = torch.tensor(table, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:

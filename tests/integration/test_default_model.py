@@ -215,3 +215,15 @@ def test_default_model_dir_builds_once_and_atomically(
     built_at = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model.default_model_dir() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == built_at  # not rebuilt
+
+
+def test_time_budget_does_not_end_before_the_step_floor() -> None:
+    """An overloaded machine that spends its time budget early still trains the floor of steps."""
+    from cluster.default_model.train import ModelConfig, TinyLlama, TrainConfig, train_model
+
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    tc = TrainConfig(seq_len=8, batch_size=2, warmup_steps=1, log_every_s=1e9)
+    data = torch.randint(0, 32, (200,), generator=torch.Generator().manual_seed(0))
+    assert train_model(TinyLlama(config), data, tc, max_seconds=1e-9, max_steps=None, min_steps=5)["steps"] == 5
+    assert train_model(TinyLlama(config), data, tc, max_seconds=1e-9, max_steps=None)["steps"] == 1

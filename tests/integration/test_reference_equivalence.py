@@ -57,24 +57,31 @@ def run_batch(model_dir, dtype="float32", **engine_args):
     return prompts, [o.token_ids for o in outputs]
 
 
+def assert_batch_matches_reference(model_dir, reference, label: str, dtype: torch.dtype = torch.float32):
+    prompts, ours = run_batch(model_dir, dtype=str(dtype).removeprefix("torch."))
+    for prompt, tokens in zip(prompts, ours):
+        expected, scores = reference_greedy(reference, prompt, MAX_TOKENS)
+        assert_equivalent(tokens, expected, scores, dtype, f"{label}, prompt of {len(prompt)}")
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_greedy_matches_transformers(architecture, checkpoint, reference_model):
     model_dir = checkpoint(architecture)
-    prompts, ours = run_batch(model_dir)
-    reference = reference_model(model_dir)
-    for prompt, tokens in zip(prompts, ours):
-        expected, scores = reference_greedy(reference, prompt, MAX_TOKENS)
-        assert_equivalent(tokens, expected, scores, torch.float32, f"{architecture}, prompt of {len(prompt)}")
+    assert_batch_matches_reference(model_dir, reference_model(model_dir), architecture)
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "qwen3"])
+def test_plain_torch_decode_attention_matches_transformers(architecture, checkpoint, reference_model, monkeypatch):
+    """The fallback used where the native kernel cannot run (no compiler, not float32, GPU)."""
+    monkeypatch.setenv("TANDEM_NATIVE_KERNELS", "0")
+    model_dir = checkpoint(architecture)
+    assert_batch_matches_reference(model_dir, reference_model(model_dir), f"{architecture} (plain torch)")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_matches_transformers(dtype, checkpoint, reference_model):
     model_dir = checkpoint("qwen2", dtype=dtype)
-    prompts, ours = run_batch(model_dir, dtype=str(dtype).removeprefix("torch."))
-    reference = reference_model(model_dir, dtype)
-    for prompt, tokens in zip(prompts, ours):
-        expected, scores = reference_greedy(reference, prompt, MAX_TOKENS)
-        assert_equivalent(tokens, expected, scores, dtype, f"qwen2 {dtype}, prompt of {len(prompt)}")
+    assert_batch_matches_reference(model_dir, reference_model(model_dir, dtype), f"qwen2 {dtype}", dtype)
 
 
 def test_checkpoint_dtype_is_the_default(checkpoint):

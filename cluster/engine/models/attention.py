@@ -1,11 +1,14 @@
 """Attention over a paged KV cache, in plain torch so it runs on any device.
 
 A step's tokens are flattened: first one token for each decoding request, then the prompt
-chunks. New keys and values are written into their cache slots. Each decode gathers only its
-own blocks and attends with two small matmuls: on a CPU this is several times faster than
-padding every request to the longest context in one batched call, whose large fresh buffers
-cost more than the arithmetic. Each prompt chunk attends either to itself alone (a fresh
-prompt: causal attention on the new keys, no gather) or to its cached context.
+chunks. New keys and values are written into their cache slots.
+
+Decodes use the native kernel (:mod:`cluster.engine.kernels`) when it fits: it reads keys and
+values in place through the block table, once each. Otherwise each decode gathers only its own
+blocks and attends with two small matmuls: on a CPU this is several times faster than padding
+every request to the longest context in one batched call, whose large fresh buffers cost more
+than the arithmetic. Each prompt chunk attends either to itself alone (a fresh prompt: causal
+attention on the new keys, no gather) or to its cached context.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cluster.engine.kernels import native_kernels_enabled
+from cluster.engine.kernels.paged_attention import native_decode_attention
 
 
 @dataclass
@@ -35,10 +41,14 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
+    """``decode_block_table`` is [num_decodes, most blocks] (int64, padded with block 0);
+    ``decode_lens`` holds ``decode_context_lens`` as an int64 tensor on the CPU."""
+
     slot_mapping: torch.Tensor
     num_decodes: int = 0
-    decode_block_ids: list[torch.Tensor] = field(default_factory=list)
+    decode_block_table: torch.Tensor | None = None
     decode_context_lens: list[int] = field(default_factory=list)
+    decode_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -73,14 +83,8 @@ class PagedAttention(nn.Module):
         self.v_cache.view(-1, kv, d).index_copy_(0, meta.slot_mapping, v)
         out = q.new_empty(num_tokens, self.num_heads * d)
 
-        window = self.sliding_window
-        for row, (block_ids, length) in enumerate(zip(meta.decode_block_ids, meta.decode_context_lens)):
-            first = length - window if window is not None and length > window else 0
-            keys = self._gather(self.k_cache, num_blocks, block_ids).view(-1, kv, d)[first:length]
-            values = self._gather(self.v_cache, num_blocks, block_ids).view(-1, kv, d)[first:length]
-            scores = torch.bmm(q[row].view(kv, self.group, d), keys.permute(1, 2, 0)) * self.scale
-            weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
-            out[row] = torch.bmm(weights, values.transpose(0, 1)).view(-1)
+        if meta.num_decodes:
+            self._decode(q, out, meta)
 
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
@@ -100,6 +104,25 @@ class PagedAttention(nn.Module):
                 )
             out[rows] = o.squeeze(0).transpose(0, 1).reshape(span.query_len, self.num_heads * d)
         return out
+
+    def _decode(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
+        kernel = native_decode_attention() if native_kernels_enabled() else None
+        if kernel is not None and kernel.supports(q, self.k_cache, out):
+            kernel(q, self.k_cache, self.v_cache, meta.decode_block_table, meta.decode_lens, out,
+                   self.num_kv_heads, self.sliding_window, self.scale)
+            return
+        kv, d = self.num_kv_heads, self.head_dim
+        num_blocks = self.k_cache.shape[0]
+        block_size = self.k_cache.shape[1]
+        window = self.sliding_window
+        for row, length in enumerate(meta.decode_context_lens):
+            block_ids = meta.decode_block_table[row, : -(-length // block_size)]
+            first = length - window if window is not None and length > window else 0
+            keys = self._gather(self.k_cache, num_blocks, block_ids).view(-1, kv, d)[first:length]
+            values = self._gather(self.v_cache, num_blocks, block_ids).view(-1, kv, d)[first:length]
+            scores = torch.bmm(q[row].view(kv, self.group, d), keys.permute(1, 2, 0)) * self.scale
+            weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+            out[row] = torch.bmm(weights, values.transpose(0, 1)).view(-1)
 
     @staticmethod
     def _gather(cache: torch.Tensor, num_blocks: int, block_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""Compiles a kernel's C source once per machine and loads it with ctypes.
+
+The shared library is cached under ``<tandem cache>/kernels/<name>-<key>.so``, where the key
+hashes the source, the compiler's version, the flags and the CPU model (the code is built for
+the CPU it runs on). A build writes a temporary file and renames it into place, so concurrent
+processes never load a half-written library. The source is compiled with fast-math but linked
+without it, so loading the library does not change the process's floating-point mode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from cluster.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+LINK_FLAGS = ("-shared", "-fopenmp")
+
+
+class NativeKernelError(RuntimeError):
+    pass
+
+
+def native_kernels_enabled() -> bool:
+    return os.environ.get("TANDEM_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build_key(compiler: str, source: bytes) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    digest = hashlib.sha256()
+    for part in (source, version.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_model().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _compile(compiler: str, source_path: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
+        obj, lib = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
+        for command in (
+            [compiler, *COMPILE_FLAGS, "-c", str(source_path), "-o", str(obj)],
+            [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"],
+        ):
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                raise NativeKernelError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        os.replace(lib, target)
+
+
+@cache
+def load_library(name: str) -> ctypes.CDLL | None:
+    """The compiled ``<name>.c`` of this folder, or None (with one warning) when it cannot be
+    built or loaded; callers then use their plain-torch path."""
+    if not native_kernels_enabled():
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found (set CC): native kernel %s unavailable, using plain torch", name)
+        return None
+    source_path = SOURCE_DIR / f"{name}.c"
+    try:
+        target = cache_dir() / "kernels" / f"{name}-{_build_key(compiler, source_path.read_bytes())}.so"
+        if not target.is_file():
+            logger.info("compiling native kernel %s", name)
+            _compile(compiler, source_path, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, NativeKernelError) as exc:
+        logger.warning("native kernel %s unavailable, using plain torch: %s", name, exc)
+        return None
