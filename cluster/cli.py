@@ -22,7 +22,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument("--no-chunked-prefill", action="store_true", help="schedule each prompt whole")
     parser.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (per rank with --tp)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree: ranks 1..N-1 run as Ray actors (default: 1)")
+    parser.add_argument("--cluster-name", default="tandem",
+                        help="names the Ray namespace, process groups and their ports (default: tandem)")
+    parser.add_argument("--ray-address", help="join this Ray cluster (default: a local Ray on loopback)")
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -39,6 +44,9 @@ def _engine_args(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=not args.no_chunked_prefill,
         seed=args.seed,
         num_threads=args.threads,
+        tensor_parallel_size=args.tp,
+        cluster_name=args.cluster_name,
+        ray_address=args.ray_address,
     )
 
 
@@ -47,13 +55,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cluster.engine.llm import LLM
     from cluster.engine.models.config import ModelConfigError
     from cluster.engine.models.loader import WeightLoadError
-    from cluster.offline import run_file
+    from cluster.parallel.group import GroupSetupError
+    from cluster.parallel.tp_runner import TensorParallelError
 
     try:
         llm = LLM(args.model, **_engine_args(args))
-    except (EngineConfigError, ModelConfigError, WeightLoadError, FileNotFoundError) as exc:
+    except (EngineConfigError, ModelConfigError, WeightLoadError, FileNotFoundError, GroupSetupError,
+            TensorParallelError) as exc:
         print(f"tandem run: {exc}", file=sys.stderr)
         return 2
+    with llm:
+        return _run_file(llm, args)
+
+
+def _run_file(llm, args: argparse.Namespace) -> int:
+    from cluster.offline import run_file
+
     # Undecodable bytes become surrogates, so that run_file fails that line alone.
     if args.input == "-":
         sys.stdin.reconfigure(errors="surrogateescape")

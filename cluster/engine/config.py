@@ -31,12 +31,17 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
+    cluster_name: str = "tandem"
+    engine_name: str = "engine"
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         positive = {
             "block_size": self.block_size,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_seqs": self.max_num_seqs,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             if getattr(self, name) is not None:
@@ -48,3 +53,10 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
             )
+        from cluster.parallel.naming import GroupNameError, check_name
+
+        try:
+            check_name("cluster", self.cluster_name)
+            check_name("engine", self.engine_name)
+        except GroupNameError as exc:
+            raise EngineConfigError(str(exc)) from None

@@ -92,9 +92,7 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(model_dir)
         progress = (lambda done, total: _log(f"loading weights: {done}/{total} files")) if verbose else None
         started = time.perf_counter()
-        self.runner = ModelRunner(
-            self.model_config, model_dir, config.block_size, self.max_model_len, config.device, progress=progress
-        )
+        self.runner = self._make_runner(model_dir, progress)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if verbose:
@@ -116,6 +114,28 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
+
+    def _make_runner(self, model_dir: Path, progress) -> ModelRunner:
+        cfg = self.config
+        if cfg.tensor_parallel_size == 1:
+            return ModelRunner(self.model_config, model_dir, cfg.block_size, self.max_model_len, cfg.device,
+                               progress=progress)
+        from cluster.parallel.tp_runner import TensorParallelRunner, check_tensor_parallel
+
+        try:
+            check_tensor_parallel(self.model_config, cfg.tensor_parallel_size)
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from None
+        return TensorParallelRunner(
+            self.model_config, model_dir, cfg.block_size, self.max_model_len, cfg.tensor_parallel_size,
+            cfg.cluster_name, cfg.engine_name, cfg.device, cfg.ray_address, cfg.num_threads, progress,
+        )
+
+    def shutdown(self) -> None:
+        """Stops the engine's other processes (tensor-parallel ranks), if it has any."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

@@ -25,6 +25,16 @@ class LLM:
             model = str(default_model_dir())
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), verbose=verbose)
 
+    def shutdown(self) -> None:
+        """Stops the engine's other processes (tensor-parallel ranks); also on leaving ``with``."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],

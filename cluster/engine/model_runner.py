@@ -23,6 +23,28 @@ from cluster.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from cluster.engine.scheduler import SchedulerOutput
 
 
+@dataclass(frozen=True)
+class PrefillPlan:
+    query_start: int
+    query_len: int
+    context_len: int
+    block_ids: tuple[int, ...] | None  # the cached context's blocks, when there is one
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step in plain integers: what the driving rank of a tensor-parallel group sends the
+    others over the control channel. Every rank turns it into the same tensors."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    decode_lens: list[int]
+    decode_block_table: list[list[int]]
+    prefills: list[PrefillPlan]
+    sample_rows: list[int]
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor
@@ -30,6 +52,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor
     sampling_requests: list[Request]
+    plan: StepPlan
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -87,6 +110,12 @@ class ModelRunner:
     # -- one step -------------------------------------------------------------------------
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
+        plan, sampling = self.plan(out)
+        return self.build_inputs(plan, sampling)
+
+    def plan(self, out: SchedulerOutput) -> tuple[StepPlan, list[Request]]:
+        """The step's token ids, positions, cache slots and attention layout, and the requests
+        that sample a token (in the order of ``sample_rows``)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -95,56 +124,64 @@ class ModelRunner:
         sampling: list[Request] = []
 
         decode_lens: list[int] = []
+        decode_table: list[list[int]] = []
         for request in out.decodes:
             pos = request.num_computed_tokens
             input_ids.append(request.token_ids[pos])
             positions.append(pos)
             slots.append(request.block_ids[pos // bs] * bs + pos % bs)
             decode_lens.append(pos + 1)
+            decode_table.append(request.block_ids[: -(-(pos + 1) // bs)])
             sample_rows.append(len(input_ids) - 1)
             sampling.append(request)
+        widest = max((len(row) for row in decode_table), default=0)
+        decode_table = [row + [0] * (widest - len(row)) for row in decode_table]
 
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(out.decodes))
-        if out.decodes:
-            self._decode_metadata(meta, out.decodes, decode_lens)
-
+        prefills: list[PrefillPlan] = []
         for request, count in out.prefills:
             start = request.num_computed_tokens
             end = start + count
-            span = PrefillSpan(query_start=len(input_ids), query_len=count, context_len=end)
-            input_ids.extend(request.token_ids[start:end])
-            span_positions = range(start, end)
-            positions.extend(span_positions)
             blocks = request.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in span_positions)
-            needs_mask = self.sliding_window is not None and end > self.sliding_window
-            if start > 0:
-                span.block_ids = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=self.device)
-            if start > 0 or needs_mask:
-                query_positions = torch.arange(start, end)
-                span.mask = visible_keys(query_positions, end, self.sliding_window).to(self.device)
-            meta.prefills.append(span)
+            prefills.append(PrefillPlan(
+                query_start=len(input_ids), query_len=count, context_len=end,
+                block_ids=tuple(blocks[: -(-end // bs)]) if start > 0 else None,
+            ))
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             if end == request.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(request)
+        plan = StepPlan(input_ids, positions, slots, decode_lens, decode_table, prefills, sample_rows)
+        return plan, sampling
 
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-            sampling_requests=sampling,
+    def build_inputs(self, plan: StepPlan, sampling: list[Request] | None = None) -> StepInputs:
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(plan.slots, dtype=torch.long, device=device),
+            num_decodes=len(plan.decode_lens),
         )
-
-    def _decode_metadata(self, meta: AttentionMetadata, requests: list[Request], lengths: list[int]) -> None:
-        bs = self.block_size
-        counts = [-(-n // bs) for n in lengths]
-        widest = max(counts)
-        table = [r.block_ids[:c] + [0] * (widest - c) for r, c in zip(requests, counts)]
-        meta.decode_context_lens = lengths
-        meta.decode_lens = torch.tensor(lengths, dtype=torch.long)
-        meta.decode_block_table = torch.tensor(table, dtype=torch.long, device=self.device)
+        if plan.decode_lens:
+            meta.decode_context_lens = plan.decode_lens
+            meta.decode_lens = torch.tensor(plan.decode_lens, dtype=torch.long)
+            meta.decode_block_table = torch.tensor(plan.decode_block_table, dtype=torch.long, device=device)
+        for prefill in plan.prefills:
+            span = PrefillSpan(prefill.query_start, prefill.query_len, prefill.context_len)
+            start = prefill.context_len - prefill.query_len
+            if prefill.block_ids is not None:
+                span.block_ids = torch.tensor(prefill.block_ids, dtype=torch.long, device=device)
+            if start > 0 or (self.sliding_window is not None and prefill.context_len > self.sliding_window):
+                query_positions = torch.arange(start, prefill.context_len)
+                span.mask = visible_keys(query_positions, prefill.context_len, self.sliding_window).to(device)
+            meta.prefills.append(span)
+        return StepInputs(
+            input_ids=torch.tensor(plan.input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(plan.positions, dtype=torch.long, device=device),
+            meta=meta,
+            sample_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=device),
+            sampling_requests=sampling or [],
+            plan=plan,
+        )
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:

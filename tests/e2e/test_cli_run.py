@@ -259,6 +259,18 @@ def test_run_file_with_engine_flags_and_prefix_hit(model_dir, input_file, refere
     assert cached == (prompt - 1) // 8 * 8
 
 
+def test_run_file_with_tensor_parallel_ranks(model_dir, input_file, reference, tmp_path):
+    """--tp 2: rank 1 is a Ray actor on a local Ray; the lines come out as with one rank."""
+    rows = _run_file(model_dir, input_file, tmp_path, "--tp", "2", "--cluster-name", "cli-tp-test", "--threads", "1")
+    _check_rows(rows, reference)
+
+
+def test_tp_degree_that_does_not_divide_the_model_exits_2(model_dir, tmp_path):
+    result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--tp", "3", stdin=b"")
+    assert result.returncode == 2
+    assert b"tensor-parallel size 3 does not divide" in result.stderr
+
+
 def test_run_file_without_prefix_caching(model_dir, input_file, reference, tmp_path):
     rows = _run_file(
         model_dir, input_file, tmp_path, "--no-prefix-caching", "--max-num-batched-tokens", "32",

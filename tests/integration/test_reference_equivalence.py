@@ -18,50 +18,10 @@ from cluster.engine.llm import LLM
 from cluster.engine.models.config import ModelConfigError
 from cluster.engine.models.loader import WeightLoadError
 from cluster.engine.sampling_params import SamplingParams
-from conftest import ARCHITECTURES, random_prompts, to_transformers4_config
+from conftest import ARCHITECTURES, to_transformers4_config
+from reference_checks import assert_batch_matches_reference, run_batch
 
 pytestmark = pytest.mark.integration
-
-PROMPT_LENGTHS = [1, 7, 16, 33, 70, 129]
-MAX_TOKENS = 24
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-
-
-def reference_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-        )
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.scores)[:, 0].float()
-
-
-def assert_equivalent(ours: list[int], reference: list[int], scores: torch.Tensor, dtype: torch.dtype, label: str):
-    for position, (a, b) in enumerate(zip(ours, reference)):
-        if a == b:
-            continue
-        top2 = scores[position].topk(2).values
-        gap = (top2[0] - top2[1]).item()
-        assert gap <= TOLERANCE[dtype] * max(1.0, top2[0].abs().item()), (
-            f"{label}: token {position} is {a}, reference {b}; reference top-2 logit gap {gap:.3g} is not a tie"
-        )
-        return
-    assert len(ours) == len(reference), label
-
-
-def run_batch(model_dir, dtype="float32", **engine_args):
-    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
-    llm = LLM(str(model_dir), dtype=dtype, verbose=False, num_kv_blocks=128, max_num_batched_tokens=96, **engine_args)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert llm.engine.block_manager.num_free_blocks == 128
-    return prompts, [o.token_ids for o in outputs]
-
-
-def assert_batch_matches_reference(model_dir, reference, label: str, dtype: torch.dtype = torch.float32):
-    prompts, ours = run_batch(model_dir, dtype=str(dtype).removeprefix("torch."))
-    for prompt, tokens in zip(prompts, ours):
-        expected, scores = reference_greedy(reference, prompt, MAX_TOKENS)
-        assert_equivalent(tokens, expected, scores, dtype, f"{label}, prompt of {len(prompt)}")
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -100,7 +60,7 @@ def test_transformers4_config_and_sharded_weights_load_the_same(checkpoint, refe
     assert "rope_theta" in raw and "rope_scaling" in raw and "torch_dtype" in raw and "rope_parameters" not in raw
     assert (legacy / "model.safetensors.index.json").is_file()
     assert len(list(legacy.glob("*.safetensors"))) > 1
-    assert run_batch(legacy)[1] == run_batch(source)[1]
+    assert run_batch(legacy).tokens == run_batch(source).tokens
 
 
 def test_unsupported_architecture_is_a_clear_error(checkpoint, tmp_path):

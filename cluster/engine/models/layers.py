@@ -19,7 +19,11 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ParallelGroup:
-    """This rank's place in a tensor-parallel group (a single rank by default)."""
+    """This rank's place in a tensor-parallel group (a single rank by default).
+
+    ``process_group`` is a standalone ``torch.distributed`` process group object (see
+    :mod:`cluster.parallel.group`); its collectives are called on it directly.
+    """
 
     rank: int = 0
     size: int = 1
@@ -27,14 +31,14 @@ class ParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            torch.distributed.all_reduce(x, group=self.process_group)
+            self.process_group.allreduce([x]).wait()
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.process_group)
+        self.process_group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
 
 

@@ -1,0 +1,40 @@
+"""Names and ports of process groups, derived from the cluster's name.
+
+Two clusters on one machine (say, two test runs, or a staging and a production deployment on
+one host) must never join each other's groups: every group's rendezvous port and store prefix
+is a pure function of ``(cluster name, group name)``. Ports come from a range that the Linux
+kernel does not hand out as ephemeral ports (32768-60999), so an outgoing connection of
+another program does not take them by chance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+PORT_RANGE = (20000, 32000)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class GroupNameError(ValueError):
+    pass
+
+
+def check_name(kind: str, name: str) -> str:
+    if not _NAME.match(name):
+        raise GroupNameError(
+            f"{kind} name {name!r} must be 1-63 characters of letters, digits, '-', '_' or '.', starting with a letter or digit"
+        )
+    return name
+
+
+def group_id(cluster: str, group: str) -> str:
+    """The store prefix and log name of a group: ``<cluster>/<group>``."""
+    return f"{check_name('cluster', cluster)}/{check_name('group', group)}"
+
+
+def group_port(cluster: str, group: str) -> int:
+    """The rendezvous port of a group, the same in every process that names it."""
+    digest = hashlib.sha256(group_id(cluster, group).encode()).digest()
+    low, high = PORT_RANGE
+    return low + int.from_bytes(digest[:4], "big") % (high - low)

@@ -1,0 +1,138 @@
+"""A model runner spread over a tensor-parallel group of processes.
+
+Rank 0 lives in the engine's process: it schedules, samples and drives. Ranks 1..N-1 are Ray
+actors (:class:`TPFollower`), each with its shard of the weights and of the KV cache. Each
+step, rank 0 sends the step's plan (plain integers, :class:`StepPlan`) to the followers over
+Ray, the control channel, and then every rank runs the same forward pass; activations only
+travel through the process group's collectives. A follower that dies makes the step fail with
+an error naming it instead of hanging: its peers' collectives see the closed connection, and
+the process group has a timeout besides.
+
+On GPUs, rank r uses ``cuda:r`` of its node (rank 0 ``cuda:0``), so a group of N ranks on one
+node needs N GPUs; NCCL cannot put two ranks of a group on one GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from cluster.engine.model_runner import ModelRunner, StepInputs, StepPlan
+from cluster.engine.models.config import ModelConfig
+from cluster.parallel.group import GroupSpec, join_group
+from cluster.ray_runtime import ensure_ray
+
+
+class TensorParallelError(RuntimeError):
+    pass
+
+
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
+    """Raises ValueError naming the numbers when ``tp_size`` cannot split this model."""
+    if tp_size < 1:
+        raise ValueError(f"tensor-parallel size must be at least 1, got {tp_size}")
+    problems = []
+    if config.num_heads % tp_size:
+        problems.append(f"{config.num_heads} attention heads")
+    if config.num_kv_heads % tp_size and tp_size % config.num_kv_heads:
+        problems.append(f"{config.num_kv_heads} KV heads (neither divides the other)")
+    if config.intermediate_size % tp_size:
+        problems.append(f"MLP size {config.intermediate_size}")
+    if problems:
+        raise ValueError(f"tensor-parallel size {tp_size} does not divide this model's {', '.join(problems)}")
+
+
+def threads_per_rank(tp_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // tp_size)
+
+
+class TPFollower:
+    """A rank other than 0: its shard of the model and of the KV cache (a Ray actor)."""
+
+    def __init__(self, config: ModelConfig, model_dir: str, block_size: int, max_model_len: int, device: str,
+                 spec: GroupSpec, rank: int, num_threads: int):
+        torch.set_num_threads(num_threads)
+        if device.startswith("cuda"):
+            device = f"cuda:{rank}"
+            torch.cuda.set_device(device)
+        group = join_group(spec, rank, torch.device(device))
+        self.runner = ModelRunner(config, Path(model_dir), block_size, max_model_len, device, group)
+
+    def ready(self) -> int:
+        return self.runner.weight_bytes
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute(self, plan: StepPlan) -> None:
+        self.runner.execute(self.runner.build_inputs(plan))
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0 of the group; the engine uses it exactly like a :class:`ModelRunner`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        model_dir: Path,
+        block_size: int,
+        max_model_len: int,
+        tp_size: int,
+        cluster: str,
+        name: str,
+        device: str = "cpu",
+        ray_address: str | None = None,
+        num_threads: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ):
+        check_tensor_parallel(config, tp_size)
+        ray = ensure_ray(cluster, ray_address)
+        self._ray = ray
+        threads = num_threads or threads_per_rank(tp_size)
+        torch.set_num_threads(threads)
+        spec = GroupSpec(cluster, f"{name}-tp", tp_size)
+        follower = ray.remote(TPFollower)
+        self.followers = [
+            follower.options(name=f"{name}-tp{rank}", num_cpus=0.25).remote(
+                config, str(model_dir), block_size, max_model_len, device, spec, rank, threads
+            )
+            for rank in range(1, tp_size)
+        ]
+        self.follower_names = [f"{name}-tp{rank}" for rank in range(1, tp_size)]
+        try:
+            group = join_group(spec, 0, torch.device(device))
+            super().__init__(config, model_dir, block_size, max_model_len, device, group, progress)
+            self._wait([f.ready.remote() for f in self.followers], "loading its shard")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait(self, refs: list, doing: str) -> list:
+        try:
+            return self._ray.get(refs)
+        except self._ray.exceptions.RayError as exc:
+            raise TensorParallelError(f"a tensor-parallel rank failed while {doing}: {exc}") from exc
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        refs = [f.allocate_kv_cache.remote(num_blocks) for f in self.followers]
+        super().allocate_kv_cache(num_blocks)
+        self._wait(refs, "allocating its KV cache")
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        refs = [f.execute.remote(inputs.plan) for f in self.followers]
+        try:
+            logits = super().execute(inputs)
+        except RuntimeError as exc:
+            self._wait(refs, "running a step")
+            raise TensorParallelError(f"tensor-parallel step failed: {exc}") from exc
+        self._wait(refs, "running a step")
+        return logits
+
+    def shutdown(self) -> None:
+        for actor in getattr(self, "followers", []):
+            self._ray.kill(actor, no_restart=True)
+        self.followers = []
