@@ -1,0 +1,83 @@
+"""The torch.distributed KV transport between two processes (this one and a Ray actor), layer
+by layer into scattered blocks, and what a sender sees when its receiver dies."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from cluster.kv_transfer.endpoint import KVEndpoint
+from cluster.kv_transfer.kv_blocks import pack_layer
+from cluster.kv_transfer.transport import TransportError, create_transport
+from cluster.parallel.group import GroupSpec
+from cluster.ray_runtime import ensure_ray
+
+pytestmark = pytest.mark.integration
+
+CLUSTER = "tandem-transport-tests"
+SHAPE = (4, 2, 32, 16, 2, 8)  # layers, k/v, blocks, block size, kv heads, head dim
+
+
+@pytest.fixture(scope="module")
+def ray():
+    ray = ensure_ray(CLUSTER, num_cpus=4)
+    yield ray
+    ray.shutdown()
+
+
+def start_endpoint(ray, spec: GroupSpec):
+    return ray.remote(KVEndpoint).options(num_cpus=0.25).remote("torch_distributed", spec, 1, SHAPE)
+
+
+def test_layers_arrive_in_the_receivers_own_blocks(ray):
+    spec = GroupSpec(CLUSTER, "transfer-ok", 2, timeout_s=30)
+    receiver = start_endpoint(ray, spec)
+    sender = create_transport("torch_distributed", spec=spec, rank=0)
+    source = torch.randn(SHAPE)
+    src_blocks, dst_blocks = [5, 17, 2, 30], [0, 9, 31, 4]
+    done = receiver.receive_layers.remote(0, dst_blocks, 0, SHAPE[4], 30)
+    sends = [sender.send(pack_layer(source, layer, torch.tensor(src_blocks), 0, SHAPE[4]), peer=1, tag=layer)
+             for layer in range(SHAPE[0])]
+    for work in sends:
+        work.wait(30)
+    ray.get(done)
+    assert torch.equal(ray.get(receiver.blocks.remote(dst_blocks)), source[:, :, src_blocks])
+    assert ray.get(receiver.untouched_sum.remote(dst_blocks)) == 0
+    ray.kill(receiver)
+
+
+def test_heads_from_two_senders_fill_one_receiver(ray):
+    """Re-sharding on the way: two messages of two heads each land in one cache's head ranges."""
+    shape = (2, 2, 8, 4, 4, 8)
+    spec = GroupSpec(CLUSTER, "transfer-heads", 2, timeout_s=30)
+    receiver = ray.remote(KVEndpoint).options(num_cpus=0.25).remote("torch_distributed", spec, 1, shape)
+    sender = create_transport("torch_distributed", spec=spec, rank=0)
+    source = torch.randn(shape)
+    blocks = [1, 6]
+    for first_head, tag_base in ((0, 0), (2, 100)):
+        done = receiver.receive_layers.remote(0, blocks, first_head, 2, 30, tag_base)
+        for layer in range(shape[0]):
+            message = pack_layer(source, layer, torch.tensor(blocks), first_head, 2)
+            sender.send(message, peer=1, tag=tag_base + layer).wait(30)
+        ray.get(done)
+    assert torch.equal(ray.get(receiver.blocks.remote(blocks)), source[:, :, blocks])
+    ray.kill(receiver)
+
+
+def test_sender_fails_within_its_deadline_when_the_receiver_dies(ray):
+    spec = GroupSpec(CLUSTER, "transfer-dies", 2, timeout_s=30)
+    receiver = start_endpoint(ray, spec)
+    sender = create_transport("torch_distributed", spec=spec, rank=0)
+    ray.kill(receiver)
+    big = torch.randn(64, 1024, 1024)  # 256 MiB: more than socket buffers hold
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="send of .* bytes to rank 1 failed"):
+        sender.send(big, peer=1, tag=0).wait(timeout_s=5)
+    assert time.monotonic() - started < 20
+
+
+def test_unknown_transport_names_the_known_ones():
+    with pytest.raises(TransportError, match="unknown KV transport 'rdma'; known: torch_distributed"):
+        create_transport("rdma")
