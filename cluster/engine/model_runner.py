@@ -81,6 +81,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sliding_window = config.sliding_window
         self.kv_cache = torch.empty(0)
+        self.after_layer: Callable[[int], None] | None = None  # see AttentionMetadata.after_layer
         self.num_blocks = 0
 
     # -- KV cache -------------------------------------------------------------------------
@@ -160,6 +161,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(plan.slots, dtype=torch.long, device=device),
             num_decodes=len(plan.decode_lens),
+            after_layer=self.after_layer,
         )
         if plan.decode_lens:
             meta.decode_context_lens = plan.decode_lens

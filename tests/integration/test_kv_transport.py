@@ -81,3 +81,36 @@ def test_sender_fails_within_its_deadline_when_the_receiver_dies(ray):
 def test_unknown_transport_names_the_known_ones():
     with pytest.raises(TransportError, match="unknown KV transport 'rdma'; known: torch_distributed"):
         create_transport("rdma")
+
+
+def test_prefill_streams_each_layer_while_later_layers_compute(ray, checkpoint):
+    """A real prefill with a KVSender on the layer hook: every layer is posted during the
+    forward pass, and the receiver ends with exactly the prefill engine's KV blocks."""
+    from cluster.engine.llm import LLM
+    from cluster.engine.sampling_params import SamplingParams
+    from cluster.kv_transfer.sender import Destination, KVSender
+    from cluster.kv_transfer.state import TransferRecord, TransferState
+
+    with LLM(str(checkpoint("qwen2")), verbose=False, num_kv_blocks=32) as llm:
+        engine, runner = llm.engine, llm.engine.runner
+        shape = tuple(runner.kv_cache.shape)
+        spec = GroupSpec(CLUSTER, "transfer-prefill", 2, timeout_s=30)
+        receiver = ray.remote(KVEndpoint).options(num_cpus=0.25).remote("torch_distributed", spec, 1, shape)
+        transport = create_transport("torch_distributed", spec=spec, rank=0)
+        request = engine.add_request("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=1))
+        record = TransferRecord.start("r", num_layers=shape[0], timeout_s=30)
+        sender = KVSender(transport, runner.kv_cache, record, lambda: request.block_ids,
+                          [Destination(peer=1, first_head=0, num_heads=shape[4], tag_base=0)])
+        dst_blocks = [20, 3, 9]
+        done = receiver.receive_layers.remote(0, dst_blocks, 0, shape[4], 30)
+        posted_during_forward = []
+        runner.after_layer = lambda layer: (sender.after_layer(layer), posted_during_forward.append(layer))
+        engine.step()
+        runner.after_layer = None
+        assert posted_during_forward == list(range(shape[0]))
+        assert sender.finish() is TransferState.DONE
+        ray.get(done)
+        src_blocks = sender.sent_block_ids
+        assert len(src_blocks) == 3
+        assert torch.equal(ray.get(receiver.blocks.remote(dst_blocks)), runner.kv_cache[:, :, src_blocks])
+        ray.kill(receiver)

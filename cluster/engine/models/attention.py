@@ -14,6 +14,7 @@ attention on the new keys, no gather) or to its cached context.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,9 @@ class PrefillSpan:
 @dataclass
 class AttentionMetadata:
     """``decode_block_table`` is [num_decodes, most blocks] (int64, padded with block 0);
-    ``decode_lens`` holds ``decode_context_lens`` as an int64 tensor on the CPU."""
+    ``decode_lens`` holds ``decode_context_lens`` as an int64 tensor on the CPU.
+    ``after_layer(i)`` runs once layer ``i`` has written this step's keys and values (KV
+    streaming sends that layer while later layers compute)."""
 
     slot_mapping: torch.Tensor
     num_decodes: int = 0
@@ -50,6 +53,7 @@ class AttentionMetadata:
     decode_context_lens: list[int] = field(default_factory=list)
     decode_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    after_layer: Callable[[int], None] | None = None
 
 
 def visible_keys(query_positions: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:

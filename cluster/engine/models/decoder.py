@@ -102,8 +102,10 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             hidden = layer(rope, hidden, meta)
+            if meta.after_layer is not None:
+                meta.after_layer(index)
         return self.norm(hidden)
 
 
