@@ -16,6 +16,7 @@ _arrival_counter = itertools.count()
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    RECEIVING = "receiving"  # decode side of disaggregation: blocks held, KV arriving from a prefill worker
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -64,6 +64,7 @@ class Scheduler:
         self.extra_hash_keys = tuple(extra_hash_keys)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.receiving: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
 
     # -- admission ------------------------------------------------------------------------
@@ -92,6 +93,50 @@ class Scheduler:
         self.check(request)
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=lambda r: r.order)
+
+    # -- decode side of disaggregation --------------------------------------------------
+
+    def reserve_for_transfer(self, request: Request) -> int | None:
+        """Holds blocks for a prompt whose KV a prefill worker will send: the prompt's full
+        blocks already cached here are reused, the rest allocated. Returns how many leading
+        blocks are cached (those do not travel), or None when there is no room now.
+        The request waits, outside the batch, until :meth:`admit_transferred`."""
+        self.check(request)
+        hits = self._cached_full_blocks(request)
+        new_blocks = _cdiv(request.num_tokens, self.block_size) - len(hits)
+        if new_blocks + self.blocks.num_blocks_to_touch(hits) > self.blocks.num_free_blocks:
+            return None
+        self.blocks.touch(hits)
+        request.block_ids = hits + self.blocks.allocate(new_blocks)
+        request.num_registered_blocks = len(hits)
+        request.num_cached_tokens = len(hits) * self.block_size
+        request.status = RequestStatus.RECEIVING
+        self.requests[request.request_id] = request
+        self.receiving[request.request_id] = request
+        return len(hits)
+
+    def admit_transferred(self, request_id: str, first_token: int) -> Request:
+        """The prompt's KV has arrived and the prefill worker sampled ``first_token``: the
+        request joins the batch as a decode (or finishes, if that token ends it)."""
+        request = self.receiving[request_id]
+        request.num_computed_tokens = request.num_tokens
+        self._register_full_blocks(request)
+        request.token_ids.append(first_token)
+        reason = self._stop_reason(request, first_token)
+        if reason is not None:
+            self.finish(request, reason)
+        else:
+            del self.receiving[request_id]
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        return request
+
+    def _cached_full_blocks(self, request: Request) -> list[int]:
+        if not self.blocks.enable_prefix_caching:
+            return []
+        full = request.num_tokens // self.block_size
+        self._extend_hashes(request, full)
+        return self.blocks.lookup_prefix(request.block_hashes[:full])
 
     def _hash_blocks(self, request: Request, token_ids: Sequence[int], start_block: int = 0) -> list[bytes]:
         keys = self.extra_hash_keys + ((request.cache_salt,) if request.cache_salt else ())
@@ -241,6 +286,8 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.RECEIVING:
+            del self.receiving[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         if request.block_ids:
@@ -259,5 +306,5 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.receiving)
 

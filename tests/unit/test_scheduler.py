@@ -788,3 +788,45 @@ def test_random_workload_keeps_the_books(seed, chunked, prefix_caching):
     assert aborted
     if prefix_caching:
         assert any(r.num_cached_tokens for r in all_requests)
+
+
+# -- decode side of disaggregation ---------------------------------------------------------
+
+
+def test_transferred_prompt_holds_blocks_then_joins_as_a_decode():
+    sched = make_scheduler(num_blocks=8)
+    r = req("t", 10, max_tokens=3)
+    assert sched.reserve_for_transfer(r) == 0
+    assert r.block_ids == [0, 1, 2] and r.status is RequestStatus.RECEIVING
+    assert sched.blocks.num_free_blocks == 5
+    assert shape(sched.schedule()) == ([], [])  # nothing to run while the KV is on its way
+    sched.admit_transferred("t", 1234)
+    assert r.num_computed_tokens == 10 and r.token_ids[-1] == 1234
+    assert [sched.blocks.block_hash_of(b) is not None for b in r.block_ids] == [True, True, False]
+    out, _ = step(sched)
+    assert shape(out) == (["t"], [])
+    step(sched)
+    assert r.finished and r.num_output_tokens == 3
+    assert sched.blocks.num_free_blocks == 8
+
+
+def test_second_turn_receives_only_the_blocks_it_lacks():
+    sched = make_scheduler(num_blocks=12)
+    first = req("turn1", 9, max_tokens=1)
+    assert sched.reserve_for_transfer(first) == 0
+    sched.admit_transferred("turn1", 7)  # max_tokens=1: done at once; its full blocks stay cached
+    assert first.finished and sched.blocks.num_free_blocks == 12
+    second = req("turn2", first.prompt_token_ids[:8] + [5, 6, 7, 8, 9], max_tokens=4)
+    assert sched.reserve_for_transfer(second) == 2  # two full blocks of the first turn are here
+    assert second.num_cached_tokens == 8 and len(second.block_ids) == 4
+
+
+def test_abort_while_receiving_frees_the_blocks():
+    sched = make_scheduler(num_blocks=4)
+    r = req("a", 12, max_tokens=4)
+    assert sched.reserve_for_transfer(r) == 0
+    assert sched.reserve_for_transfer(req("b", 8, max_tokens=4)) is None  # no room: the caller retries or refuses
+    assert sched.num_unfinished == 1
+    sched.abort("a")
+    assert r.finish_reason is FinishReason.ABORT and sched.blocks.num_free_blocks == 4
+    assert sched.num_unfinished == 0 and not sched.receiving
