@@ -28,6 +28,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster-name", default="tandem",
                         help="names the Ray namespace, process groups and their ports (default: tandem)")
     parser.add_argument("--ray-address", help="join this Ray cluster (default: a local Ray on loopback)")
+    dis = parser.add_argument_group("disaggregated prefill and decode")
+    dis.add_argument("--disaggregated", action="store_true",
+                     help="prefill and decode in separate worker processes, KV streamed layer by layer")
+    dis.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel degree of each prefill worker")
+    dis.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel degree of each decode worker")
+    dis.add_argument("--prefill-workers", type=int, default=1, help="number of prefill workers (default: 1)")
+    dis.add_argument("--decode-workers", type=int, default=1, help="number of decode workers (default: 1)")
+    dis.add_argument("--transfer-timeout", type=float, default=60.0,
+                     help="seconds a KV transfer may take before it fails (default: 60)")
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -52,20 +61,39 @@ def _engine_args(args: argparse.Namespace) -> dict:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from cluster.engine.config import EngineConfigError
-    from cluster.engine.llm import LLM
     from cluster.engine.models.config import ModelConfigError
     from cluster.engine.models.loader import WeightLoadError
     from cluster.parallel.group import GroupSetupError
     from cluster.parallel.tp_runner import TensorParallelError
 
     try:
-        llm = LLM(args.model, **_engine_args(args))
+        llm = _make_llm(args)
     except (EngineConfigError, ModelConfigError, WeightLoadError, FileNotFoundError, GroupSetupError,
-            TensorParallelError) as exc:
+            TensorParallelError, ValueError) as exc:
         print(f"tandem run: {exc}", file=sys.stderr)
         return 2
     with llm:
         return _run_file(llm, args)
+
+
+def _make_llm(args: argparse.Namespace):
+    from cluster.engine.llm import LLM
+
+    engine_args = _engine_args(args)
+    if not args.disaggregated:
+        for flag in ("prefill_tp", "decode_tp", "prefill_workers", "decode_workers"):
+            if getattr(args, flag) != 1:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --disaggregated")
+        return LLM(args.model, **engine_args)
+    from cluster.disaggregated import DisaggregatedLLM
+
+    if args.tp != 1:
+        raise ValueError("with --disaggregated, give --prefill-tp and --decode-tp instead of --tp")
+    del engine_args["tensor_parallel_size"]
+    return DisaggregatedLLM(
+        args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers, transfer_timeout_s=args.transfer_timeout, **engine_args,
+    )
 
 
 def _run_file(llm, args: argparse.Namespace) -> int:

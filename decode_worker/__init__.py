@@ -1,1 +1,1 @@
-"""decode_worker role (built in later issues)."""
+"""The decode role: an engine that receives prompts' KV from prefill workers and generates."""

@@ -1,1 +1,1 @@
-"""prefill_worker role (built in later issues)."""
+"""The prefill role: an engine that computes prompts and streams their KV to decode workers."""

@@ -19,8 +19,8 @@ from cluster.engine.block_manager import BlockManager
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.models.config import load_model_config
-from cluster.engine.request import Request
-from cluster.engine.sampler import make_generator
+from cluster.engine.request import FinishReason, Request, TransferTarget
+from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
@@ -114,6 +114,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
+        self.transfer_errors: dict[str, str | None] = {}  # request id -> None (sent) or the error
 
     def _make_runner(self, model_dir: Path, progress) -> ModelRunner:
         cfg = self.config
@@ -176,8 +177,21 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        transfer: TransferTarget | None = None,
     ) -> Request:
-        """Queues a request; raises InvalidRequestError (naming what to fix) if it can never run."""
+        """Queues a request; raises InvalidRequestError (naming what to fix) if it can never run.
+        With ``transfer``, the prompt's KV streams to a decode worker as it is computed."""
+        request = self._make_request(request_id, prompt, params, priority, arrival_time, cache_salt)
+        request.transfer = transfer
+        self.scheduler.add(request)
+        self._track(request)
+        return request
+
+    def _track(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.params.stop)
+
+    def _make_request(self, request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None) -> Request:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
@@ -196,10 +210,45 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             generator=make_generator(params.seed) if params.seed is not None else None,
         )
-        self.scheduler.add(request)
-        if self.tokenizer is not None:
-            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request
+
+    # -- decode side of disaggregation ----------------------------------------------------
+
+    def reserve_transfer(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                         priority: int = 0, cache_salt: str | None = None) -> tuple[int, list[int]] | None:
+        """Holds blocks for a prompt whose KV a prefill worker will send. Returns (blocks
+        already cached here, block ids the KV must go to), or None when blocks are short."""
+        request = self._make_request(request_id, prompt, params, priority, None, cache_salt)
+        first_block = self.scheduler.reserve_for_transfer(request)
+        if first_block is None:
+            return None
+        self._track(request)
+        request.times.first_scheduled = time.monotonic()
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        self.stats.cached_prompt_tokens += request.num_cached_tokens
+        return first_block, request.block_ids[first_block:]
+
+    def receive_transfer(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int,
+                         timeout_s: float) -> str | None:
+        """Receives a reserved request's KV on every rank; None, or the error."""
+        return self.runner.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
+
+    def admit_transfer(self, request_id: str, first_token: int, logprob: float | None = None,
+                       top_logprobs: list[tuple[int, float]] | None = None) -> RequestOutput:
+        """The KV has arrived and the prefill worker sampled ``first_token`` (with its logprobs,
+        when asked for): the request joins the batch (or finishes, if that token ends it)."""
+        request = self.scheduler.admit_transferred(request_id, first_token)
+        if logprob is not None and request.params.logprobs is not None:
+            request.logprobs.append(logprob)
+            request.top_logprobs.append([tuple(pair) for pair in top_logprobs or []])
+        if request.generator is not None and not request.params.greedy:
+            skip_one_draw(request.generator, self.model_config.vocab_size)
+        detokenizer = self.detokenizers.get(request_id)
+        if detokenizer is not None and detokenizer.append(first_token):
+            self.scheduler.finish(request, FinishReason.STOP)
+        request.times.first_token = time.monotonic()
+        self.stats.generated_tokens += 1
+        return self._output(request, [first_token])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -226,6 +275,7 @@ class LLMEngine:
                 self.stats.cached_prompt_tokens += request.num_cached_tokens
         inputs = self.runner.prepare(out)
         logits = self.runner.execute(inputs)
+        self.transfer_errors.update(inputs.transfer_errors)
         sampled = self.runner.sample(logits, inputs.sampling_requests) if inputs.sampling_requests else None
 
         tokens: dict[str, int] = {}

@@ -7,13 +7,15 @@ head_dim], each layer's attention holding views of its K and V parts.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from cluster.engine.memory import empty_huge_paged
+from cluster.kv_transfer.agent import KVStream, TransferAgent, finish_all
+from cluster.kv_transfer.sender import KVSender
 from cluster.engine.models.attention import AttentionMetadata, PrefillSpan, visible_keys
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup
@@ -43,6 +45,7 @@ class StepPlan:
     decode_block_table: list[list[int]]
     prefills: list[PrefillPlan]
     sample_rows: list[int]
+    streams: tuple[KVStream, ...] = ()  # KV to send layer by layer during this step
 
 
 @dataclass
@@ -53,6 +56,8 @@ class StepInputs:
     sample_rows: torch.Tensor
     sampling_requests: list[Request]
     plan: StepPlan
+    senders: list[KVSender] = field(default_factory=list)
+    transfer_errors: dict[str, str | None] = field(default_factory=dict)  # request id -> None or the error
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -82,6 +87,15 @@ class ModelRunner:
         self.sliding_window = config.sliding_window
         self.kv_cache = torch.empty(0)
         self.after_layer: Callable[[int], None] | None = None  # see AttentionMetadata.after_layer
+        self.tp_rank = group.rank
+        self._transfers: TransferAgent | None = None
+
+    @property
+    def transfers(self) -> TransferAgent:
+        """This rank's KV-transfer pairs (created on first use, after the KV cache)."""
+        if self._transfers is None:
+            self._transfers = TransferAgent(self.kv_cache, self.tp_rank, str(self.device))
+        return self._transfers
         self.num_blocks = 0
 
     # -- KV cache -------------------------------------------------------------------------
@@ -139,6 +153,7 @@ class ModelRunner:
         decode_table = [row + [0] * (widest - len(row)) for row in decode_table]
 
         prefills: list[PrefillPlan] = []
+        streams: list[KVStream] = []
         for request, count in out.prefills:
             start = request.num_computed_tokens
             end = start + count
@@ -153,15 +168,21 @@ class ModelRunner:
             if end == request.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(request)
-        plan = StepPlan(input_ids, positions, slots, decode_lens, decode_table, prefills, sample_rows)
+            if request.transfer is not None and end == request.num_prompt_tokens:
+                target = request.transfer
+                blocks = tuple(blocks[target.first_block : -(-end // bs)])
+                streams.append(KVStream(target.pair, request.request_id, blocks, target.tag_base, target.timeout_s,
+                                        target.streaming))
+        plan = StepPlan(input_ids, positions, slots, decode_lens, decode_table, prefills, sample_rows, tuple(streams))
         return plan, sampling
 
     def build_inputs(self, plan: StepPlan, sampling: list[Request] | None = None) -> StepInputs:
         device = self.device
+        senders = self.transfers.senders(list(plan.streams)) if plan.streams else []
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(plan.slots, dtype=torch.long, device=device),
             num_decodes=len(plan.decode_lens),
-            after_layer=self.after_layer,
+            after_layer=self._layer_hook(senders),
         )
         if plan.decode_lens:
             meta.decode_context_lens = plan.decode_lens
@@ -183,13 +204,37 @@ class ModelRunner:
             sample_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=device),
             sampling_requests=sampling or [],
             plan=plan,
+            senders=senders,
         )
+
+    def join_transfer(self, layout, spec, prefill_side: bool) -> None:
+        self.transfers.join(layout, spec, prefill_side)
+
+    def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
+        """Receives a request's KV into ``dst_blocks``; returns None, or the error."""
+        return self.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s).error
+
+    def _layer_hook(self, senders: list[KVSender]) -> Callable[[int], None] | None:
+        hooks = [s.after_layer for s in senders if s.streaming] + ([self.after_layer] if self.after_layer else [])
+        if not hooks:
+            return None
+        if len(hooks) == 1:
+            return hooks[0]
+
+        def run_all(layer: int) -> None:
+            for hook in hooks:
+                hook(layer)
+
+        return run_all
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Runs the model; returns logits for the rows that sample a token."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        if inputs.senders:
+            inputs.transfer_errors = finish_all(inputs.senders)
+        return logits
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:

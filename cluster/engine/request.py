@@ -36,6 +36,19 @@ class RequestTimes:
     finished: float | None = None
 
 
+@dataclass(frozen=True)
+class TransferTarget:
+    """Where a prefill worker streams this request's KV: a pair (transfer group), the tags of
+    the stream, and how many leading blocks the decode side already holds. ``streaming=False``
+    sends the whole request after its forward pass instead of layer by layer (for comparison)."""
+
+    pair: str
+    tag_base: int
+    first_block: int = 0
+    timeout_s: float = 60.0
+    streaming: bool = True
+
+
 @dataclass(eq=False)
 class Request:
     """``token_ids`` holds the prompt followed by the output; ``num_computed_tokens`` of them
@@ -49,6 +62,7 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     generator: Any = None
+    transfer: TransferTarget | None = None
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = field(default=0, init=False)

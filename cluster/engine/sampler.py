@@ -22,6 +22,12 @@ import torch
 from cluster.engine.sampling_params import SamplingParams
 
 
+def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Consumes one step's draws, as when another process (a prefill worker) sampled the
+    request's token from a generator with the same seed: the next draw then matches."""
+    torch.empty(vocab_size).exponential_(generator=generator)
+
+
 def make_generator(seed: int) -> torch.Generator:
     """CPU generator seeded for one request; the engine keeps it on the request and passes it every step."""
     generator = torch.Generator(device="cpu")

@@ -12,6 +12,7 @@ import time
 import torch
 
 from cluster.kv_transfer.kv_blocks import layer_message_shape, unpack_layer
+from cluster.kv_transfer.sender import layer_tag
 from cluster.kv_transfer.transport import create_transport
 from cluster.parallel.group import GroupSpec
 
@@ -32,7 +33,7 @@ class KVEndpoint:
         pending = []
         for layer in range(self.cache.shape[0]):
             buffer = torch.empty(layer_message_shape(self.cache, len(block_ids), num_heads), dtype=self.cache.dtype)
-            pending.append((layer, buffer, self.transport.recv(buffer, peer, tag_base + layer)))
+            pending.append((layer, buffer, self.transport.recv(buffer, peer, layer_tag(tag_base, layer))))
         for layer, buffer, work in pending:
             work.wait(timeout_s)
             unpack_layer(self.cache, layer, ids, first_head, buffer)

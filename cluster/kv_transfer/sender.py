@@ -21,12 +21,19 @@ from cluster.kv_transfer.state import TransferRecord, TransferState
 from cluster.kv_transfer.transport import KVTransport, Pending, TransportError
 
 
+TAG_STRIDE = 8  # tags of one stream: tag_base + layer * TAG_STRIDE + (slice index between one pair of ranks)
+
+
+def layer_tag(tag_base: int, layer: int) -> int:
+    return tag_base + layer * TAG_STRIDE
+
+
 @dataclass(frozen=True)
 class Destination:
     peer: int  # the receiver's rank in the transfer group
     first_head: int  # first of this rank's local KV heads that the receiver takes
     num_heads: int
-    tag_base: int  # layer i travels with tag tag_base + i
+    tag_base: int  # layer i travels with tag layer_tag(tag_base, i)
 
 
 class KVSender:
@@ -40,6 +47,7 @@ class KVSender:
         self.block_ids = block_ids
         self.first_block = first_block
         self.destinations = destinations
+        self.streaming = True  # False: the owner calls after_layer for every layer after the forward pass
         self._ids: torch.Tensor | None = None
         self._pending: list[list[tuple[Pending, torch.Tensor]]] = []
 
@@ -58,7 +66,7 @@ class KVSender:
         try:
             for dest in self.destinations:
                 message = pack_layer(self.kv_cache, layer, self._ids, dest.first_head, dest.num_heads)
-                sends.append((self.transport.send(message, dest.peer, dest.tag_base + layer), message))
+                sends.append((self.transport.send(message, dest.peer, layer_tag(dest.tag_base, layer)), message))
         except TransportError as exc:
             self.record.fail(str(exc))
             return

@@ -8,8 +8,8 @@ travel through the process group's collectives. A follower that dies makes the s
 an error naming it instead of hanging: its peers' collectives see the closed connection, and
 the process group has a timeout besides.
 
-On GPUs, rank r uses ``cuda:r`` of its node (rank 0 ``cuda:0``), so a group of N ranks on one
-node needs N GPUs; NCCL cannot put two ranks of a group on one GPU.
+On GPUs, rank r uses ``cuda:(k + r)`` of its node when rank 0 uses ``cuda:k``, so a group of N
+ranks on one node needs N GPUs; NCCL cannot put two ranks of a group on one GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from cluster.engine.model_runner import ModelRunner, StepInputs, StepPlan
 from cluster.engine.models.config import ModelConfig
+from cluster.kv_transfer.agent import PairLayout
 from cluster.parallel.group import GroupSpec, join_group
 from cluster.ray_runtime import ensure_ray
 
@@ -56,7 +57,8 @@ class TPFollower:
                  spec: GroupSpec, rank: int, num_threads: int):
         torch.set_num_threads(num_threads)
         if device.startswith("cuda"):
-            device = f"cuda:{rank}"
+            first = int(device.partition(":")[2] or 0)
+            device = f"cuda:{first + rank}"
             torch.cuda.set_device(device)
         group = join_group(spec, rank, torch.device(device))
         self.runner = ModelRunner(config, Path(model_dir), block_size, max_model_len, device, group)
@@ -67,8 +69,20 @@ class TPFollower:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def execute(self, plan: StepPlan) -> None:
-        self.runner.execute(self.runner.build_inputs(plan))
+    def execute(self, plan: StepPlan) -> dict[str, str | None]:
+        inputs = self.runner.build_inputs(plan)
+        self.runner.execute(inputs)
+        return inputs.transfer_errors
+
+    def join_transfer(self, layout: PairLayout, spec: GroupSpec, prefill_side: bool) -> None:
+        self.runner.transfers.join(layout, spec, prefill_side)
+
+    def leave_transfer(self, name: str) -> None:
+        self.runner.transfers.leave(name)
+
+    def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
+        record = self.runner.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
+        return record.error
 
 
 class TensorParallelRunner(ModelRunner):
@@ -96,7 +110,7 @@ class TensorParallelRunner(ModelRunner):
         spec = GroupSpec(cluster, f"{name}-tp", tp_size)
         follower = ray.remote(TPFollower)
         self.followers = [
-            follower.options(name=f"{name}-tp{rank}", num_cpus=0.25).remote(
+            follower.options(name=f"{name}-tp{rank}", num_cpus=0.25, max_concurrency=2).remote(
                 config, str(model_dir), block_size, max_model_len, device, spec, rank, threads
             )
             for rank in range(1, tp_size)
@@ -129,8 +143,24 @@ class TensorParallelRunner(ModelRunner):
         except RuntimeError as exc:
             self._wait(refs, "running a step")
             raise TensorParallelError(f"tensor-parallel step failed: {exc}") from exc
-        self._wait(refs, "running a step")
+        for errors in self._wait(refs, "running a step"):
+            for request_id, error in errors.items():
+                if error is not None and inputs.transfer_errors.get(request_id) is None:
+                    inputs.transfer_errors[request_id] = error
         return logits
+
+    def join_transfer(self, layout: PairLayout, spec: GroupSpec, prefill_side: bool) -> None:
+        """Every rank joins the pair's group (they block until the other engine's ranks do)."""
+        refs = [f.join_transfer.remote(layout, spec, prefill_side) for f in self.followers]
+        self.transfers.join(layout, spec, prefill_side)
+        self._wait(refs, "joining a KV-transfer group")
+
+    def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
+        """Every rank receives its heads; returns None, or the first error."""
+        refs = [f.receive.remote(pair, request_id, dst_blocks, tag_base, timeout_s) for f in self.followers]
+        error = self.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s).error
+        errors = [error] + self._wait(refs, "receiving KV")
+        return next((e for e in errors if e is not None), None)
 
     def shutdown(self) -> None:
         for actor in getattr(self, "followers", []):

@@ -265,6 +265,20 @@ def test_run_file_with_tensor_parallel_ranks(model_dir, input_file, reference, t
     _check_rows(rows, reference)
 
 
+def test_run_file_disaggregated_with_prefill_tp2(model_dir, input_file, reference, tmp_path):
+    """--disaggregated: a prefill worker (TP 2) and a decode worker in their own processes, KV
+    streamed between them; every line as the colocated Python API gives it."""
+    rows = _run_file(model_dir, input_file, tmp_path, "--disaggregated", "--prefill-tp", "2",
+                     "--cluster-name", "cli-disagg-test", "--threads", "1")
+    _check_rows(rows, reference)
+
+
+def test_disaggregated_flags_without_disaggregated_exit_2(model_dir):
+    result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--prefill-tp", "2", stdin=b"")
+    assert result.returncode == 2
+    assert b"--prefill-tp needs --disaggregated" in result.stderr
+
+
 def test_tp_degree_that_does_not_divide_the_model_exits_2(model_dir, tmp_path):
     result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--tp", "3", stdin=b"")
     assert result.returncode == 2

@@ -10,6 +10,7 @@ import torch
 
 from cluster.kv_transfer.endpoint import KVEndpoint
 from cluster.kv_transfer.kv_blocks import pack_layer
+from cluster.kv_transfer.sender import layer_tag
 from cluster.kv_transfer.transport import TransportError, create_transport
 from cluster.parallel.group import GroupSpec
 from cluster.ray_runtime import ensure_ray
@@ -38,7 +39,7 @@ def test_layers_arrive_in_the_receivers_own_blocks(ray):
     source = torch.randn(SHAPE)
     src_blocks, dst_blocks = [5, 17, 2, 30], [0, 9, 31, 4]
     done = receiver.receive_layers.remote(0, dst_blocks, 0, SHAPE[4], 30)
-    sends = [sender.send(pack_layer(source, layer, torch.tensor(src_blocks), 0, SHAPE[4]), peer=1, tag=layer)
+    sends = [sender.send(pack_layer(source, layer, torch.tensor(src_blocks), 0, SHAPE[4]), peer=1, tag=layer_tag(0, layer))
              for layer in range(SHAPE[0])]
     for work in sends:
         work.wait(30)
@@ -60,7 +61,7 @@ def test_heads_from_two_senders_fill_one_receiver(ray):
         done = receiver.receive_layers.remote(0, blocks, first_head, 2, 30, tag_base)
         for layer in range(shape[0]):
             message = pack_layer(source, layer, torch.tensor(blocks), first_head, 2)
-            sender.send(message, peer=1, tag=tag_base + layer).wait(30)
+            sender.send(message, peer=1, tag=layer_tag(tag_base, layer)).wait(30)
         ray.get(done)
     assert torch.equal(ray.get(receiver.blocks.remote(blocks)), source[:, :, blocks])
     ray.kill(receiver)

@@ -1,0 +1,363 @@
+"""Disaggregated serving on one machine: prefill workers and decode workers as Ray actors,
+with each prompt's KV streamed layer by layer from the one to the other.
+
+:class:`DisaggregatedLLM` has the interface of :class:`~cluster.engine.llm.LLM` (``generate``,
+``run_until_done``, an ``engine`` that takes requests), so ``tandem run --disaggregated`` and
+the Python API use it as they use the colocated engine. Per request it
+
+1. reserves blocks on a decode worker (which reports how many leading blocks it already
+   caches: those do not travel),
+2. posts the decode worker's receive and the prefill worker's prefill at once; the prefill
+   worker streams each layer as soon as it is computed,
+3. admits the request into the decode worker's batch with the prefill's first token.
+
+Every prefill worker is paired with every decode worker through a transfer group of its own
+(ranks of both engines, ports from the cluster name). A worker that dies fails its requests
+with an error naming it; the other side frees its blocks (a receive passes its deadline, a
+send fails) and goes on serving, and later requests avoid the dead worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from cluster.engine.config import EngineConfig, EngineConfigError
+from cluster.engine.engine import EngineStats, RequestOutput, Usage
+from cluster.engine.llm import LLM
+from cluster.engine.models.config import load_model_config
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.request import Request, TransferTarget
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.tokenizer import Tokenizer, TokenizerError
+from cluster.kv_transfer.agent import PairLayout
+from cluster.kv_transfer.sender import TAG_STRIDE
+from cluster.parallel.group import GroupSpec
+from cluster.parallel.tp_runner import check_tensor_parallel
+from cluster.ray_runtime import ensure_ray
+
+TAG_LIMIT = 2**30
+
+
+@dataclass
+class _Queued:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float
+
+
+@dataclass
+class _InFlight:
+    request: _Queued
+    decode: int
+    prefill: int
+    receive_ref: object
+    prefill_ref: object
+    first_block: int
+
+
+@dataclass(frozen=True)
+class TransferStat:
+    request_id: str
+    prefill_worker: int
+    decode_worker: int
+    blocks_cached_on_decode: int
+    blocks_sent: int
+
+
+class _Frontend:
+    """What ``run_file`` and ``LLM.generate`` use of an engine: requests in, stats out.
+
+    Requests are checked on arrival as a decode worker's scheduler would check them (context
+    length, blocks), so a request that can never run is refused at once, like the colocated
+    engine does; ``limits`` is set once the decode workers have started."""
+
+    def __init__(self, model_dir: Path, vocab_size: int):
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(model_dir)
+        except TokenizerError:
+            self.tokenizer = None
+        self.vocab_size = vocab_size
+        self.queue: list[_Queued] = []
+        self.stats = EngineStats()
+        self.limits: Scheduler | None = None
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer.json; send prompt_token_ids instead of prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        if any(q.request_id == request_id for q in self.queue):
+            raise InvalidRequestError(f"request id {request_id!r} is already queued")
+        params = params or SamplingParams()
+        if self.limits is not None:
+            self.limits.check(Request(request_id, token_ids, params))
+        self.queue.append(_Queued(request_id, token_ids, params, priority, time.monotonic()))
+
+
+class DisaggregatedLLM(LLM):
+    def __init__(
+        self,
+        model: str | None = None,
+        verbose: bool = True,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
+        prefill_workers: int = 1,
+        decode_workers: int = 1,
+        cluster_name: str = "tandem",
+        ray_address: str | None = None,
+        transfer_timeout_s: float = 60.0,
+        kv_transport: str = "torch_distributed",
+        stream_layers: bool = True,
+        **engine_args,
+    ):
+        if model is None:
+            from cluster.default_model import default_model_dir
+
+            model = str(default_model_dir())
+        for name, value in (("prefill_workers", prefill_workers), ("decode_workers", decode_workers)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        model_dir = Path(model)
+        config = load_model_config(model_dir, engine_args.get("dtype"))
+        for side, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+            try:
+                check_tensor_parallel(config, tp)
+            except ValueError as exc:
+                raise EngineConfigError(f"{side}: {exc}") from None
+        ray = self._ray = ensure_ray(cluster_name, ray_address)
+        self.engine = _Frontend(model_dir, config.vocab_size)
+        self.num_layers = config.num_layers
+        self.transfer_timeout_s = transfer_timeout_s
+        self.stream_layers = stream_layers
+        self.verbose = verbose
+        self.transfers: list[TransferStat] = []
+        common = dict(model=str(model_dir), cluster_name=cluster_name, ray_address=ray_address, **engine_args)
+
+        from decode_worker.worker import DecodeWorker
+        from prefill_worker.worker import PrefillWorker
+
+        device = common.pop("device", "cpu")
+        gpus = itertools.count(int(device.partition(":")[2] or 0)) if device.startswith("cuda") else None
+
+        def device_for(tp: int) -> str:
+            """On GPUs each worker's ranks take the next ``tp`` devices of this node."""
+            if gpus is None:
+                return device
+            first = next(gpus)
+            for _ in range(tp - 1):
+                next(gpus)
+            return f"cuda:{first}"
+
+        started = time.perf_counter()
+        self.prefill = [
+            ray.remote(PrefillWorker).options(name=f"prefill-{i}", num_cpus=0.25).remote(
+                EngineConfig(tensor_parallel_size=prefill_tp, engine_name=f"prefill-{i}", device=device_for(prefill_tp),
+                             **common))
+            for i in range(prefill_workers)
+        ]
+        self.decode = [
+            ray.remote(DecodeWorker).options(name=f"decode-{i}", num_cpus=0.25, max_concurrency=16).remote(
+                EngineConfig(tensor_parallel_size=decode_tp, engine_name=f"decode-{i}", device=device_for(decode_tp),
+                             **common))
+            for i in range(decode_workers)
+        ]
+        try:
+            described = ray.get([w.describe.remote() for w in self.prefill + self.decode])
+            smallest = min(described[len(self.prefill):], key=lambda d: d["num_blocks"])
+            self.engine.limits = Scheduler(BlockManager(smallest["num_blocks"], smallest["block_size"]), 1, 1,
+                                           smallest["max_model_len"])
+            joins = []
+            for p, d in itertools.product(range(prefill_workers), range(decode_workers)):
+                layout = PairLayout(self._pair(p, d), prefill_tp, decode_tp, config.num_kv_heads, kv_transport)
+                spec = GroupSpec(cluster_name, f"kv-p{p}-d{d}", layout.size)
+                joins += [self.prefill[p].join_pair.remote(layout, spec), self.decode[d].join_pair.remote(layout, spec)]
+            ray.get(joins)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._tags = {self._pair(p, d): itertools.count() for p in range(prefill_workers) for d in range(decode_workers)}
+        self._dead_decode: set[int] = set()
+        self._dead_prefill: set[int] = set()
+        self._next_decode = itertools.count()
+        self._next_prefill = itertools.count()
+        if verbose:
+            print(f"[tandem] disaggregated: {prefill_workers} prefill worker(s) TP {prefill_tp}, {decode_workers} decode "
+                  f"worker(s) TP {decode_tp}, ready in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _pair(prefill: int, decode: int) -> str:
+        return f"p{prefill}-d{decode}"
+
+    def shutdown(self) -> None:
+        ray = self._ray
+        for worker in getattr(self, "prefill", []) + getattr(self, "decode", []):
+            try:
+                ray.get(worker.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - a dead worker has nothing left to stop
+                pass
+            ray.kill(worker, no_restart=True)
+        self.prefill, self.decode = [], []
+
+    # -- running requests -------------------------------------------------------------------
+
+    def _pick(self, counter, count: int, dead: set[int]) -> int | None:
+        alive = [i for i in range(count) if i not in dead]
+        return alive[next(counter) % len(alive)] if alive else None
+
+    def _error_output(self, queued: _Queued, message: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=queued.request_id, prompt_token_ids=queued.prompt_token_ids, token_ids=[], new_token_ids=[],
+            text="", delta_text="", finished=True, finish_reason="error", error=message,
+            usage=Usage(len(queued.prompt_token_ids), 0, 0), arrival_time=queued.arrival, finish_time=time.monotonic(),
+        )
+
+    def _dispatch(self, queued: _Queued) -> _InFlight | RequestOutput | None:
+        """Starts one request; an error output if it cannot run, None if no decode room now."""
+        ray = self._ray
+        d = self._pick(self._next_decode, len(self.decode), self._dead_decode)
+        p = self._pick(self._next_prefill, len(self.prefill), self._dead_prefill)
+        if d is None or p is None:
+            return self._error_output(queued, "no live decode worker" if d is None else "no live prefill worker")
+        try:
+            reserved = ray.get(self.decode[d].reserve.remote(
+                queued.request_id, queued.prompt_token_ids, queued.params, queued.priority))
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(getattr(exc, "cause", None), InvalidRequestError) else exc
+            return self._error_output(queued, str(cause))
+        except ray.exceptions.RayActorError:
+            self._dead_decode.add(d)
+            return self._dispatch(queued)
+        if reserved is None:
+            return None
+        first_block, dst_blocks = reserved
+        pair = self._pair(p, d)
+        tag_base = next(self._tags[pair]) * self.num_layers * TAG_STRIDE % TAG_LIMIT
+        target = TransferTarget(pair, tag_base, first_block, self.transfer_timeout_s, self.stream_layers)
+        receive = self.decode[d].receive.remote(pair, queued.request_id, dst_blocks, tag_base, self.transfer_timeout_s)
+        prefill = self.prefill[p].prefill.remote(queued.request_id, queued.prompt_token_ids, queued.params, target)
+        return _InFlight(queued, d, p, receive, prefill, first_block)
+
+    def _complete(self, flight: _InFlight) -> RequestOutput | None:
+        """Both halves ended: admit the request, or fail it (freeing the decode side)."""
+        ray, rid = self._ray, flight.request.request_id
+        errors = []
+        try:
+            receive_error = ray.get(flight.receive_ref)
+        except ray.exceptions.RayActorError:
+            self._dead_decode.add(flight.decode)
+            receive_error = f"decode worker {flight.decode} died"
+        if receive_error:
+            errors.append(f"receive: {receive_error}")
+        try:
+            result = ray.get(flight.prefill_ref)
+            if result.error:
+                errors.append(f"prefill: {result.error}")
+        except ray.exceptions.RayActorError:
+            self._dead_prefill.add(flight.prefill)
+            result = None
+            errors.append(f"prefill worker {flight.prefill} died")
+        if errors:
+            if flight.decode not in self._dead_decode:
+                self.decode[flight.decode].release.remote(rid)
+            return self._error_output(flight.request, "KV transfer failed: " + "; ".join(errors))
+        self.transfers.append(TransferStat(rid, flight.prefill, flight.decode, flight.first_block, result.blocks_sent))
+        self.decode[flight.decode].admit.remote(rid, result.first_token, result.first_logprob,
+                                                result.first_top_logprobs)
+        self._owner[rid] = flight.decode
+        return None
+
+    def run_until_done(self, request_ids: Sequence[str], progress: bool = False) -> list[RequestOutput]:
+        ray = self._ray
+        wanted = set(request_ids)
+        queue = deque(sorted((q for q in self.engine.queue if q.request_id in wanted),
+                             key=lambda q: (-q.priority, q.arrival)))
+        self.engine.queue = [q for q in self.engine.queue if q.request_id not in wanted]
+        results: dict[str, RequestOutput] = {}
+        inflight: dict[str, _InFlight] = {}
+        self._owner: dict[str, int] = {}
+        started = last_report = time.perf_counter()
+        max_inflight = 4 * len(self.prefill)
+        while len(results) < len(wanted):
+            while queue and len(inflight) < max_inflight:
+                started_one = self._dispatch(queue[0])
+                if started_one is None:
+                    break
+                queue.popleft()
+                if isinstance(started_one, RequestOutput):
+                    results[started_one.request_id] = started_one
+                else:
+                    inflight[started_one.request.request_id] = started_one
+            refs = [ref for f in inflight.values() for ref in (f.receive_ref, f.prefill_ref)]
+            if refs:
+                ray.wait(refs, num_returns=1, timeout=0.01)
+            for rid, flight in list(inflight.items()):
+                ready, _ = ray.wait([flight.receive_ref, flight.prefill_ref], num_returns=2, timeout=0)
+                if len(ready) == 2:
+                    del inflight[rid]
+                    failed = self._complete(flight)
+                    if failed is not None:
+                        results[rid] = failed
+            self._collect(results)
+            if not refs:
+                time.sleep(0.002)
+            if progress and time.perf_counter() - last_report > 2.0:
+                last_report = time.perf_counter()
+                print(f"\r[tandem] {len(results)}/{len(wanted)} requests done", end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        self._update_stats(results.values())
+        return [results[i] for i in request_ids]
+
+    def _collect(self, results: dict[str, RequestOutput]) -> None:
+        ray = self._ray
+        for d, worker in enumerate(self.decode):
+            if d in self._dead_decode:
+                continue
+            try:
+                for output in ray.get(worker.poll.remote()):
+                    results[output.request_id] = output
+            except ray.exceptions.RayActorError:
+                self._dead_decode.add(d)
+        for rid, d in list(self._owner.items()):
+            if rid in results:
+                del self._owner[rid]
+            elif d in self._dead_decode:
+                del self._owner[rid]
+                results[rid] = RequestOutput(
+                    request_id=rid, prompt_token_ids=[], token_ids=[], new_token_ids=[], text="", delta_text="",
+                    finished=True, finish_reason="error", error=f"decode worker {d} died while generating",
+                    usage=Usage(0, 0, 0))
+
+    def _update_stats(self, outputs) -> None:
+        stats = self.engine.stats
+        for output in outputs:
+            stats.prompt_tokens += output.usage.prompt_tokens
+            stats.cached_prompt_tokens += output.usage.cached_tokens
+            stats.generated_tokens += output.usage.completion_tokens
+
+    def worker_free_blocks(self) -> tuple[list[int | None], list[int | None]]:
+        """Free KV blocks of each prefill and decode worker (None for a dead one)."""
+        ray = self._ray
+
+        def free(worker):
+            try:
+                return ray.get(worker.free_blocks.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return None
+
+        return [free(w) for w in self.prefill], [free(w) for w in self.decode]

@@ -1,0 +1,139 @@
+"""Each engine rank's side of KV transfer: the pairs it has joined, and the moves it makes.
+
+A *pair* is one transfer group joining every rank of one prefill engine (group ranks
+0..P-1, its TP ranks in order) and every rank of one decode engine (P..P+D-1). Both sides
+derive from :func:`plan_head_slices` who sends which KV heads to whom, so no negotiation is
+needed per request: the prefill side streams its slices of each layer as the layer finishes,
+the decode side posts matching receives straight into the blocks it reserved.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cluster.kv_transfer.kv_blocks import layer_message_shape, unpack_layer
+from cluster.kv_transfer.resharding import HeadSlice, plan_head_slices
+from cluster.kv_transfer.sender import Destination, KVSender, layer_tag
+from cluster.kv_transfer.state import TransferRecord, TransferState
+from cluster.kv_transfer.transport import KVTransport, TransportError, create_transport
+from cluster.parallel.group import GroupSpec
+
+
+@dataclass(frozen=True)
+class PairLayout:
+    name: str
+    prefill_tp: int
+    decode_tp: int
+    num_kv_heads: int
+    transport: str = "torch_distributed"
+
+    @property
+    def size(self) -> int:
+        return self.prefill_tp + self.decode_tp
+
+    def slices(self) -> list[tuple[HeadSlice, int]]:
+        """Every head slice with its index among the slices between the same two ranks."""
+        seen: dict[tuple[int, int], int] = {}
+        out = []
+        for s in plan_head_slices(self.num_kv_heads, self.prefill_tp, self.decode_tp):
+            index = seen.get((s.sender, s.receiver), 0)
+            seen[(s.sender, s.receiver)] = index + 1
+            out.append((s, index))
+        return out
+
+
+@dataclass(frozen=True)
+class KVStream:
+    """Part of a step plan: send these blocks of a request over a pair, each layer as soon as
+    it is computed (``streaming``), or all layers once the forward pass is over."""
+
+    pair: str
+    request_id: str
+    src_blocks: tuple[int, ...]
+    tag_base: int
+    timeout_s: float
+    streaming: bool = True
+
+
+class TransferAgent:
+    def __init__(self, kv_cache: torch.Tensor, tp_rank: int, device: str = "cpu"):
+        self.kv_cache = kv_cache
+        self.tp_rank = tp_rank
+        self.device = device
+        self.pairs: dict[str, tuple[PairLayout, KVTransport]] = {}
+
+    def join(self, layout: PairLayout, spec: GroupSpec, prefill_side: bool) -> None:
+        """Blocks until every rank of both engines has joined ``spec``'s group."""
+        rank = self.tp_rank if prefill_side else layout.prefill_tp + self.tp_rank
+        self.pairs[layout.name] = (layout, create_transport(layout.transport, spec=spec, rank=rank, device=self.device))
+
+    def leave(self, name: str) -> None:
+        entry = self.pairs.pop(name, None)
+        if entry is not None:
+            entry[1].close()
+
+    def senders(self, streams: list[KVStream]) -> list[KVSender]:
+        num_layers = self.kv_cache.shape[0]
+        out = []
+        for stream in streams:
+            layout, transport = self.pairs[stream.pair]
+            destinations = [
+                Destination(layout.prefill_tp + s.receiver, s.sender_offset, s.num_heads, stream.tag_base + index)
+                for s, index in layout.slices() if s.sender == self.tp_rank
+            ]
+            record = TransferRecord.start(stream.request_id, num_layers, stream.timeout_s)
+            blocks = list(stream.src_blocks)
+            sender = KVSender(transport, self.kv_cache, record, lambda blocks=blocks: blocks, destinations)
+            sender.streaming = stream.streaming
+            out.append(sender)
+        return out
+
+    def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int,
+                timeout_s: float) -> TransferRecord:
+        """Receives this rank's head slices of every layer into ``dst_blocks``; returns the
+        record, done or failed (a failure never raises, so the caller frees the blocks)."""
+        layout, transport = self.pairs[pair]
+        num_layers = self.kv_cache.shape[0]
+        record = TransferRecord.start(request_id, num_layers, timeout_s)
+        if not dst_blocks:
+            for _ in range(num_layers):
+                record.layer_moved()
+            return record
+        ids = torch.tensor(dst_blocks, dtype=torch.long, device=self.kv_cache.device)
+        mine = [(s, index) for s, index in layout.slices() if s.receiver == self.tp_rank]
+        try:
+            pending = []
+            for layer in range(num_layers):
+                for s, index in mine:
+                    shape = layer_message_shape(self.kv_cache, len(dst_blocks), s.num_heads)
+                    buffer = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+                    work = transport.recv(buffer, s.sender, layer_tag(tag_base + index, layer))
+                    pending.append((layer, s, buffer, work))
+            done_in_layer = 0
+            for layer, s, buffer, work in pending:
+                work.wait(max(0.0, record.deadline - time.monotonic()))
+                unpack_layer(self.kv_cache, layer, ids, s.receiver_offset, buffer)
+                done_in_layer += 1
+                if done_in_layer == len(mine):
+                    record.layer_moved()
+                    done_in_layer = 0
+        except TransportError as exc:
+            record.fail(str(exc))
+        return record
+
+
+def finish_all(senders: list[KVSender]) -> dict[str, str | None]:
+    """Sends the layers of non-streaming senders, then waits for every stream's sends;
+    request id -> None when done, else the error."""
+    for sender in senders:
+        if not sender.streaming:
+            for layer in range(sender.kv_cache.shape[0]):
+                sender.after_layer(layer)
+    results = {}
+    for sender in senders:
+        state = sender.finish()
+        results[sender.record.request_id] = None if state is TransferState.DONE else (sender.record.error or state.value)
+    return results

@@ -1,0 +1,99 @@
+"""A decode worker: a Ray actor holding an engine that generates from KV computed elsewhere.
+
+Requests arrive in three calls: ``reserve`` holds blocks (reusing the prompt's full blocks
+this worker already caches, so only the rest travel), ``receive`` takes the KV straight into
+those blocks, and ``admit`` joins the request into the running batch with the first token the
+prefill worker sampled. A background thread steps the engine whenever requests are running, so
+receives proceed while other requests decode (they write only blocks reserved for them). A
+receive that fails or passes its deadline frees the request's blocks at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.sampling_params import SamplingParams
+from cluster.kv_transfer.agent import PairLayout
+from cluster.parallel.group import GroupSpec
+
+
+class DecodeWorker:
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config, verbose=False)
+        self._lock = threading.Lock()
+        self._finished: list[RequestOutput] = []
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._loop.start()
+
+    def describe(self) -> dict:
+        return {"num_kv_heads": self.engine.model_config.num_kv_heads, "tp": self.engine.config.tensor_parallel_size,
+                "num_layers": self.engine.model_config.num_layers, "free_blocks": self.free_blocks(),
+                "num_blocks": self.engine.block_manager.num_blocks, "block_size": self.engine.config.block_size,
+                "max_model_len": self.engine.max_model_len}
+
+    def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
+        self.engine.runner.join_transfer(layout, spec, prefill_side=False)
+
+    def leave_pair(self, name: str) -> None:
+        self.engine.runner.transfers.leave(name)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                priority: int = 0) -> tuple[int, list[int]] | None:
+        """(blocks already cached here, block ids for the KV), or None when blocks are short.
+        Raises InvalidRequestError for a request that can never run."""
+        with self._lock:
+            return self.engine.reserve_transfer(request_id, prompt_token_ids, params, priority)
+
+    def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int,
+                timeout_s: float) -> str | None:
+        """Blocks until the KV is in place; None, or the error (the request is then aborted)."""
+        error = self.engine.receive_transfer(pair, request_id, dst_blocks, tag_base, timeout_s)
+        if error is not None:
+            self.release(request_id)
+        return error
+
+    def admit(self, request_id: str, first_token: int, logprob: float | None = None,
+              top_logprobs: list[tuple[int, float]] | None = None) -> None:
+        with self._lock:
+            output = self.engine.admit_transfer(request_id, first_token, logprob, top_logprobs)
+            if output.finished:
+                self._finished.append(output)
+
+    def release(self, request_id: str) -> None:
+        """Aborts a reserved or running request and frees its blocks."""
+        with self._lock:
+            self.engine.abort_request(request_id)
+
+    def poll(self) -> list[RequestOutput]:
+        """Requests finished since the last poll."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        return done
+
+    def free_blocks(self) -> int:
+        with self._lock:
+            return self.engine.block_manager.num_free_blocks
+
+    def stats(self) -> dict:
+        with self._lock:
+            s = self.engine.stats
+            return {"prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
+                    "generated_tokens": s.generated_tokens}
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._loop.join(timeout=10)
+        self.engine.shutdown()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                running = bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+                outputs = self.engine.step() if running else []
+                self._finished.extend(o for o in outputs if o.finished)
+            if not running:
+                time.sleep(0.001)
