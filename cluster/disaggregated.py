@@ -195,6 +195,7 @@ class DisaggregatedLLM(LLM):
         self._dead_prefill: set[int] = set()
         self._next_decode = itertools.count()
         self._next_prefill = itertools.count()
+        self._owner: dict[str, int] = {}  # admitted request id -> decode worker generating it
         if verbose:
             print(f"[tandem] disaggregated: {prefill_workers} prefill worker(s) TP {prefill_tp}, {decode_workers} decode "
                   f"worker(s) TP {decode_tp}, ready in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
@@ -289,7 +290,6 @@ class DisaggregatedLLM(LLM):
         self.engine.queue = [q for q in self.engine.queue if q.request_id not in wanted]
         results: dict[str, RequestOutput] = {}
         inflight: dict[str, _InFlight] = {}
-        self._owner: dict[str, int] = {}
         started = last_report = time.perf_counter()
         max_inflight = 4 * len(self.prefill)
         while len(results) < len(wanted):

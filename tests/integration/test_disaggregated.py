@@ -104,39 +104,47 @@ def test_second_turn_sends_only_the_blocks_the_decode_worker_lacks(checkpoint):
 
 
 def test_decode_worker_killed_mid_transfer(checkpoint, ray_session):
-    """The decode side dies after reserving and before the KV lands: the request fails with an
-    error naming it, the prefill worker frees its blocks and serves the next request (on the
-    other decode worker) within the transfer deadline."""
+    """Decode worker 0 reserves blocks and posts its receive, then dies before the KV lands:
+    the prefill worker's transfer ends (failed, or sent into a closed connection) within its
+    deadline with every block freed, and the next request is served by decode worker 1."""
+    from cluster.engine.request import TransferTarget
+
     model_dir = checkpoint("llama")
     prompts = random_prompts([120, 30], seed=6)
     with disaggregated(model_dir, decode_workers=2, transfer_timeout_s=10) as llm:
-        llm.engine.add_request("doomed", prompts[0], greedy(8))
-        queued = llm.engine.queue.pop()
-        flight = llm._dispatch(queued)
-        assert flight.decode == 0
-        ray_session.kill(llm.decode[0])
+        decode0, prefill = llm.decode[0], llm.prefill[0]
+        first_block, dst_blocks = ray_session.get(decode0.reserve.remote("doomed", prompts[0], greedy(8)))
+        receive = decode0.receive.remote("p0-d0", "doomed", dst_blocks, 0, 10)
+        ray_session.kill(decode0)
         started = time.monotonic()
-        failed = llm._complete(flight)
-        assert failed is not None and failed.finish_reason == "error"
-        assert "decode worker 0 died" in failed.error or "receive" in failed.error
-        survivor = llm.generate([prompts[1]], greedy(8))[0]
-        assert survivor.error is None and len(survivor.token_ids) == 8
+        result = ray_session.get(prefill.prefill.remote("doomed", prompts[0], greedy(8),
+                                                        TransferTarget("p0-d0", 0, first_block, 10)))
         assert time.monotonic() - started < 10 + 5
-        prefill, decode = llm.worker_free_blocks()
-        assert prefill == [BLOCKS] and decode == [None, BLOCKS]
+        assert result.first_token is not None
+        with pytest.raises(ray_session.exceptions.RayActorError):
+            ray_session.get(receive)
+        survivor = llm.generate([prompts[1]], greedy(8))[0]  # decode 0 is found dead and skipped
+        assert survivor.error is None and len(survivor.token_ids) == 8
+        assert time.monotonic() - started < 10 + 15
+        prefill_free, decode_free = llm.worker_free_blocks()
+        assert prefill_free == [BLOCKS] and decode_free == [None, BLOCKS]
 
 
 def test_prefill_worker_killed_frees_the_reserved_decode_blocks(checkpoint, ray_session):
+    """Prefill worker 0 is dead when the request reaches it: the request fails naming it, the
+    decode worker's receive fails and frees the reserved blocks, and prefill worker 1 serves
+    the next request."""
     model_dir = checkpoint("llama")
     with disaggregated(model_dir, prefill_workers=2, transfer_timeout_s=5) as llm:
+        ray_session.kill(llm.prefill[0])
         llm.engine.add_request("orphan", random_prompts([90], seed=7)[0], greedy(4))
         flight = llm._dispatch(llm.engine.queue.pop())
-        ray_session.kill(llm.prefill[flight.prefill])
+        assert flight.prefill == 0
         failed = llm._complete(flight)
-        assert failed.finish_reason == "error" and f"prefill worker {flight.prefill} died" in failed.error
+        assert failed.finish_reason == "error" and "prefill worker 0 died" in failed.error
         survivor = llm.generate(random_prompts([25], seed=8), greedy(4))[0]
         assert survivor.error is None
         deadline = time.monotonic() + 10
         while llm.worker_free_blocks()[1] != [BLOCKS] and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert llm.worker_free_blocks()[1] == [BLOCKS]
+        assert llm.worker_free_blocks() == ([None, BLOCKS], [BLOCKS])
