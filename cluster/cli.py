@@ -37,6 +37,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     dis.add_argument("--decode-workers", type=int, default=1, help="number of decode workers (default: 1)")
     dis.add_argument("--transfer-timeout", type=float, default=60.0,
                      help="seconds a KV transfer may take before it fails (default: 60)")
+    dis.add_argument("--kv-transport", default="torch_distributed",
+                     help="KV transport by name (default: torch_distributed: gloo on CPUs, NCCL on GPUs)")
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -92,7 +94,8 @@ def _make_llm(args: argparse.Namespace):
     del engine_args["tensor_parallel_size"]
     return DisaggregatedLLM(
         args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers, transfer_timeout_s=args.transfer_timeout, **engine_args,
+        decode_workers=args.decode_workers, transfer_timeout_s=args.transfer_timeout, kv_transport=args.kv_transport,
+        **engine_args,
     )
 
 

@@ -38,6 +38,7 @@ from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
 from cluster.kv_transfer.agent import PairLayout
 from cluster.kv_transfer.sender import TAG_STRIDE
+from cluster.kv_transfer.transport import TransportError, transport_class
 from cluster.parallel.group import GroupSpec
 from cluster.parallel.tp_runner import check_tensor_parallel
 from cluster.ray_runtime import ensure_ray
@@ -139,6 +140,10 @@ class DisaggregatedLLM(LLM):
                 check_tensor_parallel(config, tp)
             except ValueError as exc:
                 raise EngineConfigError(f"{side}: {exc}") from None
+        try:
+            transport_class(kv_transport)
+        except TransportError as exc:
+            raise EngineConfigError(str(exc)) from None
         ray = self._ray = ensure_ray(cluster_name, ray_address)
         self.engine = _Frontend(model_dir, config.vocab_size)
         self.num_layers = config.num_layers
@@ -165,7 +170,7 @@ class DisaggregatedLLM(LLM):
 
         started = time.perf_counter()
         self.prefill = [
-            ray.remote(PrefillWorker).options(name=f"prefill-{i}", num_cpus=0.25).remote(
+            ray.remote(PrefillWorker).options(name=f"prefill-{i}", num_cpus=0.25, max_concurrency=64).remote(
                 EngineConfig(tensor_parallel_size=prefill_tp, engine_name=f"prefill-{i}", device=device_for(prefill_tp),
                              **common))
             for i in range(prefill_workers)
@@ -291,7 +296,7 @@ class DisaggregatedLLM(LLM):
         results: dict[str, RequestOutput] = {}
         inflight: dict[str, _InFlight] = {}
         started = last_report = time.perf_counter()
-        max_inflight = 4 * len(self.prefill)
+        max_inflight = 16 * len(self.prefill)  # enough for each prefill worker to batch
         while len(results) < len(wanted):
             while queue and len(inflight) < max_inflight:
                 started_one = self._dispatch(queue[0])

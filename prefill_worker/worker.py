@@ -4,10 +4,16 @@ For each request it computes the part of the prompt its own prefix cache lacks, 
 first token, and streams each layer's KV to the decode worker while the next layers compute
 (the request carries a :class:`TransferTarget`). Its blocks are freed as soon as the request
 ends; sent messages are copies, so nothing waits on the decode side to free them.
+
+``prefill`` calls run concurrently (a threaded actor): each adds its request and waits, while
+one loop thread steps the engine, so concurrent prompts share steps (chunked, token-budgeted
+batches) as in the colocated engine.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, replace
 
 from cluster.engine.config import EngineConfig
@@ -33,10 +39,16 @@ class PrefillResult:
 class PrefillWorker:
     def __init__(self, config: EngineConfig):
         self.engine = LLMEngine(config, verbose=False)
+        self._lock = threading.Lock()
+        self._done: dict[str, threading.Event] = {}
+        self._first: dict[str, tuple[int, float | None, list | None]] = {}
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+        self._loop.start()
 
     def describe(self) -> dict:
         return {"num_kv_heads": self.engine.model_config.num_kv_heads, "tp": self.engine.config.tensor_parallel_size,
-                "num_layers": self.engine.model_config.num_layers, "free_blocks": self.engine.block_manager.num_free_blocks}
+                "num_layers": self.engine.model_config.num_layers, "free_blocks": self.free_blocks()}
 
     def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
         self.engine.runner.join_transfer(layout, spec, prefill_side=True)
@@ -46,26 +58,46 @@ class PrefillWorker:
 
     def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 target: TransferTarget) -> PrefillResult:
-        engine = self.engine
-        try:
-            request = engine.add_request(request_id, prompt_token_ids, replace(params, max_tokens=1, stop=()),
-                                         transfer=target)
-        except InvalidRequestError as exc:
-            return PrefillResult(request_id, None, len(prompt_token_ids), 0, 0, str(exc))
-        first_token, logprob, top = None, None, None
-        while not request.finished:
-            for output in engine.step():
-                if output.request_id == request_id and output.token_ids:
-                    first_token = output.token_ids[0]
-                    if output.logprobs:
-                        logprob, top = output.logprobs[0], (output.top_logprobs or [[]])[0]
-        error = engine.transfer_errors.pop(request_id, "the request ended before its KV was sent")
-        blocks = -(-request.num_prompt_tokens // engine.config.block_size) - target.first_block
+        done = threading.Event()
+        with self._lock:
+            try:
+                request = self.engine.add_request(request_id, prompt_token_ids,
+                                                  replace(params, max_tokens=1, stop=()), transfer=target)
+            except InvalidRequestError as exc:
+                return PrefillResult(request_id, None, len(prompt_token_ids), 0, 0, str(exc))
+            self._done[request_id] = done
+        if not done.wait(target.timeout_s + 30):
+            with self._lock:
+                self.engine.abort_request(request_id)
+                self._done.pop(request_id, None)
+            return PrefillResult(request_id, None, request.num_prompt_tokens, 0, 0, "prefill did not finish in time")
+        with self._lock:
+            first_token, logprob, top = self._first.pop(request_id, (None, None, None))
+            error = self.engine.transfer_errors.pop(request_id, "the request ended before its KV was sent")
+        blocks = -(-request.num_prompt_tokens // self.engine.config.block_size) - target.first_block
         return PrefillResult(request_id, first_token, request.num_prompt_tokens, request.num_cached_tokens,
                              blocks if error is None else 0, error or request.error, logprob, top)
 
     def free_blocks(self) -> int:
-        return self.engine.block_manager.num_free_blocks
+        with self._lock:
+            return self.engine.block_manager.num_free_blocks
 
     def shutdown(self) -> None:
+        self._stop.set()
+        self._loop.join(timeout=10)
         self.engine.shutdown()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                busy = self.engine.has_unfinished_requests()
+                outputs = self.engine.step() if busy else []
+                for output in outputs:
+                    if output.token_ids and output.request_id not in self._first:
+                        top = (output.top_logprobs or [[]])[0] if output.logprobs else None
+                        self._first[output.request_id] = (output.token_ids[0],
+                                                          output.logprobs[0] if output.logprobs else None, top)
+                    if output.finished and output.request_id in self._done:
+                        self._done.pop(output.request_id).set()
+            if not busy:
+                time.sleep(0.001)

@@ -54,11 +54,15 @@ def register_transport(cls: type[KVTransport]) -> type[KVTransport]:
     return cls
 
 
-def create_transport(name: str, **options) -> KVTransport:
+def transport_class(name: str) -> type[KVTransport]:
+    """The transport registered under ``name``; TransportError naming the known ones if none."""
     if name not in _TRANSPORTS:
         import cluster.kv_transfer.torch_transport  # noqa: F401  (registers the built-in transport)
     try:
-        cls = _TRANSPORTS[name]
+        return _TRANSPORTS[name]
     except KeyError:
         raise TransportError(f"unknown KV transport {name!r}; known: {', '.join(sorted(_TRANSPORTS))}") from None
-    return cls(**options)
+
+
+def create_transport(name: str, **options) -> KVTransport:
+    return transport_class(name)(**options)

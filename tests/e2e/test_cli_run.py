@@ -279,6 +279,13 @@ def test_disaggregated_flags_without_disaggregated_exit_2(model_dir):
     assert b"--prefill-tp needs --disaggregated" in result.stderr
 
 
+def test_unknown_kv_transport_exits_2(model_dir):
+    result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--disaggregated",
+                  "--kv-transport", "rdma", stdin=b"")
+    assert result.returncode == 2
+    assert b"unknown KV transport 'rdma'; known: torch_distributed" in result.stderr
+
+
 def test_tp_degree_that_does_not_divide_the_model_exits_2(model_dir, tmp_path):
     result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--tp", "3", stdin=b"")
     assert result.returncode == 2
