@@ -3,7 +3,7 @@
 # The first run builds the environment and trains the small default model (a few minutes).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-source "$root/scripts/bootstrap.sh"
+source "$root/scripts/bootstrap.sh" ""
 out="${TANDEM_OUTPUT:-$root/quickstart.out.jsonl}"
 tandem run --input "${1:-$root/examples/quickstart.jsonl}" --output "$out" "${@:2}"
 python - "$out" <<'PY'
