@@ -44,6 +44,7 @@ from cluster.parallel.tp_runner import check_tensor_parallel
 from cluster.ray_runtime import ensure_ray
 
 TAG_LIMIT = 2**30
+MAX_RECEIVING_PER_DECODE = 16  # each holds a thread on every rank of the decode engine until its KV lands
 
 
 @dataclass
@@ -221,9 +222,12 @@ class DisaggregatedLLM(LLM):
 
     # -- running requests -------------------------------------------------------------------
 
-    def _pick(self, counter, count: int, dead: set[int]) -> int | None:
+    def _pick(self, counter, count: int, dead: set[int], busy: set[int] = frozenset()) -> int | None:
         alive = [i for i in range(count) if i not in dead]
-        return alive[next(counter) % len(alive)] if alive else None
+        if not alive:
+            return None
+        free = [i for i in alive if i not in busy]
+        return free[next(counter) % len(free)] if free else -1
 
     def _error_output(self, queued: _Queued, message: str) -> RequestOutput:
         return RequestOutput(
@@ -232,13 +236,16 @@ class DisaggregatedLLM(LLM):
             usage=Usage(len(queued.prompt_token_ids), 0, 0), arrival_time=queued.arrival, finish_time=time.monotonic(),
         )
 
-    def _dispatch(self, queued: _Queued) -> _InFlight | RequestOutput | None:
-        """Starts one request; an error output if it cannot run, None if no decode room now."""
+    def _dispatch(self, queued: _Queued, busy_decode: set[int] = frozenset()) -> _InFlight | RequestOutput | None:
+        """Starts one request; an error output if it cannot run, None if no decode room now
+        (no free blocks, or every live decode worker already has its most receives in flight)."""
         ray = self._ray
-        d = self._pick(self._next_decode, len(self.decode), self._dead_decode)
+        d = self._pick(self._next_decode, len(self.decode), self._dead_decode, busy_decode)
         p = self._pick(self._next_prefill, len(self.prefill), self._dead_prefill)
         if d is None or p is None:
             return self._error_output(queued, "no live decode worker" if d is None else "no live prefill worker")
+        if d == -1:
+            return None
         try:
             reserved = ray.get(self.decode[d].reserve.remote(
                 queued.request_id, queued.prompt_token_ids, queued.params, queued.priority))
@@ -247,7 +254,7 @@ class DisaggregatedLLM(LLM):
             return self._error_output(queued, str(cause))
         except ray.exceptions.RayActorError:
             self._dead_decode.add(d)
-            return self._dispatch(queued)
+            return self._dispatch(queued, busy_decode)
         if reserved is None:
             return None
         first_block, dst_blocks = reserved
@@ -299,7 +306,9 @@ class DisaggregatedLLM(LLM):
         max_inflight = 16 * len(self.prefill)  # enough for each prefill worker to batch
         while len(results) < len(wanted):
             while queue and len(inflight) < max_inflight:
-                started_one = self._dispatch(queue[0])
+                receiving = [f.decode for f in inflight.values()]
+                busy = {d for d in set(receiving) if receiving.count(d) >= MAX_RECEIVING_PER_DECODE}
+                started_one = self._dispatch(queue[0], busy)
                 if started_one is None:
                     break
                 queue.popleft()

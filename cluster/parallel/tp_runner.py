@@ -27,6 +27,12 @@ from cluster.parallel.group import GroupSpec, join_group
 from cluster.ray_runtime import ensure_ray
 
 
+# A follower of a decode engine blocks a thread in each KV receive while the engine keeps
+# stepping; with too few threads, steps starve receives (and the prefill side's sends time
+# out). Drivers keep the receives in flight per engine well below this.
+FOLLOWER_THREADS = 64
+
+
 class TensorParallelError(RuntimeError):
     pass
 
@@ -110,7 +116,7 @@ class TensorParallelRunner(ModelRunner):
         spec = GroupSpec(cluster, f"{name}-tp", tp_size)
         follower = ray.remote(TPFollower)
         self.followers = [
-            follower.options(name=f"{name}-tp{rank}", num_cpus=0.25, max_concurrency=2).remote(
+            follower.options(name=f"{name}-tp{rank}", num_cpus=0.25, max_concurrency=FOLLOWER_THREADS).remote(
                 config, str(model_dir), block_size, max_model_len, device, spec, rank, threads
             )
             for rank in range(1, tp_size)
