@@ -1,0 +1,32 @@
+"""The registry's key schema. Every key starts with ``tandem:<cluster>:``, so clusters sharing
+one Redis never see each other's data.
+
+    tandem:<c>:workers                    SET   ids of workers that have published
+    tandem:<c>:worker:<w>:alive           STR   heartbeat; expires unless renewed
+    tandem:<c>:worker:<w>:seq             STR   sequence number of the last applied event batch
+    tandem:<c>:worker:<w>:blocks          SET   hex block hashes the worker holds
+    tandem:<c>:block:<hash>               SET   ids of workers holding the block
+"""
+
+from __future__ import annotations
+
+
+class Keys:
+    def __init__(self, cluster: str):
+        self.prefix = f"tandem:{cluster}:"
+
+    @property
+    def workers(self) -> str:
+        return self.prefix + "workers"
+
+    def alive(self, worker: str) -> str:
+        return f"{self.prefix}worker:{worker}:alive"
+
+    def seq(self, worker: str) -> str:
+        return f"{self.prefix}worker:{worker}:seq"
+
+    def worker_blocks(self, worker: str) -> str:
+        return f"{self.prefix}worker:{worker}:blocks"
+
+    def block(self, block_hash: str) -> str:
+        return f"{self.prefix}block:{block_hash}"

@@ -1,0 +1,131 @@
+"""Which worker holds which KV block: workers publish their block manager's events, readers
+look up a prompt's chain of block hashes.
+
+A worker applies each batch of events atomically (MULTI/EXEC) together with the batch's
+sequence number. Before applying, it checks that the registry's sequence number is the one it
+last wrote: if not (Redis restarted, or keys were lost), it re-publishes its whole state
+instead of the delta. Heartbeats are keys with a time to live; a reader ignores workers whose
+heartbeat has expired, and ``sweep`` removes their blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import redis
+
+from cluster.engine.block_manager import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from cluster.registry.keys import Keys
+
+LOOKUP_CHUNK = 16  # hashes per round trip; a lookup stops after the chunk with the first miss
+
+
+class KVIndexPublisher:
+    def __init__(self, client: redis.Redis, cluster: str, worker: str, heartbeat_ttl_s: float = 3.0):
+        self.client, self.keys, self.worker = client, Keys(cluster), worker
+        self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
+        self.seq = 0
+        self.held: set[str] = set()  # this worker's view, for re-publishing after a gap
+
+    def heartbeat(self) -> None:
+        self.client.set(self.keys.alive(self.worker), "1", px=self.heartbeat_ttl_ms)
+
+    def publish(self, events: Sequence[KVEvent]) -> bool:
+        """Applies the events; returns True when a full re-publish was needed (a gap)."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                self.held.update(h.hex() for h in event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.held.difference_update(h.hex() for h in event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.held.clear()
+        stored = self.client.get(self.keys.seq(self.worker))
+        gap = int(stored or 0) != self.seq
+        pipe = self.client.pipeline(transaction=True)
+        if gap:
+            self._replace_all(pipe)
+        else:
+            for event in events:
+                self._apply(pipe, event)
+        self.seq += 1
+        pipe.set(self.keys.seq(self.worker), self.seq)
+        pipe.sadd(self.keys.workers, self.worker)
+        pipe.set(self.keys.alive(self.worker), "1", px=self.heartbeat_ttl_ms)
+        pipe.execute()
+        return gap
+
+    def _apply(self, pipe, event: KVEvent) -> None:
+        k, w = self.keys, self.worker
+        if isinstance(event, (BlockStored, BlockRemoved)):
+            change = pipe.sadd if isinstance(event, BlockStored) else pipe.srem
+            hashes = [h.hex() for h in event.block_hashes]
+            for h in hashes:
+                change(k.block(h), w)
+            if hashes:
+                change(k.worker_blocks(w), *hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self._drop_all(pipe, self.client.smembers(k.worker_blocks(w)))
+
+    def _drop_all(self, pipe, hashes: Iterable[bytes | str]) -> None:
+        for h in hashes:
+            pipe.srem(self.keys.block(h.decode() if isinstance(h, bytes) else h), self.worker)
+        pipe.delete(self.keys.worker_blocks(self.worker))
+
+    def _replace_all(self, pipe) -> None:
+        self._drop_all(pipe, self.client.smembers(self.keys.worker_blocks(self.worker)))
+        for h in self.held:
+            pipe.sadd(self.keys.block(h), self.worker)
+        if self.held:
+            pipe.sadd(self.keys.worker_blocks(self.worker), *self.held)
+        self.seq = int(self.client.get(self.keys.seq(self.worker)) or 0)
+
+
+class KVIndexReader:
+    def __init__(self, client: redis.Redis, cluster: str):
+        self.client, self.keys = client, Keys(cluster)
+
+    def alive_workers(self) -> set[str]:
+        workers = sorted(w.decode() for w in self.client.smembers(self.keys.workers))
+        if not workers:
+            return set()
+        pipe = self.client.pipeline(transaction=False)
+        for w in workers:
+            pipe.exists(self.keys.alive(w))
+        return {w for w, alive in zip(workers, pipe.execute()) if alive}
+
+    def prefix_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """For each live worker, how many leading blocks of the chain it holds. Round trips
+        are pipelined ``LOOKUP_CHUNK`` hashes at a time and end at the first chunk in which no
+        live worker holds a block."""
+        alive = self.alive_workers()
+        matched = {w: 0 for w in alive}
+        still = set(alive)
+        for start in range(0, len(block_hashes), LOOKUP_CHUNK):
+            if not still:
+                break
+            pipe = self.client.pipeline(transaction=False)
+            chunk = block_hashes[start:start + LOOKUP_CHUNK]
+            for h in chunk:
+                pipe.smembers(self.keys.block(h.hex()))
+            for offset, holders in enumerate(pipe.execute()):
+                holders = {w.decode() for w in holders}
+                still &= holders
+                if not still:
+                    break
+                for w in still:
+                    matched[w] = start + offset + 1
+        return matched
+
+    def sweep(self) -> list[str]:
+        """Removes the blocks of workers whose heartbeat expired; returns their ids."""
+        workers = {w.decode() for w in self.client.smembers(self.keys.workers)}
+        dead = sorted(workers - self.alive_workers())
+        for w in dead:
+            hashes = self.client.smembers(self.keys.worker_blocks(w))
+            pipe = self.client.pipeline(transaction=True)
+            for h in hashes:
+                pipe.srem(self.keys.block(h.decode()), w)
+            pipe.delete(self.keys.worker_blocks(w), self.keys.seq(w))
+            pipe.srem(self.keys.workers, w)
+            pipe.execute()
+        return dead
