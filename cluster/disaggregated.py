@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from cluster.engine.config import EngineConfig, EngineConfigError
-from cluster.engine.engine import EngineStats, RequestOutput, Usage
+from cluster.engine.engine import EngineStats, RequestOutput, Usage, prompt_token_ids
 from cluster.engine.llm import LLM
 from cluster.engine.models.config import load_model_config
 from cluster.engine.block_manager import BlockManager
@@ -94,15 +94,7 @@ class _Frontend:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     priority: int = 0) -> None:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer.json; send prompt_token_ids instead of prompt")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         if any(q.request_id == request_id for q in self.queue):
             raise InvalidRequestError(f"request id {request_id!r} is already queued")
         params = params or SamplingParams()

@@ -10,36 +10,18 @@ receive that fails or passes its deadline frees the request's blocks at once.
 
 from __future__ import annotations
 
-import threading
-import time
-
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.engine import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from cluster.kv_transfer.agent import PairLayout
-from cluster.parallel.group import GroupSpec
+from cluster.engine_worker import EngineWorker
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
+    prefill_side = False
+
     def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config, verbose=False)
-        self._lock = threading.Lock()
         self._finished: list[RequestOutput] = []
-        self._stop = threading.Event()
-        self._loop = threading.Thread(target=self._run, name="decode-loop", daemon=True)
-        self._loop.start()
-
-    def describe(self) -> dict:
-        return {"num_kv_heads": self.engine.model_config.num_kv_heads, "tp": self.engine.config.tensor_parallel_size,
-                "num_layers": self.engine.model_config.num_layers, "free_blocks": self.free_blocks(),
-                "num_blocks": self.engine.block_manager.num_blocks, "block_size": self.engine.config.block_size,
-                "max_model_len": self.engine.max_model_len}
-
-    def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
-        self.engine.runner.join_transfer(layout, spec, prefill_side=False)
-
-    def leave_pair(self, name: str) -> None:
-        self.engine.runner.transfers.leave(name)
+        super().__init__(config)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 priority: int = 0) -> tuple[int, list[int]] | None:
@@ -74,26 +56,15 @@ class DecodeWorker:
             done, self._finished = self._finished, []
         return done
 
-    def free_blocks(self) -> int:
-        with self._lock:
-            return self.engine.block_manager.num_free_blocks
-
     def stats(self) -> dict:
         with self._lock:
             s = self.engine.stats
             return {"prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
                     "generated_tokens": s.generated_tokens}
 
-    def shutdown(self) -> None:
-        self._stop.set()
-        self._loop.join(timeout=10)
-        self.engine.shutdown()
+    def _has_work(self) -> bool:
+        # Requests still receiving their KV are not schedulable yet.
+        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                running = bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
-                outputs = self.engine.step() if running else []
-                self._finished.extend(o for o in outputs if o.finished)
-            if not running:
-                time.sleep(0.001)
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self._finished.extend(o for o in outputs if o.finished)

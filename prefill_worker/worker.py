@@ -13,15 +13,13 @@ batches) as in the colocated engine.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, replace
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import RequestOutput
 from cluster.engine.request import TransferTarget
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
-from cluster.kv_transfer.agent import PairLayout
-from cluster.parallel.group import GroupSpec
+from cluster.engine_worker import EngineWorker
 
 
 @dataclass(frozen=True)
@@ -36,25 +34,13 @@ class PrefillResult:
     first_top_logprobs: list[tuple[int, float]] | None = None
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
+    prefill_side = True
+
     def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config, verbose=False)
-        self._lock = threading.Lock()
         self._done: dict[str, threading.Event] = {}
         self._first: dict[str, tuple[int, float | None, list | None]] = {}
-        self._stop = threading.Event()
-        self._loop = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
-        self._loop.start()
-
-    def describe(self) -> dict:
-        return {"num_kv_heads": self.engine.model_config.num_kv_heads, "tp": self.engine.config.tensor_parallel_size,
-                "num_layers": self.engine.model_config.num_layers, "free_blocks": self.free_blocks()}
-
-    def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
-        self.engine.runner.join_transfer(layout, spec, prefill_side=True)
-
-    def leave_pair(self, name: str) -> None:
-        self.engine.runner.transfers.leave(name)
+        super().__init__(config)
 
     def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 target: TransferTarget) -> PrefillResult:
@@ -78,26 +64,14 @@ class PrefillWorker:
         return PrefillResult(request_id, first_token, request.num_prompt_tokens, request.num_cached_tokens,
                              blocks if error is None else 0, error or request.error, logprob, top)
 
-    def free_blocks(self) -> int:
-        with self._lock:
-            return self.engine.block_manager.num_free_blocks
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
 
-    def shutdown(self) -> None:
-        self._stop.set()
-        self._loop.join(timeout=10)
-        self.engine.shutdown()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-                outputs = self.engine.step() if busy else []
-                for output in outputs:
-                    if output.token_ids and output.request_id not in self._first:
-                        top = (output.top_logprobs or [[]])[0] if output.logprobs else None
-                        self._first[output.request_id] = (output.token_ids[0],
-                                                          output.logprobs[0] if output.logprobs else None, top)
-                    if output.finished and output.request_id in self._done:
-                        self._done.pop(output.request_id).set()
-            if not busy:
-                time.sleep(0.001)
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.token_ids and output.request_id not in self._first:
+                top = (output.top_logprobs or [[]])[0] if output.logprobs else None
+                self._first[output.request_id] = (output.token_ids[0],
+                                                  output.logprobs[0] if output.logprobs else None, top)
+            if output.finished and output.request_id in self._done:
+                self._done.pop(output.request_id).set()

@@ -76,6 +76,21 @@ class EngineStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+def prompt_token_ids(prompt: str | Sequence[int], tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
+    """A prompt's token ids (text is tokenized first), checked against the vocabulary.
+    Raises InvalidRequestError naming what to fix."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer.json; send prompt_token_ids instead of prompt")
+        token_ids = tokenizer.encode(prompt)
+    else:
+        token_ids = list(prompt)
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    return token_ids
+
+
 def _log(message: str) -> None:
     print(f"[tandem] {message}", file=sys.stderr, flush=True)
 
@@ -165,9 +180,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
 
     def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer.json; send prompt_token_ids instead of prompt")
-        return self.tokenizer.encode(prompt)
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def add_request(
         self,
@@ -193,11 +206,7 @@ class LLMEngine:
 
     def _make_request(self, request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None) -> Request:
         params = params or SamplingParams()
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab}); got {bad[:5]}")
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has no tokenizer.json")
         request = Request(

@@ -102,7 +102,7 @@ class Scheduler:
         blocks are cached (those do not travel), or None when there is no room now.
         The request waits, outside the batch, until :meth:`admit_transferred`."""
         self.check(request)
-        hits = self._cached_full_blocks(request)
+        hits = self._cached_prefix(request, request.num_tokens // self.block_size)
         new_blocks = _cdiv(request.num_tokens, self.block_size) - len(hits)
         if new_blocks + self.blocks.num_blocks_to_touch(hits) > self.blocks.num_free_blocks:
             return None
@@ -130,13 +130,6 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
         return request
-
-    def _cached_full_blocks(self, request: Request) -> list[int]:
-        if not self.blocks.enable_prefix_caching:
-            return []
-        full = request.num_tokens // self.block_size
-        self._extend_hashes(request, full)
-        return self.blocks.lookup_prefix(request.block_hashes[:full])
 
     def _hash_blocks(self, request: Request, token_ids: Sequence[int], start_block: int = 0) -> list[bytes]:
         keys = self.extra_hash_keys + ((request.cache_salt,) if request.cache_salt else ())
@@ -210,11 +203,14 @@ class Scheduler:
 
     def _prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks of the longest known prefix, leaving at least the last token to compute."""
+        return self._cached_prefix(request, (request.num_tokens - 1) // self.block_size)
+
+    def _cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
+        """Cached blocks of the longest known prefix among the request's first ``max_blocks``."""
         if not self.blocks.enable_prefix_caching:
             return []
-        usable = (request.num_tokens - 1) // self.block_size
-        self._extend_hashes(request, usable)
-        return self.blocks.lookup_prefix(request.block_hashes[:usable])
+        self._extend_hashes(request, max_blocks)
+        return self.blocks.lookup_prefix(request.block_hashes[:max_blocks])
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         """Hashes the request's blocks up to ``num_blocks``, continuing the chain it has."""

@@ -70,11 +70,6 @@ class TransferAgent:
         rank = self.tp_rank if prefill_side else layout.prefill_tp + self.tp_rank
         self.pairs[layout.name] = (layout, create_transport(layout.transport, spec=spec, rank=rank, device=self.device))
 
-    def leave(self, name: str) -> None:
-        entry = self.pairs.pop(name, None)
-        if entry is not None:
-            entry[1].close()
-
     def senders(self, streams: list[KVStream]) -> list[KVSender]:
         num_layers = self.kv_cache.shape[0]
         out = []

@@ -81,14 +81,10 @@ class TPFollower:
         return inputs.transfer_errors
 
     def join_transfer(self, layout: PairLayout, spec: GroupSpec, prefill_side: bool) -> None:
-        self.runner.transfers.join(layout, spec, prefill_side)
-
-    def leave_transfer(self, name: str) -> None:
-        self.runner.transfers.leave(name)
+        self.runner.join_transfer(layout, spec, prefill_side)
 
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
-        record = self.runner.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
-        return record.error
+        return self.runner.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -158,14 +154,13 @@ class TensorParallelRunner(ModelRunner):
     def join_transfer(self, layout: PairLayout, spec: GroupSpec, prefill_side: bool) -> None:
         """Every rank joins the pair's group (they block until the other engine's ranks do)."""
         refs = [f.join_transfer.remote(layout, spec, prefill_side) for f in self.followers]
-        self.transfers.join(layout, spec, prefill_side)
+        super().join_transfer(layout, spec, prefill_side)
         self._wait(refs, "joining a KV-transfer group")
 
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
         """Every rank receives its heads; returns None, or the first error."""
         refs = [f.receive.remote(pair, request_id, dst_blocks, tag_base, timeout_s) for f in self.followers]
-        error = self.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s).error
-        errors = [error] + self._wait(refs, "receiving KV")
+        errors = [super().receive(pair, request_id, dst_blocks, tag_base, timeout_s)] + self._wait(refs, "receiving KV")
         return next((e for e in errors if e is not None), None)
 
     def shutdown(self) -> None:
