@@ -39,6 +39,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                      help="seconds a KV transfer may take before it fails (default: 60)")
     dis.add_argument("--kv-transport", default="torch_distributed",
                      help="KV transport by name (default: torch_distributed: gloo on CPUs, NCCL on GPUs)")
+    dis.add_argument("--policy", default="slo", choices=["slo", "prefix_affinity", "least_loaded", "round_robin"],
+                     help="router placement policy (default: slo)")
+    dis.add_argument("--redis-url",
+                     help="registry Redis, e.g. redis://:PASSWORD@host:6379/0 or rediss:// for TLS "
+                          "(default: a private redis-server on 127.0.0.1, stopped with the cluster)")
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -67,11 +72,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cluster.engine.models.loader import WeightLoadError
     from cluster.parallel.group import GroupSetupError
     from cluster.parallel.tp_runner import TensorParallelError
+    from cluster.registry.local_redis import RedisServerError
 
     try:
         llm = _make_llm(args)
     except (EngineConfigError, ModelConfigError, WeightLoadError, FileNotFoundError, GroupSetupError,
-            TensorParallelError, ValueError) as exc:
+            TensorParallelError, RedisServerError, ValueError) as exc:
         print(f"tandem run: {exc}", file=sys.stderr)
         return 2
     with llm:
@@ -86,6 +92,9 @@ def _make_llm(args: argparse.Namespace):
         for flag in ("prefill_tp", "decode_tp", "prefill_workers", "decode_workers"):
             if getattr(args, flag) != 1:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --disaggregated")
+        for flag, default in (("policy", "slo"), ("redis_url", None)):
+            if getattr(args, flag) != default:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --disaggregated")
         return LLM(args.model, **engine_args)
     from cluster.disaggregated import DisaggregatedLLM
 
@@ -95,7 +104,7 @@ def _make_llm(args: argparse.Namespace):
     return DisaggregatedLLM(
         args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, transfer_timeout_s=args.transfer_timeout, kv_transport=args.kv_transport,
-        **engine_args,
+        policy=args.policy, registry_url=args.redis_url, **engine_args,
     )
 
 
@@ -116,6 +125,11 @@ def _run_file(llm, args: argparse.Namespace) -> int:
         f"prefix-cache hit rate {stats.prefix_cache_hit_rate:.0%}; wrote {args.output}",
         file=sys.stderr,
     )
+    goodput = llm.goodput() if hasattr(llm, "goodput") else None
+    if goodput:
+        minute = goodput["last_minute"]["cluster"]
+        print(f"[tandem] goodput (last minute): {minute['goodput_rps']:.2f} requests/s met their SLO; attainment "
+              f"{minute['attainment']:.0%} of {minute['requests']}", file=sys.stderr)
     return 0
 
 

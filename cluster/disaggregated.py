@@ -11,6 +11,13 @@ the Python API use it as they use the colocated engine. Per request it
    worker streams each layer as soon as it is computed,
 3. admits the request into the decode worker's batch with the prefill's first token.
 
+The pair is the router actor's choice (``router/``): it reads the registry (Redis: which
+worker caches which blocks, how loaded each is), predicts each candidate's TTFT and TPOT, and
+may reject a request no pair can serve in time, queue it, or have a decode worker that already
+caches nearly all of the prompt prefill it itself. Without a Redis URL a private redis-server
+is started on loopback and stopped with the cluster. Every finished request's TTFT and TPOT
+go back to the router, which records goodput in the registry.
+
 Every prefill worker is paired with every decode worker through a transfer group of its own
 (ranks of both engines, ports from the cluster name). A worker that dies fails its requests
 with an error naming it; the other side frees its blocks (a receive passes its deadline, a
@@ -22,7 +29,6 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -42,9 +48,16 @@ from cluster.kv_transfer.transport import TransportError, transport_class
 from cluster.parallel.group import GroupSpec
 from cluster.parallel.tp_runner import check_tensor_parallel
 from cluster.ray_runtime import ensure_ray
+from cluster.registry.load import read_loads
+from cluster.registry.local_redis import LocalRedis
+from cluster.registry.reporter import connect
+from router.config import RouterConfig, RouterConfigError
+from router.router import Decision, Topology
 
 TAG_LIMIT = 2**30
 MAX_RECEIVING_PER_DECODE = 16  # each holds a thread on every rank of the decode engine until its KV lands
+REGISTRY_WAIT_S = 30.0
+QUEUE_RETRY_S = 0.02  # how soon a request the router queued is offered again
 
 
 @dataclass
@@ -54,6 +67,7 @@ class _Queued:
     params: SamplingParams
     priority: int
     arrival: float
+    slo_class: str | None = None
 
 
 @dataclass
@@ -66,6 +80,16 @@ class _InFlight:
     first_block: int
 
 
+@dataclass
+class _Started:
+    """A placed request until its output is collected: what its TTFT and TPOT are taken from."""
+
+    request: _Queued
+    decode: int
+    dispatched: float
+    first_token: float | None = None  # when the KV landed and the first token was known (driver clock)
+
+
 @dataclass(frozen=True)
 class TransferStat:
     request_id: str
@@ -73,6 +97,7 @@ class TransferStat:
     decode_worker: int
     blocks_cached_on_decode: int
     blocks_sent: int
+    prefill_cached_tokens: int = 0  # hits in the prefill worker's own cache
 
 
 class _Frontend:
@@ -91,16 +116,23 @@ class _Frontend:
         self.queue: list[_Queued] = []
         self.stats = EngineStats()
         self.limits: Scheduler | None = None
+        self.router_config = RouterConfig()
+
+    routes_by_slo = True
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, slo_class: str | None = None) -> None:
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         if any(q.request_id == request_id for q in self.queue):
             raise InvalidRequestError(f"request id {request_id!r} is already queued")
         params = params or SamplingParams()
         if self.limits is not None:
             self.limits.check(Request(request_id, token_ids, params))
-        self.queue.append(_Queued(request_id, token_ids, params, priority, time.monotonic()))
+        try:
+            cls = self.router_config.slo_class(slo_class)
+        except RouterConfigError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        self.queue.append(_Queued(request_id, token_ids, params, priority + cls.priority, time.monotonic(), cls.name))
 
 
 class DisaggregatedLLM(LLM):
@@ -117,6 +149,9 @@ class DisaggregatedLLM(LLM):
         transfer_timeout_s: float = 60.0,
         kv_transport: str = "torch_distributed",
         stream_layers: bool = True,
+        policy: str = "slo",
+        router_config: RouterConfig | None = None,
+        registry_url: str | None = None,
         **engine_args,
     ):
         if model is None:
@@ -137,8 +172,18 @@ class DisaggregatedLLM(LLM):
             transport_class(kv_transport)
         except TransportError as exc:
             raise EngineConfigError(str(exc)) from None
+        try:
+            router_config = router_config or RouterConfig.for_policy(policy)
+        except RouterConfigError as exc:
+            raise EngineConfigError(str(exc)) from None
         ray = self._ray = ensure_ray(cluster_name, ray_address)
         self.engine = _Frontend(model_dir, config.vocab_size)
+        self.engine.router_config = router_config
+        self.cluster_name = cluster_name
+        if registry_url is not None:
+            _check_registry(registry_url)
+        self.local_redis = LocalRedis() if registry_url is None else None
+        self.registry_url = registry_url or self.local_redis.url
         self.num_layers = config.num_layers
         self.transfer_timeout_s = transfer_timeout_s
         self.stream_layers = stream_layers
@@ -165,13 +210,13 @@ class DisaggregatedLLM(LLM):
         self.prefill = [
             ray.remote(PrefillWorker).options(name=f"prefill-{i}", num_cpus=0.25, max_concurrency=64).remote(
                 EngineConfig(tensor_parallel_size=prefill_tp, engine_name=f"prefill-{i}", device=device_for(prefill_tp),
-                             **common))
+                             **common), self.registry_url)
             for i in range(prefill_workers)
         ]
         self.decode = [
             ray.remote(DecodeWorker).options(name=f"decode-{i}", num_cpus=0.25, max_concurrency=16).remote(
                 EngineConfig(tensor_parallel_size=decode_tp, engine_name=f"decode-{i}", device=device_for(decode_tp),
-                             **common))
+                             **common), self.registry_url)
             for i in range(decode_workers)
         ]
         try:
@@ -185,22 +230,53 @@ class DisaggregatedLLM(LLM):
                 spec = GroupSpec(cluster_name, f"kv-p{p}-d{d}", layout.size)
                 joins += [self.prefill[p].join_pair.remote(layout, spec), self.decode[d].join_pair.remote(layout, spec)]
             ray.get(joins)
+            from router.actor import RouterActor
+
+            self.names = [d["name"] for d in described]
+            topology = Topology(tuple(self.names[:prefill_workers]), tuple(self.names[prefill_workers:]),
+                                smallest["block_size"], tuple(smallest["hash_keys"]))
+            self.router = ray.remote(RouterActor).options(name="router", num_cpus=0.1).remote(
+                cluster_name, self.registry_url, topology, router_config, str(model_dir))
+            self._wait_for_registry()
         except BaseException:
             self.shutdown()
             raise
         self._tags = {self._pair(p, d): itertools.count() for p in range(prefill_workers) for d in range(decode_workers)}
         self._dead_decode: set[int] = set()
         self._dead_prefill: set[int] = set()
-        self._next_decode = itertools.count()
-        self._next_prefill = itertools.count()
-        self._owner: dict[str, int] = {}  # admitted request id -> decode worker generating it
+        self._started: dict[str, _Started] = {}  # placed request id -> its decode worker and times
+        self.decisions: dict[str, Decision] = {}
         if verbose:
+            registry = "private redis-server on " + self.registry_url if self.local_redis else "Redis registry"
             print(f"[tandem] disaggregated: {prefill_workers} prefill worker(s) TP {prefill_tp}, {decode_workers} decode "
-                  f"worker(s) TP {decode_tp}, ready in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+                  f"worker(s) TP {decode_tp}, router policy {router_config.policy}, {registry}; ready in "
+                  f"{time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
 
     @staticmethod
     def _pair(prefill: int, decode: int) -> str:
         return f"p{prefill}-d{decode}"
+
+    def _wait_for_registry(self) -> None:
+        """Until every worker's first report is in the registry (they report right after their
+        profile), so the router's first placements see measured step times."""
+        client = connect(self.registry_url)
+        deadline = time.monotonic() + REGISTRY_WAIT_S
+        try:
+            while time.monotonic() < deadline:
+                if len(read_loads(client, self.cluster_name, self.names)) == len(self.names):
+                    return
+                time.sleep(0.05)
+        finally:
+            client.close()
+        print(f"[tandem] not every worker reported to the registry within {REGISTRY_WAIT_S:.0f}s; the router "
+              "places by load until they do", file=sys.stderr, flush=True)
+
+    def router_status(self) -> dict:
+        return self._ray.get(self.router.status.remote())
+
+    def goodput(self) -> dict | None:
+        """Goodput and SLO attainment per cluster, worker and SLO class (last minute, last hour)."""
+        return self._ray.get(self.router.goodput.remote())
 
     def shutdown(self) -> None:
         ray = self._ray
@@ -211,15 +287,15 @@ class DisaggregatedLLM(LLM):
                 pass
             ray.kill(worker, no_restart=True)
         self.prefill, self.decode = [], []
+        router = getattr(self, "router", None)
+        if router is not None:
+            ray.kill(router, no_restart=True)
+            self.router = None
+        if getattr(self, "local_redis", None) is not None:
+            self.local_redis.stop()
+            self.local_redis = None
 
     # -- running requests -------------------------------------------------------------------
-
-    def _pick(self, counter, count: int, dead: set[int], busy: set[int] = frozenset()) -> int | None:
-        alive = [i for i in range(count) if i not in dead]
-        if not alive:
-            return None
-        free = [i for i in alive if i not in busy]
-        return free[next(counter) % len(free)] if free else -1
 
     def _error_output(self, queued: _Queued, message: str) -> RequestOutput:
         return RequestOutput(
@@ -228,33 +304,61 @@ class DisaggregatedLLM(LLM):
             usage=Usage(len(queued.prompt_token_ids), 0, 0), arrival_time=queued.arrival, finish_time=time.monotonic(),
         )
 
+    def _worker_died(self, side: str, index: int) -> None:
+        (self._dead_decode if side == "decode" else self._dead_prefill).add(index)
+        self.router.worker_failed.remote(f"{side}-{index}")
+
     def _dispatch(self, queued: _Queued, busy_decode: set[int] = frozenset()) -> _InFlight | RequestOutput | None:
-        """Starts one request; an error output if it cannot run, None if no decode room now
-        (no free blocks, or every live decode worker already has its most receives in flight)."""
-        ray = self._ray
-        d = self._pick(self._next_decode, len(self.decode), self._dead_decode, busy_decode)
-        p = self._pick(self._next_prefill, len(self.prefill), self._dead_prefill)
-        if d is None or p is None:
-            return self._error_output(queued, "no live decode worker" if d is None else "no live prefill worker")
-        if d == -1:
+        """Starts one request where the router places it; an error output if it cannot run or
+        the router rejects it; None if it must wait (the router queued it, or the decode worker
+        has no free blocks or already has its most receives in flight)."""
+        ray, rid = self._ray, queued.request_id
+        decision = ray.get(self.router.route.remote(rid, queued.prompt_token_ids, queued.params.max_tokens,
+                                                    queued.slo_class))
+        if decision.action == "reject":
+            return self._error_output(queued, f"rejected by admission control: {decision.reason}")
+        if decision.action == "queue":
             return None
+        d = int(decision.decode.rpartition("-")[2])
+        p = None if decision.prefill is None else int(decision.prefill.rpartition("-")[2])
+        if d in busy_decode:
+            self.router.forget.remote(rid)
+            return None
+        self.decisions[rid] = decision
+        dispatched = time.monotonic()
+        if p is None:
+            try:
+                ray.get(self.decode[d].generate.remote(rid, queued.prompt_token_ids, queued.params, queued.priority))
+            except ray.exceptions.RayActorError:
+                self._worker_died("decode", d)
+                self.router.forget.remote(rid)
+                return self._dispatch(queued, busy_decode)
+            except ray.exceptions.RayTaskError as exc:
+                self.router.forget.remote(rid)
+                return self._error_output(queued, str(getattr(exc, "cause", exc)))
+            self._started[rid] = _Started(queued, d, dispatched)
+            return _InFlight(queued, d, -1, None, None, 0)
         try:
             reserved = ray.get(self.decode[d].reserve.remote(
-                queued.request_id, queued.prompt_token_ids, queued.params, queued.priority))
+                rid, queued.prompt_token_ids, queued.params, queued.priority))
         except ray.exceptions.RayTaskError as exc:
+            self.router.forget.remote(rid)
             cause = exc.cause if isinstance(getattr(exc, "cause", None), InvalidRequestError) else exc
             return self._error_output(queued, str(cause))
         except ray.exceptions.RayActorError:
-            self._dead_decode.add(d)
+            self._worker_died("decode", d)
+            self.router.forget.remote(rid)
             return self._dispatch(queued, busy_decode)
         if reserved is None:
+            self.router.forget.remote(rid)
             return None
         first_block, dst_blocks = reserved
         pair = self._pair(p, d)
         tag_base = next(self._tags[pair]) * self.num_layers * TAG_STRIDE % TAG_LIMIT
         target = TransferTarget(pair, tag_base, first_block, self.transfer_timeout_s, self.stream_layers)
-        receive = self.decode[d].receive.remote(pair, queued.request_id, dst_blocks, tag_base, self.transfer_timeout_s)
-        prefill = self.prefill[p].prefill.remote(queued.request_id, queued.prompt_token_ids, queued.params, target)
+        receive = self.decode[d].receive.remote(pair, rid, dst_blocks, tag_base, self.transfer_timeout_s)
+        prefill = self.prefill[p].prefill.remote(rid, queued.prompt_token_ids, queued.params, target)
+        self._started[rid] = _Started(queued, d, dispatched)
         return _InFlight(queued, d, p, receive, prefill, first_block)
 
     def _complete(self, flight: _InFlight) -> RequestOutput | None:
@@ -264,7 +368,7 @@ class DisaggregatedLLM(LLM):
         try:
             receive_error = ray.get(flight.receive_ref)
         except ray.exceptions.RayActorError:
-            self._dead_decode.add(flight.decode)
+            self._worker_died("decode", flight.decode)
             receive_error = f"decode worker {flight.decode} died"
         if receive_error:
             errors.append(f"receive: {receive_error}")
@@ -273,41 +377,44 @@ class DisaggregatedLLM(LLM):
             if result.error:
                 errors.append(f"prefill: {result.error}")
         except ray.exceptions.RayActorError:
-            self._dead_prefill.add(flight.prefill)
+            self._worker_died("prefill", flight.prefill)
             result = None
             errors.append(f"prefill worker {flight.prefill} died")
         if errors:
             if flight.decode not in self._dead_decode:
                 self.decode[flight.decode].release.remote(rid)
             return self._error_output(flight.request, "KV transfer failed: " + "; ".join(errors))
-        self.transfers.append(TransferStat(rid, flight.prefill, flight.decode, flight.first_block, result.blocks_sent))
+        self.transfers.append(TransferStat(rid, flight.prefill, flight.decode, flight.first_block, result.blocks_sent,
+                                          result.cached_tokens))
         self.decode[flight.decode].admit.remote(rid, result.first_token, result.first_logprob,
                                                 result.first_top_logprobs)
-        self._owner[rid] = flight.decode
+        self._started[rid].first_token = time.monotonic()
         return None
 
     def run_until_done(self, request_ids: Sequence[str], progress: bool = False) -> list[RequestOutput]:
         ray = self._ray
         wanted = set(request_ids)
-        queue = deque(sorted((q for q in self.engine.queue if q.request_id in wanted),
-                             key=lambda q: (-q.priority, q.arrival)))
+        queue = sorted((q for q in self.engine.queue if q.request_id in wanted),
+                       key=lambda q: (-q.priority, q.arrival))
         self.engine.queue = [q for q in self.engine.queue if q.request_id not in wanted]
         results: dict[str, RequestOutput] = {}
         inflight: dict[str, _InFlight] = {}
         started = last_report = time.perf_counter()
+        retry_at = 0.0
         max_inflight = 16 * len(self.prefill)  # enough for each prefill worker to batch
         while len(results) < len(wanted):
-            while queue and len(inflight) < max_inflight:
+            while queue and len(inflight) < max_inflight and time.monotonic() >= retry_at:
                 receiving = [f.decode for f in inflight.values()]
                 busy = {d for d in set(receiving) if receiving.count(d) >= MAX_RECEIVING_PER_DECODE}
                 started_one = self._dispatch(queue[0], busy)
                 if started_one is None:
+                    retry_at = time.monotonic() + QUEUE_RETRY_S
                     break
-                queue.popleft()
+                queued = queue.pop(0)
                 if isinstance(started_one, RequestOutput):
                     results[started_one.request_id] = started_one
-                else:
-                    inflight[started_one.request.request_id] = started_one
+                elif started_one.prefill_ref is not None:
+                    inflight[queued.request_id] = started_one
             refs = [ref for f in inflight.values() for ref in (f.receive_ref, f.prefill_ref)]
             if refs:
                 ray.wait(refs, num_returns=1, timeout=0.01)
@@ -330,6 +437,7 @@ class DisaggregatedLLM(LLM):
         return [results[i] for i in request_ids]
 
     def _collect(self, results: dict[str, RequestOutput]) -> None:
+        """Gathers finished outputs; tells the router each placed request's TTFT and TPOT."""
         ray = self._ray
         for d, worker in enumerate(self.decode):
             if d in self._dead_decode:
@@ -338,16 +446,19 @@ class DisaggregatedLLM(LLM):
                 for output in ray.get(worker.poll.remote()):
                     results[output.request_id] = output
             except ray.exceptions.RayActorError:
-                self._dead_decode.add(d)
-        for rid, d in list(self._owner.items()):
-            if rid in results:
-                del self._owner[rid]
-            elif d in self._dead_decode:
-                del self._owner[rid]
-                results[rid] = RequestOutput(
-                    request_id=rid, prompt_token_ids=[], token_ids=[], new_token_ids=[], text="", delta_text="",
-                    finished=True, finish_reason="error", error=f"decode worker {d} died while generating",
-                    usage=Usage(0, 0, 0))
+                self._worker_died("decode", d)
+        for rid, started in list(self._started.items()):
+            output = results.get(rid)
+            if output is None and started.decode in self._dead_decode:
+                output = results[rid] = RequestOutput(
+                    request_id=rid, prompt_token_ids=started.request.prompt_token_ids, token_ids=[], new_token_ids=[],
+                    text="", delta_text="", finished=True, finish_reason="error",
+                    error=f"decode worker {started.decode} died while generating", usage=Usage(0, 0, 0))
+            if output is None:
+                continue
+            del self._started[rid]
+            ttft, tpot = _latencies(started, output)
+            self.router.finished.remote(rid, ttft, tpot, output.finish_reason == "error")
 
     def _update_stats(self, outputs) -> None:
         stats = self.engine.stats
@@ -367,3 +478,34 @@ class DisaggregatedLLM(LLM):
                 return None
 
         return [free(w) for w in self.prefill], [free(w) for w in self.decode]
+
+
+def _latencies(started: _Started, output: RequestOutput) -> tuple[float | None, float | None]:
+    """TTFT from the request's arrival at this driver; TPOT from the decode worker's own clock.
+    A request its decode worker prefilled itself learns its first token there."""
+    first = started.first_token
+    if first is None and output.first_token_time is not None:
+        first = started.dispatched + (output.first_token_time - output.arrival_time)
+    ttft = None if first is None else first - started.request.arrival
+    n = output.usage.completion_tokens
+    tpot = None
+    if n >= 2 and output.finish_time is not None and output.first_token_time is not None:
+        tpot = (output.finish_time - output.first_token_time) / (n - 1)
+    return ttft, tpot
+
+
+def _check_registry(url: str) -> None:
+    import redis
+
+    try:
+        client = connect(url, timeout_s=5.0)
+    except ValueError as exc:
+        raise EngineConfigError(f"--redis-url: {exc}") from None
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        where = client.connection_pool.connection_kwargs
+        raise EngineConfigError(f"cannot reach the registry Redis at {where.get('host')}:{where.get('port')} "
+                                f"(db {where.get('db', 0)}): {exc}") from None
+    finally:
+        client.close()

@@ -3,35 +3,97 @@
 Calls into a worker run on Ray's threads (the actors are threaded); every use of the engine's
 scheduler goes through ``_lock``. The loop steps whenever ``_has_work()`` says so and hands
 each step's outputs to ``_on_outputs``; it naps briefly when idle.
+
+On start a worker profiles itself (a few prompts of growing length, then a shrinking decode
+batch), so the router's cost model has measured step times before the first request; the
+profile's blocks are dropped again. With a registry URL it then reports its KV events, a
+heartbeat and its load from a background thread (``cluster/registry/reporter.py``).
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
+from cluster.engine.block_manager import KVEvent
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import LLMEngine, RequestOutput
+from cluster.engine.engine import EngineStats, LLMEngine, RequestOutput
+from cluster.engine.sampling_params import SamplingParams
 from cluster.kv_transfer.agent import PairLayout
 from cluster.parallel.group import GroupSpec
+from cluster.registry.load import STEPS_REPORTED, StepSample, WorkerLoad
+from cluster.registry.reporter import WorkerReporter
+
+PROFILE_PROMPT_TOKENS = (16, 64, 256, 512)
+PROFILE_DECODE_BATCH = ((32, 4), (64, 8), (96, 12), (128, 16))  # (prompt tokens, output tokens)
 
 
 class EngineWorker:
     prefill_side: bool = True
 
-    def __init__(self, config: EngineConfig):
+    role = "prefill"
+
+    def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
         self.engine = LLMEngine(config, verbose=False)
+        self.name = config.engine_name
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        if profile:
+            self._profile()
+        self.reporter = (WorkerReporter(registry_url, config.cluster_name, self.name, self._snapshot)
+                         if registry_url else None)
         self._loop = threading.Thread(target=self._run, name=f"{type(self).__name__}-loop", daemon=True)
         self._loop.start()
+
+    def _profile(self) -> None:
+        engine, rng = self.engine, random.Random(0)
+        limit = min(engine.max_model_len - 16, engine.block_manager.num_blocks * engine.config.block_size // 2)
+        vocab = engine.model_config.vocab_size
+
+        def prompt(n: int) -> list[int]:
+            return [rng.randrange(vocab) for _ in range(min(n, limit))]
+
+        for i, n in enumerate(PROFILE_PROMPT_TOKENS):
+            engine.add_request(f"profile-prefill-{i}", prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+        if self.role == "decode":
+            for i, (n, out) in enumerate(PROFILE_DECODE_BATCH):
+                engine.add_request(f"profile-decode-{i}", prompt(n), SamplingParams(max_tokens=out, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+        engine.block_manager.reset_prefix_cache()
+        engine.block_manager.drain_events()
+        engine.stats = EngineStats(steps=engine.stats.steps)
+
+    def _snapshot(self) -> tuple[list[KVEvent], WorkerLoad]:
+        engine = self.engine
+        with self._lock:
+            scheduler = engine.scheduler
+            queued = scheduler.waiting + scheduler.running
+            load = WorkerLoad(
+                worker=self.name, role=self.role, waiting=len(scheduler.waiting), running=len(scheduler.running),
+                receiving=len(scheduler.receiving),
+                queued_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
+                decode_context_tokens=sum(r.num_computed_tokens for r in scheduler.running
+                                          if r.num_computed_tokens >= r.num_prompt_tokens),
+                free_blocks=engine.block_manager.num_free_blocks, num_blocks=engine.block_manager.num_blocks,
+                block_size=engine.config.block_size, max_num_batched_tokens=engine.config.max_num_batched_tokens,
+                max_num_seqs=engine.config.max_num_seqs,
+                steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
+                                       s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s)
+                            for s in list(engine.stats.steps)[-STEPS_REPORTED:]),
+            )
+            return engine.block_manager.drain_events(), load
 
     def describe(self) -> dict:
         engine = self.engine
         return {"num_kv_heads": engine.model_config.num_kv_heads, "tp": engine.config.tensor_parallel_size,
                 "num_layers": engine.model_config.num_layers, "free_blocks": self.free_blocks(),
                 "num_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
-                "max_model_len": engine.max_model_len}
+                "max_model_len": engine.max_model_len, "hash_keys": engine.scheduler.extra_hash_keys,
+                "kv_bytes_per_block": engine.runner.block_bytes, "role": self.role, "name": self.name}
 
     def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
         """Joins the transfer group shared with one worker of the other role (every TP rank)."""
@@ -41,9 +103,20 @@ class EngineWorker:
         with self._lock:
             return self.engine.block_manager.num_free_blocks
 
+    def cached_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
+        """Leading full blocks of the prompt this worker's cache holds now (the oracle the
+        routing benchmark compares the registry's view with)."""
+        from cluster.engine.request import Request
+
+        with self._lock:
+            probe = Request("probe", list(prompt_token_ids), SamplingParams())
+            return self.engine.scheduler.cached_prefix_blocks(probe)
+
     def shutdown(self) -> None:
         self._stop.set()
         self._loop.join(timeout=10)
+        if self.reporter is not None:
+            self.reporter.stop()
         self.engine.shutdown()
 
     def _has_work(self) -> bool:

@@ -14,7 +14,7 @@ from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.engine.llm import LLM
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 
-REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "priority"})
+REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "priority", "slo_class"})
 
 
 @dataclass
@@ -61,7 +61,12 @@ def _submit(engine: LLMEngine, entry: InputLine, item: dict[str, Any]) -> None:
     priority = item.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError("'priority' must be an integer")
-    engine.add_request(entry.request_id, prompt, params, priority=priority)
+    if "slo_class" not in item:
+        engine.add_request(entry.request_id, prompt, params, priority=priority)
+    elif not getattr(engine, "routes_by_slo", False):
+        raise InvalidRequestError("'slo_class' needs the router: run with --disaggregated")
+    else:
+        engine.add_request(entry.request_id, prompt, params, priority=priority, slo_class=item["slo_class"])
 
 
 def _result(entry: InputLine, output: RequestOutput | None) -> dict[str, Any]:

@@ -18,10 +18,11 @@ from cluster.engine_worker import EngineWorker
 
 class DecodeWorker(EngineWorker):
     prefill_side = False
+    role = "decode"
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
         self._finished: list[RequestOutput] = []
-        super().__init__(config)
+        super().__init__(config, registry_url, profile)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 priority: int = 0) -> tuple[int, list[int]] | None:
@@ -29,6 +30,13 @@ class DecodeWorker(EngineWorker):
         Raises InvalidRequestError for a request that can never run."""
         with self._lock:
             return self.engine.reserve_transfer(request_id, prompt_token_ids, params, priority)
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 0) -> None:
+        """Runs a request here from its prompt: the router's choice when this worker already
+        caches nearly all of it, so a remote prefill would save little and cost a transfer."""
+        with self._lock:
+            self.engine.add_request(request_id, prompt_token_ids, params, priority)
 
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int,
                 timeout_s: float) -> str | None:

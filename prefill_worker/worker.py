@@ -36,11 +36,12 @@ class PrefillResult:
 
 class PrefillWorker(EngineWorker):
     prefill_side = True
+    role = "prefill"
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
         self._done: dict[str, threading.Event] = {}
         self._first: dict[str, tuple[int, float | None, list | None]] = {}
-        super().__init__(config)
+        super().__init__(config, registry_url, profile)
 
     def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 target: TransferTarget) -> PrefillResult:

@@ -66,3 +66,13 @@ def hash_token_blocks(
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def request_hash_keys(extra_keys: Sequence[ExtraKey], cache_salt: str | None = None) -> tuple[ExtraKey, ...]:
+    """The extra keys of a request's blocks: the engine's (model), then its tenant salt if any."""
+    return tuple(extra_keys) + ((cache_salt,) if cache_salt else ())
+
+
+def cacheable_prefix_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Most leading blocks of a prompt that can be cache hits: the last token is always computed."""
+    return max(0, (num_prompt_tokens - 1) // block_size)

@@ -52,12 +52,17 @@ class RequestOutput:
     finish_time: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepRecord:
+    """One step's shape and time: what the router's cost model is fitted to."""
+
     num_decode_tokens: int
     num_prefill_tokens: int
     seconds: float
-    context_tokens: int
+    context_tokens: int  # KV tokens the decodes attended to
+    prefill_attention: int = 0  # sum over prefill chunks of chunk tokens x tokens attended (the quadratic term)
+    kv_blocks_sent: int = 0
+    transfer_tail_s: float = 0.0  # of ``seconds``, the wait for sends after the last layer
 
 
 @dataclass
@@ -314,6 +319,9 @@ class LLMEngine:
                 num_prefill_tokens=out.num_tokens - len(out.decodes),
                 seconds=time.perf_counter() - started,
                 context_tokens=sum(r.num_computed_tokens for r in out.decodes),
+                prefill_attention=sum(n * r.num_computed_tokens for r, n in out.prefills),  # counts are past the step
+                kv_blocks_sent=sum(len(s.src_blocks) for s in inputs.plan.streams),
+                transfer_tail_s=inputs.transfer_tail_s,
             )
         )
         return outputs

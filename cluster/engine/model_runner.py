@@ -7,6 +7,7 @@ head_dim], each layer's attention holding views of its K and V parts.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -58,6 +59,7 @@ class StepInputs:
     plan: StepPlan
     senders: list[KVSender] = field(default_factory=list)
     transfer_errors: dict[str, str | None] = field(default_factory=dict)  # request id -> None or the error
+    transfer_tail_s: float = 0.0  # time spent after the forward pass waiting for this step's sends
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -233,7 +235,9 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
         if inputs.senders:
+            started = time.perf_counter()
             inputs.transfer_errors = finish_all(inputs.senders)
+            inputs.transfer_tail_s = time.perf_counter() - started
         return logits
 
     @torch.inference_mode()

@@ -14,7 +14,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from cluster.engine.block_hash import ExtraKey, hash_token_blocks
+from cluster.engine.block_hash import ExtraKey, cacheable_prefix_blocks, hash_token_blocks, request_hash_keys
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import FinishReason, Request, RequestStatus
 from cluster.engine.sampling_params import InvalidRequestError
@@ -132,7 +132,7 @@ class Scheduler:
         return request
 
     def _hash_blocks(self, request: Request, token_ids: Sequence[int], start_block: int = 0) -> list[bytes]:
-        keys = self.extra_hash_keys + ((request.cache_salt,) if request.cache_salt else ())
+        keys = request_hash_keys(self.extra_hash_keys, request.cache_salt)
         parent = request.block_hashes[start_block - 1] if start_block else None
         return hash_token_blocks(token_ids, self.block_size, keys, parent=parent, start_block=start_block)
 
@@ -201,9 +201,13 @@ class Scheduler:
             self._emit(out, request, count)
             budget -= count
 
+    def cached_prefix_blocks(self, request: Request) -> int:
+        """How many of the request's leading blocks would be prefix-cache hits now."""
+        return len(self._prefix_hits(request))
+
     def _prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks of the longest known prefix, leaving at least the last token to compute."""
-        return self._cached_prefix(request, (request.num_tokens - 1) // self.block_size)
+        return self._cached_prefix(request, cacheable_prefix_blocks(request.num_tokens, self.block_size))
 
     def _cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
         """Cached blocks of the longest known prefix among the request's first ``max_blocks``."""

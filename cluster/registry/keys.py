@@ -6,6 +6,8 @@ one Redis never see each other's data.
     tandem:<c>:worker:<w>:seq             STR   sequence number of the last applied event batch
     tandem:<c>:worker:<w>:blocks          SET   hex block hashes the worker holds
     tandem:<c>:block:<hash>               SET   ids of workers holding the block
+    tandem:<c>:worker:<w>:load            STR   JSON load report (cluster/registry/load.py); expires with the heartbeat
+    tandem:<c>:goodput:...                      finished-request counters (cluster/registry/goodput.py)
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class Keys:
 
     def worker_blocks(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}:blocks"
+
+    def load(self, worker: str) -> str:
+        return f"{self.prefix}worker:{worker}:load"
 
     def block(self, block_hash: str) -> str:
         return f"{self.prefix}block:{block_hash}"

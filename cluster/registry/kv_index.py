@@ -26,6 +26,7 @@ class KVIndexPublisher:
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self.seq = 0
         self.held: set[str] = set()  # this worker's view, for re-publishing after a gap
+        self._resync = False
 
     def heartbeat(self) -> None:
         self.client.set(self.keys.alive(self.worker), "1", px=self.heartbeat_ttl_ms)
@@ -39,19 +40,24 @@ class KVIndexPublisher:
                 self.held.difference_update(h.hex() for h in event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.held.clear()
-        stored = self.client.get(self.keys.seq(self.worker))
-        gap = int(stored or 0) != self.seq
-        pipe = self.client.pipeline(transaction=True)
-        if gap:
-            self._replace_all(pipe)
-        else:
-            for event in events:
-                self._apply(pipe, event)
+        try:
+            stored = self.client.get(self.keys.seq(self.worker))
+            gap = self._resync or int(stored or 0) != self.seq
+            pipe = self.client.pipeline(transaction=True)
+            if gap:
+                self._replace_all(pipe)
+            else:
+                for event in events:
+                    self._apply(pipe, event)
+            pipe.set(self.keys.seq(self.worker), self.seq + 1)
+            pipe.sadd(self.keys.workers, self.worker)
+            pipe.set(self.keys.alive(self.worker), "1", px=self.heartbeat_ttl_ms)
+            pipe.execute()
+        except redis.RedisError:
+            self._resync = True  # these events never reached Redis: the next publish sends everything
+            raise
         self.seq += 1
-        pipe.set(self.keys.seq(self.worker), self.seq)
-        pipe.sadd(self.keys.workers, self.worker)
-        pipe.set(self.keys.alive(self.worker), "1", px=self.heartbeat_ttl_ms)
-        pipe.execute()
+        self._resync = False
         return gap
 
     def _apply(self, pipe, event: KVEvent) -> None:

@@ -1,0 +1,74 @@
+"""A worker's link to the registry: a background thread that publishes the block manager's KV
+events, a heartbeat and a load report every ``interval_s``.
+
+Redis being down never reaches the worker's serving path: a failed publish is logged once,
+the events stay folded into the publisher's view, and the first publish after Redis returns
+sends the worker's whole state (the sequence number shows the gap).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Callable
+
+import redis
+
+from cluster.engine.block_manager import KVEvent
+from cluster.registry.kv_index import KVIndexPublisher
+from cluster.registry.load import WorkerLoad, publish_load
+
+Snapshot = Callable[[], tuple[list[KVEvent], WorkerLoad]]
+
+
+def connect(url: str, timeout_s: float = 1.0) -> redis.Redis:
+    """A client whose calls fail within ``timeout_s`` when Redis is unreachable (the URL may
+    carry a password, ``rediss://`` for TLS, and a database number)."""
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+class WorkerReporter:
+    def __init__(self, url: str, cluster: str, worker: str, snapshot: Snapshot, interval_s: float = 0.1,
+                 heartbeat_ttl_s: float = 3.0):
+        self.client = connect(url)
+        self.cluster, self.worker = cluster, worker
+        self.snapshot = snapshot
+        self.interval_s, self.heartbeat_ttl_s = interval_s, heartbeat_ttl_s
+        self.publisher = KVIndexPublisher(self.client, cluster, worker, heartbeat_ttl_s)
+        self.connected = True
+        self.resyncs = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"registry-{worker}", daemon=True)
+        self._thread.start()
+
+    def report_now(self) -> bool:
+        """One publish; True if Redis took it."""
+        events, load = self.snapshot()
+        try:
+            if self.publisher.publish(events):
+                self.resyncs += 1
+            publish_load(self.client, self.cluster, load, self.heartbeat_ttl_s)
+        except redis.RedisError as exc:
+            if self.connected:
+                print(f"[tandem] {self.worker}: registry unreachable ({exc}); serving on, will re-publish",
+                      file=sys.stderr, flush=True)
+            self.connected = False
+            return False
+        if not self.connected:
+            print(f"[tandem] {self.worker}: registry back; state re-published", file=sys.stderr, flush=True)
+        self.connected = True
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.report_now()
+
+    def stop(self) -> None:
+        """Stops beating and removes this worker's liveness key (its blocks go with the next sweep)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.client.delete(self.publisher.keys.alive(self.worker), self.publisher.keys.load(self.worker))
+        except redis.RedisError:
+            pass
+        self.client.close()

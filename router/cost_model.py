@@ -1,0 +1,93 @@
+"""Predicted step times of one worker, fitted to the steps it measured and reported.
+
+Two linear models, each fitted by non-negative least squares to the worker's recent steps
+(a start-up profile seeds them, so they exist before the first request):
+
+    prefill step  = a + b * tokens + c * attention     (attention: sum of chunk x context)
+    decode step   = a + b * sequences + c * context tokens
+
+and the transfer tail per KV block sent: the time a prefill step waits, after its last layer,
+for its sends to complete, per block sent (zero until the worker has sent something).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from cluster.registry.load import StepSample
+
+MIN_SAMPLES = 3
+
+
+def fit_nonnegative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...] | None:
+    """Least-squares coefficients >= 0 (a coefficient that comes out negative is pinned at 0
+    and the rest refitted); None with fewer than ``MIN_SAMPLES`` rows."""
+    if len(rows) < MIN_SAMPLES:
+        return None
+    x, y = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        coef[:] = 0.0
+        coef[active] = solution
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda i: coef[i]))
+    return tuple(float(max(c, 0.0)) for c in coef)
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    prefill: tuple[float, float, float] | None  # (a, b per token, c per attention unit)
+    decode: tuple[float, float, float] | None  # (a, b per sequence, c per context token)
+    transfer_s_per_block: float
+    max_num_batched_tokens: int
+
+    @classmethod
+    def fit(cls, steps: Sequence[StepSample], max_num_batched_tokens: int) -> "StepTimeModel":
+        prefill = [s for s in steps if s.prefill_tokens and not s.decodes]
+        decode = [s for s in steps if s.decodes and not s.prefill_tokens]
+        sent = [s for s in steps if s.kv_blocks_sent]
+        blocks = sum(s.kv_blocks_sent for s in sent)
+        return cls(
+            prefill=fit_nonnegative([(1.0, s.prefill_tokens, s.prefill_attention) for s in prefill],
+                                    [s.seconds - s.transfer_tail_s for s in prefill]),
+            decode=fit_nonnegative([(1.0, s.decodes, s.decode_context) for s in decode], [s.seconds for s in decode]),
+            transfer_s_per_block=sum(s.transfer_tail_s for s in sent) / blocks if blocks else 0.0,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+
+    def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
+        """Time to compute ``tokens`` prompt tokens after ``cached`` ones, in budget-sized chunks."""
+        if tokens <= 0 or self.prefill is None:
+            return 0.0
+        a, b, c = self.prefill
+        budget = self.max_num_batched_tokens
+        total, done = 0.0, cached
+        while tokens > 0:
+            chunk = min(tokens, budget)
+            done += chunk
+            total += a + b * chunk + c * chunk * done
+            tokens -= chunk
+        return total
+
+    def queue_seconds(self, queued_tokens: int) -> float:
+        """Time to work through a queue of prompt tokens (their attention terms unknown)."""
+        if queued_tokens <= 0 or self.prefill is None:
+            return 0.0
+        a, b, _ = self.prefill
+        return a * -(-queued_tokens // self.max_num_batched_tokens) + b * queued_tokens
+
+    def decode_step_seconds(self, sequences: int, context_tokens: int) -> float:
+        if self.decode is None:
+            return 0.0
+        a, b, c = self.decode
+        return a + b * sequences + c * context_tokens
+
+    def transfer_seconds(self, blocks: int) -> float:
+        return self.transfer_s_per_block * max(0, blocks)

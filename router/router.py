@@ -1,0 +1,328 @@
+"""Placement: for each request, which prefill worker computes its KV and which decode worker
+generates, predicted TTFT and TPOT for every candidate, and admission by the request's SLO.
+
+The router reads two things from the registry: each live worker's load report (with the
+steps its cost model is fitted to) and, per request, how many leading blocks of the prompt
+each worker caches. Its own state is soft: placements it made since each worker's last
+report (so a burst of requests does not all pile on the worker that looked idle), the
+round-robin position and the fitted models. All of it rebuilds from the registry.
+
+When the registry cannot be read, the router places by load only: the fewest requests it has
+in flight on each side, and says so in ``status()``; it tries the registry again after
+``registry_retry_s``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from cluster.engine.block_hash import cacheable_prefix_blocks, hash_token_blocks, request_hash_keys
+from cluster.registry.load import WorkerLoad
+from router.config import RouterConfig, SloClass
+from router.cost_model import StepTimeModel
+from router.scorers import Candidate, score_all
+
+
+class RegistryUnavailable(RuntimeError):
+    pass
+
+
+class RegistryView(Protocol):
+    """What the router reads; raises RegistryUnavailable when it cannot."""
+
+    def loads(self, workers: Sequence[str]) -> dict[str, WorkerLoad]: ...
+
+    def prefix_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]: ...
+
+
+@dataclass(frozen=True)
+class Topology:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    block_size: int
+    hash_keys: tuple = ()
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    max_tokens: int = 16
+    slo_class: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``place`` (prefill None: the decode worker prefills it itself), ``queue`` (try again
+    later) or ``reject`` (``reason`` says why)."""
+
+    action: str
+    request_id: str
+    prefill: str | None = None
+    decode: str | None = None
+    slo_class: str = ""
+    ttft_objective_s: float | None = None
+    tpot_objective_s: float | None = None
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+    prefill_hit_blocks: int = 0
+    decode_hit_blocks: int = 0
+    load_only: bool = False
+    reason: str = ""
+
+
+@dataclass
+class _Placed:
+    decision: Decision
+    prompt_tokens: int
+    placed_at: float
+
+
+@dataclass
+class RouterCounters:
+    placed: int = 0
+    local_prefills: int = 0
+    queued: int = 0
+    rejected: int = 0
+    load_only: int = 0
+    ttft_error_sum: float = 0.0  # |predicted - observed| / observed, summed
+    ttft_error_n: int = 0
+    last_rejection: str = ""
+
+
+@dataclass
+class Router:
+    topology: Topology
+    registry: RegistryView
+    config: RouterConfig = field(default_factory=RouterConfig)
+
+    def __post_init__(self) -> None:
+        self.inflight: dict[str, _Placed] = {}
+        self.failed: set[str] = set()
+        self.counters = RouterCounters()
+        self._rotation = 0
+        self._models: dict[str, tuple[float, StepTimeModel]] = {}
+        self._loads: dict[str, WorkerLoad] = {}
+        self._loads_read_at = -math.inf
+        self._registry_down_since: float | None = None
+        self._registry_error = ""
+
+    # -- the registry ---------------------------------------------------------------------
+
+    def _read_loads(self, now: float) -> dict[str, WorkerLoad] | None:
+        """Live workers' reports (refreshed at most every ``load_refresh_s``), or None while the
+        registry is unreachable."""
+        if self._registry_down_since is not None and now - self._registry_down_since < self.config.registry_retry_s:
+            return None
+        if now - self._loads_read_at >= self.config.load_refresh_s or self._registry_down_since is not None:
+            try:
+                self._loads = self.registry.loads(self.topology.prefill + self.topology.decode)
+            except RegistryUnavailable as exc:
+                self._mark_down(now, exc)
+                return None
+            self._loads_read_at = now
+            self._registry_down_since = None
+        return self._loads
+
+    def _mark_down(self, now: float, exc: Exception) -> None:
+        if self._registry_down_since is None:
+            self._registry_down_since = now
+        else:
+            self._registry_down_since = max(self._registry_down_since, now - self.config.registry_retry_s)
+        self._registry_error = str(exc)
+
+    def model(self, load: WorkerLoad) -> StepTimeModel:
+        cached = self._models.get(load.worker)
+        if cached is None or cached[0] != load.updated_at:
+            cached = (load.updated_at, StepTimeModel.fit(load.steps, load.max_num_batched_tokens))
+            self._models[load.worker] = cached
+        return cached[1]
+
+    # -- placing --------------------------------------------------------------------------
+
+    def route(self, request: RouteRequest, now: float | None = None) -> Decision:
+        now = time.time() if now is None else now
+        cls = self.config.slo_class(request.slo_class)
+        loads = self._read_loads(now)
+        hits = self._prefix_hits(request, now) if loads is not None else None
+        if loads is None or hits is None:
+            return self._place_by_load(request, cls, now)
+        prefill = [w for w in self.topology.prefill if w in loads and w not in self.failed]
+        decode = [w for w in self.topology.decode if w in loads and w not in self.failed]
+        if not prefill or not decode:
+            return self._place_by_load(request, cls, now)
+        candidates = self._candidates(request, cls, loads, hits, prefill, decode, now)
+        return self._choose(request, cls, candidates, now)
+
+    def _prefix_hits(self, request: RouteRequest, now: float) -> dict[str, int] | None:
+        keys = request_hash_keys(self.topology.hash_keys, request.cache_salt)
+        hashes = hash_token_blocks(request.prompt_token_ids, self.topology.block_size, keys)
+        try:
+            return self.registry.prefix_blocks(hashes)
+        except RegistryUnavailable as exc:
+            self._mark_down(now, exc)
+            return None
+
+    def _pending(self, worker: str, since: float) -> list[_Placed]:
+        """Placements on ``worker`` its last report (taken at ``since``) cannot show yet."""
+        return [p for p in self.inflight.values() if p.placed_at >= since
+                and worker in (p.decision.prefill, p.decision.decode)]
+
+    def _candidates(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad],
+                    hits: dict[str, int], prefill: list[str], decode: list[str], now: float) -> list[Candidate]:
+        n, bs = len(request.prompt_token_ids), self.topology.block_size
+        cacheable = cacheable_prefix_blocks(n, bs)
+        prompt_blocks = -(-n // bs)
+        queued = {}
+        for w in prefill + decode:
+            load = loads[w]
+            pending = [p for p in self._pending(w, load.updated_at) if p.decision.prefill in (w, None)]
+            queued[w] = load.queued_prefill_tokens + sum(p.prompt_tokens for p in pending)
+        turn_p = prefill[self._rotation % len(prefill)]
+        turn_d = decode[self._rotation % len(decode)]
+        candidates = []
+        for d in decode:
+            load_d, model_d = loads[d], self.model(loads[d])
+            pending = self._pending(d, load_d.updated_at)
+            sequences = load_d.running + load_d.receiving + len(pending) + 1
+            context = load_d.decode_context_tokens + sum(p.prompt_tokens for p in pending) + n
+            hit_d = min(hits.get(d, 0), cacheable)
+            needed = -(-(n + request.max_tokens) // bs) - hit_d
+            free = load_d.free_blocks - sum(-(-p.prompt_tokens // bs) for p in pending)
+            decode_load = sequences / load_d.max_num_seqs + 1 - free / max(1, load_d.num_blocks)
+            tpot = model_d.decode_step_seconds(sequences, context)
+            for p in prefill:
+                model_p = self.model(loads[p])
+                hit_p = min(hits.get(p, 0), cacheable)
+                c = Candidate(p, d, hit_p, hit_d, cacheable, queued[p], decode_load,
+                              queue_s=model_p.queue_seconds(queued[p]),
+                              prefill_s=model_p.prefill_seconds(n - hit_p * bs, hit_p * bs),
+                              transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
+                              tpot_s=tpot, decode_has_room=free >= needed,
+                              rotation_slot=(p, d) == (turn_p, turn_d))
+                c.ttft_s = c.queue_s + c.prefill_s + c.transfer_s
+                candidates.append(c)
+            if cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable:
+                c = Candidate(None, d, hit_d, hit_d, cacheable, queued[d], decode_load,
+                              queue_s=model_d.queue_seconds(queued[d]) + (tpot if load_d.running else 0.0),
+                              prefill_s=model_d.prefill_seconds(n - hit_d * bs, hit_d * bs),
+                              tpot_s=tpot, decode_has_room=free >= needed)
+                c.ttft_s = c.queue_s + c.prefill_s
+                candidates.append(c)
+        return candidates
+
+    def _choose(self, request: RouteRequest, cls: SloClass, candidates: list[Candidate], now: float) -> Decision:
+        objectives = (cls.ttft_s, cls.tpot_s)
+        with_room = [c for c in candidates if c.decode_has_room] or candidates
+        score_all(with_room, dict(self.config.weights), objectives)
+        ranked = sorted(with_room, key=lambda c: (-c.score, c.ttft_s))
+        if not self.config.admission_control or (cls.ttft_s is None and cls.tpot_s is None):
+            return self._place(request, cls, ranked[0], now)
+        meeting = [c for c in ranked if _meets(c, cls)]
+        if meeting:
+            return self._place(request, cls, meeting[0], now)
+        fastest = min(with_room, key=lambda c: c.ttft_s + c.tpot_s)
+        idle_ttft = fastest.prefill_s + fastest.transfer_s
+        never = (cls.ttft_s is not None and idle_ttft > cls.ttft_s)
+        why = _explain(cls, fastest, never)
+        if cls.on_overload == "reject":
+            self.counters.rejected += 1
+            self.counters.last_rejection = why
+            return Decision("reject", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
+                            tpot_objective_s=cls.tpot_s, predicted_ttft_s=fastest.ttft_s,
+                            predicted_tpot_s=fastest.tpot_s, reason=why)
+        if cls.on_overload == "queue" and not never:
+            self.counters.queued += 1
+            return Decision("queue", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
+                            tpot_objective_s=cls.tpot_s, predicted_ttft_s=fastest.ttft_s,
+                            predicted_tpot_s=fastest.tpot_s, reason=why)
+        return self._place(request, cls, ranked[0], now, reason="best effort: " + why)
+
+    def _place(self, request: RouteRequest, cls: SloClass, c: Candidate, now: float, reason: str = "") -> Decision:
+        self._rotation += 1
+        self.counters.placed += 1
+        self.counters.local_prefills += c.prefill is None
+        decision = Decision("place", request.request_id, c.prefill, c.decode, cls.name, cls.ttft_s, cls.tpot_s,
+                            c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason)
+        self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now)
+        return decision
+
+    def _place_by_load(self, request: RouteRequest, cls: SloClass, now: float) -> Decision:
+        """No registry: the live workers with the fewest of this router's requests in flight."""
+        def least_busy(names: Sequence[str], side: str) -> str | None:
+            alive = [w for w in names if w not in self.failed]
+            if not alive:
+                return None
+            count = {w: 0 for w in alive}
+            for p in self.inflight.values():
+                w = getattr(p.decision, side)
+                if w in count:
+                    count[w] += 1
+            return min(alive, key=lambda w: count[w])
+
+        p, d = least_busy(self.topology.prefill, "prefill"), least_busy(self.topology.decode, "decode")
+        if p is None or d is None:
+            side = "prefill" if p is None else "decode"
+            self.counters.rejected += 1
+            return Decision("reject", request.request_id, slo_class=cls.name, reason=f"no live {side} worker")
+        self.counters.placed += 1
+        self.counters.load_only += 1
+        decision = Decision("place", request.request_id, p, d, cls.name, cls.ttft_s, cls.tpot_s, load_only=True,
+                            reason="registry unreachable: placed by load only")
+        self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now)
+        return decision
+
+    # -- what happened afterwards ---------------------------------------------------------
+
+    def forget(self, request_id: str) -> Decision | None:
+        """The request was not started after all (e.g. its decode worker had no room)."""
+        placed = self.inflight.pop(request_id, None)
+        return placed.decision if placed else None
+
+    def finished(self, request_id: str, ttft_s: float | None = None) -> Decision | None:
+        placed = self.inflight.pop(request_id, None)
+        if placed is None:
+            return None
+        predicted = placed.decision.predicted_ttft_s
+        if ttft_s and predicted is not None:
+            self.counters.ttft_error_sum += abs(predicted - ttft_s) / ttft_s
+            self.counters.ttft_error_n += 1
+        return placed.decision
+
+    def worker_failed(self, worker: str) -> None:
+        self.failed.add(worker)
+
+    def status(self, now: float | None = None) -> dict:
+        now = time.time() if now is None else now
+        c = self.counters
+        if self._registry_down_since is not None:
+            registry = (f"unreachable for {now - self._registry_down_since:.1f}s ({self._registry_error}); "
+                        "placing by load only")
+        else:
+            registry = "ok"
+        return {
+            "policy": self.config.policy, "weights": dict(self.config.weights), "registry": registry,
+            "live_workers": sorted(self._loads) if self._registry_down_since is None else [],
+            "failed_workers": sorted(self.failed), "in_flight": len(self.inflight),
+            "placed": c.placed, "local_prefills": c.local_prefills, "queued_decisions": c.queued,
+            "rejected": c.rejected, "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
+            "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
+        }
+
+
+def _meets(c: Candidate, cls: SloClass) -> bool:
+    return (cls.ttft_s is None or c.ttft_s <= cls.ttft_s) and (cls.tpot_s is None or c.tpot_s <= cls.tpot_s)
+
+
+def _explain(cls: SloClass, c: Candidate, never: bool) -> str:
+    def ms(seconds: float | None) -> str:
+        return "none" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+    state = "even an idle cluster cannot meet" if never else "no (prefill, decode) pair can meet now"
+    return (f"{state} slo_class {cls.name!r} (TTFT <= {ms(cls.ttft_s)}, TPOT <= {ms(cls.tpot_s)}): the best, "
+            f"{c.label}, predicts TTFT {ms(c.ttft_s)} (queue {ms(c.queue_s)} + prefill {ms(c.prefill_s)} + "
+            f"transfer {ms(c.transfer_s)}) and TPOT {ms(c.tpot_s)}")

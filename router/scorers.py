@@ -1,0 +1,82 @@
+"""Scorers: each rates one candidate placement with a number in [0, 1]; a policy weighs them.
+
+A candidate is a (prefill worker, decode worker) pair, or a decode worker alone when it would
+prefill the prompt itself (``prefill is None``). Scorers see every candidate of the request at
+once, so that relative ones (load) can normalise across them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+@dataclass
+class Candidate:
+    prefill: str | None
+    decode: str
+    prefill_hit_blocks: int  # of the prompt, cached where it will be prefilled
+    decode_hit_blocks: int  # of the prompt, cached on the decode worker (those blocks do not travel)
+    cacheable_blocks: int
+    prefill_queue_tokens: int
+    decode_load: float  # share of sequence slots plus share of KV blocks in use
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    decode_has_room: bool = True
+    rotation_slot: bool = False  # this request's turn in the round-robin order
+    scores: dict[str, float] = field(default_factory=dict)
+    score: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill or '(local prefill)'} -> {self.decode}"
+
+
+def round_robin(c: Candidate, _all: Sequence[Candidate], _objectives) -> float:
+    return 1.0 if c.rotation_slot else 0.0
+
+
+def least_loaded(c: Candidate, every: Sequence[Candidate], _objectives) -> float:
+    most_queued = max(x.prefill_queue_tokens for x in every)
+    most_loaded = max(x.decode_load for x in every)
+    prefill = c.prefill_queue_tokens / most_queued if most_queued else 0.0
+    decode = c.decode_load / most_loaded if most_loaded else 0.0
+    return 1.0 - 0.5 * (prefill + decode)
+
+
+def prefix_affinity(c: Candidate, _all: Sequence[Candidate], _objectives) -> float:
+    """Cache reuse: mostly the prefill side's (compute saved), partly the decode side's
+    (transfer saved)."""
+    if not c.cacheable_blocks:
+        return 0.0
+    return (0.75 * c.prefill_hit_blocks + 0.25 * c.decode_hit_blocks) / c.cacheable_blocks
+
+
+def slo_headroom(c: Candidate, _all: Sequence[Candidate], objectives: tuple[float | None, float | None]) -> float:
+    """1 with all the objectives' time to spare, 0 at or past them; with no objective, a
+    predicted second counts as half the room."""
+
+    def used(predicted: float, objective: float | None) -> float:
+        return min(1.0, predicted / objective) if objective else predicted / (predicted + 1.0)
+
+    ttft_objective, tpot_objective = objectives
+    return 1.0 - 0.5 * (used(c.ttft_s, ttft_objective) + used(c.tpot_s, tpot_objective))
+
+
+SCORER_FUNCTIONS: dict[str, Callable[[Candidate, Sequence[Candidate], tuple], float]] = {
+    "round_robin": round_robin,
+    "least_loaded": least_loaded,
+    "prefix_affinity": prefix_affinity,
+    "slo_headroom": slo_headroom,
+}
+
+
+def score_all(candidates: Sequence[Candidate], weights: dict[str, float],
+              objectives: tuple[float | None, float | None]) -> None:
+    total = sum(weights.values())
+    for c in candidates:
+        c.scores = {name: SCORER_FUNCTIONS[name](c, candidates, objectives) for name, w in weights.items() if w}
+        c.score = sum(weights[name] * s for name, s in c.scores.items()) / total

@@ -1,0 +1,222 @@
+"""The router's placements for hand-made registry states: exact workers, exact predictions."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine.block_hash import hash_token_blocks
+from cluster.registry.load import StepSample, WorkerLoad
+from router.config import RouterConfig, RouterConfigError
+from router.cost_model import StepTimeModel, fit_nonnegative
+from router.router import RegistryUnavailable, RouteRequest, Router, Topology
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+TOPOLOGY = Topology(prefill=("p0", "p1"), decode=("d0", "d1"), block_size=BS, hash_keys=("m",))
+NOW = 1000.0
+# prefill step = 10 ms + 1 ms per token; decode step = 20 ms + 5 ms per sequence + 0.1 ms per context token
+PREFILL_STEPS = tuple(StepSample(n, 0, 0, 0, 0.010 + 0.001 * n) for n in (16, 64, 256))
+DECODE_STEPS = tuple(StepSample(0, 0, s, c, 0.020 + 0.005 * s + 0.0001 * c) for s, c in ((1, 100), (2, 400), (4, 300)))
+
+
+def load(worker: str, queued: int = 0, running: int = 0, free: int = 100, context: int = 0,
+         steps=None, updated_at: float = NOW - 0.01) -> WorkerLoad:
+    role = "prefill" if worker.startswith("p") else "decode"
+    steps = steps if steps is not None else (PREFILL_STEPS if role == "prefill" else PREFILL_STEPS + DECODE_STEPS)
+    return WorkerLoad(worker, role, 0, running, 0, queued, context, free, 100, BS, 2048, 16, steps, updated_at)
+
+
+class FakeRegistry:
+    def __init__(self, loads: dict[str, WorkerLoad] | None = None):
+        self.state = {w: load(w) for w in TOPOLOGY.prefill + TOPOLOGY.decode}
+        self.state.update(loads or {})
+        self.blocks: dict[bytes, set[str]] = {}
+        self.down = False
+
+    def hold(self, worker: str, tokens: list[int], blocks: int) -> None:
+        for h in hash_token_blocks(tokens, BS, ("m",))[:blocks]:
+            self.blocks.setdefault(h, set()).add(worker)
+
+    def loads(self, workers):
+        if self.down:
+            raise RegistryUnavailable("connection refused")
+        return {w: self.state[w] for w in workers if w in self.state}
+
+    def prefix_blocks(self, hashes):
+        if self.down:
+            raise RegistryUnavailable("connection refused")
+        matched, still = {w: 0 for w in self.state}, set(self.state)
+        for i, h in enumerate(hashes):
+            still &= self.blocks.get(h, set())
+            for w in still:
+                matched[w] = i + 1
+        return matched
+
+
+PROMPT = list(range(100, 133))  # 33 tokens: 8 full blocks, all 8 cacheable
+
+
+def route(router: Router, rid: str = "r", prompt=PROMPT, now: float = NOW, **kw):
+    return router.route(RouteRequest(rid, prompt, max_tokens=8, **kw), now=now)
+
+
+def test_cost_model_fits_the_reported_steps_exactly():
+    model = StepTimeModel.fit(PREFILL_STEPS + DECODE_STEPS, 2048)
+    assert model.prefill == pytest.approx((0.010, 0.001, 0.0), abs=1e-9)
+    assert model.decode == pytest.approx((0.020, 0.005, 0.0001), abs=1e-9)
+    assert model.prefill_seconds(33) == pytest.approx(0.043)
+    assert model.queue_seconds(4096) == pytest.approx(2 * 0.010 + 4.096)
+    assert model.transfer_seconds(5) == 0.0
+
+
+def test_nonnegative_fit_pins_a_negative_coefficient_at_zero():
+    assert fit_nonnegative([(1, 1)], [1.0]) is None
+    coef = fit_nonnegative([(1, 0), (1, 1), (1, 2)], [3.0, 2.0, 1.0])  # falling times: slope would be -1
+    assert coef == pytest.approx((2.0, 0.0))
+
+
+def test_transfer_time_per_block_comes_from_measured_send_tails():
+    steps = PREFILL_STEPS + (StepSample(32, 0, 0, 0, 0.5, kv_blocks_sent=8, transfer_tail_s=0.08),)
+    assert StepTimeModel.fit(steps, 2048).transfer_seconds(3) == pytest.approx(0.03)
+
+
+def test_prefix_affinity_goes_where_the_prompt_is_cached():
+    registry = FakeRegistry()
+    registry.hold("p1", PROMPT, 8)
+    registry.hold("d1", PROMPT, 2)
+    decision = route(Router(TOPOLOGY, registry, RouterConfig.for_policy("prefix_affinity")))
+    assert (decision.action, decision.prefill, decision.decode) == ("place", "p1", "d1")
+    assert (decision.prefill_hit_blocks, decision.decode_hit_blocks) == (8, 2)
+
+
+def test_a_prompt_never_counts_its_last_token_as_cached():
+    registry = FakeRegistry()
+    prompt = PROMPT[:32]  # 8 full blocks, but only 7 can hit: the last token is always computed
+    registry.hold("p0", prompt, 8)
+    decision = route(Router(TOPOLOGY, registry, RouterConfig.for_policy("prefix_affinity")), prompt=prompt)
+    assert (decision.prefill, decision.prefill_hit_blocks) == ("p0", 7)
+
+
+def test_round_robin_rotates_both_sides():
+    router = Router(TOPOLOGY, FakeRegistry(), RouterConfig.for_policy("round_robin"))
+    placed = [route(router, f"r{i}") for i in range(4)]
+    assert [(d.prefill, d.decode) for d in placed] == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
+
+
+def test_least_loaded_avoids_the_queue_and_the_busy_decoder():
+    registry = FakeRegistry({"p0": load("p0", queued=1000), "d0": load("d0", running=10, free=20, context=500)})
+    decision = route(Router(TOPOLOGY, registry, RouterConfig.for_policy("least_loaded")))
+    assert (decision.prefill, decision.decode) == ("p1", "d1")
+
+
+def test_placements_not_yet_in_a_report_count_as_load():
+    router = Router(TOPOLOGY, FakeRegistry(), RouterConfig.for_policy("least_loaded"))
+    first, second = route(router, "a"), route(router, "b")
+    assert (first.prefill, first.decode) == ("p0", "d0")
+    assert (second.prefill, second.decode) == ("p1", "d1")
+    router.finished("a")
+    router.finished("b")
+    assert router.inflight == {}
+
+
+def test_slo_prediction_is_queue_plus_prefill_plus_transfer_and_the_decode_step():
+    registry = FakeRegistry({"p0": load("p0", queued=200), "p1": load("p1", queued=300),
+                             "d0": load("d0", running=3, context=600)})
+    decision = route(Router(TOPOLOGY, registry))
+    assert (decision.prefill, decision.decode) == ("p0", "d1")
+    assert decision.predicted_ttft_s == pytest.approx((0.010 + 0.200) + (0.010 + 0.033))
+    assert decision.predicted_tpot_s == pytest.approx(0.020 + 0.005 * 1 + 0.0001 * 33)
+
+
+def test_slo_takes_the_cache_hit_when_it_still_meets_the_objectives():
+    registry = FakeRegistry({"p1": load("p1", queued=500)})
+    registry.hold("p1", PROMPT, 8)
+    decision = route(Router(TOPOLOGY, registry), slo_class="interactive")
+    assert decision.prefill == "p1"
+    assert decision.predicted_ttft_s == pytest.approx(0.510 + 0.011)
+
+
+def test_slo_leaves_the_cache_hit_when_its_queue_would_miss_the_ttft():
+    registry = FakeRegistry({"p1": load("p1", queued=1500)})
+    registry.hold("p1", PROMPT, 8)
+    decision = route(Router(TOPOLOGY, registry), slo_class="interactive")  # TTFT <= 1 s
+    assert decision.prefill == "p0"
+    assert decision.prefill_hit_blocks == 0
+
+
+def test_admission_rejects_at_once_with_the_reason():
+    busy = {w: load(w, queued=3000) for w in ("p0", "p1")}  # two 2048-token steps each: 3.02 s
+    router = Router(TOPOLOGY, FakeRegistry(busy))
+    decision = route(router, slo_class="interactive")
+    assert decision.action == "reject"
+    assert "no (prefill, decode) pair can meet now slo_class 'interactive' (TTFT <= 1000 ms" in decision.reason
+    assert "p0 -> d0, predicts TTFT 3063 ms (queue 3020 ms + prefill 43 ms + transfer 0 ms)" in decision.reason
+    assert router.inflight == {}
+    assert router.status(NOW)["rejected"] == 1
+
+
+def test_a_queueable_class_waits_and_a_hopeless_prompt_runs_best_effort():
+    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
+    router = Router(TOPOLOGY, FakeRegistry(busy))
+    assert route(router, slo_class="standard").action == "queue"
+    long_prompt = list(range(6000))  # 6 s of prefill on an idle worker: no queue makes it meet 5 s
+    decision = route(Router(TOPOLOGY, FakeRegistry()), prompt=long_prompt, slo_class="standard")
+    assert decision.action == "place"
+    assert decision.reason.startswith("best effort: even an idle cluster cannot meet")
+
+
+def test_a_decode_worker_caching_nearly_the_whole_prompt_prefills_it_itself():
+    registry = FakeRegistry()
+    registry.hold("d1", PROMPT, 8)
+    router = Router(TOPOLOGY, registry)
+    decision = route(router)
+    assert (decision.prefill, decision.decode) == (None, "d1")
+    assert decision.predicted_ttft_s == pytest.approx(0.010 + 0.001)  # one token left to compute
+    assert router.status(NOW)["local_prefills"] == 1
+
+
+def test_a_decode_worker_without_room_is_passed_over():
+    registry = FakeRegistry({"d0": load("d0", free=2)})
+    decision = route(Router(TOPOLOGY, registry, RouterConfig.for_policy("round_robin")))
+    assert decision.decode == "d1"
+
+
+def test_dead_and_failed_workers_are_not_candidates():
+    registry = FakeRegistry()
+    del registry.state["p0"]  # heartbeat expired: no load report
+    router = Router(TOPOLOGY, registry, RouterConfig.for_policy("round_robin"))
+    router.worker_failed("d0")
+    assert [(d.prefill, d.decode) for d in (route(router, "a"), route(router, "b"))] == [("p1", "d1"), ("p1", "d1")]
+
+
+def test_registry_down_places_by_load_only_then_recovers():
+    registry = FakeRegistry()
+    router = Router(TOPOLOGY, registry, RouterConfig.for_policy("slo", registry_retry_s=1.0))
+    registry.down = True
+    placed = [route(router, f"r{i}", now=NOW + i * 0.1) for i in range(3)]
+    assert [(d.prefill, d.decode, d.load_only) for d in placed] == [
+        ("p0", "d0", True), ("p1", "d1", True), ("p0", "d0", True)]
+    status = router.status(NOW + 0.3)
+    assert status["registry"].startswith("unreachable for 0.3s (connection refused); placing by load only")
+    registry.down = False
+    assert route(router, "soon", now=NOW + 0.5).load_only  # waits registry_retry_s before trying again
+    back = route(router, "later", now=NOW + 1.2)
+    assert not back.load_only
+    assert router.status(NOW + 1.2)["registry"] == "ok"
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(RouterConfigError, match=r"router.policy: unknown policy 'fastest'; known: round_robin"):
+        RouterConfig.from_mapping({"policy": "fastest"})
+    with pytest.raises(RouterConfigError, match=r"router.weights.cache: unknown scorer"):
+        RouterConfig.from_mapping({"weights": {"cache": 1}})
+    with pytest.raises(RouterConfigError, match=r"router.slo_classes.chat.on_overload: must be one of"):
+        RouterConfig.from_mapping({"slo_classes": {"chat": {"ttft_ms": 500, "on_overload": "drop"}},
+                                   "default_class": "chat"})
+    with pytest.raises(RouterConfigError, match=r"router.default_class: unknown slo_class 'standard'"):
+        RouterConfig.from_mapping({"slo_classes": {"chat": {"ttft_ms": 500}}})
+    config = RouterConfig.from_mapping({"policy": "slo", "weights": {"least_loaded": 2},
+                                        "slo_classes": {"chat": {"ttft_ms": 500, "tpot_ms": 50}},
+                                        "default_class": "chat"})
+    assert config.weights["least_loaded"] == 2.0 and config.slo_class(None).ttft_s == 0.5
