@@ -245,6 +245,9 @@ class DisaggregatedLLM(LLM):
         self._dead_decode: set[int] = set()
         self._dead_prefill: set[int] = set()
         self._started: dict[str, _Started] = {}  # placed request id -> its decode worker and times
+        self._inflight: dict[str, _InFlight] = {}  # KV on its way
+        self._unclaimed: dict[str, RequestOutput] = {}  # finished while run_until_done waited for others
+        self._retry_at = 0.0
         self.decisions: dict[str, Decision] = {}
         if verbose:
             registry = "private redis-server on " + self.registry_url if self.local_redis else "Redis registry"
@@ -391,49 +394,58 @@ class DisaggregatedLLM(LLM):
         self._started[rid].first_token = time.monotonic()
         return None
 
-    def run_until_done(self, request_ids: Sequence[str], progress: bool = False) -> list[RequestOutput]:
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.engine.queue or self._inflight or self._started)
+
+    def step(self, wait_s: float = 0.01) -> list[RequestOutput]:
+        """One turn of the driver: offers queued requests to the router (highest priority,
+        then oldest, first), admits those whose KV has landed, and returns the requests that
+        finished since the last turn. Waits up to ``wait_s`` for a transfer to end."""
         ray = self._ray
-        wanted = set(request_ids)
-        queue = sorted((q for q in self.engine.queue if q.request_id in wanted),
-                       key=lambda q: (-q.priority, q.arrival))
-        self.engine.queue = [q for q in self.engine.queue if q.request_id not in wanted]
         results: dict[str, RequestOutput] = {}
-        inflight: dict[str, _InFlight] = {}
-        started = last_report = time.perf_counter()
-        retry_at = 0.0
+        queue = self.engine.queue
+        queue.sort(key=lambda q: (-q.priority, q.arrival))
         max_inflight = 16 * len(self.prefill)  # enough for each prefill worker to batch
+        while queue and len(self._inflight) < max_inflight and time.monotonic() >= self._retry_at:
+            receiving = [f.decode for f in self._inflight.values()]
+            busy = {d for d in set(receiving) if receiving.count(d) >= MAX_RECEIVING_PER_DECODE}
+            started_one = self._dispatch(queue[0], busy)
+            if started_one is None:
+                self._retry_at = time.monotonic() + QUEUE_RETRY_S
+                break
+            queued = queue.pop(0)
+            if isinstance(started_one, RequestOutput):
+                results[started_one.request_id] = started_one
+            elif started_one.prefill_ref is not None:
+                self._inflight[queued.request_id] = started_one
+        refs = [ref for f in self._inflight.values() for ref in (f.receive_ref, f.prefill_ref)]
+        if refs:
+            ray.wait(refs, num_returns=1, timeout=wait_s)
+        for rid, flight in list(self._inflight.items()):
+            ready, _ = ray.wait([flight.receive_ref, flight.prefill_ref], num_returns=2, timeout=0)
+            if len(ready) == 2:
+                del self._inflight[rid]
+                failed = self._complete(flight)
+                if failed is not None:
+                    results[rid] = failed
+        self._collect(results)
+        if not refs:
+            time.sleep(0.002)
+        self._update_stats(results.values())
+        return list(results.values())
+
+    def run_until_done(self, request_ids: Sequence[str], progress: bool = False) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        results = {rid: self._unclaimed.pop(rid) for rid in list(self._unclaimed) if rid in wanted}
+        last_report = time.perf_counter()
         while len(results) < len(wanted):
-            while queue and len(inflight) < max_inflight and time.monotonic() >= retry_at:
-                receiving = [f.decode for f in inflight.values()]
-                busy = {d for d in set(receiving) if receiving.count(d) >= MAX_RECEIVING_PER_DECODE}
-                started_one = self._dispatch(queue[0], busy)
-                if started_one is None:
-                    retry_at = time.monotonic() + QUEUE_RETRY_S
-                    break
-                queued = queue.pop(0)
-                if isinstance(started_one, RequestOutput):
-                    results[started_one.request_id] = started_one
-                elif started_one.prefill_ref is not None:
-                    inflight[queued.request_id] = started_one
-            refs = [ref for f in inflight.values() for ref in (f.receive_ref, f.prefill_ref)]
-            if refs:
-                ray.wait(refs, num_returns=1, timeout=0.01)
-            for rid, flight in list(inflight.items()):
-                ready, _ = ray.wait([flight.receive_ref, flight.prefill_ref], num_returns=2, timeout=0)
-                if len(ready) == 2:
-                    del inflight[rid]
-                    failed = self._complete(flight)
-                    if failed is not None:
-                        results[rid] = failed
-            self._collect(results)
-            if not refs:
-                time.sleep(0.002)
+            for output in self.step():
+                (results if output.request_id in wanted else self._unclaimed)[output.request_id] = output
             if progress and time.perf_counter() - last_report > 2.0:
                 last_report = time.perf_counter()
                 print(f"\r[tandem] {len(results)}/{len(wanted)} requests done", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
-        self._update_stats(results.values())
         return [results[i] for i in request_ids]
 
     def _collect(self, results: dict[str, RequestOutput]) -> None:
@@ -457,7 +469,8 @@ class DisaggregatedLLM(LLM):
             if output is None:
                 continue
             del self._started[rid]
-            ttft, tpot = _latencies(started, output)
+            _on_driver_clock(started, output)
+            ttft, tpot = _latencies(output)
             self.router.finished.remote(rid, ttft, tpot, output.finish_reason == "error")
 
     def _update_stats(self, outputs) -> None:
@@ -480,18 +493,28 @@ class DisaggregatedLLM(LLM):
         return [free(w) for w in self.prefill], [free(w) for w in self.decode]
 
 
-def _latencies(started: _Started, output: RequestOutput) -> tuple[float | None, float | None]:
-    """TTFT from the request's arrival at this driver; TPOT from the decode worker's own clock.
-    A request its decode worker prefilled itself learns its first token there."""
+def _on_driver_clock(started: _Started, output: RequestOutput) -> None:
+    """Puts the output's times on this driver's clock: arrival when it reached the driver,
+    the first token when the driver knew it (the KV landed; or, for a request its decode worker
+    prefilled itself, as long after dispatch as it took there), the finish as long after the
+    first token as the decode worker measured."""
     first = started.first_token
     if first is None and output.first_token_time is not None:
         first = started.dispatched + (output.first_token_time - output.arrival_time)
-    ttft = None if first is None else first - started.request.arrival
+    decoding = (output.finish_time - output.first_token_time
+                if output.finish_time is not None and output.first_token_time is not None else None)
+    output.arrival_time = started.request.arrival
+    output.first_token_time = first
+    output.finish_time = first + decoding if first is not None and decoding is not None else time.monotonic()
+
+
+def _latencies(output: RequestOutput) -> tuple[float | None, float | None]:
+    """TTFT and TPOT (None when there is no first token, or fewer than two tokens)."""
+    if output.first_token_time is None:
+        return None, None
     n = output.usage.completion_tokens
-    tpot = None
-    if n >= 2 and output.finish_time is not None and output.first_token_time is not None:
-        tpot = (output.finish_time - output.first_token_time) / (n - 1)
-    return ttft, tpot
+    tpot = (output.finish_time - output.first_token_time) / (n - 1) if n >= 2 else None
+    return output.first_token_time - output.arrival_time, tpot
 
 
 def _check_registry(url: str) -> None:

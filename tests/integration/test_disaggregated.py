@@ -136,8 +136,8 @@ def test_prefill_worker_killed_frees_the_reserved_decode_blocks(checkpoint, ray_
     decode worker's receive fails and frees the reserved blocks, and prefill worker 1 serves
     the next request."""
     model_dir = checkpoint("llama")
-    with disaggregated(model_dir, prefill_workers=2, transfer_timeout_s=5) as llm:
-        ray_session.kill(llm.prefill[0])
+    with disaggregated(model_dir, prefill_workers=2, transfer_timeout_s=5, policy="round_robin") as llm:
+        ray_session.kill(llm.prefill[0])  # the router's first round-robin turn is prefill worker 0
         llm.engine.add_request("orphan", random_prompts([90], seed=7)[0], greedy(4))
         flight = llm._dispatch(llm.engine.queue.pop())
         assert flight.prefill == 0
