@@ -73,6 +73,7 @@ class Served:
     tpot_s: float | None
     met: bool
     placement: str
+    predicted_ttft_s: float | None = None
 
 
 def run_policy(policy: str, args, model_dir: Path) -> tuple[list[Served], float, dict]:
@@ -83,13 +84,16 @@ def run_policy(policy: str, args, model_dir: Path) -> tuple[list[Served], float,
     class OracleProbe(DisaggregatedLLM):
         """Before each placement, asks every worker how much of the prompt its cache holds."""
 
-        oracle: dict[str, int] = {}
+        oracle: dict[str, list] = {}
 
         def _dispatch(self, queued, busy_decode=frozenset()):
-            if queued.request_id not in self.oracle:
-                refs = [w.cached_prefix_blocks.remote(queued.prompt_token_ids) for w in self.prefill + self.decode]
-                self.oracle[queued.request_id] = max(self._ray.get(refs)) * args.block_size
+            if queued.request_id not in self.oracle:  # asked now, read when the request is done
+                self.oracle[queued.request_id] = [w.cached_prefix_blocks.remote(queued.prompt_token_ids)
+                                                  for w in self.prefill + self.decode]
             return super()._dispatch(queued, busy_decode)
+
+        def oracle_tokens(self, request_id: str) -> int:
+            return max(self._ray.get(self.oracle[request_id])) * args.block_size
 
     config = RouterConfig.from_mapping({
         "policy": policy,
@@ -132,8 +136,9 @@ def run_policy(policy: str, args, model_dir: Path) -> tuple[list[Served], float,
                 met = (output.error is None and ttft is not None and ttft <= args.ttft_ms / 1000
                        and (tpot is None or tpot <= args.tpot_ms / 1000))
                 placement = "-" if decision is None else f"{decision.prefill or 'local'}>{decision.decode}"
-                served.append(Served(output.request_id, len(prompt), hit, OracleProbe.oracle.get(output.request_id, 0),
-                                     ttft, tpot, met, placement))
+                served.append(Served(output.request_id, len(prompt), hit, llm.oracle_tokens(output.request_id),
+                                     ttft, tpot, met, placement,
+                                     decision.predicted_ttft_s if decision is not None else None))
                 if output.error:
                     print(f"\n[bench] {output.request_id}: {output.error}", file=sys.stderr)
                 c.history = prompt[len(c.system):] + output.token_ids
@@ -168,6 +173,8 @@ def summarise(served: list[Served], elapsed: float) -> dict:
         "tpot_p50": percentile(tpots, 0.5), "tpot_p90": percentile(tpots, 0.9),
         "goodput_rps": sum(s.met for s in served) / elapsed, "attainment": statistics.mean(s.met for s in served),
         "seconds": elapsed, "ttfts": ttfts,
+        "slowest": [vars(s) for s in sorted(served, key=lambda s: -(s.ttft_s or 0))[:8]],
+        "served": [vars(s) for s in served],
     }
 
 
@@ -206,12 +213,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--groups", type=int, default=8, help="conversation groups, each with its system prompt")
-    parser.add_argument("--conversations", type=int, default=2, help="conversations per group")
+    parser.add_argument("--conversations", type=int, default=4, help="conversations per group")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=256)
     parser.add_argument("--user-tokens", type=int, default=32)
     parser.add_argument("--answer-tokens", type=int, default=24)
-    parser.add_argument("--rate", type=float, default=1.0, help="conversation openings per second (Poisson)")
+    parser.add_argument("--rate", type=float, default=2.0, help="conversation openings per second (Poisson)")
     parser.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns")
     parser.add_argument("--ttft-ms", type=float, default=1000.0)
     parser.add_argument("--tpot-ms", type=float, default=150.0)

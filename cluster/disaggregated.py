@@ -451,11 +451,10 @@ class DisaggregatedLLM(LLM):
     def _collect(self, results: dict[str, RequestOutput]) -> None:
         """Gathers finished outputs; tells the router each placed request's TTFT and TPOT."""
         ray = self._ray
-        for d, worker in enumerate(self.decode):
-            if d in self._dead_decode:
-                continue
+        polls = {d: worker.poll.remote() for d, worker in enumerate(self.decode) if d not in self._dead_decode}
+        for d, ref in polls.items():
             try:
-                for output in ray.get(worker.poll.remote()):
+                for output in ray.get(ref):
                     results[output.request_id] = output
             except ray.exceptions.RayActorError:
                 self._worker_died("decode", d)

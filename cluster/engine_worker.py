@@ -29,6 +29,34 @@ PROFILE_PROMPT_TOKENS = (16, 64, 256, 512)
 PROFILE_DECODE_BATCH = ((32, 4), (64, 8), (96, 12), (128, 16))  # (prompt tokens, output tokens)
 
 
+class StepLock:
+    """The engine's lock, with calls served first: the stepping loop takes it again after a step
+    only once no call is waiting, so a call (reserve, prefill, generate) waits for at most the
+    step in progress, not for a run of steps (a plain lock lets the releasing thread win)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = threading.Lock()
+        self._waiting = 0
+
+    def __enter__(self) -> "StepLock":
+        with self._count:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._count:
+            self._waiting -= 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def step_turn(self):
+        """For the loop: the lock, once no call waits for it."""
+        while self._waiting:
+            time.sleep(0.0002)
+        return self._lock
+
+
 class EngineWorker:
     prefill_side: bool = True
 
@@ -37,7 +65,7 @@ class EngineWorker:
     def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
         self.engine = LLMEngine(config, verbose=False)
         self.name = config.engine_name
-        self._lock = threading.Lock()
+        self._lock = StepLock()
         self._stop = threading.Event()
         if profile:
             self._profile()
@@ -127,7 +155,7 @@ class EngineWorker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
+            with self._lock.step_turn():
                 busy = self._has_work()
                 if busy:
                     self._on_outputs(self.engine.step())

@@ -10,6 +10,8 @@ receive that fails or passes its deadline frees the request's blocks at once.
 
 from __future__ import annotations
 
+import threading
+
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.sampling_params import SamplingParams
@@ -22,6 +24,7 @@ class DecodeWorker(EngineWorker):
 
     def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
         self._finished: list[RequestOutput] = []
+        self._finished_lock = threading.Lock()  # so that polling never waits for a step
         super().__init__(config, registry_url, profile)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -51,7 +54,8 @@ class DecodeWorker(EngineWorker):
         with self._lock:
             output = self.engine.admit_transfer(request_id, first_token, logprob, top_logprobs)
             if output.finished:
-                self._finished.append(output)
+                with self._finished_lock:
+                    self._finished.append(output)
 
     def release(self, request_id: str) -> None:
         """Aborts a reserved or running request and frees its blocks."""
@@ -60,7 +64,7 @@ class DecodeWorker(EngineWorker):
 
     def poll(self) -> list[RequestOutput]:
         """Requests finished since the last poll."""
-        with self._lock:
+        with self._finished_lock:
             done, self._finished = self._finished, []
         return done
 
@@ -75,4 +79,5 @@ class DecodeWorker(EngineWorker):
         return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        self._finished.extend(o for o in outputs if o.finished)
+        with self._finished_lock:
+            self._finished.extend(o for o in outputs if o.finished)

@@ -5,7 +5,10 @@ The router reads two things from the registry: each live worker's load report (w
 steps its cost model is fitted to) and, per request, how many leading blocks of the prompt
 each worker caches. Its own state is soft: placements it made since each worker's last
 report (so a burst of requests does not all pile on the worker that looked idle), the
-round-robin position and the fitted models. All of it rebuilds from the registry.
+round-robin position, the fitted models, and a running TTFT correction per path (remote or
+local prefill) learned from finished requests: what the step-time model leaves out, such as
+control-plane round trips and CPU contention. All of it rebuilds from the registry and the
+requests that follow.
 
 When the registry cannot be read, the router places by load only: the fewest requests it has
 in flight on each side, and says so in ``status()``; it tries the registry again after
@@ -24,6 +27,9 @@ from cluster.registry.load import WorkerLoad
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel
 from router.scorers import Candidate, score_all
+
+
+RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
 
 
 class RegistryUnavailable(RuntimeError):
@@ -73,6 +79,7 @@ class Decision:
     decode_hit_blocks: int = 0
     load_only: bool = False
     reason: str = ""
+    ttft_correction_s: float = 0.0  # the learned residual included in predicted_ttft_s
 
 
 @dataclass
@@ -110,6 +117,7 @@ class Router:
         self._loads_read_at = -math.inf
         self._registry_down_since: float | None = None
         self._registry_error = ""
+        self.ttft_residual = {"remote": 0.0, "local": 0.0}  # learned: what the step-time model leaves out
 
     # -- the registry ---------------------------------------------------------------------
 
@@ -195,6 +203,7 @@ class Router:
             free = load_d.free_blocks - sum(-(-p.prompt_tokens // bs) for p in pending)
             decode_load = sequences / load_d.max_num_seqs + 1 - free / max(1, load_d.num_blocks)
             tpot = model_d.decode_step_seconds(sequences, context)
+            reserve_wait = tpot if load_d.running else 0.0  # a call waits for the step in progress
             for p in prefill:
                 model_p = self.model(loads[p])
                 hit_p = min(hits.get(p, 0), cacheable)
@@ -204,14 +213,17 @@ class Router:
                               transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
                               tpot_s=tpot, decode_has_room=free >= needed,
                               rotation_slot=(p, d) == (turn_p, turn_d))
-                c.ttft_s = c.queue_s + c.prefill_s + c.transfer_s
+                c.correction_s = self.ttft_residual["remote"]
+                c.ttft_s = c.queue_s + c.prefill_s + c.transfer_s + reserve_wait + c.correction_s
                 candidates.append(c)
             if cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable:
+                # It waits for the step in progress, then its prefill runs in a step with the decodes.
                 c = Candidate(None, d, hit_d, hit_d, cacheable, queued[d], decode_load,
-                              queue_s=model_d.queue_seconds(queued[d]) + (tpot if load_d.running else 0.0),
-                              prefill_s=model_d.prefill_seconds(n - hit_d * bs, hit_d * bs),
+                              queue_s=model_d.queue_seconds(queued[d]) + reserve_wait,
+                              prefill_s=model_d.prefill_seconds(n - hit_d * bs, hit_d * bs) + reserve_wait,
                               tpot_s=tpot, decode_has_room=free >= needed)
-                c.ttft_s = c.queue_s + c.prefill_s
+                c.correction_s = self.ttft_residual["local"]
+                c.ttft_s = c.queue_s + c.prefill_s + c.correction_s
                 candidates.append(c)
         return candidates
 
@@ -247,7 +259,8 @@ class Router:
         self.counters.placed += 1
         self.counters.local_prefills += c.prefill is None
         decision = Decision("place", request.request_id, c.prefill, c.decode, cls.name, cls.ttft_s, cls.tpot_s,
-                            c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason)
+                            c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason,
+                            ttft_correction_s=c.correction_s)
         self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now)
         return decision
 
@@ -287,11 +300,15 @@ class Router:
         placed = self.inflight.pop(request_id, None)
         if placed is None:
             return None
-        predicted = placed.decision.predicted_ttft_s
-        if ttft_s and predicted is not None:
+        decision = placed.decision
+        predicted = decision.predicted_ttft_s
+        if ttft_s and predicted is not None and not decision.load_only:
             self.counters.ttft_error_sum += abs(predicted - ttft_s) / ttft_s
             self.counters.ttft_error_n += 1
-        return placed.decision
+            path = "local" if decision.prefill is None else "remote"
+            residual = ttft_s - (predicted - decision.ttft_correction_s)
+            self.ttft_residual[path] += RESIDUAL_WEIGHT * (residual - self.ttft_residual[path])
+        return decision
 
     def worker_failed(self, worker: str) -> None:
         self.failed.add(worker)
@@ -311,6 +328,7 @@ class Router:
             "placed": c.placed, "local_prefills": c.local_prefills, "queued_decisions": c.queued,
             "rejected": c.rejected, "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
+            "ttft_residual_s": dict(self.ttft_residual),
         }
 
 

@@ -23,6 +23,7 @@ class Candidate:
     queue_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
+    correction_s: float = 0.0
     ttft_s: float = 0.0
     tpot_s: float = 0.0
     decode_has_room: bool = True

@@ -273,10 +273,48 @@ def test_run_file_disaggregated_with_prefill_tp2(model_dir, input_file, referenc
     _check_rows(rows, reference)
 
 
+def test_run_file_routed_by_policy_with_slo_classes(model_dir, input_file, reference, tmp_path):
+    """--policy prefix_affinity over 2 prefill and 2 decode workers: the lines are those of
+    the Python API, and the summary reports goodput from the registry."""
+    rows = _run_file(model_dir, input_file, tmp_path, "--disaggregated", "--prefill-workers", "2",
+                     "--decode-workers", "2", "--policy", "prefix_affinity", "--cluster-name", "cli-route-test",
+                     "--threads", "1")
+    _check_rows(rows, reference)
+    lines = [{"id": "fast", "prompt_token_ids": IDS_PROMPT, "max_tokens": 4, "temperature": 0, "slo_class": "interactive"},
+             {"id": "bulk", "prompt_token_ids": IDS_PROMPT, "max_tokens": 4, "temperature": 0, "slo_class": "batch"},
+             {"id": "typo", "prompt_token_ids": IDS_PROMPT, "max_tokens": 4, "slo_class": "realtime"}]
+    result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--quiet", "--disaggregated",
+                  "--cluster-name", "cli-route-test", "--threads", "1",
+                  stdin="".join(json.dumps(line) + "\n" for line in lines).encode())
+    assert result.returncode == 0, result.stderr.decode()
+    out = {row["id"]: row for row in map(json.loads, result.stdout.decode().splitlines())}
+    assert out["fast"]["error"] is None and out["bulk"]["error"] is None
+    assert out["fast"]["token_ids"] == out["bulk"]["token_ids"] == reference["ids"].token_ids[:4]
+    assert out["typo"]["error"] == "line 3: unknown slo_class 'realtime'; known: interactive, standard, batch"
+    assert b"[tandem] goodput (last minute): " in result.stderr and b"attainment 100% of 2" in result.stderr
+
+
+def test_slo_class_without_the_router_fails_its_line(model_dir):
+    line = json.dumps({"id": "a", "prompt_token_ids": IDS_PROMPT, "max_tokens": 2, "slo_class": "batch"})
+    result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--quiet", stdin=line.encode())
+    assert result.returncode == 0
+    assert json.loads(result.stdout)["error"] == "line 1: 'slo_class' needs the router: run with --disaggregated"
+
+
+def test_unreachable_redis_url_exits_2(model_dir):
+    result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--disaggregated",
+                  "--redis-url", "redis://127.0.0.1:1/3", stdin=b"")
+    assert result.returncode == 2
+    assert b"cannot reach the registry Redis at 127.0.0.1:1 (db 3)" in result.stderr
+
+
 def test_disaggregated_flags_without_disaggregated_exit_2(model_dir):
     result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--prefill-tp", "2", stdin=b"")
     assert result.returncode == 2
     assert b"--prefill-tp needs --disaggregated" in result.stderr
+    result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--policy", "round_robin", stdin=b"")
+    assert result.returncode == 2
+    assert b"--policy needs --disaggregated" in result.stderr
 
 
 def test_unknown_kv_transport_exits_2(model_dir):

@@ -220,3 +220,16 @@ def test_config_errors_name_the_key():
                                         "slo_classes": {"chat": {"ttft_ms": 500, "tpot_ms": 50}},
                                         "default_class": "chat"})
     assert config.weights["least_loaded"] == 2.0 and config.slo_class(None).ttft_s == 0.5
+
+
+def test_the_ttft_the_model_leaves_out_is_learned_per_path_from_finished_requests():
+    router = Router(TOPOLOGY, FakeRegistry(), RouterConfig.for_policy("round_robin"))
+    first = route(router, "a")
+    assert first.predicted_ttft_s == pytest.approx(0.043) and first.ttft_correction_s == 0.0
+    router.finished("a", ttft_s=0.543)  # 0.5 s more than predicted: a tenth of it is learned
+    assert router.ttft_residual == pytest.approx({"remote": 0.05, "local": 0.0})
+    second = route(router, "b")
+    assert second.predicted_ttft_s == pytest.approx(0.043 + 0.05) and second.ttft_correction_s == pytest.approx(0.05)
+    router.finished("b", ttft_s=0.093)  # as predicted with the correction: the residual holds
+    assert router.ttft_residual["remote"] == pytest.approx(0.05 + 0.1 * (0.05 - 0.05))
+    assert router.status(NOW)["ttft_prediction_error"] == pytest.approx((0.5 / 0.543 + 0.0) / 2)
