@@ -6,7 +6,7 @@ the key to fix. A policy is a name and scorer weights; the named presets are
     round_robin      {round_robin: 1}
     least_loaded     {least_loaded: 1}
     prefix_affinity  {prefix_affinity: 1}, ties by load
-    slo (default)    objectives filter + {prefix_affinity: 1, least_loaded: 0.5, slo_headroom: 0.5}
+    slo (default)    objectives filter + {prefix_affinity: 1, slo_headroom: 0.5, least_loaded: 0.2}
 
 and any of them can be re-weighted (``weights:``). Only ``slo`` admits by objectives
 (``admission_control``): the others place every request, as their namesakes in other systems do.
@@ -24,7 +24,7 @@ PRESETS: dict[str, dict[str, float]] = {
     "round_robin": {"round_robin": 1.0},
     "least_loaded": {"least_loaded": 1.0},
     "prefix_affinity": {"prefix_affinity": 1.0, "least_loaded": 0.01},
-    "slo": {"prefix_affinity": 1.0, "least_loaded": 0.5, "slo_headroom": 0.5},
+    "slo": {"prefix_affinity": 1.0, "least_loaded": 0.2, "slo_headroom": 0.5},
 }
 
 

@@ -129,3 +129,23 @@ def reference_model() -> Callable[[Path, torch.dtype], torch.nn.Module]:
 def random_prompts(lengths, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server on loopback for the session."""
+    from cluster.registry.local_redis import LocalRedis
+
+    with LocalRedis() as local:
+        yield local
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    """A client of the session's Redis, emptied for each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    yield client
+    client.close()

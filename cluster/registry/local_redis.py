@@ -41,27 +41,31 @@ def _free_port(host: str) -> int:
 
 
 class LocalRedis:
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 10.0):
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 10.0,
+                 password: str | None = None):
         self.host = host
         self.port = port or _free_port(host)
+        self.password = password
         self._dir = tempfile.TemporaryDirectory(prefix="tandem-redis-")
         binary = find_redis_server()
         self.process = subprocess.Popen(
             [binary, "--bind", host, "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning"],
+             "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning",
+             *(["--requirepass", password] if password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         self._wait_ready(start_timeout_s)
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def _wait_ready(self, timeout_s: float) -> None:
         import redis
 
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1)
+        client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1)
         try:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:

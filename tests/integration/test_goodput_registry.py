@@ -1,4 +1,5 @@
-"""Goodput records and windows against a real redis-server (started on loopback for the module).
+"""Goodput records and windows against a real redis-server (one on loopback for the session,
+from tests/conftest.py).
 
 Every record has an explicit ``finished_at`` and every read an explicit ``now``, so nothing
 depends on the machine's clock or speed.
@@ -9,29 +10,13 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis
 
 from cluster.registry.goodput import GoodputReader, GoodputRecorder, GoodputWindow, RequestRecord
-from cluster.registry.local_redis import LocalRedis
 
 pytestmark = pytest.mark.integration
 
 T0 = 60 * 28_333_334  # 1_700_000_040, the start of a minute
 NOW = T0 + 30
-
-
-@pytest.fixture(scope="module")
-def server():
-    with LocalRedis() as local:
-        yield local
-
-
-@pytest.fixture
-def client(server):
-    c = redis.Redis.from_url(server.url)
-    c.flushdb()
-    yield c
-    c.close()
 
 
 def req(request_id="r", slo_class="chat", prefill="p0", decode="d0", ttft=0.1, tpot=0.02,
@@ -50,8 +35,8 @@ def hand_made_set() -> list[RequestRecord]:
     ]
 
 
-def record_all(client, cluster, records):
-    recorder = GoodputRecorder(client, cluster)
+def record_all(redis_client, cluster, records):
+    recorder = GoodputRecorder(redis_client, cluster)
     for r in records:
         recorder.record(r)
 
@@ -71,9 +56,9 @@ def test_classification(record, met_ttft, met_tpot, met):
     assert (record.met_ttft, record.met_tpot, record.met) == (met_ttft, met_tpot, met)
 
 
-def test_cluster_worker_and_class_counts(client):
-    record_all(client, "c", hand_made_set())
-    reader = GoodputReader(client, "c")
+def test_cluster_worker_and_class_counts(redis_client):
+    record_all(redis_client, "c", hand_made_set())
+    reader = GoodputReader(redis_client, "c")
     cluster = reader.window(60, now=NOW)
     assert cluster == GoodputWindow(
         window_s=60, requests=5, met=2, ttft_met=3, tpot_met=4, failed=1,
@@ -98,15 +83,15 @@ def test_cluster_worker_and_class_counts(client):
         reader.window(60, worker="p0", slo_class="chat", now=NOW)
 
 
-def test_minute_and_hour_windows(client):
-    record_all(client, "c", [
+def test_minute_and_hour_windows(redis_client):
+    record_all(redis_client, "c", [
         req("hour-old-bucket", at=T0 - 3600),  # 3630 s ago, but its minute bucket overlaps the hour
         req("too-old", at=T0 - 3601),          # in the minute bucket before: outside the hour
         req("edge-of-minute", at=NOW - 59),
         req("just-past-minute", at=NOW - 60),
         req("recent", at=NOW),
     ])
-    reader = GoodputReader(client, "c")
+    reader = GoodputReader(redis_client, "c")
     assert reader.window(60, now=NOW).requests == 2
     assert reader.window(120, now=NOW).requests == 3
     assert reader.window(3600, now=NOW).requests == 4
@@ -115,67 +100,67 @@ def test_minute_and_hour_windows(client):
         reader.window(3601, now=NOW)
 
 
-def test_goodput_rate_uses_the_span_since_the_first_record(client):
-    record_all(client, "young", [req(at=T0 + i) for i in range(4)])
-    reader = GoodputReader(client, "young")
+def test_goodput_rate_uses_the_span_since_the_first_record(redis_client):
+    record_all(redis_client, "young", [req(at=T0 + i) for i in range(4)])
+    reader = GoodputReader(redis_client, "young")
     assert reader.window(60, now=T0 + 20).goodput_rps == pytest.approx(4 / 20)
     assert reader.window(3600, now=T0 + 20).goodput_rps == pytest.approx(4 / 20)
     assert reader.window(60, now=T0 + 0.5).goodput_rps == 1.0  # a span of at least 1 s
 
-    record_all(client, "old", [req(at=T0 - 1000), req(at=T0 + 1), req(at=T0 + 2)])
-    reader = GoodputReader(client, "old")
+    record_all(redis_client, "old", [req(at=T0 - 1000), req(at=T0 + 1), req(at=T0 + 2)])
+    reader = GoodputReader(redis_client, "old")
     assert reader.window(60, now=T0 + 20).goodput_rps == pytest.approx(2 / 60)
     assert reader.window(3600, now=T0 + 20).goodput_rps == pytest.approx(3 / 1020)
 
 
-def test_a_record_without_finished_at_is_recorded_now(client):
-    GoodputRecorder(client, "c").record(req(at=0.0))
-    assert GoodputReader(client, "c").window(60).requests == 1
-    assert abs(float(client.get("tandem:c:goodput:since")) - time.time()) < 60
+def test_a_record_without_finished_at_is_recorded_now(redis_client):
+    GoodputRecorder(redis_client, "c").record(req(at=0.0))
+    assert GoodputReader(redis_client, "c").window(60).requests == 1
+    assert abs(float(redis_client.get("tandem:c:goodput:since")) - time.time()) < 60
 
 
-def test_clusters_do_not_see_each_other(client):
-    record_all(client, "one", hand_made_set())
-    assert GoodputReader(client, "two").window(60, now=NOW).requests == 0
-    assert GoodputReader(client, "two").window(3600, now=NOW).requests == 0
-    assert GoodputReader(client, "one").window(60, now=NOW).requests == 5
-    assert all(key.startswith(b"tandem:one:goodput:") for key in client.keys("*"))
+def test_clusters_do_not_see_each_other(redis_client):
+    record_all(redis_client, "one", hand_made_set())
+    assert GoodputReader(redis_client, "two").window(60, now=NOW).requests == 0
+    assert GoodputReader(redis_client, "two").window(3600, now=NOW).requests == 0
+    assert GoodputReader(redis_client, "one").window(60, now=NOW).requests == 5
+    assert all(key.startswith(b"tandem:one:goodput:") for key in redis_client.keys("*"))
 
 
-def test_bucket_keys_and_ttls(client):
-    record_all(client, "c", [req(at=T0 + 5.7)])
+def test_bucket_keys_and_ttls(redis_client):
+    record_all(redis_client, "c", [req(at=T0 + 5.7)])
     second, minute = f"tandem:c:goodput:s:{T0 + 5}", f"tandem:c:goodput:m:{T0 // 60}"
-    assert set(client.keys("*")) == {second.encode(), minute.encode(), b"tandem:c:goodput:since"}
-    assert 0 < client.ttl(second) <= 130
-    assert 3600 < client.ttl(minute) <= 3720
-    assert client.ttl("tandem:c:goodput:since") == -1
-    assert float(client.get("tandem:c:goodput:since")) == T0 + 5.7
-    fields = client.hgetall(second)
+    assert set(redis_client.keys("*")) == {second.encode(), minute.encode(), b"tandem:c:goodput:since"}
+    assert 0 < redis_client.ttl(second) <= 130
+    assert 3600 < redis_client.ttl(minute) <= 3720
+    assert redis_client.ttl("tandem:c:goodput:since") == -1
+    assert float(redis_client.get("tandem:c:goodput:since")) == T0 + 5.7
+    fields = redis_client.hgetall(second)
     assert (fields[b"cluster|n"], fields[b"worker:p0|met"], fields[b"class:chat|ttft_us"]) == (b"1", b"1", b"100000")
-    assert client.hgetall(minute) == fields
+    assert redis_client.hgetall(minute) == fields
 
 
-def test_one_round_trip_to_record_and_one_to_summarise(client):
+def test_one_round_trip_to_record_and_one_to_summarise(redis_client):
     calls = []
-    original = client.pipeline
+    original = redis_client.pipeline
 
     def counting_pipeline(*args, **kwargs):
         calls.append(kwargs.get("transaction", True))
         return original(*args, **kwargs)
 
-    client.pipeline = counting_pipeline
-    GoodputRecorder(client, "c").record(req())
+    redis_client.pipeline = counting_pipeline
+    GoodputRecorder(redis_client, "c").record(req())
     assert calls == [True], "one MULTI/EXEC pipeline"
     calls.clear()
-    GoodputReader(client, "c").summary(now=NOW)
+    GoodputReader(redis_client, "c").summary(now=NOW)
     assert len(calls) == 1
 
 
-def test_summary(client):
-    record_all(client, "c", [req("older", "bulk", prefill=None, decode="old-w", ttft=2.0, tpot=None,
+def test_summary(redis_client):
+    record_all(redis_client, "c", [req("older", "bulk", prefill=None, decode="old-w", ttft=2.0, tpot=None,
                                  ttft_objective=None, tpot_objective=None, at=NOW - 90)]
                + hand_made_set())
-    summary = GoodputReader(client, "c").summary(now=NOW)
+    summary = GoodputReader(redis_client, "c").summary(now=NOW)
     assert list(summary) == ["last_minute", "last_hour"]
     minute, hour = summary["last_minute"], summary["last_hour"]
     assert set(minute) == set(hour) == {"cluster", "workers", "classes"}
@@ -191,13 +176,13 @@ def test_summary(client):
         "window_s": 3600, "requests": 6, "met": 3, "ttft_met": 4, "tpot_met": 5, "failed": 1,
         "mean_ttft_s": pytest.approx(3.0 / 5), "mean_tpot_s": pytest.approx(0.04),
         "goodput_rps": pytest.approx(3 / 90), "attainment": 0.5}
-    assert hour["workers"]["old-w"] == GoodputReader(client, "c").window(3600, worker="old-w", now=NOW).to_dict()
+    assert hour["workers"]["old-w"] == GoodputReader(redis_client, "c").window(3600, worker="old-w", now=NOW).to_dict()
     assert hour["workers"]["old-w"]["requests"] == 1 and hour["workers"]["old-w"]["mean_tpot_s"] is None
-    assert minute["classes"]["batch"] == GoodputReader(client, "c").window(60, slo_class="batch", now=NOW).to_dict()
+    assert minute["classes"]["batch"] == GoodputReader(redis_client, "c").window(60, slo_class="batch", now=NOW).to_dict()
 
 
-def test_summary_of_an_empty_cluster(client):
-    summary = GoodputReader(client, "empty").summary(now=NOW)
+def test_summary_of_an_empty_cluster(redis_client):
+    summary = GoodputReader(redis_client, "empty").summary(now=NOW)
     for name, window_s in GoodputReader.WINDOWS.items():
         assert summary[name]["workers"] == summary[name]["classes"] == {}
         assert summary[name]["cluster"] == GoodputWindow(window_s, 0, 0, 0, 0, 0, None, None, 0.0, 0.0).to_dict()

@@ -78,6 +78,35 @@ def test_reporter_publishes_events_and_load_and_survives_redis_restart():
             reporter.stop()
 
 
+def test_a_url_with_password_and_database_number():
+    """Workers and readers reach a password-protected Redis in the URL's database; a wrong
+    password is refused with a message naming where and why."""
+    from cluster.disaggregated import _check_registry
+    from cluster.engine.config import EngineConfigError
+
+    with LocalRedis(password="s3cret") as server:
+        url = f"redis://:s3cret@127.0.0.1:{server.port}/2"
+        _check_registry(url)
+        hashes = hash_token_blocks(list(range(8)), 4, ("m",))
+        blocks = BlockManager(4, 4)
+        for block_id, h in zip(blocks.allocate(2), hashes):
+            blocks.cache_block(block_id, h)
+
+        def snapshot():
+            return blocks.drain_events(), WorkerLoad("w", "prefill", 0, 0, 0, 0, 0, 2, 4, 4, 64, 4)
+
+        reporter = WorkerReporter(url, "auth", "w", snapshot, interval_s=0.05)
+        try:
+            in_db2 = redis.Redis.from_url(url)
+            wait_for(lambda: KVIndexReader(in_db2, "auth").prefix_blocks(hashes) == {"w": 2}, what="blocks in db 2")
+            assert redis.Redis.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/0").dbsize() == 0
+        finally:
+            reporter.stop()
+        with pytest.raises(EngineConfigError, match=rf"cannot reach the registry Redis at 127.0.0.1:{server.port} "
+                                                     r"\(db 2\): .*(invalid|WRONGPASS)"):
+            _check_registry(f"redis://:wrong@127.0.0.1:{server.port}/2")
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     ray = ensure_ray(CLUSTER, num_cpus=8)
