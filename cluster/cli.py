@@ -133,9 +133,75 @@ def _run_file(llm, args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_spec(args: argparse.Namespace):
+    from cluster.topology import TopologyError, default_topology, load_topology
+
+    try:
+        spec = load_topology(args.topology) if args.topology else default_topology()
+    except TopologyError as exc:
+        print(f"tandem {args.command}: the topology has errors:\n{exc}", file=sys.stderr)
+        return None
+    if getattr(args, "address", None):
+        from dataclasses import replace
+
+        spec = replace(spec, ray=replace(spec.ray, address=args.address))
+    return spec
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from cluster.launcher import up
+
+    spec = _load_spec(args)
+    if spec is None:
+        return 2
+    return up(spec, spec.to_yaml(), args.detach, args.argv)
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from cluster.launcher import down
+
+    return down(args.cluster)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from cluster.launcher import cluster_status, format_status
+
+    try:
+        status = cluster_status(args.cluster, args.address)
+    except (LookupError, ValueError, ConnectionError) as exc:
+        print(f"tandem status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return 0
+
+
+def _add_service_commands(sub) -> None:
+    up = sub.add_parser("up", help="start a cluster from a topology and serve the gRPC API")
+    up.add_argument("--topology", help="topology YAML (default: the embedded local default, see examples/)")
+    up.add_argument("--address", help="join this Ray cluster (default: the topology's, else a local Ray on loopback)")
+    up.add_argument("--detach", action="store_true", help="run in the background; `tandem down` stops it")
+    up.set_defaults(func=_cmd_up)
+    down = sub.add_parser("down", help="stop a cluster that `tandem up` started")
+    down.add_argument("--cluster", default="tandem", help="cluster name (default: tandem)")
+    down.set_defaults(func=_cmd_down)
+    status = sub.add_parser("status", help="workers, KV usage, queues, hit rates and goodput of a running cluster")
+    status.add_argument("--cluster", default="tandem", help="cluster name (default: tandem)")
+    status.add_argument("--address", help="its Ray address (default: from the state `tandem up` wrote)")
+    status.add_argument("--json", action="store_true", help="the raw status as JSON")
+    status.set_defaults(func=_cmd_status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    from cluster.cli_validate import add_validate_parser
+    from tandem.cli_generate import add_generate_parser
+
+    _add_service_commands(sub)
+    add_validate_parser(sub)
+    add_generate_parser(sub)
     run = sub.add_parser("run", help="offline generation: JSONL requests in, JSONL results out")
     run.add_argument("--input", required=True, help="JSONL file of requests ('-' for stdin)")
     run.add_argument("--output", required=True, help="JSONL file for results ('-' for stdout)")
@@ -146,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     if getattr(args, "input", None) not in (None, "-") and not Path(args.input).is_file():
         print(f"tandem {args.command}: input file {args.input} does not exist", file=sys.stderr)
         return 2

@@ -68,6 +68,9 @@ class _Queued:
     priority: int
     arrival: float
     slo_class: str | None = None
+    stream: bool = False  # report every new token, not just the end
+    ttft_s: float | None = None  # explicit objectives, in place of the class's
+    tpot_s: float | None = None
 
 
 @dataclass
@@ -88,6 +91,22 @@ class _Started:
     decode: int
     dispatched: float
     first_token: float | None = None  # when the KV landed and the first token was known (driver clock)
+
+
+@dataclass(frozen=True)
+class PoolResources:
+    """What each rank of a pool's workers reserves; a worker's ranks share one placement group
+    packed on one node (STRICT_PACK), so a TP group never spans nodes."""
+
+    cpus_per_rank: float = 0.25
+    gpus_per_rank: int = 0
+    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources per rank
+
+    def bundle(self) -> dict[str, float]:
+        bundle = {"CPU": self.cpus_per_rank, **dict(self.resources)}
+        if self.gpus_per_rank:
+            bundle["GPU"] = float(self.gpus_per_rank)
+        return bundle
 
 
 @dataclass(frozen=True)
@@ -121,7 +140,8 @@ class _Frontend:
     routes_by_slo = True
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    priority: int = 0, slo_class: str | None = None) -> None:
+                    priority: int = 0, slo_class: str | None = None, stream: bool = False,
+                    ttft_s: float | None = None, tpot_s: float | None = None) -> None:
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         if any(q.request_id == request_id for q in self.queue):
             raise InvalidRequestError(f"request id {request_id!r} is already queued")
@@ -132,7 +152,11 @@ class _Frontend:
             cls = self.router_config.slo_class(slo_class)
         except RouterConfigError as exc:
             raise InvalidRequestError(str(exc)) from None
-        self.queue.append(_Queued(request_id, token_ids, params, priority + cls.priority, time.monotonic(), cls.name))
+        for name, value in (("ttft", ttft_s), ("tpot", tpot_s)):
+            if value is not None and not value > 0:
+                raise InvalidRequestError(f"objectives.{name}_ms must be positive, got {value * 1000:g}")
+        self.queue.append(_Queued(request_id, token_ids, params, priority + cls.priority, time.monotonic(), cls.name,
+                                  stream, ttft_s, tpot_s))
 
 
 class DisaggregatedLLM(LLM):
@@ -152,8 +176,12 @@ class DisaggregatedLLM(LLM):
         policy: str = "slo",
         router_config: RouterConfig | None = None,
         registry_url: str | None = None,
+        pools: dict[str, PoolResources] | None = None,
+        role_args: dict[str, dict] | None = None,
         **engine_args,
     ):
+        """``engine_args`` are EngineConfig fields for both roles; ``role_args["prefill"]`` and
+        ``role_args["decode"]`` override them per role; ``pools`` sets each role's resources."""
         if model is None:
             from cluster.default_model import default_model_dir
 
@@ -185,6 +213,7 @@ class DisaggregatedLLM(LLM):
         self.local_redis = LocalRedis() if registry_url is None else None
         self.registry_url = registry_url or self.local_redis.url
         self.num_layers = config.num_layers
+        self.architecture = config.architecture
         self.transfer_timeout_s = transfer_timeout_s
         self.stream_layers = stream_layers
         self.verbose = verbose
@@ -207,19 +236,23 @@ class DisaggregatedLLM(LLM):
             return f"cuda:{first}"
 
         started = time.perf_counter()
-        self.prefill = [
-            ray.remote(PrefillWorker).options(name=f"prefill-{i}", num_cpus=0.25, max_concurrency=64).remote(
-                EngineConfig(tensor_parallel_size=prefill_tp, engine_name=f"prefill-{i}", device=device_for(prefill_tp),
-                             **common), self.registry_url)
-            for i in range(prefill_workers)
-        ]
-        self.decode = [
-            ray.remote(DecodeWorker).options(name=f"decode-{i}", num_cpus=0.25, max_concurrency=16).remote(
-                EngineConfig(tensor_parallel_size=decode_tp, engine_name=f"decode-{i}", device=device_for(decode_tp),
-                             **common), self.registry_url)
-            for i in range(decode_workers)
-        ]
+        pools = pools or {}
+        role_args = role_args or {}
+        self.placement_groups = []
+        self.prefill, self.decode = [], []
+
+        def start(cls, role: str, index: int, tp: int, concurrency: int):
+            name = f"{role}-{index}"
+            pool = pools.get(role, PoolResources())
+            strategy = self._reserve(name, tp, pool)
+            config = EngineConfig(**{**common, **role_args.get(role, {})}, tensor_parallel_size=tp, engine_name=name,
+                                  device=device_for(tp), cpus_per_rank=pool.cpus_per_rank)
+            return ray.remote(cls).options(name=name, num_cpus=pool.cpus_per_rank, max_concurrency=concurrency,
+                                           scheduling_strategy=strategy).remote(config, self.registry_url)
+
         try:
+            self.prefill = [start(PrefillWorker, "prefill", i, prefill_tp, 64) for i in range(prefill_workers)]
+            self.decode = [start(DecodeWorker, "decode", i, decode_tp, 16) for i in range(decode_workers)]
             described = ray.get([w.describe.remote() for w in self.prefill + self.decode])
             smallest = min(described[len(self.prefill):], key=lambda d: d["num_blocks"])
             self.engine.limits = Scheduler(BlockManager(smallest["num_blocks"], smallest["block_size"]), 1, 1,
@@ -248,6 +281,7 @@ class DisaggregatedLLM(LLM):
         self._inflight: dict[str, _InFlight] = {}  # KV on its way
         self._unclaimed: dict[str, RequestOutput] = {}  # finished while run_until_done waited for others
         self._retry_at = 0.0
+        self._cancelled: set[str] = set()  # aborted while their KV was on the way
         self.decisions: dict[str, Decision] = {}
         if verbose:
             registry = "private redis-server on " + self.registry_url if self.local_redis else "Redis registry"
@@ -258,6 +292,21 @@ class DisaggregatedLLM(LLM):
     @staticmethod
     def _pair(prefill: int, decode: int) -> str:
         return f"p{prefill}-d{decode}"
+
+    def _reserve(self, name: str, tp: int, pool: PoolResources):
+        """A placement group of ``tp`` bundles packed on one node for a worker's ranks; its
+        scheduling strategy (rank 0 in bundle 0, the other ranks captured into the rest)."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = placement_group([pool.bundle()] * tp, strategy="STRICT_PACK", name=f"{self.cluster_name}-{name}")
+        self.placement_groups.append(group)
+        if not group.wait(REGISTRY_WAIT_S):
+            raise EngineConfigError(
+                f"cannot place {name}: its {tp} rank(s) need {pool.bundle()} each, together on one node, and the "
+                f"Ray cluster has no such room (see `ray status`)")
+        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
+                                                placement_group_capture_child_tasks=True)
 
     def _wait_for_registry(self) -> None:
         """Until every worker's first report is in the registry (they report right after their
@@ -273,6 +322,19 @@ class DisaggregatedLLM(LLM):
             client.close()
         print(f"[tandem] not every worker reported to the registry within {REGISTRY_WAIT_S:.0f}s; the router "
               "places by load until they do", file=sys.stderr, flush=True)
+
+    def worker_status(self) -> list[dict]:
+        """Each worker's status; a worker that does not answer is listed as dead."""
+        ray = self._ray
+        names = [f"prefill-{i}" for i in range(len(self.prefill))] + [f"decode-{i}" for i in range(len(self.decode))]
+        refs = [w.status.remote() for w in self.prefill + self.decode]
+        rows = []
+        for name, ref in zip(names, refs):
+            try:
+                rows.append(ray.get(ref, timeout=10))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                rows.append({"name": name, "role": name.partition("-")[0], "state": "dead"})
+        return rows
 
     def router_status(self) -> dict:
         return self._ray.get(self.router.status.remote())
@@ -294,17 +356,24 @@ class DisaggregatedLLM(LLM):
         if router is not None:
             ray.kill(router, no_restart=True)
             self.router = None
+        from ray.util.placement_group import remove_placement_group
+
+        for group in getattr(self, "placement_groups", []):
+            remove_placement_group(group)
+        self.placement_groups = []
         if getattr(self, "local_redis", None) is not None:
             self.local_redis.stop()
             self.local_redis = None
 
     # -- running requests -------------------------------------------------------------------
 
-    def _error_output(self, queued: _Queued, message: str) -> RequestOutput:
+    def _error_output(self, queued: _Queued, message: str, kind: str = "unavailable",
+                      reason: str = "error") -> RequestOutput:
         return RequestOutput(
             request_id=queued.request_id, prompt_token_ids=queued.prompt_token_ids, token_ids=[], new_token_ids=[],
-            text="", delta_text="", finished=True, finish_reason="error", error=message,
+            text="", delta_text="", finished=True, finish_reason=reason, error=message if reason == "error" else None,
             usage=Usage(len(queued.prompt_token_ids), 0, 0), arrival_time=queued.arrival, finish_time=time.monotonic(),
+            error_kind=kind if reason == "error" else None,
         )
 
     def _worker_died(self, side: str, index: int) -> None:
@@ -317,9 +386,11 @@ class DisaggregatedLLM(LLM):
         has no free blocks or already has its most receives in flight)."""
         ray, rid = self._ray, queued.request_id
         decision = ray.get(self.router.route.remote(rid, queued.prompt_token_ids, queued.params.max_tokens,
-                                                    queued.slo_class))
+                                                    queued.slo_class, None, queued.ttft_s, queued.tpot_s))
         if decision.action == "reject":
-            return self._error_output(queued, f"rejected by admission control: {decision.reason}")
+            if decision.decode is None and decision.reason.startswith("no live"):
+                return self._error_output(queued, decision.reason, "unavailable")
+            return self._error_output(queued, f"rejected by admission control: {decision.reason}", "rejected")
         if decision.action == "queue":
             return None
         d = int(decision.decode.rpartition("-")[2])
@@ -331,14 +402,15 @@ class DisaggregatedLLM(LLM):
         dispatched = time.monotonic()
         if p is None:
             try:
-                ray.get(self.decode[d].generate.remote(rid, queued.prompt_token_ids, queued.params, queued.priority))
+                ray.get(self.decode[d].generate.remote(rid, queued.prompt_token_ids, queued.params, queued.priority,
+                                                       queued.stream))
             except ray.exceptions.RayActorError:
                 self._worker_died("decode", d)
                 self.router.forget.remote(rid)
                 return self._dispatch(queued, busy_decode)
             except ray.exceptions.RayTaskError as exc:
                 self.router.forget.remote(rid)
-                return self._error_output(queued, str(getattr(exc, "cause", exc)))
+                return self._error_output(queued, str(getattr(exc, "cause", exc)), "invalid")
             self._started[rid] = _Started(queued, d, dispatched)
             return _InFlight(queued, d, -1, None, None, 0)
         try:
@@ -346,8 +418,10 @@ class DisaggregatedLLM(LLM):
                 rid, queued.prompt_token_ids, queued.params, queued.priority))
         except ray.exceptions.RayTaskError as exc:
             self.router.forget.remote(rid)
-            cause = exc.cause if isinstance(getattr(exc, "cause", None), InvalidRequestError) else exc
-            return self._error_output(queued, str(cause))
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, InvalidRequestError):
+                return self._error_output(queued, str(cause), "invalid")
+            return self._error_output(queued, str(exc))
         except ray.exceptions.RayActorError:
             self._worker_died("decode", d)
             self.router.forget.remote(rid)
@@ -383,14 +457,20 @@ class DisaggregatedLLM(LLM):
             self._worker_died("prefill", flight.prefill)
             result = None
             errors.append(f"prefill worker {flight.prefill} died")
-        if errors:
+        cancelled = rid in self._cancelled
+        if errors or cancelled:
+            self._cancelled.discard(rid)
+            self._started.pop(rid, None)
+            self.router.finished.remote(rid, None, None, not cancelled)
             if flight.decode not in self._dead_decode:
                 self.decode[flight.decode].release.remote(rid)
+            if cancelled:
+                return self._error_output(flight.request, "", reason="abort")
             return self._error_output(flight.request, "KV transfer failed: " + "; ".join(errors))
         self.transfers.append(TransferStat(rid, flight.prefill, flight.decode, flight.first_block, result.blocks_sent,
                                           result.cached_tokens))
         self.decode[flight.decode].admit.remote(rid, result.first_token, result.first_logprob,
-                                                result.first_top_logprobs)
+                                                result.first_top_logprobs, flight.request.stream)
         self._started[rid].first_token = time.monotonic()
         return None
 
@@ -399,10 +479,11 @@ class DisaggregatedLLM(LLM):
 
     def step(self, wait_s: float = 0.01) -> list[RequestOutput]:
         """One turn of the driver: offers queued requests to the router (highest priority,
-        then oldest, first), admits those whose KV has landed, and returns the requests that
-        finished since the last turn. Waits up to ``wait_s`` for a transfer to end."""
+        then oldest, first), admits those whose KV has landed, and returns what came back since
+        the last turn: every finished request, and the new tokens of streamed ones. Waits up to
+        ``wait_s`` for a transfer to end."""
         ray = self._ray
-        results: dict[str, RequestOutput] = {}
+        results: list[RequestOutput] = []
         queue = self.engine.queue
         queue.sort(key=lambda q: (-q.priority, q.arrival))
         max_inflight = 16 * len(self.prefill)  # enough for each prefill worker to batch
@@ -415,7 +496,7 @@ class DisaggregatedLLM(LLM):
                 break
             queued = queue.pop(0)
             if isinstance(started_one, RequestOutput):
-                results[started_one.request_id] = started_one
+                results.append(started_one)
             elif started_one.prefill_ref is not None:
                 self._inflight[queued.request_id] = started_one
         refs = [ref for f in self._inflight.values() for ref in (f.receive_ref, f.prefill_ref)]
@@ -427,12 +508,31 @@ class DisaggregatedLLM(LLM):
                 del self._inflight[rid]
                 failed = self._complete(flight)
                 if failed is not None:
-                    results[rid] = failed
-        self._collect(results)
+                    results.append(failed)
+        results += self._collect()
         if not refs:
             time.sleep(0.002)
-        self._update_stats(results.values())
-        return list(results.values())
+        self._update_stats(o for o in results if o.finished)
+        return results
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancels a request wherever it is: dropped from the queue, released on its decode
+        worker (its blocks free at once), or, while its KV is on the way, released as soon as the
+        transfer ends. Returns its final output, or None when that comes from a later step."""
+        for queued in self.engine.queue:
+            if queued.request_id == request_id:
+                self.engine.queue.remove(queued)
+                return self._error_output(queued, "", reason="abort")
+        if request_id in self._inflight:
+            self._cancelled.add(request_id)
+            return None
+        started = self._started.pop(request_id, None)
+        if started is None:
+            return None
+        self.router.finished.remote(request_id, None, None, False)
+        if started.decode not in self._dead_decode:
+            self.decode[started.decode].release.remote(request_id)
+        return self._error_output(started.request, "", reason="abort")
 
     def run_until_done(self, request_ids: Sequence[str], progress: bool = False) -> list[RequestOutput]:
         wanted = set(request_ids)
@@ -440,7 +540,8 @@ class DisaggregatedLLM(LLM):
         last_report = time.perf_counter()
         while len(results) < len(wanted):
             for output in self.step():
-                (results if output.request_id in wanted else self._unclaimed)[output.request_id] = output
+                if output.finished:
+                    (results if output.request_id in wanted else self._unclaimed)[output.request_id] = output
             if progress and time.perf_counter() - last_report > 2.0:
                 last_report = time.perf_counter()
                 print(f"\r[tandem] {len(results)}/{len(wanted)} requests done", end="", file=sys.stderr, flush=True)
@@ -448,29 +549,38 @@ class DisaggregatedLLM(LLM):
             print(file=sys.stderr)
         return [results[i] for i in request_ids]
 
-    def _collect(self, results: dict[str, RequestOutput]) -> None:
-        """Gathers finished outputs; tells the router each placed request's TTFT and TPOT."""
+    def _collect(self) -> list[RequestOutput]:
+        """Gathers what the decode workers produced; tells the router each finished request's
+        TTFT and TPOT."""
         ray = self._ray
+        outputs: list[RequestOutput] = []
         polls = {d: worker.poll.remote() for d, worker in enumerate(self.decode) if d not in self._dead_decode}
         for d, ref in polls.items():
             try:
-                for output in ray.get(ref):
-                    results[output.request_id] = output
+                outputs += ray.get(ref)
             except ray.exceptions.RayActorError:
                 self._worker_died("decode", d)
+        returned: list[RequestOutput] = []
+        for output in outputs:
+            started = self._started.get(output.request_id)
+            if started is None:
+                continue  # aborted meanwhile
+            if output.finished:
+                del self._started[output.request_id]
+                self._finish(started, output)
+            returned.append(output)
         for rid, started in list(self._started.items()):
-            output = results.get(rid)
-            if output is None and started.decode in self._dead_decode:
-                output = results[rid] = RequestOutput(
-                    request_id=rid, prompt_token_ids=started.request.prompt_token_ids, token_ids=[], new_token_ids=[],
-                    text="", delta_text="", finished=True, finish_reason="error",
-                    error=f"decode worker {started.decode} died while generating", usage=Usage(0, 0, 0))
-            if output is None:
-                continue
-            del self._started[rid]
-            _on_driver_clock(started, output)
-            ttft, tpot = _latencies(output)
-            self.router.finished.remote(rid, ttft, tpot, output.finish_reason == "error")
+            if started.decode in self._dead_decode and rid not in self._inflight:
+                del self._started[rid]
+                output = self._error_output(started.request, f"decode worker {started.decode} died while generating")
+                self._finish(started, output)
+                returned.append(output)
+        return returned
+
+    def _finish(self, started: _Started, output: RequestOutput) -> None:
+        _on_driver_clock(started, output)
+        ttft, tpot = _latencies(output)
+        self.router.finished.remote(output.request_id, ttft, tpot, output.finish_reason == "error")
 
     def _update_stats(self, outputs) -> None:
         stats = self.engine.stats
@@ -503,6 +613,7 @@ def _on_driver_clock(started: _Started, output: RequestOutput) -> None:
     decoding = (output.finish_time - output.first_token_time
                 if output.finish_time is not None and output.first_token_time is not None else None)
     output.arrival_time = started.request.arrival
+    output.scheduled_time = started.dispatched
     output.first_token_time = first
     output.finish_time = first + decoding if first is not None and decoding is not None else time.monotonic()
 

@@ -22,6 +22,7 @@ from cluster.engine.engine import EngineStats, LLMEngine, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv_transfer.agent import PairLayout
 from cluster.parallel.group import GroupSpec
+from cluster.metrics import WorkerMetrics
 from cluster.registry.load import STEPS_REPORTED, StepSample, WorkerLoad
 from cluster.registry.reporter import WorkerReporter
 
@@ -71,6 +72,7 @@ class EngineWorker:
             self._profile()
         self.reporter = (WorkerReporter(registry_url, config.cluster_name, self.name, self._snapshot)
                          if registry_url else None)
+        self.metrics = WorkerMetrics(config.cluster_name, self.name, self.role)
         self._loop = threading.Thread(target=self._run, name=f"{type(self).__name__}-loop", daemon=True)
         self._loop.start()
 
@@ -113,6 +115,8 @@ class EngineWorker:
                                        s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s)
                             for s in list(engine.stats.steps)[-STEPS_REPORTED:]),
             )
+            stats = engine.stats
+            self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate)
             return engine.block_manager.drain_events(), load
 
     def describe(self) -> dict:
@@ -126,6 +130,17 @@ class EngineWorker:
     def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
         """Joins the transfer group shared with one worker of the other role (every TP rank)."""
         self.engine.runner.join_transfer(layout, spec, self.prefill_side)
+
+    def status(self) -> dict:
+        """What ``tandem status`` shows of this worker."""
+        engine = self.engine
+        with self._lock:
+            scheduler, blocks, stats = engine.scheduler, engine.block_manager, engine.stats
+            return {"name": self.name, "role": self.role, "tp": engine.config.tensor_parallel_size, "state": "alive",
+                    "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks, "kv_blocks": blocks.num_blocks,
+                    "waiting": len(scheduler.waiting), "running": len(scheduler.running),
+                    "receiving": len(scheduler.receiving), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+                    "registry": "ok" if self.reporter is None or self.reporter.connected else "unreachable"}
 
     def free_blocks(self) -> int:
         with self._lock:

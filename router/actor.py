@@ -17,6 +17,7 @@ from typing import Sequence
 import redis
 
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
+from cluster.metrics import RouterMetrics
 from cluster.registry.goodput import GoodputReader, GoodputRecorder, RequestRecord
 from cluster.registry.reporter import connect
 from router.config import RouterConfig
@@ -43,9 +44,11 @@ class RouterActor:
             except TokenizerError:
                 pass
         self._last_sweep = 0.0
+        self.metrics = RouterMetrics(cluster, self.router.config.policy)
 
     def route(self, request_id: str, prompt: str | Sequence[int], max_tokens: int = 16,
-              slo_class: str | None = None, cache_salt: str | None = None) -> Decision:
+              slo_class: str | None = None, cache_salt: str | None = None, ttft_s: float | None = None,
+              tpot_s: float | None = None) -> Decision:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return Decision("reject", request_id, reason="this model has no tokenizer; send token ids")
@@ -54,11 +57,12 @@ class RouterActor:
         if now - self._last_sweep > SWEEP_EVERY_S:
             self._last_sweep = now
             self.view.sweep()
-        decision = self.router.route(RouteRequest(request_id, prompt, max_tokens, slo_class, cache_salt), now)
+        decision = self.router.route(
+            RouteRequest(request_id, prompt, max_tokens, slo_class, cache_salt, ttft_s, tpot_s), now)
+        self.metrics.decided(decision)
         if decision.action == "reject":
-            cls = self.router.config.slo_class(decision.slo_class or None)
-            self._record(RequestRecord(request_id, cls.name, None, None, None, None, cls.ttft_s, cls.tpot_s,
-                                       failed=True))
+            self._record(RequestRecord(request_id, decision.slo_class, None, None, None, None,
+                                       decision.ttft_objective_s, decision.tpot_objective_s, failed=True))
         return decision
 
     def forget(self, request_id: str) -> None:

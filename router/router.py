@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
 from cluster.engine.block_hash import cacheable_prefix_blocks, hash_token_blocks, request_hash_keys
@@ -59,6 +59,8 @@ class RouteRequest:
     max_tokens: int = 16
     slo_class: str | None = None
     cache_salt: str | None = None
+    ttft_s: float | None = None  # explicit objectives, in place of the class's
+    tpot_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,9 @@ class Router:
     def route(self, request: RouteRequest, now: float | None = None) -> Decision:
         now = time.time() if now is None else now
         cls = self.config.slo_class(request.slo_class)
+        if request.ttft_s is not None or request.tpot_s is not None:
+            cls = replace(cls, ttft_s=request.ttft_s if request.ttft_s is not None else cls.ttft_s,
+                          tpot_s=request.tpot_s if request.tpot_s is not None else cls.tpot_s)
         loads = self._read_loads(now)
         hits = self._prefix_hits(request, now) if loads is not None else None
         if loads is None or hits is None:

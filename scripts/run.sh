@@ -1,15 +1,9 @@
 #!/usr/bin/env bash
-# Quick start: offline generation with the built-in default model on this machine.
-# The first run builds the environment and trains the small default model (a few minutes).
+# Quick start: the embedded default cluster (1 prefill + 1 decode worker on this machine's CPU,
+# the built-in default model, a private Redis, gRPC on 127.0.0.1:50051), in the foreground
+# until Ctrl-C. The first run builds the environment and trains the small default model (a few
+# minutes). Extra arguments go to `tandem up` (e.g. --topology examples/local-cpu.yaml).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 source "$root/scripts/bootstrap.sh" ""
-out="${TANDEM_OUTPUT:-$root/quickstart.out.jsonl}"
-tandem run --input "${1:-$root/examples/quickstart.jsonl}" --output "$out" "${@:2}"
-python - "$out" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(f"--- {r['id']} ({r['finish_reason']}, {r['usage']['completion_tokens']} tokens)")
-    print(r["error"] or r["text"])
-PY
+exec tandem up "$@"

@@ -35,6 +35,7 @@ class EngineConfig:
     cluster_name: str = "tandem"
     engine_name: str = "engine"
     ray_address: str | None = None
+    cpus_per_rank: float = 0.25  # Ray CPUs of each tensor-parallel follower rank
 
     def __post_init__(self) -> None:
         positive = {

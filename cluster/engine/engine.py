@@ -50,6 +50,8 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    scheduled_time: float | None = None  # when it left the queue (placed, or first scheduled)
+    error_kind: str | None = None  # with an error: "invalid", "rejected" or "unavailable"
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,7 @@ class LLMEngine:
         return TensorParallelRunner(
             self.model_config, model_dir, cfg.block_size, self.max_model_len, cfg.tensor_parallel_size,
             cfg.cluster_name, cfg.engine_name, cfg.device, cfg.ray_address, cfg.num_threads, progress,
+            cfg.cpus_per_rank,
         )
 
     def shutdown(self) -> None:
@@ -351,4 +354,5 @@ class LLMEngine:
             arrival_time=request.times.arrival,
             first_token_time=request.times.first_token,
             finish_time=request.times.finished,
+            scheduled_time=request.times.first_scheduled,
         )

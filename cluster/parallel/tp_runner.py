@@ -103,7 +103,11 @@ class TensorParallelRunner(ModelRunner):
         ray_address: str | None = None,
         num_threads: int | None = None,
         progress: Callable[[int, int], None] | None = None,
+        cpus_per_rank: float = 0.25,
     ):
+        """Ranks 1..N-1 start as Ray actors of ``cpus_per_rank`` CPUs each; inside a placement
+        group that captures child tasks (the cluster reserves one per TP group) they land in its
+        bundles, on rank 0's node."""
         check_tensor_parallel(config, tp_size)
         ray = ensure_ray(cluster, ray_address)
         self._ray = ray
@@ -112,7 +116,7 @@ class TensorParallelRunner(ModelRunner):
         spec = GroupSpec(cluster, f"{name}-tp", tp_size)
         follower = ray.remote(TPFollower)
         self.followers = [
-            follower.options(name=f"{name}-tp{rank}", num_cpus=0.25, max_concurrency=FOLLOWER_THREADS).remote(
+            follower.options(name=f"{name}-tp{rank}", num_cpus=cpus_per_rank, max_concurrency=FOLLOWER_THREADS).remote(
                 config, str(model_dir), block_size, max_model_len, device, spec, rank, threads
             )
             for rank in range(1, tp_size)

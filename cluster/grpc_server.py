@@ -1,0 +1,197 @@
+"""The gRPC API (``tandem.v1.Tandem``, see ``proto/``) in front of the cluster's frontend actor.
+
+A plain ``grpc.server`` (threads): each ``Generate`` call reads the frontend's streaming
+generator and turns each message into a ``GenerateResponse``; errors become status codes
+(INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE; DEADLINE_EXCEEDED and
+CANCELLED come from gRPC itself). When the call ends early (the client cancels, disconnects or
+passes its deadline) the generator is cancelled, which aborts the request on every worker.
+
+Also served: the standard health service (``grpc.health.v1``, exempt from the token so probes
+work), server reflection, TLS when the topology names a certificate and key, and a bearer
+token (``authorization: Bearer <token>``) checked on every other call when one is configured.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.topology import ClusterSpec
+from tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+SERVICE = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
+CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "rejected": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+}
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "logprobs")
+MAX_WORKERS = 64
+
+
+class RequestError(ValueError):
+    pass
+
+
+def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
+    """The frontend's request mapping; RequestError names the field that is wrong."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise RequestError("prompt: give text or token_ids")
+    prompt = request.text if kind == "text" else list(request.token_ids.ids)
+    if not prompt:
+        raise RequestError(f"{'text' if kind == 'text' else 'token_ids.ids'}: the prompt is empty")
+    sampling = {name: getattr(request.sampling, name) for name in SAMPLING_FIELDS
+                if request.sampling.HasField(name)}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if name in sampling:
+            sampling[name] = round(float(sampling[name]), 6)  # float32 on the wire
+    if request.sampling.stop:
+        sampling["stop"] = list(request.sampling.stop)
+    if request.sampling.stop_token_ids:
+        sampling["stop_token_ids"] = list(request.sampling.stop_token_ids)
+    if request.sampling.ignore_eos:
+        sampling["ignore_eos"] = True
+    objectives = {}
+    for name in ("ttft_ms", "tpot_ms"):
+        if request.objectives.HasField(name):
+            value = getattr(request.objectives, name)
+            if not value > 0:
+                raise RequestError(f"objectives.{name}: must be positive, got {value:g}")
+            objectives[name.replace("_ms", "_s")] = value / 1000.0
+    return {"request_id": request.request_id, "model": request.model, "prompt": prompt, "sampling": sampling,
+            "slo_class": request.slo_class, "priority": request.priority, **objectives}
+
+
+def response_message(message: dict) -> tandem_pb2.GenerateResponse:
+    response = tandem_pb2.GenerateResponse(request_id=message.get("request_id", ""), token_ids=message["token_ids"],
+                                           text=message["text"], finished=message["finished"])
+    for logprob, top in message.get("logprobs", []):
+        response.logprobs.add(logprob=logprob, top=[tandem_pb2.TopLogprob(token_id=t, logprob=p) for t, p in top])
+    if message.get("placement"):
+        response.prefill_worker, response.decode_worker = message["placement"]
+    if message["finished"]:
+        response.finish_reason = message.get("finish_reason") or ""
+        prompt, cached, completion = message["usage"]
+        response.usage.CopyFrom(tandem_pb2.Usage(prompt_tokens=prompt, cached_tokens=cached,
+                                                 completion_tokens=completion))
+        queue_ms, ttft_ms, tpot_ms, e2e_ms = message["timings"]
+        response.timings.CopyFrom(tandem_pb2.Timings(queue_ms=queue_ms, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
+                                                     e2e_ms=e2e_ms))
+    return response
+
+
+class TandemServicer(tandem_pb2_grpc.TandemServicer):
+    def __init__(self, frontend):
+        import ray
+
+        self.ray, self.frontend = ray, frontend
+
+    def _call(self, context, method, *args):
+        try:
+            return self.ray.get(getattr(self.frontend, method).remote(*args))
+        except self.ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ValueError):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+            context.abort(grpc.StatusCode.INTERNAL, str(exc).splitlines()[0])
+        except self.ray.exceptions.RayActorError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster's frontend is not running")
+
+    def Generate(self, request, context):
+        try:
+            payload = request_payload(request)
+        except RequestError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        stream = self.frontend.generate.options(num_returns="streaming").remote(payload)
+        context.add_callback(lambda: self.ray.cancel(stream))
+        try:
+            for ref in stream:
+                message = self.ray.get(ref)
+                if "error" in message:
+                    error = message["error"]
+                    context.abort(CODES.get(error["kind"], grpc.StatusCode.UNAVAILABLE), error["message"])
+                yield response_message(message)
+                if message["finished"]:
+                    return
+        except (self.ray.exceptions.TaskCancelledError, self.ray.exceptions.RayTaskError) as exc:
+            if context.is_active():
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"the request failed in the cluster: {exc}")
+        except self.ray.exceptions.RayActorError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster's frontend is not running")
+
+    def GetModelInfo(self, request, context):
+        return tandem_pb2.ModelInfo(**self._call(context, "model_info"))
+
+    def Tokenize(self, request, context):
+        return tandem_pb2.TokenizeResponse(token_ids=self._call(context, "tokenize", request.text))
+
+    def Detokenize(self, request, context):
+        return tandem_pb2.DetokenizeResponse(text=self._call(context, "detokenize", list(request.token_ids)))
+
+
+class TokenCheck(grpc.ServerInterceptor):
+    """Refuses calls without ``authorization: Bearer <token>``; the health service is exempt."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}"
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return handler
+        metadata = dict(details.invocation_metadata)
+        if metadata.get("authorization") == self.expected:
+            return handler
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(refuse, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+
+
+def api_token(spec: ClusterSpec) -> str | None:
+    server = spec.server
+    if server.auth_token_env:
+        token = os.environ.get(server.auth_token_env)
+        if not token:
+            raise ValueError(f"server.auth_token_env: environment variable {server.auth_token_env} is not set")
+        return token
+    if server.auth_token_file:
+        return Path(server.auth_token_file).read_text().strip()
+    return None
+
+
+def build_server(spec: ClusterSpec, frontend) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """The server, bound (not started) to the topology's host and port; the port it got."""
+    token = api_token(spec)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
+                         interceptors=[TokenCheck(token)] if token else [])
+    tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(frontend), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    host = spec.server.host
+    address = f"[{host}]:{spec.server.port}" if ":" in host else f"{host}:{spec.server.port}"
+    tls = spec.server.tls
+    if tls is not None and tls.cert_file:
+        credentials = grpc.ssl_server_credentials(
+            [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())])
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"server.port: cannot bind {address}")
+    for name in ("", SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer

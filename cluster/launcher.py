@@ -1,0 +1,239 @@
+"""``tandem up``, ``down`` and ``status``: a deployment's life on Ray.
+
+``up`` starts (or, with an address, joins) Ray, then the frontend actor (which starts the
+workers in their placement groups, the registry and the router) and the gRPC ingress through
+Ray Serve. The ``up`` process owns the deployment: it stays in the foreground until
+interrupted, or with ``--detach`` re-runs itself in the background and returns once the API
+answers. Its state file (``<cache>/clusters/<name>.json``: pid, Ray address, API, dashboard)
+is how ``down`` (SIGTERM to that pid; it stops everything it started) and ``status`` find it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from cluster.paths import cache_dir
+from cluster.topology import ClusterSpec
+
+READY_TIMEOUT_S = 600.0
+
+
+def state_file(cluster: str) -> Path:
+    return cache_dir() / "clusters" / f"{cluster}.json"
+
+
+def read_state(cluster: str) -> dict | None:
+    try:
+        return json.loads(state_file(cluster).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _log(message: str) -> None:
+    print(f"[tandem] {message}", file=sys.stderr, flush=True)
+
+
+def start_ray(spec: ClusterSpec):
+    """Joins ``ray.address``, or starts a local Ray on 127.0.0.1 (with the dashboard only when
+    the topology asks for it)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    obs = spec.observability
+    if spec.ray.address:
+        ray.init(address=spec.ray.address, namespace=spec.name, log_to_driver=True)
+    else:
+        kwargs = {}
+        if obs.metrics_export_port:
+            kwargs["_metrics_export_port"] = obs.metrics_export_port
+        ray.init(namespace=spec.name, num_cpus=spec.ray.num_cpus or os.cpu_count(), include_dashboard=obs.dashboard,
+                 dashboard_host=obs.dashboard_host, dashboard_port=obs.dashboard_port, _node_ip_address="127.0.0.1",
+                 log_to_driver=True, configure_logging=False, **kwargs)
+    return ray
+
+
+def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
+    existing = read_state(spec.name)
+    if existing and _alive(existing["pid"]):
+        _log(f"cluster {spec.name!r} is already up (pid {existing['pid']}, API {existing.get('api')}); "
+             f"`tandem down --cluster {spec.name}` first")
+        return 1
+    if detach:
+        return _detach(spec, argv)
+    spec.model_dir()  # builds the default model here, with its progress, when none is cached yet
+    ray = start_ray(spec)
+    from ray import serve
+
+    from cluster.ingress import GrpcIngress, INGRESS
+    from cluster.service import ClusterService
+
+    started = time.perf_counter()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    frontend = None
+    try:
+        frontend = ray.remote(ClusterService).options(name="frontend", num_cpus=0.1, max_concurrency=1000).remote(
+            spec_yaml)
+        ray.get(frontend.ready.remote())
+        serve.start(proxy_location="Disabled")
+        handle = serve.run(GrpcIngress.bind(spec_yaml), name=spec.name, route_prefix=None)
+        api = handle.address.remote().result()
+        context = ray.get_runtime_context()
+        dashboard = None
+        if spec.observability.dashboard:
+            dashboard = f"http://{ray._private.worker.get_dashboard_url() or ''}"
+        state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "dashboard": dashboard,
+                 "tls": bool(spec.server.tls and spec.server.tls.cert_file),
+                 "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token")}
+        path = state_file(spec.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(state))
+        _log(f"cluster {spec.name!r} up in {time.perf_counter() - started:.0f}s")
+        _log(f"API: {api} (gRPC tandem.v1.Tandem{', TLS' if state['tls'] else ''}); try "
+             f"`tandem generate --addr {api} \"Hello\"`")
+        _log(f"dashboard: {dashboard} (its token: ~/.ray/auth_token)" if dashboard else
+             "dashboard: off (observability.dashboard: true starts it)")
+        _log(f"Ray: {context.gcs_address}; `tandem status --cluster {spec.name}`, `tandem down --cluster {spec.name}`")
+        while not stop.wait(1.0):
+            pass
+        _log("stopping")
+        return 0
+    finally:
+        try:
+            serve.delete(spec.name)
+            serve.shutdown()
+        except Exception:  # noqa: BLE001 - tearing down what may be half started
+            pass
+        if frontend is not None:
+            try:
+                ray.get(frontend.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001
+                pass
+            ray.kill(frontend)
+        state = read_state(spec.name)
+        if state and state.get("pid") == os.getpid():
+            state_file(spec.name).unlink(missing_ok=True)
+        ray.shutdown()
+
+
+def _detach(spec: ClusterSpec, argv: list[str]) -> int:
+    """Runs ``up`` again without ``--detach`` in a new session; returns once its API is up."""
+    log = cache_dir() / "clusters" / f"{spec.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    args = [a for a in argv if a != "--detach"]
+    with open(log, "w") as out:
+        child = subprocess.Popen([sys.executable, "-m", "cluster.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = read_state(spec.name)
+        if state and state.get("pid") == child.pid:
+            _log(f"cluster {spec.name!r} up in the background (pid {child.pid}, log {log})")
+            _log(f"API: {state['api']}; dashboard: {state['dashboard'] or 'off'}")
+            return 0
+        if child.poll() is not None:
+            _log(f"`tandem up` exited with {child.returncode}; its log {log} ends:\n" + _tail(log))
+            return 1
+        time.sleep(0.5)
+    child.terminate()
+    _log(f"cluster {spec.name!r} did not come up within {READY_TIMEOUT_S:.0f}s; log: {log}")
+    return 1
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def down(cluster: str, timeout_s: float = 120.0) -> int:
+    state = read_state(cluster)
+    if not state or not _alive(state["pid"]):
+        state_file(cluster).unlink(missing_ok=True)
+        _log(f"cluster {cluster!r} is not up")
+        return 1
+    os.kill(state["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _alive(state["pid"]):
+        time.sleep(0.2)
+    if _alive(state["pid"]):
+        os.kill(state["pid"], signal.SIGKILL)
+        _log(f"cluster {cluster!r} did not stop within {timeout_s:.0f}s: killed")
+    state_file(cluster).unlink(missing_ok=True)
+    _log(f"cluster {cluster!r} is down")
+    return 0
+
+
+def cluster_status(cluster: str, address: str | None = None) -> dict:
+    """The frontend's status of a running cluster."""
+    state = read_state(cluster)
+    address = address or (state or {}).get("ray_address")
+    if not address:
+        raise LookupError(f"cluster {cluster!r} is not up here (no {state_file(cluster)}); give --address")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if state and state.get("ray_auth_mode"):
+        os.environ.setdefault("RAY_AUTH_MODE", state["ray_auth_mode"])  # as the cluster was started; read on import
+    import ray
+
+    ray.init(address=address, namespace=cluster, log_to_driver=False, logging_level="ERROR")
+    try:
+        frontend = ray.get_actor("frontend", namespace=cluster)
+        status = ray.get(frontend.status.remote(), timeout=30)
+    finally:
+        ray.shutdown()
+    status["api"] = (state or {}).get("api")
+    status["dashboard"] = (state or {}).get("dashboard")
+    return status
+
+
+def format_status(status: dict) -> str:
+    lines = [f"cluster {status['cluster']}: model {status['model']}; API {status.get('api')}; dashboard "
+             f"{status.get('dashboard') or 'off'}; router {status['router']['policy']} (registry "
+             f"{status['router']['registry']}); {status['queued']} queued, {status['in_flight']} streaming"]
+    header = ("worker", "role", "TP", "state", "KV used", "waiting", "running", "receiving", "hit rate")
+    rows = [header]
+    for w in status["workers"]:
+        if w.get("state") != "alive":
+            rows.append((w["name"], w["role"], "-", w.get("state", "dead"), "-", "-", "-", "-", "-"))
+            continue
+        rows.append((w["name"], w["role"], str(w["tp"]), w["state"], f"{w['kv_blocks_used']}/{w['kv_blocks']}",
+                     str(w["waiting"]), str(w["running"]), str(w["receiving"]), f"{w['prefix_cache_hit_rate']:.0%}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(wd) for c, wd in zip(row, widths)) for row in rows]
+    goodput = status.get("goodput")
+    if goodput:
+        for window in ("last_minute", "last_hour"):
+            view = goodput[window]
+            cluster = view["cluster"]
+            lines.append(f"{window.replace('_', ' ')}: {cluster['requests']} requests, goodput "
+                         f"{cluster['goodput_rps']:.2f}/s, SLO attainment {cluster['attainment']:.0%}")
+            for name, c in sorted(view["classes"].items()):
+                lines.append(f"  {name}: {c['requests']} requests, goodput {c['goodput_rps']:.2f}/s, attainment "
+                             f"{c['attainment']:.0%}, mean TTFT {_ms(c['mean_ttft_s'])}, mean TPOT "
+                             f"{_ms(c['mean_tpot_s'])}")
+    else:
+        lines.append("goodput: registry unreachable")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"

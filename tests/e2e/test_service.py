@@ -1,0 +1,273 @@
+"""The cluster as a service, end to end: `tandem up` in the background, the gRPC API (our Python
+client, `tandem generate`, and a Node client written without our code), every status code,
+cancellation freeing every KV block, `tandem status`, metrics, and `tandem down`.
+
+Two deployments: the embedded default topology (1 prefill + 1 decode worker, embedded Redis,
+127.0.0.1) with only the model swapped for the small test checkpoint, and 2 prefill workers
+of TP 2 with 2 decode workers on gloo, behind TLS and a bearer token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from conftest import random_prompts
+from node_client import run_node_generate
+from tandem.client import TandemClient, TandemError
+
+pytestmark = pytest.mark.e2e
+
+_SCRIPT = Path(sys.executable).parent / "tandem"
+TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli"]
+PROMPTS = random_prompts([12, 40, 70], seed=21)
+TEXT = "The quick brown fox jumps over the lazy dog."
+MAX_TOKENS = 12
+
+
+def tandem(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, name: str, topology: dict, tmp: Path, env: dict | None = None):
+        self.name, self.env = name, env or {}
+        self.path = tmp / f"{name}.yaml"
+        self.path.write_text(yaml.safe_dump(topology))
+        self.cache = tmp / "cache"
+        self.env["TANDEM_CACHE_DIR"] = str(self.cache)
+        result = tandem("up", "--topology", str(self.path), "--detach", env=self.env, timeout=600)
+        assert result.returncode == 0, result.stderr
+        self.state = json.loads((self.cache / "clusters" / f"{name}.json").read_text())
+        self.api = self.state["api"]
+
+    def status(self) -> dict:
+        result = tandem("status", "--cluster", self.name, "--json", env=self.env)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def ray(self, code: str) -> None:
+        """Runs Python with Ray connected to the cluster (to kill a worker, say)."""
+        script = (f"import os; os.environ.setdefault('RAY_AUTH_MODE', {self.state['ray_auth_mode']!r}); "
+                  "os.environ.setdefault('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', '0'); import ray; "
+                  f"ray.init(address={self.state['ray_address']!r}, namespace={self.name!r}); {code}")
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+
+    def down(self) -> None:
+        result = tandem("down", "--cluster", self.name, env=self.env)
+        assert result.returncode == 0, result.stderr
+
+
+def topology(name: str, model_dir: Path, **overrides) -> dict:
+    spec = {"cluster": {"name": name}, "model": {"path": str(model_dir)}, "server": {"port": 0},
+            "kv": {"num_blocks": 64}, "prefill": {"threads": 1}, "decode": {"threads": 1}}
+    for key, value in overrides.items():
+        spec.setdefault(key, {}).update(value)
+    return spec
+
+
+def reference_tokens(model_dir: Path, tmp: Path) -> dict[str, list[int]]:
+    """What `tandem run` gives for the same prompts (greedy)."""
+    lines = [{"id": f"ids{i}", "prompt_token_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+             for i, p in enumerate(PROMPTS)]
+    lines.append({"id": "text", "prompt": TEXT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    source, out = tmp / "in.jsonl", tmp / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = tandem("run", "--model", str(model_dir), "--input", str(source), "--output", str(out), "--quiet",
+                    "--num-kv-blocks", "64")
+    assert result.returncode == 0, result.stderr
+    return {row["id"]: row["token_ids"] for row in map(json.loads, out.read_text().splitlines())}
+
+
+def stream_tokens(client: TandemClient, prompt, **kwargs) -> tuple[list[int], list]:
+    messages = list(client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **kwargs))
+    return [t for m in messages for t in m.token_ids], messages
+
+
+def wait_until(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint) -> Path:
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory) -> dict[str, list[int]]:
+    return reference_tokens(model_dir, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def default_cluster(model_dir, tmp_path_factory):
+    metrics_port = free_port()
+    cluster = Cluster("e2e-default", topology("e2e-default", model_dir,
+                                             observability={"metrics_export_port": metrics_port}),
+                      tmp_path_factory.mktemp("default"))
+    cluster.metrics_port = metrics_port
+    yield cluster
+    if (cluster.cache / "clusters" / "e2e-default.json").exists():
+        cluster.down()
+
+
+def test_streamed_tokens_equal_tandem_run(default_cluster, reference):
+    with TandemClient(default_cluster.api, timeout_s=120) as client:
+        assert client.health() == "SERVING"
+        info = client.model_info()
+        assert info.architecture == "LlamaForCausalLM" and info.default_slo_class == "standard"
+        for i, prompt in enumerate(PROMPTS):
+            tokens, messages = stream_tokens(client, prompt)
+            assert tokens == reference[f"ids{i}"]
+            assert len(messages) >= 2  # streamed: tokens arrive before the end
+            last = messages[-1]
+            assert last.finished and last.finish_reason == "length"
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), MAX_TOKENS)
+            assert last.timings.ttft_ms > 0 and last.timings.e2e_ms >= last.timings.ttft_ms
+            assert messages[0].request_id and last.decode_worker == "decode-0"
+        tokens, messages = stream_tokens(client, TEXT)
+        assert tokens == reference["text"]
+        assert "".join(m.text for m in messages) == client.detokenize(tokens)
+        assert client.tokenize(TEXT) and client.detokenize(client.tokenize(TEXT)).strip() == TEXT
+
+
+def test_tandem_generate_streams_text(default_cluster, reference):
+    result = tandem("generate", "--addr", default_cluster.api, "--max-tokens", str(MAX_TOKENS), "--temperature",
+                    "0", "--json", TEXT)
+    assert result.returncode == 0, result.stderr
+    messages = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [t for m in messages for t in m.get("token_ids", [])] == reference["text"]
+    assert messages[-1]["finished"] is True
+
+
+def test_a_node_client_completes_a_streaming_generate(default_cluster, reference):
+    code, messages = run_node_generate(default_cluster.api, {
+        "token_ids": {"ids": PROMPTS[1]}, "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}})
+    assert code == 0, messages
+    assert [t for m in messages for t in m["token_ids"]] == reference["ids1"]
+    assert messages[-1]["finished"] is True and messages[-1]["finish_reason"] == "length"
+    code, messages = run_node_generate(default_cluster.api, {"text": "x", "sampling": {"top_p": 2}})
+    assert code == 2 and messages[-1]["error"]["code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+@pytest.mark.parametrize("kwargs, code, words", [
+    (dict(prompt=PROMPTS[0], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (dict(prompt=[], max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "token_ids.ids: the prompt is empty"),
+    (dict(prompt=[10**6], max_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must be integers"),
+    (dict(prompt=PROMPTS[0], slo_class="gold"), grpc.StatusCode.INVALID_ARGUMENT, "unknown slo_class 'gold'"),
+    (dict(prompt=PROMPTS[0], model="llama-70b"), grpc.StatusCode.NOT_FOUND, "model 'llama-70b' is not served"),
+    (dict(prompt=PROMPTS[0], slo_class="interactive", ttft_ms=0.001), grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "rejected by admission control: even an idle cluster cannot meet slo_class 'interactive'"),
+])
+def test_status_codes(default_cluster, kwargs, code, words):
+    with TandemClient(default_cluster.api, timeout_s=60) as client, pytest.raises(TandemError) as caught:
+        list(client.generate(**kwargs))
+    assert caught.value.code == code
+    assert words in caught.value.message
+
+
+def test_deadline_and_cancellation_free_every_block(default_cluster):
+    with TandemClient(default_cluster.api) as client:
+        with pytest.raises(TandemError) as caught:
+            list(client.generate(PROMPTS[2], max_tokens=900, ignore_eos=True, timeout_s=0.5))
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        stream = client.generate(PROMPTS[2], max_tokens=900, ignore_eos=True)
+        first = next(iter(stream))
+        assert first.token_ids
+        stream.cancel()
+    status = wait_until(lambda: (s := default_cluster.status()) and all(
+        w["kv_blocks_used"] == 0 and w["running"] == 0 for w in s["workers"]) and s, 30, "every block to be free")
+    assert status["in_flight"] == 0 and status["queued"] == 0
+
+
+def test_status_and_metrics(default_cluster):
+    with TandemClient(default_cluster.api, timeout_s=60) as client:
+        stream_tokens(client, PROMPTS[0])
+    result = tandem("status", "--cluster", default_cluster.name, env=default_cluster.env)
+    assert result.returncode == 0, result.stderr
+    assert "prefill-0  prefill  1   alive" in result.stdout and "decode-0" in result.stdout
+    assert "last minute:" in result.stdout and "standard:" in result.stdout
+
+    def scrape() -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{default_cluster.metrics_port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        wanted = ("tandem_requests", "tandem_kv_blocks_free", "tandem_ttft_seconds_bucket")
+        return text if all(name in text for name in wanted) else None
+
+    text = wait_until(scrape, 60, "tandem metrics on the Prometheus endpoint")
+    assert 'cluster="e2e-default"' in text and 'outcome="length"' in text
+    assert "tandem_router_decisions" in text and "tandem_prefix_cache_hit_rate" in text
+
+
+def test_a_dead_worker_is_unavailable_then_down_stops_everything(default_cluster):
+    default_cluster.ray("ray.kill(ray.get_actor('prefill-0'))")
+    with TandemClient(default_cluster.api, timeout_s=60) as client, pytest.raises(TandemError) as caught:
+        list(client.generate(PROMPTS[0], max_tokens=4))
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "prefill" in caught.value.message
+    pid = default_cluster.state["pid"]
+    default_cluster.down()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with TandemClient(default_cluster.api, timeout_s=5) as client, pytest.raises(TandemError) as caught:
+        client.health()
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def self_signed(tmp: Path) -> tuple[Path, Path]:
+    key, cert = tmp / "server.key", tmp / "server.crt"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return key, cert
+
+
+def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(model_dir, reference,
+                                                                              tmp_path):
+    if not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(os.pathsep)):
+        pytest.skip("openssl is needed to make the test certificate")
+    key, cert = self_signed(tmp_path)
+    spec = topology("e2e-tp2", model_dir, prefill={"replicas": 2, "tp": 2}, decode={"replicas": 2},
+                    server={"tls": {"cert_file": str(cert), "key_file": str(key)},
+                            "auth_token_env": "E2E_TANDEM_TOKEN"})
+    cluster = Cluster("e2e-tp2", spec, tmp_path, env={"E2E_TANDEM_TOKEN": "s3cret"})
+    try:
+        address = cluster.api.replace("127.0.0.1", "localhost")
+        with TandemClient(address, token="s3cret", tls_ca_file=str(cert), timeout_s=120) as client:
+            for i, prompt in enumerate(PROMPTS):
+                assert stream_tokens(client, prompt)[0] == reference[f"ids{i}"]
+        with TandemClient(address, tls_ca_file=str(cert), timeout_s=30) as client:
+            with pytest.raises(TandemError) as caught:
+                list(client.generate(PROMPTS[0], max_tokens=2))
+            assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+        status = cluster.status()
+        assert sorted((w["name"], w["tp"]) for w in status["workers"]) == [
+            ("decode-0", 1), ("decode-1", 1), ("prefill-0", 2), ("prefill-1", 2)]
+    finally:
+        cluster.down()
