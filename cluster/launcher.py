@@ -52,21 +52,23 @@ def _log(message: str) -> None:
 
 def start_ray(spec: ClusterSpec):
     """Joins ``ray.address``, or starts a local Ray on 127.0.0.1 (with the dashboard only when
-    the topology asks for it)."""
+    the topology asks for it); returns ``ray`` and the dashboard's URL (None without one)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     obs = spec.observability
     if spec.ray.address:
-        ray.init(address=spec.ray.address, namespace=spec.name, log_to_driver=True)
+        context = ray.init(address=spec.ray.address, namespace=spec.name, log_to_driver=True)
     else:
         kwargs = {}
         if obs.metrics_export_port:
             kwargs["_metrics_export_port"] = obs.metrics_export_port
-        ray.init(namespace=spec.name, num_cpus=spec.ray.num_cpus or os.cpu_count(), include_dashboard=obs.dashboard,
-                 dashboard_host=obs.dashboard_host, dashboard_port=obs.dashboard_port, _node_ip_address="127.0.0.1",
-                 log_to_driver=True, configure_logging=False, **kwargs)
-    return ray
+        context = ray.init(namespace=spec.name, num_cpus=spec.ray.num_cpus or os.cpu_count(),
+                           include_dashboard=obs.dashboard,
+                           dashboard_host=obs.dashboard_host, dashboard_port=obs.dashboard_port,
+                           _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False, **kwargs)
+    url = context.dashboard_url if obs.dashboard or spec.ray.address else None
+    return ray, (f"http://{url}" if url and not url.startswith("http") else url)
 
 
 def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
@@ -78,7 +80,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     if detach:
         return _detach(spec, argv)
     spec.model_dir()  # builds the default model here, with its progress, when none is cached yet
-    ray = start_ray(spec)
+    ray, dashboard = start_ray(spec)
     from ray import serve
 
     from cluster.ingress import GrpcIngress, INGRESS
@@ -97,9 +99,6 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         handle = serve.run(GrpcIngress.bind(spec_yaml), name=spec.name, route_prefix=None)
         api = handle.address.remote().result()
         context = ray.get_runtime_context()
-        dashboard = None
-        if spec.observability.dashboard:
-            dashboard = f"http://{ray._private.worker.get_dashboard_url() or ''}"
         state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "dashboard": dashboard,
                  "tls": bool(spec.server.tls and spec.server.tls.cert_file),
                  "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token")}

@@ -208,8 +208,12 @@ class ClusterService:
             raise InvalidRequestError(f"token_ids must be in [0, {engine.vocab_size}); got {bad[:5]}")
         return engine.tokenizer.decode(token_ids)
 
-    def status(self) -> dict:
-        """Every worker (role, TP, state, KV blocks, queue, hit rate), the router, goodput."""
+    async def status(self) -> dict:
+        """Every worker (role, TP, state, KV blocks, queue, hit rate), the router, goodput. Its
+        calls wait on other actors, so they run off the event loop that streams tokens."""
+        return await asyncio.to_thread(self._status)
+
+    def _status(self) -> dict:
         return {"cluster": self.spec.name, "model": self.model_name, "workers": self.llm.worker_status(),
                 "router": self.llm.router_status(), "goodput": self.llm.goodput(),
                 "queued": len(self.llm.engine.queue), "in_flight": len(self._streams)}

@@ -154,6 +154,14 @@ def test_streamed_tokens_equal_tandem_run(default_cluster, reference):
         assert client.tokenize(TEXT) and client.detokenize(client.tokenize(TEXT)).strip() == TEXT
 
 
+def test_server_reflection_lists_the_services(default_cluster):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(default_cluster.api) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"tandem.v1.Tandem", "grpc.health.v1.Health"} <= services
+
+
 def test_tandem_generate_streams_text(default_cluster, reference):
     result = tandem("generate", "--addr", default_cluster.api, "--max-tokens", str(MAX_TOKENS), "--temperature",
                     "0", "--json", TEXT)

@@ -1,0 +1,308 @@
+{{/* Names, labels, the checks values.schema.json cannot express, and the rendered topology. */}}
+
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The topology's cluster.name. */}}
+{{- define "tandem.clusterName" -}}
+{{- default .Release.Name .Values.clusterName -}}
+{{- end -}}
+
+{{- define "tandem.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ include "tandem.chart" . }}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tandem
+{{- end -}}
+
+{{- define "tandem.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Secret names. */}}
+{{- define "tandem.redisSecretName" -}}
+{{- printf "%s-redis" (include "tandem.fullname" .) -}}
+{{- end -}}
+
+{{- define "tandem.apiTokenSecretName" -}}
+{{- default (printf "%s-api-token" (include "tandem.fullname" .)) .Values.server.auth.existingSecret -}}
+{{- end -}}
+
+{{- define "tandem.rayTokenSecretName" -}}
+{{- default (printf "%s-ray-token" (include "tandem.fullname" .)) .Values.ray.auth.existingSecret -}}
+{{- end -}}
+
+{{/* Environment variable names the topology refers to. */}}
+{{- define "tandem.redisPasswordEnv" -}}TANDEM_REDIS_PASSWORD{{- end -}}
+{{- define "tandem.apiTokenEnv" -}}TANDEM_API_TOKEN{{- end -}}
+
+{{/* Where the ConfigMap (topology.yaml, start-head.sh, wait_for_workers.py) is mounted. */}}
+{{- define "tandem.configDir" -}}/etc/tandem{{- end -}}
+
+{{/* The custom Ray resource each pool's pods declare (one unit per rank). */}}
+{{- define "tandem.poolResource" -}}tandem-{{ . }}{{- end -}}
+
+{{/* Whether the chart deploys Redis. */}}
+{{- define "tandem.internalRedis" -}}
+{{- if not .Values.redis.external.url -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+A value that lives in a Secret of this chart: the one given, else the one already stored (so
+that an upgrade keeps it), else a random one. Arguments: list of root context, Secret name, key,
+given value.
+*/}}
+{{- define "tandem.secretValue" -}}
+{{- $root := index . 0 -}}
+{{- $name := index . 1 -}}
+{{- $key := index . 2 -}}
+{{- $given := index . 3 -}}
+{{- if $given -}}
+{{- $given -}}
+{{- else -}}
+{{- $existing := lookup "v1" "Secret" $root.Release.Namespace $name -}}
+{{- if and $existing $existing.data (hasKey $existing.data $key) -}}
+{{- index $existing.data $key | b64dec -}}
+{{- else -}}
+{{- randAlphaNum 40 -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The GPUs of one pod of a pool: tp x gpusPerRank. Argument: the pool's values. */}}
+{{- define "tandem.podGpus" -}}
+{{- mul (int .tp) (int .gpusPerRank) -}}
+{{- end -}}
+
+{{/* The Ray CPUs of one pod of a pool: tp x cpusPerRank (checked to be whole). */}}
+{{- define "tandem.podRayCpus" -}}
+{{- mulf (float64 .tp) (float64 .cpusPerRank) | int -}}
+{{- end -}}
+
+{{/*
+The checks that JSON Schema cannot express (values.schema.json has the rest); each failure
+names the values involved.
+*/}}
+{{- define "tandem.validate" -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $p := index $.Values $role -}}
+{{- $gpus := mul (int $p.tp) (int $p.gpusPerRank) -}}
+{{- if and (not (kindIs "invalid" $p.gpusPerNode)) (gt (int64 $gpus) (int64 $p.gpusPerNode)) -}}
+{{- fail (printf "%s.tp (%d) x %s.gpusPerRank (%d) exceeds %s.gpusPerNode (%d): a worker's TP group must fit on one node" $role (int $p.tp) $role (int $p.gpusPerRank) $role (int $p.gpusPerNode)) -}}
+{{- end -}}
+{{- $cpus := mulf (float64 $p.tp) (float64 $p.cpusPerRank) -}}
+{{- if ne $cpus (floor $cpus) -}}
+{{- fail (printf "%s.tp (%d) x %s.cpusPerRank (%v) = %v is not a whole number of Ray CPUs: each %s pod offers Ray exactly its ranks' CPUs (so that the router, the frontend and the gRPC ingress stay on the head); choose a cpusPerRank that makes it whole" $role (int $p.tp) $role $p.cpusPerRank $cpus $role) -}}
+{{- end -}}
+{{- if $p.resources -}}
+{{- range $kind := list "requests" "limits" -}}
+{{- if and (index $p.resources $kind) (hasKey (index $p.resources $kind) $.Values.gpuResourceName) -}}
+{{- fail (printf "%s.resources.%s.%s: leave the GPUs out, the chart sets %s.tp x %s.gpusPerRank (%d)" $role $kind $.Values.gpuResourceName $role $role $gpus) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) -}}
+{{- fail "model.pvc.claimName: name the PersistentVolumeClaim holding the model (model.source is pvc)" -}}
+{{- end -}}
+{{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) -}}
+{{- fail "model.hostPath.path: give the node directory holding the model (model.source is hostPath)" -}}
+{{- end -}}
+{{- if and .Values.server.tls.enabled (not .Values.server.tls.secretName) -}}
+{{- fail "server.tls.secretName: name the kubernetes.io/tls Secret to serve with (server.tls.enabled is true)" -}}
+{{- end -}}
+{{- $rayPorts := dict "6379" "the Ray GCS" "10001" "the Ray client server" "52365" "the Ray dashboard agent" (toString (int .Values.dashboard.port)) "dashboard.port (the Ray dashboard)" (toString (int .Values.metrics.port)) "metrics.port (Ray's metrics agent)" -}}
+{{- if hasKey $rayPorts (toString (int .Values.server.port)) -}}
+{{- fail (printf "server.port (%d) is taken by %s" (int .Values.server.port) (index $rayPorts (toString (int .Values.server.port)))) -}}
+{{- end -}}
+{{- if eq (int .Values.dashboard.port) (int .Values.metrics.port) -}}
+{{- fail (printf "dashboard.port (%d) and metrics.port (%d) must differ" (int .Values.dashboard.port) (int .Values.metrics.port)) -}}
+{{- end -}}
+{{- with .Values.redis.external -}}
+{{- if .url -}}
+{{- $rest := regexReplaceAll "^rediss?://" .url "" -}}
+{{- if and (contains "@" $rest) .passwordSecret.name -}}
+{{- fail "redis.external.url holds a password and redis.external.passwordSecret names a Secret: give the password in one place (the Secret)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- with .Values.router -}}
+{{- if .sloClasses -}}
+{{- $default := default "standard" .defaultClass -}}
+{{- if not (hasKey .sloClasses $default) -}}
+{{- fail (printf "router.defaultClass (%s) is not one of router.sloClasses (%s)" $default (keys .sloClasses | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The registry URL of the topology (without a password: that comes from password_env). */}}
+{{- define "tandem.registryUrl" -}}
+{{- if include "tandem.internalRedis" . -}}
+{{- printf "redis://%s-redis.%s.svc:6379/%d" (include "tandem.fullname" .) .Release.Namespace (int .Values.redis.database) -}}
+{{- else -}}
+{{- .Values.redis.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the head gets a Redis password (and the topology names its variable). */}}
+{{- define "tandem.redisHasPassword" -}}
+{{- if or (include "tandem.internalRedis" .) .Values.redis.external.passwordSecret.name -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+The topology `tandem up` reads, in the format of cluster/topology.py: every section from the
+values, the pools pinned to their pods by the custom resources, Ray joined on the head.
+*/}}
+{{- define "tandem.topology" -}}
+{{- $v := .Values -}}
+{{- $t := dict -}}
+{{- $_ := set $t "cluster" (dict "name" (include "tandem.clusterName" .)) -}}
+{{- $_ := set $t "model" (dict "path" $v.model.mountPath "name" $v.model.name "dtype" $v.model.dtype "max_model_len" $v.model.maxModelLen) -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $p := index $v $role -}}
+{{- $node := dict "gpus" $p.gpusPerNode "resources" (dict (include "tandem.poolResource" $role) 1) -}}
+{{- $pool := dict "replicas" $p.replicas "tp" $p.tp "gpus_per_rank" $p.gpusPerRank "cpus_per_rank" $p.cpusPerRank "node" $node "max_num_batched_tokens" $p.maxNumBatchedTokens "max_num_seqs" $p.maxNumSeqs "threads" $p.threads -}}
+{{- $_ := set $t $role $pool -}}
+{{- end -}}
+{{- $kv := $v.kv -}}
+{{- $_ := set $t "kv" (dict "block_size" $kv.blockSize "cache_memory_fraction" $kv.cacheMemoryFraction "num_blocks" $kv.numBlocks "prefix_caching" $kv.prefixCaching "transport" $kv.transport "transfer_timeout_s" $kv.transferTimeoutS "stream_layers" $kv.streamLayers) -}}
+{{- $r := $v.router -}}
+{{- $router := dict "policy" $r.policy -}}
+{{- if $r.weights -}}{{- $_ := set $router "weights" $r.weights -}}{{- end -}}
+{{- if not (kindIs "invalid" $r.admissionControl) -}}{{- $_ := set $router "admission_control" $r.admissionControl -}}{{- end -}}
+{{- if $r.sloClasses -}}
+{{- $classes := dict -}}
+{{- range $name, $c := $r.sloClasses -}}
+{{- $_ := set $classes $name (dict "ttft_ms" $c.ttftMs "tpot_ms" $c.tpotMs "priority" (default 0 $c.priority) "on_overload" (default "queue" $c.onOverload)) -}}
+{{- end -}}
+{{- $_ := set $router "slo_classes" $classes -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $r.defaultClass) -}}{{- $_ := set $router "default_class" $r.defaultClass -}}{{- end -}}
+{{- if not (kindIs "invalid" $r.skipPrefillFraction) -}}{{- $_ := set $router "skip_prefill_fraction" $r.skipPrefillFraction -}}{{- end -}}
+{{- if not (kindIs "invalid" $r.loadRefreshS) -}}{{- $_ := set $router "load_refresh_s" $r.loadRefreshS -}}{{- end -}}
+{{- if not (kindIs "invalid" $r.registryRetryS) -}}{{- $_ := set $router "registry_retry_s" $r.registryRetryS -}}{{- end -}}
+{{- $_ := set $t "router" $router -}}
+{{- $registry := dict "url" (include "tandem.registryUrl" .) "password_env" nil -}}
+{{- if include "tandem.redisHasPassword" . -}}{{- $_ := set $registry "password_env" (include "tandem.redisPasswordEnv" .) -}}{{- end -}}
+{{- $_ := set $t "registry" $registry -}}
+{{- $server := dict "host" "0.0.0.0" "port" $v.server.port "tls" nil "auth_token_env" nil "auth_token_file" nil -}}
+{{- if $v.server.tls.enabled -}}
+{{- $_ := set $server "tls" (dict "cert_file" (printf "%s/tls.crt" $v.server.tls.mountPath) "key_file" (printf "%s/tls.key" $v.server.tls.mountPath)) -}}
+{{- end -}}
+{{- if $v.server.auth.enabled -}}{{- $_ := set $server "auth_token_env" (include "tandem.apiTokenEnv" .) -}}{{- end -}}
+{{- $_ := set $t "server" $server -}}
+{{- $_ := set $t "observability" (dict "dashboard" true "dashboard_host" "0.0.0.0" "dashboard_port" $v.dashboard.port "metrics_export_port" $v.metrics.port) -}}
+{{- $_ := set $t "ray" (dict "address" "127.0.0.1:6379") -}}
+{{- toYaml $t -}}
+{{- end -}}
+
+{{/* Ray resources the head waits for before `tandem up`: every pool pod's custom resource. */}}
+{{- define "tandem.waitResources" -}}
+{{- $need := dict -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $p := index $.Values $role -}}
+{{- $_ := set $need (include "tandem.poolResource" $role) (mul (int $p.replicas) (int $p.tp)) -}}
+{{- end -}}
+{{- toJson $need -}}
+{{- end -}}
+
+{{/* Environment of every Ray container. */}}
+{{- define "tandem.rayEnv" -}}
+- name: TANDEM_CACHE_DIR
+  value: /var/cache/tandem
+{{- if .Values.ray.auth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.rayTokenSecretName" . }}
+      key: {{ .Values.ray.auth.secretKey }}
+{{- end }}
+{{- with .Values.pods.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes of every Ray pod. Argument: dict root, shmSize. */}}
+{{- define "tandem.rayVolumes" -}}
+{{- $v := .root.Values -}}
+- name: model
+{{- if eq $v.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ $v.model.pvc.claimName }}
+    readOnly: true
+{{- else }}
+  hostPath:
+    path: {{ $v.model.hostPath.path }}
+    type: {{ $v.model.hostPath.type }}
+{{- end }}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .shmSize }}
+- name: tandem-cache
+  emptyDir: {}
+{{- with $v.pods.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Volume mounts of every Ray container. */}}
+{{- define "tandem.rayVolumeMounts" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- with .Values.model.subPath }}
+  subPath: {{ . }}
+{{- end }}
+- name: shm
+  mountPath: /dev/shm
+- name: tandem-cache
+  mountPath: /var/cache/tandem
+{{- with .Values.pods.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level settings shared by the Ray pods. */}}
+{{- define "tandem.podCommon" -}}
+{{- with .Values.image.pullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- with .Values.pods.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with .Values.pods.securityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
