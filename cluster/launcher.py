@@ -83,7 +83,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     ray, dashboard = start_ray(spec)
     from ray import serve
 
-    from cluster.ingress import GrpcIngress, INGRESS
+    from cluster.ingress import GrpcIngress
     from cluster.service import ClusterService
 
     started = time.perf_counter()

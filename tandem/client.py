@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -139,44 +140,15 @@ class TandemClient:
 
     # -- the API -----------------------------------------------------------------------------------
 
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        seed: int | None = None,
-        stop: Iterable[str] | str = (),
-        stop_token_ids: Iterable[int] = (),
-        ignore_eos: bool = False,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        logprobs: int | None = None,
-        slo_class: str = "",
-        ttft_ms: float | None = None,
-        tpot_ms: float | None = None,
-        priority: int = 0,
-        request_id: str = "",
-        model: str = "",
-        timeout_s: float | None = None,
-    ) -> GenerateStream:
+    def generate(self, prompt: str | Sequence[int], *, timeout_s: float | None = None,
+                 **options: Any) -> GenerateStream:
         """Starts a ``Generate`` call; returns its stream of ``GenerateResponse`` messages.
 
-        ``prompt`` is text or a list of token ids. Sampling options left ``None`` take the server's
-        defaults. ``ttft_ms``/``tpot_ms`` are explicit objectives (in place of, or tightening, those
-        of ``slo_class``). The call starts at once; errors surface while iterating."""
-        request = build_generate_request(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, logprobs=logprobs, slo_class=slo_class, ttft_ms=ttft_ms,
-            tpot_ms=tpot_ms, priority=priority, request_id=request_id, model=model,
-        )
-        return self.generate_request(request, timeout_s=timeout_s)
+        ``prompt`` is text or a list of token ids; ``options`` are those of
+        :func:`build_generate_request` (sampling fields, ``slo_class``, ``ttft_ms``/``tpot_ms``
+        objectives, ``priority``, ``request_id``, ``model``); sampling options left out take the
+        server's defaults. The call starts at once; errors surface while iterating."""
+        return self.generate_request(build_generate_request(prompt, **options), timeout_s=timeout_s)
 
     stream = generate  # ``with client.stream(...) as responses:`` reads better with a ``with``.
 

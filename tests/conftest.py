@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -149,3 +150,14 @@ def redis_client(redis_server):
     client.flushdb()
     yield client
     client.close()
+
+
+def wait_for(condition, timeout_s: float = 15.0, what: str = "condition", every_s: float = 0.05):
+    """``condition()``'s first truthy value, polled until ``timeout_s``; fails naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out waiting for {what}")

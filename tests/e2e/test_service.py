@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import grpc
 import pytest
 import yaml
 
-from conftest import random_prompts
+from conftest import random_prompts, wait_for
 from node_client import run_node_generate
 from tandem.client import TandemClient, TandemError
 
@@ -100,16 +99,6 @@ def reference_tokens(model_dir: Path, tmp: Path) -> dict[str, list[int]]:
 def stream_tokens(client: TandemClient, prompt, **kwargs) -> tuple[list[int], list]:
     messages = list(client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **kwargs))
     return [t for m in messages for t in m.token_ids], messages
-
-
-def wait_until(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +195,8 @@ def test_deadline_and_cancellation_free_every_block(default_cluster):
         first = next(iter(stream))
         assert first.token_ids
         stream.cancel()
-    status = wait_until(lambda: (s := default_cluster.status()) and all(
-        w["kv_blocks_used"] == 0 and w["running"] == 0 for w in s["workers"]) and s, 30, "every block to be free")
+    status = wait_for(lambda: (s := default_cluster.status()) and all(
+        w["kv_blocks_used"] == 0 and w["running"] == 0 for w in s["workers"]) and s, 30, "every block to be free", every_s=0.5)
     assert status["in_flight"] == 0 and status["queued"] == 0
 
 
@@ -228,7 +217,7 @@ def test_status_and_metrics(default_cluster):
         wanted = ("tandem_requests", "tandem_kv_blocks_free", "tandem_ttft_seconds_bucket")
         return text if all(name in text for name in wanted) else None
 
-    text = wait_until(scrape, 60, "tandem metrics on the Prometheus endpoint")
+    text = wait_for(scrape, 60, "tandem metrics on the Prometheus endpoint", every_s=0.5)
     assert 'cluster="e2e-default"' in text and 'outcome="length"' in text
     assert "tandem_router_decisions" in text and "tandem_prefix_cache_hit_rate" in text
 

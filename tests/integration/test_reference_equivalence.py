@@ -17,7 +17,6 @@ import torch
 from cluster.engine.llm import LLM
 from cluster.engine.models.config import ModelConfigError
 from cluster.engine.models.loader import WeightLoadError
-from cluster.engine.sampling_params import SamplingParams
 from conftest import ARCHITECTURES, to_transformers4_config
 from reference_checks import assert_batch_matches_reference, run_batch
 

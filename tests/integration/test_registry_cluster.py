@@ -20,22 +20,12 @@ from cluster.registry.kv_index import KVIndexReader
 from cluster.registry.load import WorkerLoad, read_loads
 from cluster.registry.local_redis import LocalRedis
 from cluster.registry.reporter import WorkerReporter
-from conftest import random_prompts
+from conftest import random_prompts, wait_for
 
 pytestmark = pytest.mark.integration
 
 CLUSTER = "tandem-registry-tests"
 BLOCK = 16
-
-
-def wait_for(condition, timeout_s: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def greedy(n: int) -> SamplingParams:

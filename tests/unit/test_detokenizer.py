@@ -3,8 +3,6 @@ token that completes them, and streamed deltas never show (part of) a stop strin
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
