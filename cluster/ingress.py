@@ -16,8 +16,11 @@ from cluster.topology import parse_topology
 INGRESS = "grpc-ingress"
 
 
-@serve.deployment(name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0.1}, health_check_period_s=5,
-                  health_check_timeout_s=30)
+HEAD_NODE = {"node:__internal_head__": 0.001}  # the API's address is the head node's (and its Service's)
+
+
+@serve.deployment(name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0.1, "resources": HEAD_NODE},
+                  health_check_period_s=5, health_check_timeout_s=30)
 class GrpcIngress:
     def __init__(self, spec_yaml: str):
         spec = parse_topology(spec_yaml)

@@ -83,7 +83,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     ray, dashboard = start_ray(spec)
     from ray import serve
 
-    from cluster.ingress import GrpcIngress
+    from cluster.ingress import HEAD_NODE, GrpcIngress
     from cluster.service import ClusterService
 
     started = time.perf_counter()
@@ -92,8 +92,8 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     frontend = None
     try:
-        frontend = ray.remote(ClusterService).options(name="frontend", num_cpus=0.1, max_concurrency=1000).remote(
-            spec_yaml)
+        frontend = ray.remote(ClusterService).options(name="frontend", num_cpus=0.1, max_concurrency=1000,
+                                                      resources=HEAD_NODE).remote(spec_yaml)
         ray.get(frontend.ready.remote())
         serve.start(proxy_location="Disabled")
         handle = serve.run(GrpcIngress.bind(spec_yaml), name=spec.name, route_prefix=None)
