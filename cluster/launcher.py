@@ -36,7 +36,8 @@ def read_state(cluster: str) -> dict | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this pid exists (one we may not signal counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -73,7 +74,7 @@ def start_ray(spec: ClusterSpec):
 
 def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     existing = read_state(spec.name)
-    if existing and _alive(existing["pid"]):
+    if existing and process_alive(existing["pid"]):
         _log(f"cluster {spec.name!r} is already up (pid {existing['pid']}, API {existing.get('api')}); "
              f"`tandem down --cluster {spec.name}` first")
         return 1
@@ -166,15 +167,15 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 def down(cluster: str, timeout_s: float = 120.0) -> int:
     state = read_state(cluster)
-    if not state or not _alive(state["pid"]):
+    if not state or not process_alive(state["pid"]):
         state_file(cluster).unlink(missing_ok=True)
         _log(f"cluster {cluster!r} is not up")
         return 1
     os.kill(state["pid"], signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _alive(state["pid"]):
+    while time.monotonic() < deadline and process_alive(state["pid"]):
         time.sleep(0.2)
-    if _alive(state["pid"]):
+    if process_alive(state["pid"]):
         os.kill(state["pid"], signal.SIGKILL)
         _log(f"cluster {cluster!r} did not stop within {timeout_s:.0f}s: killed")
     state_file(cluster).unlink(missing_ok=True)

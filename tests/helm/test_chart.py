@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import shlex
 import subprocess
 from pathlib import Path
@@ -139,7 +140,8 @@ def test_every_manifest_is_valid_kubernetes(helm, case):
     for doc in docs:
         if doc["apiVersion"] == "ray.io/v1":
             check_raycluster_shape(doc)
-            for tmpl in [doc["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in doc["spec"]["workerGroupSpecs"]]:
+            spec = doc["spec"]
+            for tmpl in [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]:
                 pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "check"},
                                 "template": tmpl}
                 kubernetes_validate.validate(pod_template, K8S_VERSION, strict=True)
@@ -206,7 +208,7 @@ def test_worker_groups_are_the_pools(helm, case):
         params = group["rayStartParams"]
         gpus = pool["tp"] * pool["gpusPerRank"]
         assert params["num-gpus"] == str(gpus)
-        assert float(params["num-cpus"]) == pool["tp"] * pool["cpusPerRank"]
+        assert int(params["num-cpus"]) == math.ceil(pool["tp"] * pool["cpusPerRank"])
         assert ray_resources(params) == {f"tandem-{role}": pool["tp"]}
         assert params["metrics-export-port"] == str(values["metrics"]["port"])
         ctr = container(group["template"])
@@ -231,8 +233,8 @@ def test_worker_groups_are_the_pools(helm, case):
         assert ctr["imagePullPolicy"] == values["image"]["pullPolicy"]
         assert [s["name"] for s in spec.get("imagePullSecrets", [])] == values["image"]["pullSecrets"]
         assert group["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == role
-        # KubeRay's generated `ray start` runs through eval (so that --resources' quotes work).
-        assert 'eval "$KUBERAY_GEN_RAY_START_CMD"' in ctr["args"][0]
+        # KubeRay's generated `ray start` runs through a shell (so that --resources' quotes work).
+        assert '/bin/bash -c "$KUBERAY_GEN_RAY_START_CMD" &' in ctr["args"][0]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -252,7 +254,7 @@ def test_head_runs_tandem_up_after_ray(helm, case):
         assert mounts[f"/etc/tandem/{name}"]["subPath"] == name
     configmap = one(docs, "ConfigMap")
     script = configmap["data"]["start-head.sh"]
-    assert 'eval "$KUBERAY_GEN_RAY_START_CMD" &' in script
+    assert '/bin/bash -c "$KUBERAY_GEN_RAY_START_CMD" &' in script
     assert 'tandem up --topology "$CONFIG_DIR/topology.yaml" --address "$RAY_ADDRESS_LOCAL"' in script
     assert 'RAY_ADDRESS_LOCAL="127.0.0.1:6379"' in script
     env = env_of(ctr)
@@ -317,8 +319,8 @@ def test_examples_are_the_repository_topologies(helm, case):
 
     def pool_fields(spec: ClusterSpec, role: str) -> tuple:
         p = spec.pool(role)
-        return p.replicas, p.tp, p.gpus_per_rank, p.cpus_per_rank if p.gpus_per_rank else None, p.node.gpus, \
-            p.max_num_batched_tokens, p.max_num_seqs
+        return p.replicas, p.tp, p.gpus_per_rank, p.cpus_per_rank, p.node.gpus, p.max_num_batched_tokens, \
+            p.max_num_seqs
 
     for role in ROLES:
         assert pool_fields(ours, role) == pool_fields(theirs, role), role
@@ -346,8 +348,7 @@ BAD_VALUES = [
     pytest.param({"decode": {"tp": "two"}}, ["/decode/tp", "want integer"], id="wrong-type"),
     pytest.param({"prefill": {"replicas": 1.5}}, ["/prefill/replicas"], id="fractional-replicas"),
     pytest.param({"prefill": {"gpusPerRank": 2}}, ["/prefill/gpusPerRank"], id="gpus-per-rank-2"),
-    pytest.param({"prefill": {"tp": 3, "cpusPerRank": 0.5}},
-                 ["prefill.tp (3) x prefill.cpusPerRank (0.5) = 1.5 is not a whole number"], id="fractional-cpus"),
+    pytest.param({"prefill": {"cpusPerRank": 0}}, ["/prefill/cpusPerRank"], id="zero-cpus"),
     pytest.param({"prefill": {"typo": 1}}, ["/prefill", "typo"], id="unknown-key"),
     pytest.param({"kv": {"cacheMemoryFraction": 1.5}}, ["/kv/cacheMemoryFraction"], id="kv-fraction"),
     pytest.param({"router": {"policy": "fastest"}}, ["/router/policy"], id="router-policy"),
@@ -360,7 +361,8 @@ BAD_VALUES = [
     pytest.param({"redis": {"external": {"url": "http://redis:6379"}}}, ["/redis/external/url"], id="redis-url"),
     pytest.param({"redis": {"external": {"url": "redis://:pw@redis:6379/0", "passwordSecret": {"name": "s"}}}},
                  ["redis.external.url holds a password"], id="redis-password-twice"),
-    pytest.param({"prefill": {"rayStartParams": {"num-cpus": "8"}}}, ["/prefill/rayStartParams/num-cpus"], id="managed-param"),
+    pytest.param({"prefill": {"rayStartParams": {"num-cpus": "8"}}}, ["/prefill/rayStartParams/num-cpus"],
+                 id="managed-param"),
     pytest.param({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
                  ["prefill.resources.limits.nvidia.com/gpu: leave the GPUs out"], id="gpus-in-resources"),
 ]
@@ -376,7 +378,8 @@ def test_bad_values_are_refused_by_helm(helm, tmp_path, overrides, messages):
 
 def test_lint_and_install_refuse_bad_values_too(helm, tmp_path):
     # helm lint checks the schema; it lets template `fail`s pass (lint mode), install does not.
-    done = run_helm(helm, "lint", "--strict", str(CHART), *values_args("default", tmp_path, {"prefill": {"replicas": -1}}))
+    done = run_helm(helm, "lint", "--strict", str(CHART),
+                    *values_args("default", tmp_path, {"prefill": {"replicas": -1}}))
     assert done.returncode != 0
     assert "/prefill/replicas" in done.stdout + done.stderr
     done = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client",
@@ -431,7 +434,7 @@ def test_external_redis(helm, tmp_path):
     docs = template(helm, *values_args("default", tmp_path, {
         "redis": {"external": {"url": url, "passwordSecret": {"name": "ext-redis", "key": "pw"}}}}))
     assert not [d for d in docs if d["kind"] == "StatefulSet"]
-    assert (("Secret", f"{FULLNAME}-redis") not in kinds(docs)) and (("Service", f"{FULLNAME}-redis") not in kinds(docs))
+    assert not {("Secret", f"{FULLNAME}-redis"), ("Service", f"{FULLNAME}-redis")} & kinds(docs)
     spec = parse_topology(topology_of(docs))
     assert spec.registry.url == url and spec.registry.password_env == "TANDEM_REDIS_PASSWORD"
     head_env = env_of(container(head_of(docs)["template"]))
@@ -479,7 +482,8 @@ def test_model_from_a_host_path(helm, tmp_path):
 # -- TLS, the API token, the Ray token -------------------------------------------------------
 
 def test_tls_and_generated_token(helm, tmp_path):
-    docs = template(helm, *values_args("default", tmp_path, {"server": {"tls": {"enabled": True, "secretName": "api-tls"}}}))
+    docs = template(helm, *values_args("default", tmp_path,
+                                       {"server": {"tls": {"enabled": True, "secretName": "api-tls"}}}))
     spec = parse_topology(topology_of(docs))
     assert spec.server.tls.cert_file == "/etc/tandem/tls/tls.crt"
     assert spec.server.tls.key_file == "/etc/tandem/tls/tls.key"
@@ -584,3 +588,172 @@ def test_notes_tell_how_to_reach_the_api(helm, case):
     assert f"port-forward svc/{FULLNAME}-dashboard" in notes
     assert ("--token-env TANDEM_API_TOKEN" in notes) == values["server"]["auth"]["enabled"]
     assert ("--tls-ca" in notes) == values["server"]["tls"]["enabled"]
+
+
+# -- the head's and the workers' commands, run with fakes ------------------------------------
+# `ray start` (KubeRay's generated command), the `ray` and `tandem` commands and the `ray`
+# Python module are fakes that log what they are asked: nothing of Ray runs here.
+
+FAKE_RAY_START = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_DIR/ray-start.args"
+echo ray-start >> "$FAKE_DIR/log"
+[ -n "$FAKE_RAY_START_EXIT" ] && exit "$FAKE_RAY_START_EXIT"
+trap 'echo ray-start-term >> "$FAKE_DIR/log"; exit 0' TERM
+while :; do sleep 0.05; done
+"""
+FAKE_RAY_CLI = """#!/bin/bash
+echo "ray-cli $*" >> "$FAKE_DIR/log"
+"""
+FAKE_TANDEM = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_DIR/tandem.args"
+echo tandem-up >> "$FAKE_DIR/log"
+[ -n "$FAKE_TANDEM_EXIT" ] && exit "$FAKE_TANDEM_EXIT"
+trap 'echo tandem-term >> "$FAKE_DIR/log"; exit 0' TERM
+while :; do sleep 0.05; done
+"""
+FAKE_RAY_MODULE = '''
+import json, os
+
+_DIR = os.environ["FAKE_DIR"]
+
+
+def _count(name):
+    path = os.path.join(_DIR, name)
+    n = int(open(path).read()) if os.path.exists(path) else 0
+    with open(path, "w") as f:
+        f.write(str(n + 1))
+    return n
+
+
+def init(address=None, **kwargs):
+    if _count("init-attempts") < int(os.environ.get("FAKE_INIT_FAILURES", "0")):
+        raise ConnectionError("the GCS is not up yet")
+    with open(os.path.join(_DIR, "log"), "a") as f:
+        f.write(f"ray.init {address}\\n")
+
+
+def cluster_resources():
+    timeline = json.loads(os.environ["FAKE_RESOURCES"])
+    return timeline[min(_count("polls"), len(timeline) - 1)]
+
+
+def shutdown():
+    pass
+'''
+GENERATED = 'fake-ray-start --head --num-cpus=2 --resources="{\\"tandem-prefill\\":2}" --block'
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    import os
+    import sys
+
+    bin_dir, module_dir, config_dir = tmp_path / "bin", tmp_path / "pymods" / "ray", tmp_path / "config"
+    for directory in (bin_dir, module_dir, config_dir):
+        directory.mkdir(parents=True)
+    for name, text in (("fake-ray-start", FAKE_RAY_START), ("ray", FAKE_RAY_CLI), ("tandem", FAKE_TANDEM)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (module_dir / "__init__.py").write_text(FAKE_RAY_MODULE)
+    (config_dir / "topology.yaml").write_text("cluster:\n  name: fake\n")
+    (config_dir / "wait_for_workers.py").write_text((CHART / "files" / "wait_for_workers.py").read_text())
+    (tmp_path / "log").write_text("")
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "FAKE_DIR": str(tmp_path),
+        "PYTHONPATH": str(module_dir.parent), "PYTHONNOUSERSITE": "1", "TANDEM_PYTHON": sys.executable,
+        "TANDEM_CONFIG_DIR": str(config_dir), "KUBERAY_GEN_RAY_START_CMD": GENERATED,
+        "TANDEM_WAIT_RESOURCES": json.dumps({"tandem-prefill": 2, "tandem-decode": 1}),
+        "TANDEM_WAIT_SECONDS": "30", "TANDEM_WAIT_POLL_SECONDS": "0.05", "FAKE_INIT_FAILURES": "2",
+        "FAKE_RESOURCES": json.dumps([{}, {"tandem-prefill": 2.0}, {"tandem-prefill": 2.0, "tandem-decode": 1.0}]),
+    }
+    started: list[subprocess.Popen] = []
+
+    def start(command: list[str], **overrides) -> subprocess.Popen:
+        proc = subprocess.Popen(command, env={**env, **overrides}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        started.append(proc)
+        return proc
+
+    yield tmp_path, start
+    for proc in started:  # only what this test started: its own process group
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        proc.wait(timeout=10)
+
+
+def wait_for(path: Path, seconds: float = 20) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.02)
+
+
+def log_lines(directory: Path) -> list[str]:
+    return (directory / "log").read_text().split("\n")[:-1]
+
+
+def test_head_waits_for_the_pools_then_runs_tandem_up_and_stops_on_sigterm(fakes):
+    import signal
+
+    directory, start = fakes
+    head = start(["bash", str(CHART / "files" / "start-head.sh")])
+    wait_for(directory / "tandem.args")
+    assert (directory / "tandem.args").read_text().split("\n")[:-1] == [
+        "up", "--topology", f"{directory}/config/topology.yaml", "--address", "127.0.0.1:6379"]
+    # The shell undid the generated command's quoting: ray start got the JSON itself.
+    assert (directory / "ray-start.args").read_text().split("\n")[:-1] == [
+        "--head", "--num-cpus=2", '--resources={"tandem-prefill":2}', "--block"]
+    assert (directory / "init-attempts").read_text() == "3"  # two refused connections, then the GCS
+    assert int((directory / "polls").read_text()) >= 3  # until both pools had joined
+    head.send_signal(signal.SIGTERM)
+    output, _ = head.communicate(timeout=30)
+    assert head.returncode == 0, output
+    lines = log_lines(directory)
+    assert lines[:3] == ["ray-start", "ray.init 127.0.0.1:6379", "tandem-up"], lines
+    assert lines[3:] == ["tandem-term", "ray-cli stop", "ray-start-term"], lines
+    assert "waiting for the pool pods to join the Ray cluster: tandem-decode 0/1, tandem-prefill 0/2" in output
+
+
+def test_head_gives_up_when_the_pools_do_not_join(fakes):
+    directory, start = fakes
+    head = start(["bash", str(CHART / "files" / "start-head.sh")], TANDEM_WAIT_SECONDS="1",
+                 FAKE_RESOURCES=json.dumps([{"tandem-prefill": 2.0}]))
+    output, _ = head.communicate(timeout=30)
+    assert head.returncode == 1, output
+    assert not (directory / "tandem.args").exists()
+    assert "did not all join within 1s: tandem-decode 0/1" in output
+    assert log_lines(directory)[-2:] == ["ray-cli stop", "ray-start-term"]
+
+
+def test_head_exits_with_tandem_up(fakes):
+    directory, start = fakes
+    head = start(["bash", str(CHART / "files" / "start-head.sh")], FAKE_TANDEM_EXIT="3")
+    output, _ = head.communicate(timeout=30)
+    assert head.returncode == 3, output
+    assert "tandem up exited (status 3)" in output
+    assert log_lines(directory)[-3:] == ["tandem-up", "ray-cli stop", "ray-start-term"]
+
+
+def test_head_exits_when_ray_does_not_start(fakes):
+    directory, start = fakes
+    head = start(["bash", str(CHART / "files" / "start-head.sh")], FAKE_RAY_START_EXIT="1", FAKE_INIT_FAILURES="1000")
+    output, _ = head.communicate(timeout=30)
+    assert head.returncode == 1, output
+    assert "Ray's head process exited" in output
+    assert not (directory / "tandem.args").exists()
+
+
+def test_worker_command_runs_ray_start_and_stops_on_sigterm(helm, fakes):
+    import signal
+
+    directory, start = fakes
+    args = container(group_of(template(helm), "decode")["template"])["args"][0]
+    worker = start(["/bin/bash", "-c", "--", args])
+    wait_for(directory / "ray-start.args")
+    assert '--resources={"tandem-prefill":2}' in (directory / "ray-start.args").read_text().split("\n")
+    worker.send_signal(signal.SIGTERM)
+    output, _ = worker.communicate(timeout=30)
+    assert worker.returncode == 0, output
+    assert log_lines(directory) == ["ray-start", "ray-cli stop", "ray-start-term"]

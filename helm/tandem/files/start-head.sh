@@ -27,22 +27,29 @@ if [[ -z "${KUBERAY_GEN_RAY_START_CMD:-}" ]]; then
     exit 2
 fi
 
-# eval: the generated command quotes its JSON arguments (--resources) for a shell.
-eval "$KUBERAY_GEN_RAY_START_CMD" &
+# Through a shell: the generated command quotes its JSON arguments (--resources) for one; a
+# single command, which that shell execs, so that $ray_pid is `ray start` itself.
+/bin/bash -c "$KUBERAY_GEN_RAY_START_CMD" &
 ray_pid=$!
 tandem_pid=""
+wait_pid=""
 stopping=""
+
+stop_ray() {
+    ray stop >/dev/null 2>&1 || true  # stops the node's Ray processes; `ray start --block` stays
+    kill -TERM "$ray_pid" 2>/dev/null
+    wait "$ray_pid" 2>/dev/null
+}
 
 stop() {
     stopping=1
     log "stopping"
+    [[ -n "$wait_pid" ]] && kill -TERM "$wait_pid" 2>/dev/null
     if [[ -n "$tandem_pid" ]] && kill -0 "$tandem_pid" 2>/dev/null; then
         kill -TERM "$tandem_pid" 2>/dev/null
         wait "$tandem_pid" 2>/dev/null
     fi
-    ray stop >/dev/null 2>&1 || true
-    kill -TERM "$ray_pid" 2>/dev/null
-    wait "$ray_pid" 2>/dev/null
+    stop_ray
     exit 0
 }
 trap stop TERM INT
@@ -55,7 +62,7 @@ rc=$?
 [[ -n "$stopping" ]] && exit 0
 if (( rc != 0 )); then
     log "the Ray cluster is not complete (exit $rc); exiting so that Kubernetes restarts the head"
-    ray stop >/dev/null 2>&1 || true
+    stop_ray
     exit 1
 fi
 
@@ -63,16 +70,22 @@ log "starting tandem up --topology $CONFIG_DIR/topology.yaml --address $RAY_ADDR
 tandem up --topology "$CONFIG_DIR/topology.yaml" --address "$RAY_ADDRESS_LOCAL" &
 tandem_pid=$!
 
-# Returns when either process exits (or a trapped signal arrives: then stop() runs and exits).
-wait -n "$tandem_pid" "$ray_pid"
-rc=$?
+# Until either exits (a trapped signal interrupts the wait: then stop() runs and exits).
+while kill -0 "$tandem_pid" 2>/dev/null && kill -0 "$ray_pid" 2>/dev/null; do
+    sleep 1 &
+    wait $!
+done
 [[ -n "$stopping" ]] && exit 0
 if ! kill -0 "$tandem_pid" 2>/dev/null; then
+    wait "$tandem_pid"
+    rc=$?
     log "tandem up exited (status $rc); stopping Ray"
 else
+    wait "$ray_pid"
+    rc=$?
     log "Ray's head exited (status $rc); stopping tandem up"
     kill -TERM "$tandem_pid" 2>/dev/null
     wait "$tandem_pid" 2>/dev/null
 fi
-ray stop >/dev/null 2>&1 || true
+stop_ray
 exit $(( rc == 0 ? 1 : rc ))

@@ -2,8 +2,9 @@
 
 Run by start-head.sh before `tandem up`. The resources to wait for come from
 $TANDEM_WAIT_RESOURCES (JSON: custom resource name to total units, e.g. {"tandem-prefill": 4,
-"tandem-decode": 4}); the deadline from $TANDEM_WAIT_SECONDS (0: no deadline). Exit status 0:
-all joined; 1: the deadline passed; 2: Ray's head process exited.
+"tandem-decode": 4}); the deadline from $TANDEM_WAIT_SECONDS (0: no deadline); it polls every
+$TANDEM_WAIT_POLL_SECONDS (5). Exit status 0: all joined; 1: the deadline passed; 2: Ray's head
+process exited.
 """
 
 from __future__ import annotations
@@ -14,21 +15,15 @@ import os
 import sys
 import time
 
+from cluster.launcher import process_alive
+
 
 def log(message: str) -> None:
     print(f"[tandem-head] {message}", file=sys.stderr, flush=True)
 
 
 def alive(pid: int | None) -> bool:
-    if pid is None:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid is None or process_alive(pid)
 
 
 def main() -> int:
@@ -39,6 +34,7 @@ def main() -> int:
     need = json.loads(os.environ.get("TANDEM_WAIT_RESOURCES") or "{}")
     seconds = float(os.environ.get("TANDEM_WAIT_SECONDS") or 0)
     deadline = time.monotonic() + seconds if seconds > 0 else None
+    poll = float(os.environ.get("TANDEM_WAIT_POLL_SECONDS") or 5)
 
     def expired() -> bool:
         return deadline is not None and time.monotonic() > deadline
@@ -58,7 +54,7 @@ def main() -> int:
             connected = True
         except Exception as exc:  # noqa: BLE001 - the GCS or the head's raylet is not up yet
             log(f"waiting for Ray's head ({type(exc).__name__})")
-            time.sleep(3)
+            time.sleep(poll)
 
     try:
         last = None
@@ -80,7 +76,7 @@ def main() -> int:
                 log(f"the pool pods did not all join within {seconds:.0f}s: {report} "
                     "(see `kubectl get pods` and `kubectl describe pod` for pending ones)")
                 return 1
-            time.sleep(5)
+            time.sleep(poll)
     finally:
         ray.shutdown()
 

@@ -98,9 +98,9 @@ given value.
 {{- mul (int .tp) (int .gpusPerRank) -}}
 {{- end -}}
 
-{{/* The Ray CPUs of one pod of a pool: tp x cpusPerRank (checked to be whole). */}}
+{{/* The Ray CPUs of one pod of a pool: tp x cpusPerRank, rounded up (`ray start` takes whole CPUs). */}}
 {{- define "tandem.podRayCpus" -}}
-{{- mulf (float64 .tp) (float64 .cpusPerRank) | int -}}
+{{- mulf (float64 .tp) (float64 .cpusPerRank) | ceil | int -}}
 {{- end -}}
 
 {{/*
@@ -113,10 +113,6 @@ names the values involved.
 {{- $gpus := mul (int $p.tp) (int $p.gpusPerRank) -}}
 {{- if and (not (kindIs "invalid" $p.gpusPerNode)) (gt (int64 $gpus) (int64 $p.gpusPerNode)) -}}
 {{- fail (printf "%s.tp (%d) x %s.gpusPerRank (%d) exceeds %s.gpusPerNode (%d): a worker's TP group must fit on one node" $role (int $p.tp) $role (int $p.gpusPerRank) $role (int $p.gpusPerNode)) -}}
-{{- end -}}
-{{- $cpus := mulf (float64 $p.tp) (float64 $p.cpusPerRank) -}}
-{{- if ne $cpus (floor $cpus) -}}
-{{- fail (printf "%s.tp (%d) x %s.cpusPerRank (%v) = %v is not a whole number of Ray CPUs: each %s pod offers Ray exactly its ranks' CPUs (so that the router, the frontend and the gRPC ingress stay on the head); choose a cpusPerRank that makes it whole" $role (int $p.tp) $role $p.cpusPerRank $cpus $role) -}}
 {{- end -}}
 {{- if $p.resources -}}
 {{- range $kind := list "requests" "limits" -}}
