@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -57,7 +58,8 @@ from router.router import Decision, Topology
 TAG_LIMIT = 2**30
 MAX_RECEIVING_PER_DECODE = 16  # each holds a thread on every rank of the decode engine until its KV lands
 REGISTRY_WAIT_S = 30.0
-QUEUE_RETRY_S = 0.02  # how soon a request the router queued is offered again
+QUEUE_RETRY_S = 0.02
+TRANSFERS_KEPT = 100_000  # how soon a request the router queued is offered again
 
 
 @dataclass
@@ -217,7 +219,7 @@ class DisaggregatedLLM(LLM):
         self.transfer_timeout_s = transfer_timeout_s
         self.stream_layers = stream_layers
         self.verbose = verbose
-        self.transfers: list[TransferStat] = []
+        self.transfers: deque[TransferStat] = deque(maxlen=TRANSFERS_KEPT)  # the most recent, for stats
         common = dict(model=str(model_dir), cluster_name=cluster_name, ray_address=ray_address, **engine_args)
 
         from decode_worker.worker import DecodeWorker
@@ -245,9 +247,12 @@ class DisaggregatedLLM(LLM):
             name = f"{role}-{index}"
             pool = pools.get(role, PoolResources())
             strategy = self._reserve(name, tp, pool)
+            # With GPUs per rank, Ray assigns each rank its device (it sees only that one, as cuda:0).
             config = EngineConfig(**{**common, **role_args.get(role, {})}, tensor_parallel_size=tp, engine_name=name,
-                                  device=device_for(tp), cpus_per_rank=pool.cpus_per_rank)
-            return ray.remote(cls).options(name=name, num_cpus=pool.cpus_per_rank, max_concurrency=concurrency,
+                                  device="cuda:0" if pool.gpus_per_rank else device_for(tp),
+                                  cpus_per_rank=pool.cpus_per_rank, gpus_per_rank=pool.gpus_per_rank)
+            return ray.remote(cls).options(name=name, num_cpus=pool.cpus_per_rank, num_gpus=pool.gpus_per_rank,
+                                           max_concurrency=concurrency,
                                            scheduling_strategy=strategy).remote(config, self.registry_url)
 
         try:

@@ -36,6 +36,7 @@ class EngineConfig:
     engine_name: str = "engine"
     ray_address: str | None = None
     cpus_per_rank: float = 0.25  # Ray CPUs of each tensor-parallel follower rank
+    gpus_per_rank: int = 0  # Ray GPUs of each follower rank (0: devices are given by index instead)
 
     def __post_init__(self) -> None:
         positive = {

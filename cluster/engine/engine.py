@@ -152,7 +152,7 @@ class LLMEngine:
         return TensorParallelRunner(
             self.model_config, model_dir, cfg.block_size, self.max_model_len, cfg.tensor_parallel_size,
             cfg.cluster_name, cfg.engine_name, cfg.device, cfg.ray_address, cfg.num_threads, progress,
-            cfg.cpus_per_rank,
+            cfg.cpus_per_rank, cfg.gpus_per_rank,
         )
 
     def shutdown(self) -> None:

@@ -63,8 +63,12 @@ class TPFollower:
                  spec: GroupSpec, rank: int, num_threads: int):
         torch.set_num_threads(num_threads)
         if device.startswith("cuda"):
+            import ray
+
+            # Ray-assigned GPUs (num_gpus) leave this rank seeing only its own device; otherwise
+            # the ranks take consecutive devices after rank 0's.
             first = int(device.partition(":")[2] or 0)
-            device = f"cuda:{first + rank}"
+            device = "cuda:0" if ray.get_gpu_ids() else f"cuda:{first + rank}"
             torch.cuda.set_device(device)
         group = join_group(spec, rank, torch.device(device))
         self.runner = ModelRunner(config, Path(model_dir), block_size, max_model_len, device, group)
@@ -104,6 +108,7 @@ class TensorParallelRunner(ModelRunner):
         num_threads: int | None = None,
         progress: Callable[[int, int], None] | None = None,
         cpus_per_rank: float = 0.25,
+        gpus_per_rank: int = 0,
     ):
         """Ranks 1..N-1 start as Ray actors of ``cpus_per_rank`` CPUs each; inside a placement
         group that captures child tasks (the cluster reserves one per TP group) they land in its
@@ -116,7 +121,8 @@ class TensorParallelRunner(ModelRunner):
         spec = GroupSpec(cluster, f"{name}-tp", tp_size)
         follower = ray.remote(TPFollower)
         self.followers = [
-            follower.options(name=f"{name}-tp{rank}", num_cpus=cpus_per_rank, max_concurrency=FOLLOWER_THREADS).remote(
+            follower.options(name=f"{name}-tp{rank}", num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
+                             max_concurrency=FOLLOWER_THREADS).remote(
                 config, str(model_dir), block_size, max_model_len, device, spec, rank, threads
             )
             for rank in range(1, tp_size)
