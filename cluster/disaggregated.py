@@ -331,10 +331,9 @@ class DisaggregatedLLM(LLM):
     def worker_status(self) -> list[dict]:
         """Each worker's status; a worker that does not answer is listed as dead."""
         ray = self._ray
-        names = [f"prefill-{i}" for i in range(len(self.prefill))] + [f"decode-{i}" for i in range(len(self.decode))]
         refs = [w.status.remote() for w in self.prefill + self.decode]
         rows = []
-        for name, ref in zip(names, refs):
+        for name, ref in zip(self.names, refs):
             try:
                 rows.append(ray.get(ref, timeout=10))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -574,7 +573,7 @@ class DisaggregatedLLM(LLM):
                 del self._started[output.request_id]
                 self._finish(started, output)
             returned.append(output)
-        for rid, started in list(self._started.items()):
+        for rid, started in list(self._started.items()) if self._dead_decode else ():
             if started.decode in self._dead_decode and rid not in self._inflight:
                 del self._started[rid]
                 output = self._error_output(started.request, f"decode worker {started.decode} died while generating")
@@ -596,15 +595,9 @@ class DisaggregatedLLM(LLM):
 
     def worker_free_blocks(self) -> tuple[list[int | None], list[int | None]]:
         """Free KV blocks of each prefill and decode worker (None for a dead one)."""
-        ray = self._ray
-
-        def free(worker):
-            try:
-                return ray.get(worker.free_blocks.remote(), timeout=30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                return None
-
-        return [free(w) for w in self.prefill], [free(w) for w in self.decode]
+        free = [w["kv_blocks"] - w["kv_blocks_used"] if w["state"] == "alive" else None
+                for w in self.worker_status()]
+        return free[:len(self.prefill)], free[len(self.prefill):]
 
 
 def _on_driver_clock(started: _Started, output: RequestOutput) -> None:

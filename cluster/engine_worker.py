@@ -15,14 +15,15 @@ from __future__ import annotations
 import random
 import threading
 import time
+from itertools import islice
 
 from cluster.engine.block_manager import KVEvent
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import EngineStats, LLMEngine, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv_transfer.agent import PairLayout
-from cluster.parallel.group import GroupSpec
 from cluster.metrics import WorkerMetrics
+from cluster.parallel.group import GroupSpec
 from cluster.registry.load import STEPS_REPORTED, StepSample, WorkerLoad
 from cluster.registry.reporter import WorkerReporter
 
@@ -113,7 +114,7 @@ class EngineWorker:
                 max_num_seqs=engine.config.max_num_seqs,
                 steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
                                        s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s)
-                            for s in list(engine.stats.steps)[-STEPS_REPORTED:]),
+                            for s in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
             )
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate)
@@ -125,7 +126,7 @@ class EngineWorker:
                 "num_layers": engine.model_config.num_layers, "free_blocks": self.free_blocks(),
                 "num_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
                 "max_model_len": engine.max_model_len, "hash_keys": engine.scheduler.extra_hash_keys,
-                "kv_bytes_per_block": engine.runner.block_bytes, "role": self.role, "name": self.name}
+                "role": self.role, "name": self.name}
 
     def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
         """Joins the transfer group shared with one worker of the other role (every TP rank)."""

@@ -76,12 +76,6 @@ class DecodeWorker(EngineWorker):
             out, self._outbox = self._outbox, []
         return out
 
-    def stats(self) -> dict:
-        with self._lock:
-            s = self.engine.stats
-            return {"prompt_tokens": s.prompt_tokens, "cached_prompt_tokens": s.cached_prompt_tokens,
-                    "generated_tokens": s.generated_tokens}
-
     def _has_work(self) -> bool:
         # Requests still receiving their KV are not schedulable yet.
         return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)

@@ -28,6 +28,15 @@ PRESETS: dict[str, dict[str, float]] = {
 }
 
 
+_TYPES = {
+    "policy": (str, "a string"),
+    "weights": (Mapping, "a mapping of scorer name to weight"),
+    "admission_control": (bool, "true or false"),
+    "slo_classes": (Mapping, "a mapping of class name to {ttft_ms, tpot_ms, priority, on_overload}"),
+    "default_class": (str, "a string"),
+}
+
+
 class RouterConfigError(ValueError):
     """A router setting that cannot work; the message names the key."""
 
@@ -78,6 +87,9 @@ class RouterConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None, where: str = "router") -> "RouterConfig":
         data = dict(data or {})
+        for key, (kind, wanted) in _TYPES.items():
+            if key in data and not isinstance(data[key], kind):
+                raise RouterConfigError(f"{where}.{key}: must be {wanted}; got {data[key]!r}")
         known = {"policy", "weights", "admission_control", "slo_classes", "default_class", "skip_prefill_fraction",
                  "load_refresh_s", "registry_retry_s"}
         unknown = sorted(set(data) - known)

@@ -24,9 +24,9 @@ class RedisRegistryView:
         except redis.RedisError as exc:
             raise RegistryUnavailable(f"reading load reports: {exc}") from None
 
-    def prefix_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+    def prefix_blocks(self, block_hashes: Sequence[bytes], workers: Sequence[str]) -> dict[str, int]:
         try:
-            return self.index.prefix_blocks(block_hashes)
+            return self.index.prefix_blocks(block_hashes, workers)
         except redis.RedisError as exc:
             raise RegistryUnavailable(f"looking up prefix blocks: {exc}") from None
 

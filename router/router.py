@@ -41,7 +41,8 @@ class RegistryView(Protocol):
 
     def loads(self, workers: Sequence[str]) -> dict[str, WorkerLoad]: ...
 
-    def prefix_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]: ...
+    def prefix_blocks(self, block_hashes: Sequence[bytes], workers: Sequence[str]) -> dict[str, int]:
+        """Leading blocks of the chain that each of ``workers`` holds."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Router:
         self.failed: set[str] = set()
         self.counters = RouterCounters()
         self._rotation = 0
-        self._models: dict[str, tuple[float, StepTimeModel]] = {}
+        self._models: dict[str, tuple[tuple, StepTimeModel]] = {}
         self._loads: dict[str, WorkerLoad] = {}
         self._loads_read_at = -math.inf
         self._registry_down_since: float | None = None
@@ -146,9 +147,10 @@ class Router:
         self._registry_error = str(exc)
 
     def model(self, load: WorkerLoad) -> StepTimeModel:
+        """The worker's step-time model, refitted only when its reported steps changed."""
         cached = self._models.get(load.worker)
-        if cached is None or cached[0] != load.updated_at:
-            cached = (load.updated_at, StepTimeModel.fit(load.steps, load.max_num_batched_tokens))
+        if cached is None or cached[0] != load.steps:
+            cached = (load.steps, StepTimeModel.fit(load.steps, load.max_num_batched_tokens))
             self._models[load.worker] = cached
         return cached[1]
 
@@ -161,7 +163,7 @@ class Router:
             cls = replace(cls, ttft_s=request.ttft_s if request.ttft_s is not None else cls.ttft_s,
                           tpot_s=request.tpot_s if request.tpot_s is not None else cls.tpot_s)
         loads = self._read_loads(now)
-        hits = self._prefix_hits(request, now) if loads is not None else None
+        hits = self._prefix_hits(request, sorted(loads), now) if loads is not None else None
         if loads is None or hits is None:
             return self._place_by_load(request, cls, now)
         prefill = [w for w in self.topology.prefill if w in loads and w not in self.failed]
@@ -171,36 +173,44 @@ class Router:
         candidates = self._candidates(request, cls, loads, hits, prefill, decode, now)
         return self._choose(request, cls, candidates, now)
 
-    def _prefix_hits(self, request: RouteRequest, now: float) -> dict[str, int] | None:
+    def _prefix_hits(self, request: RouteRequest, live: Sequence[str], now: float) -> dict[str, int] | None:
         keys = request_hash_keys(self.topology.hash_keys, request.cache_salt)
         hashes = hash_token_blocks(request.prompt_token_ids, self.topology.block_size, keys)
         try:
-            return self.registry.prefix_blocks(hashes)
+            return self.registry.prefix_blocks(hashes, live)
         except RegistryUnavailable as exc:
             self._mark_down(now, exc)
             return None
 
-    def _pending(self, worker: str, since: float) -> list[_Placed]:
-        """Placements on ``worker`` its last report (taken at ``since``) cannot show yet."""
-        return [p for p in self.inflight.values() if p.placed_at >= since
-                and worker in (p.decision.prefill, p.decision.decode)]
+    def _pending(self, loads: dict[str, WorkerLoad], workers: Sequence[str]) -> dict[str, list[_Placed]]:
+        """For each worker, the placements on it that its last report cannot show yet."""
+        pending: dict[str, list[_Placed]] = {w: [] for w in workers}
+        for placed in self.inflight.values():
+            for w in {placed.decision.prefill, placed.decision.decode}:
+                if w in pending and placed.placed_at >= loads[w].updated_at:
+                    pending[w].append(placed)
+        return pending
 
     def _candidates(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad],
                     hits: dict[str, int], prefill: list[str], decode: list[str], now: float) -> list[Candidate]:
         n, bs = len(request.prompt_token_ids), self.topology.block_size
         cacheable = cacheable_prefix_blocks(n, bs)
         prompt_blocks = -(-n // bs)
-        queued = {}
-        for w in prefill + decode:
-            load = loads[w]
-            pending = [p for p in self._pending(w, load.updated_at) if p.decision.prefill in (w, None)]
-            queued[w] = load.queued_prefill_tokens + sum(p.prompt_tokens for p in pending)
+        pending_on = self._pending(loads, prefill + decode)
+        queued = {w: loads[w].queued_prefill_tokens
+                  + sum(p.prompt_tokens for p in pending_on[w] if p.decision.prefill in (w, None))
+                  for w in prefill + decode}
+        prefill_side = {}  # what a candidate's prefill worker contributes, whichever decode worker it pairs with
+        for p in prefill:
+            model_p, hit_p = self.model(loads[p]), min(hits.get(p, 0), cacheable)
+            prefill_side[p] = (model_p, hit_p, model_p.queue_seconds(queued[p]),
+                               model_p.prefill_seconds(n - hit_p * bs, hit_p * bs))
         turn_p = prefill[self._rotation % len(prefill)]
         turn_d = decode[self._rotation % len(decode)]
         candidates = []
         for d in decode:
             load_d, model_d = loads[d], self.model(loads[d])
-            pending = self._pending(d, load_d.updated_at)
+            pending = pending_on[d]
             sequences = load_d.running + load_d.receiving + len(pending) + 1
             context = load_d.decode_context_tokens + sum(p.prompt_tokens for p in pending) + n
             hit_d = min(hits.get(d, 0), cacheable)
@@ -210,12 +220,9 @@ class Router:
             tpot = model_d.decode_step_seconds(sequences, context)
             reserve_wait = tpot if load_d.running else 0.0  # a call waits for the step in progress
             for p in prefill:
-                model_p = self.model(loads[p])
-                hit_p = min(hits.get(p, 0), cacheable)
-                c = Candidate(p, d, hit_p, hit_d, cacheable, queued[p], decode_load,
-                              queue_s=model_p.queue_seconds(queued[p]),
-                              prefill_s=model_p.prefill_seconds(n - hit_p * bs, hit_p * bs),
-                              transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
+                model_p, hit_p, queue_s, prefill_s = prefill_side[p]
+                c = Candidate(p, d, hit_p, hit_d, cacheable, queued[p], decode_load, queue_s=queue_s,
+                              prefill_s=prefill_s, transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
                               tpot_s=tpot, decode_has_room=free >= needed,
                               rotation_slot=(p, d) == (turn_p, turn_d))
                 c.correction_s = self.ttft_residual["remote"]

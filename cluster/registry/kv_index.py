@@ -99,11 +99,11 @@ class KVIndexReader:
             pipe.exists(self.keys.alive(w))
         return {w for w, alive in zip(workers, pipe.execute()) if alive}
 
-    def prefix_blocks(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
-        """For each live worker, how many leading blocks of the chain it holds. Round trips
-        are pipelined ``LOOKUP_CHUNK`` hashes at a time and end at the first chunk in which no
-        live worker holds a block."""
-        alive = self.alive_workers()
+    def prefix_blocks(self, block_hashes: Sequence[bytes], workers: Iterable[str] | None = None) -> dict[str, int]:
+        """For each live worker (``workers`` when the caller already knows them), how many
+        leading blocks of the chain it holds. Round trips are pipelined ``LOOKUP_CHUNK`` hashes
+        at a time and end at the first chunk in which no live worker holds a block."""
+        alive = set(workers) if workers is not None else self.alive_workers()
         matched = {w: 0 for w in alive}
         still = set(alive)
         for start in range(0, len(block_hashes), LOOKUP_CHUNK):

@@ -43,10 +43,10 @@ class FakeRegistry:
             raise RegistryUnavailable("connection refused")
         return {w: self.state[w] for w in workers if w in self.state}
 
-    def prefix_blocks(self, hashes):
+    def prefix_blocks(self, hashes, workers):
         if self.down:
             raise RegistryUnavailable("connection refused")
-        matched, still = {w: 0 for w in self.state}, set(self.state)
+        matched, still = {w: 0 for w in workers}, set(workers)
         for i, h in enumerate(hashes):
             still &= self.blocks.get(h, set())
             for w in still:
