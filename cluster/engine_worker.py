@@ -6,10 +6,8 @@ each step's outputs to ``_on_outputs``; it naps briefly when idle.
 
 On start a worker profiles itself (a few prompts of growing length, then a shrinking decode
 batch), so the router's cost model has measured step times before the first request; the
-profile's blocks are dropped again and its steps go with every load report (a decode worker
-rarely prefills, yet the router predicts the prefills it may do itself). With a registry URL it
-then reports its KV events, a heartbeat and its load from a background thread
-(``cluster/registry/reporter.py``).
+profile's blocks are dropped again. With a registry URL it then reports its KV events, a
+heartbeat and its load from a background thread (``cluster/registry/reporter.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from itertools import islice
 
 from cluster.engine.block_manager import KVEvent
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import EngineStats, LLMEngine, RequestOutput, StepRecord
+from cluster.engine.engine import EngineStats, LLMEngine, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv_transfer.agent import PairLayout
 from cluster.metrics import WorkerMetrics
@@ -71,7 +69,6 @@ class EngineWorker:
         self.name = config.engine_name
         self._lock = StepLock()
         self._stop = threading.Event()
-        self._profile_steps: tuple[StepSample, ...] = ()  # reported always: a decode worker's prefill fit
         if profile:
             self._profile()
         self.reporter = (WorkerReporter(registry_url, config.cluster_name, self.name, self._snapshot)
@@ -99,8 +96,7 @@ class EngineWorker:
                 engine.step()
         engine.block_manager.reset_prefix_cache()
         engine.block_manager.drain_events()
-        self._profile_steps = tuple(_sample(step) for step in engine.stats.steps)
-        engine.stats = EngineStats()
+        engine.stats = EngineStats(steps=engine.stats.steps)
 
     def _snapshot(self) -> tuple[list[KVEvent], WorkerLoad]:
         engine = self.engine
@@ -116,8 +112,9 @@ class EngineWorker:
                 free_blocks=engine.block_manager.num_free_blocks, num_blocks=engine.block_manager.num_blocks,
                 block_size=engine.config.block_size, max_num_batched_tokens=engine.config.max_num_batched_tokens,
                 max_num_seqs=engine.config.max_num_seqs,
-                steps=self._profile_steps + tuple(
-                    _sample(step) for step in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
+                steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
+                                       s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s)
+                            for s in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
             )
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate)
@@ -180,8 +177,3 @@ class EngineWorker:
                     self._on_outputs(self.engine.step())
             if not busy:
                 time.sleep(0.001)
-
-
-def _sample(step: StepRecord) -> StepSample:
-    return StepSample(step.num_prefill_tokens, step.prefill_attention, step.num_decode_tokens, step.context_tokens,
-                      step.seconds, step.kv_blocks_sent, step.transfer_tail_s)
