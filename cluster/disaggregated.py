@@ -73,6 +73,9 @@ class _Queued:
     stream: bool = False  # report every new token, not just the end
     ttft_s: float | None = None  # explicit objectives, in place of the class's
     tpot_s: float | None = None
+    arrival_wall: float = 0.0  # wall-clock arrival (at the API, when one stamped it): TTFT counts from here
+    retry_at: float = 0.0  # a request its decode worker had no room for is offered again no sooner
+    request_priority: int = 0  # as asked (``priority`` adds the class's)
 
 
 @dataclass
@@ -143,7 +146,9 @@ class _Frontend:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     priority: int = 0, slo_class: str | None = None, stream: bool = False,
-                    ttft_s: float | None = None, tpot_s: float | None = None) -> None:
+                    ttft_s: float | None = None, tpot_s: float | None = None,
+                    arrival_wall: float | None = None) -> None:
+        """``arrival_wall``: when the call reached the API (``time.time()``), if earlier than now."""
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         if any(q.request_id == request_id for q in self.queue):
             raise InvalidRequestError(f"request id {request_id!r} is already queued")
@@ -157,8 +162,11 @@ class _Frontend:
         for name, value in (("ttft", ttft_s), ("tpot", tpot_s)):
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"objectives.{name}_ms must be positive, got {value * 1000:g}")
-        self.queue.append(_Queued(request_id, token_ids, params, priority + cls.priority, time.monotonic(), cls.name,
-                                  stream, ttft_s, tpot_s))
+        now_wall, now = time.time(), time.monotonic()
+        arrival_wall = min(arrival_wall, now_wall) if arrival_wall is not None else now_wall
+        self.queue.append(_Queued(request_id, token_ids, params, priority + cls.priority,
+                                  now - (now_wall - arrival_wall), cls.name, stream, ttft_s, tpot_s, arrival_wall,
+                                  request_priority=priority))
 
 
 class DisaggregatedLLM(LLM):
@@ -285,7 +293,7 @@ class DisaggregatedLLM(LLM):
         self._started: dict[str, _Started] = {}  # placed request id -> its decode worker and times
         self._inflight: dict[str, _InFlight] = {}  # KV on its way
         self._unclaimed: dict[str, RequestOutput] = {}  # finished while run_until_done waited for others
-        self._retry_at = 0.0
+        self._placing: dict[str, tuple[_Queued, object]] = {}  # asked the router; its answer not read yet
         self._cancelled: set[str] = set()  # aborted while their KV was on the way
         self.decisions: dict[str, Decision] = {}
         if verbose:
@@ -381,22 +389,27 @@ class DisaggregatedLLM(LLM):
         )
 
     def _worker_died(self, side: str, index: int) -> None:
+        """Marks a worker dead here and at the router; a request placed on it is offered again."""
         (self._dead_decode if side == "decode" else self._dead_prefill).add(index)
         self.router.worker_failed.remote(f"{side}-{index}")
 
-    def _dispatch(self, queued: _Queued, busy_decode: set[int] = frozenset()) -> _InFlight | RequestOutput | None:
-        """Starts one request where the router places it; an error output if it cannot run or
-        the router rejects it; None if it must wait (the router queued it, or the decode worker
-        has no free blocks or already has its most receives in flight)."""
+    def _place(self, queued: _Queued):
+        """Asks the router where the request goes; the answer (a Decision) comes when it can be
+        placed or is rejected. Placements are pipelined: nothing waits on another request's."""
+        return self.router.place.remote(queued.request_id, queued.prompt_token_ids, queued.params.max_tokens,
+                                        queued.slo_class, None, queued.ttft_s, queued.tpot_s,
+                                        queued.request_priority, queued.arrival_wall)
+
+    def _dispatch(self, queued: _Queued, decision: Decision,
+                  busy_decode: set[int] = frozenset()) -> _InFlight | RequestOutput | None:
+        """Starts one request where the router placed it; an error output if it cannot run or
+        the router rejected it; None if it must be offered again (the decode worker has no free
+        blocks, or already has its most receives in flight)."""
         ray, rid = self._ray, queued.request_id
-        decision = ray.get(self.router.route.remote(rid, queued.prompt_token_ids, queued.params.max_tokens,
-                                                    queued.slo_class, None, queued.ttft_s, queued.tpot_s))
         if decision.action == "reject":
             if decision.decode is None and decision.reason.startswith("no live"):
                 return self._error_output(queued, decision.reason, "unavailable")
             return self._error_output(queued, f"rejected by admission control: {decision.reason}", "rejected")
-        if decision.action == "queue":
-            return None
         d = int(decision.decode.rpartition("-")[2])
         p = None if decision.prefill is None else int(decision.prefill.rpartition("-")[2])
         if d in busy_decode:
@@ -411,7 +424,7 @@ class DisaggregatedLLM(LLM):
             except ray.exceptions.RayActorError:
                 self._worker_died("decode", d)
                 self.router.forget.remote(rid)
-                return self._dispatch(queued, busy_decode)
+                return None
             except ray.exceptions.RayTaskError as exc:
                 self.router.forget.remote(rid)
                 return self._error_output(queued, str(getattr(exc, "cause", exc)), "invalid")
@@ -429,7 +442,7 @@ class DisaggregatedLLM(LLM):
         except ray.exceptions.RayActorError:
             self._worker_died("decode", d)
             self.router.forget.remote(rid)
-            return self._dispatch(queued, busy_decode)
+            return None
         if reserved is None:
             self.router.forget.remote(rid)
             return None
@@ -479,33 +492,33 @@ class DisaggregatedLLM(LLM):
         return None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.engine.queue or self._inflight or self._started)
+        return bool(self.engine.queue or self._placing or self._inflight or self._started)
 
     def step(self, wait_s: float = 0.01) -> list[RequestOutput]:
-        """One turn of the driver: offers queued requests to the router (highest priority,
-        then oldest, first), admits those whose KV has landed, and returns what came back since
-        the last turn: every finished request, and the new tokens of streamed ones. Waits up to
-        ``wait_s`` for a transfer to end."""
+        """One turn of the driver: asks the router to place each new request (placements are
+        pipelined; the router answers each when it can), starts those it placed, admits those
+        whose KV has landed, and returns what came back since the last turn: every finished
+        request, and the new tokens of streamed ones. Waits up to ``wait_s`` for a transfer to
+        end or a placement to come."""
         ray = self._ray
         results: list[RequestOutput] = []
-        queue = self.engine.queue
-        queue.sort(key=lambda q: (-q.priority, q.arrival))
-        max_inflight = 16 * len(self.prefill)  # enough for each prefill worker to batch
-        while queue and len(self._inflight) < max_inflight and time.monotonic() >= self._retry_at:
-            receiving = [f.decode for f in self._inflight.values()]
-            busy = {d for d in set(receiving) if receiving.count(d) >= MAX_RECEIVING_PER_DECODE}
-            started_one = self._dispatch(queue[0], busy)
-            if started_one is None:
-                self._retry_at = time.monotonic() + QUEUE_RETRY_S
-                break
-            queued = queue.pop(0)
-            if isinstance(started_one, RequestOutput):
-                results.append(started_one)
-            elif started_one.prefill_ref is not None:
-                self._inflight[queued.request_id] = started_one
+        now = time.monotonic()
+        for queued in [q for q in self.engine.queue if q.retry_at <= now]:
+            self.engine.queue.remove(queued)
+            self._placing[queued.request_id] = (queued, self._place(queued))
+        placing = {ref: rid for rid, (_, ref) in self._placing.items()}
+        if placing:
+            ready, _ = ray.wait(list(placing), num_returns=len(placing), timeout=0)
+            for ref in ready:
+                queued, _ = self._placing.pop(placing[ref])
+                started_one = self._start(queued, ref)
+                if isinstance(started_one, RequestOutput):
+                    results.append(started_one)
+                elif started_one is not None and started_one.prefill_ref is not None:
+                    self._inflight[queued.request_id] = started_one
         refs = [ref for f in self._inflight.values() for ref in (f.receive_ref, f.prefill_ref)]
-        if refs:
-            ray.wait(refs, num_returns=1, timeout=wait_s)
+        if refs or self._placing:
+            ray.wait(refs + [ref for _, ref in self._placing.values()], num_returns=1, timeout=wait_s)
         for rid, flight in list(self._inflight.items()):
             ready, _ = ray.wait([flight.receive_ref, flight.prefill_ref], num_returns=2, timeout=0)
             if len(ready) == 2:
@@ -514,19 +527,43 @@ class DisaggregatedLLM(LLM):
                 if failed is not None:
                     results.append(failed)
         results += self._collect()
-        if not refs:
+        if not refs and not self._placing:
             time.sleep(0.002)
         self._update_stats(o for o in results if o.finished)
         return results
 
+    def _start(self, queued: _Queued, decision_ref) -> _InFlight | RequestOutput | None:
+        """Dispatches a request the router answered; one that must be offered again goes back
+        to the queue for a moment."""
+        ray = self._ray
+        try:
+            decision = ray.get(decision_ref)
+        except ray.exceptions.TaskCancelledError:
+            return self._error_output(queued, "", reason="abort")
+        except ray.exceptions.RayActorError:
+            return self._error_output(queued, "the router is not running")
+        receiving = [f.decode for f in self._inflight.values()]
+        busy = {d for d in set(receiving) if receiving.count(d) >= MAX_RECEIVING_PER_DECODE}
+        started = self._dispatch(queued, decision, busy)
+        if started is None:
+            queued.retry_at = time.monotonic() + QUEUE_RETRY_S
+            self.engine.queue.append(queued)
+        return started
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancels a request wherever it is: dropped from the queue, released on its decode
-        worker (its blocks free at once), or, while its KV is on the way, released as soon as the
-        transfer ends. Returns its final output, or None when that comes from a later step."""
+        """Cancels a request wherever it is: dropped from the queue or the router's wait,
+        released on its decode worker (its blocks free at once), or, while its KV is on the
+        way, released as soon as the transfer ends. Returns its final output, or None when that
+        comes from a later step."""
         for queued in self.engine.queue:
             if queued.request_id == request_id:
                 self.engine.queue.remove(queued)
                 return self._error_output(queued, "", reason="abort")
+        if request_id in self._placing:
+            queued, ref = self._placing.pop(request_id)
+            self.router.cancel.remote(request_id)
+            self.router.forget.remote(request_id)
+            return self._error_output(queued, "", reason="abort")
         if request_id in self._inflight:
             self._cancelled.add(request_id)
             return None
@@ -584,7 +621,8 @@ class DisaggregatedLLM(LLM):
     def _finish(self, started: _Started, output: RequestOutput) -> None:
         _on_driver_clock(started, output)
         ttft, tpot = _latencies(output)
-        self.router.finished.remote(output.request_id, ttft, tpot, output.finish_reason == "error")
+        service_ttft = output.first_token_time - started.dispatched if output.first_token_time is not None else None
+        self.router.finished.remote(output.request_id, ttft, tpot, output.finish_reason == "error", service_ttft)
 
     def _update_stats(self, outputs) -> None:
         stats = self.engine.stats

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ray
 from ray import serve
 
-from cluster.grpc_server import build_server
+from cluster.grpc_server import ApiServer
 from cluster.topology import parse_topology
 
 INGRESS = "grpc-ingress"
@@ -25,8 +25,8 @@ class GrpcIngress:
     def __init__(self, spec_yaml: str):
         spec = parse_topology(spec_yaml)
         self.frontend = ray.get_actor("frontend", namespace=spec.name)
-        self.server, self.port, self.health = build_server(spec, self.frontend)
-        self.server.start()
+        self.server = ApiServer(spec, self.frontend)
+        self.port = self.server.port
         host = spec.server.host
         self.address_text = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
@@ -39,4 +39,4 @@ class GrpcIngress:
     def __del__(self) -> None:
         server = getattr(self, "server", None)
         if server is not None:
-            server.stop(grace=2)
+            server.stop(grace_s=2)

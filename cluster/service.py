@@ -105,10 +105,10 @@ class ClusterService:
             except queue.Empty:
                 return
             if command == "add":
-                request_id, prompt, params, priority, slo_class, ttft_s, tpot_s = args
+                request_id, prompt, params, priority, slo_class, ttft_s, tpot_s, arrival = args
                 try:
                     self.llm.engine.add_request(request_id, prompt, params, priority, slo_class, stream=True,
-                                                ttft_s=ttft_s, tpot_s=tpot_s)
+                                                ttft_s=ttft_s, tpot_s=tpot_s, arrival_wall=arrival)
                 except InvalidRequestError as exc:
                     self._send(request_id, {"error": {"kind": "invalid", "message": str(exc)}, "finished": True})
             elif command == "abort":
@@ -144,8 +144,9 @@ class ClusterService:
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Streams one request's messages; ``request`` has prompt (text or token ids),
-        sampling (a mapping of SamplingParams fields), slo_class, ttft_s, tpot_s, priority and
-        an optional request_id and model."""
+        sampling (a mapping of SamplingParams fields), slo_class, ttft_s, tpot_s, priority, an
+        optional request_id and model, and ``arrival``: when the call reached the API
+        (``time.time()``), from which its TTFT and admission are timed."""
         request_id = request.get("request_id") or f"req-{next(self._ids)}"
         model = request.get("model")
         if model and model != self.model_name:
@@ -164,7 +165,8 @@ class ClusterService:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._commands.put(("add", (request_id, request["prompt"], params, int(request.get("priority") or 0),
-                                    request.get("slo_class") or None, request.get("ttft_s"), request.get("tpot_s"))))
+                                    request.get("slo_class") or None, request.get("ttft_s"), request.get("tpot_s"),
+                                    request.get("arrival"))))
         finished = False
         try:
             first = True

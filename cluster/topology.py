@@ -95,6 +95,14 @@ router
         How stale the router's view of load may get, > 0.
     registry_retry_s (1.0)
         After a registry failure, seconds of placing by load only before trying again, > 0.
+    queue_limit (4096)
+        Requests the router may hold until it can place them; past it, a request of a
+        ``queue`` class is rejected (RESOURCE_EXHAUSTED) instead of waiting. An integer >= 1.
+    correction_limit_ms (500)
+        Bound, either way, of the TTFT correction the router learns from finished requests
+        (what its step-time models leave out: control-plane hops, contention), >= 0.
+    correction_half_life_s (30)
+        Seconds after which an unrefreshed correction has halved, > 0.
 
 registry
     url (null)
@@ -714,6 +722,9 @@ def _router_dict(config: RouterConfig) -> dict[str, Any]:
         "skip_prefill_fraction": config.skip_prefill_fraction,
         "load_refresh_s": config.load_refresh_s,
         "registry_retry_s": config.registry_retry_s,
+        "queue_limit": config.queue_limit,
+        "correction_limit_ms": _milliseconds(config.correction_limit_s),
+        "correction_half_life_s": config.correction_half_life_s,
     }
 
 

@@ -139,7 +139,8 @@ def test_prefill_worker_killed_frees_the_reserved_decode_blocks(checkpoint, ray_
     with disaggregated(model_dir, prefill_workers=2, transfer_timeout_s=5, policy="round_robin") as llm:
         ray_session.kill(llm.prefill[0])  # the router's first round-robin turn is prefill worker 0
         llm.engine.add_request("orphan", random_prompts([90], seed=7)[0], greedy(4))
-        flight = llm._dispatch(llm.engine.queue.pop())
+        queued = llm.engine.queue.pop()
+        flight = llm._dispatch(queued, ray_session.get(llm._place(queued)))
         assert flight.prefill == 0
         failed = llm._complete(flight)
         assert failed.finish_reason == "error" and "prefill worker 0 died" in failed.error

@@ -152,6 +152,7 @@ def test_admission_rejects_at_once_with_the_reason():
     assert decision.action == "reject"
     assert "no (prefill, decode) pair can meet now slo_class 'interactive' (TTFT <= 1000 ms" in decision.reason
     assert "p0 -> d0, predicts TTFT 3063 ms (queue 3020 ms + prefill 43 ms + transfer 0 ms)" in decision.reason
+    assert decision.reason.endswith("idle, TTFT 43 ms and TPOT 28 ms")
     assert router.inflight == {}
     assert router.status(NOW)["rejected"] == 1
 
@@ -222,14 +223,119 @@ def test_config_errors_name_the_key():
     assert config.weights["least_loaded"] == 2.0 and config.slo_class(None).ttft_s == 0.5
 
 
-def test_the_ttft_the_model_leaves_out_is_learned_per_path_from_finished_requests():
+def test_the_ttft_the_model_leaves_out_is_learned_per_path_from_the_time_after_placement():
     router = Router(TOPOLOGY, FakeRegistry(), RouterConfig.for_policy("round_robin"))
     first = route(router, "a")
     assert first.predicted_ttft_s == pytest.approx(0.043) and first.ttft_correction_s == 0.0
-    router.finished("a", ttft_s=0.543)  # 0.5 s more than predicted: a tenth of it is learned
-    assert router.ttft_residual == pytest.approx({"remote": 0.05, "local": 0.0})
+    router.finished("a", service_ttft_s=0.243, now=NOW)  # 0.2 s more than predicted: a tenth of it is learned
+    assert router.ttft_residual == pytest.approx({"remote": 0.02, "local": 0.0})
     second = route(router, "b")
-    assert second.predicted_ttft_s == pytest.approx(0.043 + 0.05) and second.ttft_correction_s == pytest.approx(0.05)
-    router.finished("b", ttft_s=0.093)  # as predicted with the correction: the residual holds
-    assert router.ttft_residual["remote"] == pytest.approx(0.05 + 0.1 * (0.05 - 0.05))
-    assert router.status(NOW)["ttft_prediction_error"] == pytest.approx((0.5 / 0.543 + 0.0) / 2)
+    assert second.predicted_ttft_s == pytest.approx(0.043 + 0.02) and second.ttft_correction_s == pytest.approx(0.02)
+    router.finished("b", service_ttft_s=0.063, now=NOW)  # as predicted with the correction: it holds
+    assert router.ttft_residual["remote"] == pytest.approx(0.02)
+    assert router.status(NOW)["ttft_prediction_error"] == pytest.approx((0.2 / 0.243 + 0.0) / 2)
+
+
+def test_the_correction_is_bounded_and_decays():
+    config = RouterConfig.from_mapping({"policy": "round_robin", "correction_limit_ms": 100,
+                                        "correction_half_life_s": 10})
+    router = Router(TOPOLOGY, FakeRegistry(), config)
+    for i in range(200):  # a burst whose requests took 37 s each after placement
+        route(router, f"r{i}")
+        router.finished(f"r{i}", service_ttft_s=37.0, now=NOW)
+    assert router.correction("remote", NOW) == pytest.approx(0.1, rel=1e-6)  # never past the limit
+    assert router.correction("remote", NOW + 10) == pytest.approx(0.05, rel=1e-6)  # one half-life later
+    assert router.correction("remote", NOW + 100) < 0.0001
+    assert route(router, "later", now=NOW + 10).ttft_correction_s == pytest.approx(0.05, rel=1e-6)
+
+
+def test_an_idle_cluster_admits_an_interactive_request_after_a_burst():
+    """The wedge of issue 11: after a burst, an idle cluster rejected interactive requests for ever."""
+    router = Router(TOPOLOGY, FakeRegistry())
+    for i in range(400):
+        route(router, f"burst{i}", slo_class="batch")
+        router.finished(f"burst{i}", service_ttft_s=37.0, now=NOW)
+    decision = route(router, "fresh", slo_class="interactive")
+    assert decision.action == "place"
+    assert decision.predicted_ttft_s == pytest.approx(0.043 + 0.5)  # prefill + the bounded correction
+
+
+def test_an_objective_no_idle_pair_can_meet_is_known_at_once_from_the_same_prediction():
+    router = Router(TOPOLOGY, FakeRegistry())
+    # TPOT: an idle decode step with this request alone is 20 + 5 + 3.3 ms; 1 ms can never be met.
+    hopeless = route(router, "tpot", slo_class="standard", tpot_s=0.001)
+    assert hopeless.action == "place"
+    assert hopeless.reason.startswith("best effort: even an idle cluster cannot meet")
+    assert "idle, TTFT 43 ms and TPOT 28 ms" in hopeless.reason
+    assert route(router, "tpot-i", slo_class="interactive", tpot_s=0.001).action == "reject"
+    # TTFT: with a learned correction of 0.1 s, an idle pair predicts 143 ms for a 33-token prompt.
+    for objective, reason in ((0.120, "best effort: even an idle cluster cannot meet"), (0.150, "")):
+        router = Router(TOPOLOGY, FakeRegistry())
+        router.finished("none")  # nothing was placed: nothing learned
+        router._residual["remote"] = (0.1, NOW)
+        decision = route(router, "ttft", slo_class="standard", ttft_s=objective)
+        assert decision.action == "place" and decision.reason.startswith(reason)
+        assert decision.predicted_ttft_s == pytest.approx(0.143)
+
+
+def test_a_class_that_may_not_wait_counts_the_time_it_already_spent():
+    router = Router(TOPOLOGY, FakeRegistry())
+    on_time = route(router, "a", slo_class="interactive", arrival=NOW - 0.9)  # 0.9 + 0.043 <= 1 s
+    assert on_time.action == "place" and on_time.waited_s == pytest.approx(0.9)
+    late = route(router, "b", slo_class="interactive", arrival=NOW - 0.98)  # 0.98 + 0.043 > 1 s
+    assert late.action == "reject"
+    assert "even an idle cluster cannot meet" in late.reason and "predicts TTFT waited 980 ms + 43 ms" in late.reason
+
+
+def test_a_waiting_head_never_holds_back_a_request_that_can_be_placed():
+    busy = {w: load(w, queued=3000) for w in ("p0", "p1")}  # 3.02 s of queue on each prefill worker
+    registry = FakeRegistry(busy)
+    router = Router(TOPOLOGY, registry)
+    head = router.submit(RouteRequest("head", list(range(2000)), 8, "standard", priority=5), now=NOW)
+    assert head.action == "queue"  # 3.02 s + 2.01 s of prefill > 5 s, though an idle pair could
+    behind = router.submit(RouteRequest("short", PROMPT, 8, "standard"), now=NOW)
+    assert behind.action == "place"  # 3.02 s + 0.043 s: placed at once, past the waiting head
+    assert router.retry_waiting(NOW + 0.01) == []  # nothing changed: it keeps waiting
+    assert router.status(NOW)["waiting"] == 1
+    registry.state.update({w: load(w, updated_at=NOW + 0.05) for w in ("p0", "p1")})  # the queues drained
+    placed = router.retry_waiting(NOW + 0.1)
+    assert [(d.request_id, d.action) for d in placed] == [("head", "place")]
+    assert router.status(NOW + 0.1)["waiting"] == 0
+
+
+def test_waiting_requests_are_offered_in_priority_order_each_on_its_own():
+    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
+    registry = FakeRegistry(busy)
+    router = Router(TOPOLOGY, registry, RouterConfig.for_policy("slo"))
+    for rid, priority, arrival in (("low", 0, NOW - 2), ("high", 3, NOW - 1), ("mid", 1, NOW - 3)):
+        assert router.submit(RouteRequest(rid, PROMPT, 8, "standard", priority=priority, arrival=arrival),
+                             now=NOW).action == "queue"
+    assert router.cancel("mid") and not router.cancel("mid")
+    registry.state.update({w: load(w, updated_at=NOW + 0.05) for w in ("p0", "p1")})
+    assert [d.request_id for d in router.retry_waiting(NOW + 0.1)] == ["high", "low"]
+
+
+def test_a_full_queue_rejects_instead_of_holding():
+    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
+    router = Router(TOPOLOGY, FakeRegistry(busy), RouterConfig.from_mapping({"queue_limit": 1}))
+    assert router.submit(RouteRequest("a", PROMPT, 8, "standard"), now=NOW).action == "queue"
+    second = router.submit(RouteRequest("b", PROMPT, 8, "standard"), now=NOW)
+    assert second.action == "reject"
+    assert second.reason.startswith("the router already holds 1 waiting requests (router.queue_limit)")
+
+
+def test_before_the_first_reports_requests_wait_and_then_face_admission():
+    registry = FakeRegistry()
+    reports = dict(registry.state)
+    registry.state.clear()  # the workers are still starting: nothing reported yet
+    router = Router(TOPOLOGY, registry)
+    impossible = router.submit(RouteRequest("x", PROMPT, 8, "interactive", ttft_s=0.000001), now=NOW)
+    fine = router.submit(RouteRequest("y", PROMPT, 8, "interactive"), now=NOW)
+    assert (impossible.action, fine.action) == ("queue", "queue")
+    assert impossible.reason == "waiting for the first load report of p0"
+    registry.state.update(reports)
+    resolved = {d.request_id: d.action for d in router.retry_waiting(NOW + 0.1)}
+    assert resolved == {"x": "reject", "y": "place"}
+    registry.state.clear()  # every worker reported once and is gone now: nothing can serve
+    gone = router.submit(RouteRequest("z", PROMPT, 8, "standard"), now=NOW + 0.2)
+    assert (gone.action, gone.reason) == ("reject", "no live prefill worker")
