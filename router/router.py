@@ -135,6 +135,8 @@ class Router:
         self._loads: dict[str, WorkerLoad] = {}
         self._loads_read_at = -math.inf
         self._last_hits: dict[str, int] | None = None
+        self._changes = 0  # finished or forgotten placements, failed workers: reasons to offer the queue again
+        self._offered_state: tuple | None = None
         self._registry_down_since: float | None = None
         self._registry_error = ""
         self._reported: set[str] = set()  # workers whose load report has ever been read
@@ -226,23 +228,50 @@ class Router:
 
     def retry_waiting(self, now: float | None = None) -> list[Decision]:
         """Offers every waiting request again, in priority order, each on its own; returns
-        those it placed or rejected (the rest keep waiting)."""
+        those it placed or rejected (the rest keep waiting).
+
+        Two things keep a long queue cheap. Nothing is offered again unless something changed
+        since the last offer (a newer load report, a request finished or was forgotten). And
+        within one offer, a request that must wait tells about the ones behind it: another of
+        the same objectives with at least as many tokens to prefill and as long a prompt would
+        be predicted no faster, so it waits too without being routed."""
         now = time.time() if now is None else now
-        resolved = []
+        loads = self._read_loads(now)
+        state = (max((l.updated_at for l in loads.values()), default=None) if loads is not None else now,
+                 self._changes)
+        if state == self._offered_state:
+            return []
+        self._offered_state = state
+        resolved, must_wait = [], []
         for entry in self.waiting.in_order():
+            request = entry.request
+            size = (self._uncached_tokens(request, entry.hits), len(request.prompt_token_ids))
+            kind = (request.slo_class, request.ttft_s, request.tpot_s)
+            if any(k == kind and size[0] >= u and size[1] >= n for k, u, n in must_wait):
+                continue
             fresh = entry.hits if now - entry.hits_at < HITS_TTL_S else None
-            decision = self.route(entry.request, now, hits=fresh)
+            decision = self.route(request, now, hits=fresh)
             if fresh is None and self._last_hits is not None:
                 entry.hits, entry.hits_at = self._last_hits, now
-            if decision.action != "queue":
-                self.waiting.remove(entry.request.request_id)
-                self.counters.waiting_placed += decision.action == "place"
-                resolved.append(decision)
+            if decision.action == "queue":
+                must_wait.append((kind, *size))
+                continue
+            self.waiting.remove(request.request_id)
+            self.counters.waiting_placed += decision.action == "place"
+            resolved.append(decision)
         return resolved
+
+    def _uncached_tokens(self, request: RouteRequest, hits: dict[str, int] | None) -> int:
+        best = max(hits.values(), default=0) if hits else 0
+        return len(request.prompt_token_ids) - best * self.topology.block_size
 
     def cancel(self, request_id: str) -> bool:
         """Drops a waiting request (its caller went away); True if it was waiting."""
         return self.waiting.remove(request_id) is not None
+
+    def _changed(self) -> None:
+        """Something that could let a waiting request be placed: offer the queue again."""
+        self._changes += 1
 
     def _class_of(self, request: RouteRequest) -> SloClass:
         cls = self.config.slo_class(request.slo_class)
@@ -413,7 +442,10 @@ class Router:
     def forget(self, request_id: str) -> Decision | None:
         """The request was not started after all (e.g. its decode worker had no room)."""
         placed = self.inflight.pop(request_id, None)
-        return placed.decision if placed else None
+        if placed is None:
+            return None
+        self._changed()
+        return placed.decision
 
     def finished(self, request_id: str, service_ttft_s: float | None = None,
                  now: float | None = None) -> Decision | None:
@@ -423,6 +455,7 @@ class Router:
         placed = self.inflight.pop(request_id, None)
         if placed is None:
             return None
+        self._changed()
         decision = placed.decision
         predicted = decision.predicted_ttft_s
         if service_ttft_s and predicted is not None and not decision.load_only:
@@ -438,6 +471,7 @@ class Router:
 
     def worker_failed(self, worker: str) -> None:
         self.failed.add(worker)
+        self._changed()
 
     def status(self, now: float | None = None) -> dict:
         now = time.time() if now is None else now

@@ -339,3 +339,25 @@ def test_before_the_first_reports_requests_wait_and_then_face_admission():
     registry.state.clear()  # every worker reported once and is gone now: nothing can serve
     gone = router.submit(RouteRequest("z", PROMPT, 8, "standard"), now=NOW + 0.2)
     assert (gone.action, gone.reason) == ("reject", "no live prefill worker")
+
+
+def test_a_long_queue_is_offered_again_only_on_change_and_pruned_by_what_must_wait():
+    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
+    registry = FakeRegistry(busy)
+    router = Router(TOPOLOGY, registry)
+    for i in range(100):
+        router.submit(RouteRequest(f"long{i}", list(range(200)), 8, "standard"), now=NOW)
+    router.submit(RouteRequest("short", PROMPT, 8, "standard"), now=NOW)
+    routed = []
+    original = router.route
+    router.route = lambda request, now=None, hits=None: routed.append(request.request_id) or original(request, now,
+                                                                                                       hits)
+    assert router.retry_waiting(NOW + 0.1) == []
+    assert routed == ["long0", "short"]  # the 99 longer ones behind long0 would wait too: not routed
+    assert router.retry_waiting(NOW + 0.2) == [] and len(routed) == 2  # nothing changed: nothing offered
+    router.finished("unknown")  # not a request of this router's: no change
+    assert router.retry_waiting(NOW + 0.3) == [] and len(routed) == 2
+    assert original(RouteRequest("bulk", PROMPT, 8, "batch"), NOW).action == "place"
+    router.finished("bulk")  # a finished request is a change
+    router.retry_waiting(NOW + 0.4)
+    assert len(routed) == 4
