@@ -1,13 +1,13 @@
-"""The gRPC API (``tandem.v1.Tandem``, see ``proto/``) in front of the cluster's frontend actor.
+"""The gRPC API (``tandem.v1.Tandem``, see ``proto/``) of an ingress replica.
 
 An asyncio server (``grpc.aio``) on an event loop of its own: a call costs a coroutine, not a
 thread, so however many streams are open none waits unseen for a free thread, and each call is
 stamped with the time it arrived, from which its admission and TTFT are timed. Each
-``Generate`` call reads the frontend's streaming generator and turns each message into a
-``GenerateResponse``; errors become status codes (INVALID_ARGUMENT, NOT_FOUND,
-RESOURCE_EXHAUSTED, UNAVAILABLE; DEADLINE_EXCEEDED and CANCELLED come from gRPC itself). When
-the call ends early (the client cancels, disconnects or passes its deadline) the generator is
-cancelled, which aborts the request on every worker.
+``Generate`` call runs the request's path (``cluster/request_path.py``: the router places it,
+the decode worker streams it) and turns each message into a ``GenerateResponse``; errors become
+status codes (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE; DEADLINE_EXCEEDED
+and CANCELLED come from gRPC itself). When the call ends early (the client cancels, disconnects
+or passes its deadline) the path is closed, which aborts the request on every worker.
 
 Also served: the standard health service (``grpc.health.v1``, exempt from the token so probes
 work), server reflection, TLS when the topology names a certificate and key, and a bearer
@@ -46,7 +46,7 @@ class RequestError(ValueError):
 
 
 def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
-    """The frontend's request mapping; RequestError names the field that is wrong."""
+    """The request path's request mapping; RequestError names the field that is wrong."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestError("prompt: give text or token_ids")
@@ -65,7 +65,7 @@ def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
     if request.sampling.ignore_eos:
         sampling["ignore_eos"] = True
     objectives = {name.replace("_ms", "_s"): getattr(request.objectives, name) / 1000.0
-                  for name in ("ttft_ms", "tpot_ms") if request.objectives.HasField(name)}  # checked by the frontend
+                  for name in ("ttft_ms", "tpot_ms") if request.objectives.HasField(name)}  # checked by the request path
     return {"request_id": request.request_id, "model": request.model, "prompt": prompt, "sampling": sampling,
             "slo_class": request.slo_class, "priority": request.priority, **objectives}
 
@@ -89,21 +89,8 @@ def response_message(message: dict) -> tandem_pb2.GenerateResponse:
 
 
 class TandemServicer(tandem_pb2_grpc.TandemServicer):
-    def __init__(self, frontend):
-        import ray
-
-        self.ray, self.frontend = ray, frontend
-
-    async def _call(self, context, method, *args):
-        try:
-            return await getattr(self.frontend, method).remote(*args)
-        except self.ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, ValueError):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(cause))
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc).splitlines()[0])
-        except self.ray.exceptions.RayActorError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster's frontend is not running")
+    def __init__(self, path):
+        self.path = path
 
     async def Generate(self, request, context):
         arrival = time.time()
@@ -112,37 +99,35 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         payload["arrival"] = arrival
-        stream = self.frontend.generate.options(num_returns="streaming").remote(payload)
-        finished = False
+        messages = self.path.generate(payload)
         try:
-            async for ref in stream:
-                message = await ref
+            async for message in messages:
                 if "error" in message:
                     error = message["error"]
-                    finished = True
                     await context.abort(CODES.get(error["kind"], grpc.StatusCode.UNAVAILABLE), error["message"])
                 yield response_message(message)
                 if message["finished"]:
-                    finished = True
                     return
-        except (self.ray.exceptions.TaskCancelledError, self.ray.exceptions.RayTaskError) as exc:
-            finished = True
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the request failed in the cluster: {exc}")
-        except self.ray.exceptions.RayActorError:
-            finished = True
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster's frontend is not running")
         finally:
-            if not finished:  # cancelled, disconnected or past its deadline: abort it everywhere
-                self.ray.cancel(stream)
+            await messages.aclose()  # a call that ended early aborts its request on every worker
 
     async def GetModelInfo(self, request, context):
-        return tandem_pb2.ModelInfo(**await self._call(context, "model_info"))
+        return tandem_pb2.ModelInfo(**self.path.model_info())
 
     async def Tokenize(self, request, context):
-        return tandem_pb2.TokenizeResponse(token_ids=await self._call(context, "tokenize", request.text))
+        return tandem_pb2.TokenizeResponse(token_ids=await self._invalid_as_status(context, self.path.tokenize,
+                                                                                    request.text))
 
     async def Detokenize(self, request, context):
-        return tandem_pb2.DetokenizeResponse(text=await self._call(context, "detokenize", list(request.token_ids)))
+        return tandem_pb2.DetokenizeResponse(text=await self._invalid_as_status(context, self.path.detokenize,
+                                                                                 list(request.token_ids)))
+
+    @staticmethod
+    async def _invalid_as_status(context, fn, *args):
+        try:
+            return fn(*args)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):
@@ -185,12 +170,12 @@ def api_token(spec: ClusterSpec) -> str | None:
     return None
 
 
-def build_server(spec: ClusterSpec, frontend) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+def build_server(spec: ClusterSpec, path) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """The asyncio server, bound (not started) to the topology's host and port; the port it
     got. Call it on the event loop that will run the server."""
     token = api_token(spec)
     server = grpc.aio.server(interceptors=[TokenCheck(token)] if token else [])
-    tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(frontend), server)
+    tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(path), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -215,21 +200,21 @@ class ApiServer:
     """The gRPC server on an event loop of its own thread, so it serves the same whoever
     hosts it (a Ray Serve replica, a test, a plain process)."""
 
-    def __init__(self, spec: ClusterSpec, frontend):
+    def __init__(self, spec: ClusterSpec, path):
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, args=(spec, frontend), name="grpc-api", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(spec, path), name="grpc-api", daemon=True)
         self._thread.start()
         if not self._started.wait(START_TIMEOUT_S):
             raise RuntimeError("the gRPC server did not start")
         if self._error is not None:
             raise self._error
 
-    def _run(self, spec: ClusterSpec, frontend) -> None:
+    def _run(self, spec: ClusterSpec, path) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self.server, self.port, self.health = self._loop.run_until_complete(self._start(spec, frontend))
+            self.server, self.port, self.health = self._loop.run_until_complete(self._start(spec, path))
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
             self._error = exc
             self._started.set()
@@ -238,8 +223,8 @@ class ApiServer:
         self._loop.run_forever()
 
     @staticmethod
-    async def _start(spec: ClusterSpec, frontend):
-        server, port, health_servicer = build_server(spec, frontend)
+    async def _start(spec: ClusterSpec, path):
+        server, port, health_servicer = build_server(spec, path)
         await server.start()
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

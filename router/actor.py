@@ -24,7 +24,7 @@ from typing import Sequence
 import redis
 
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
-from cluster.metrics import RouterMetrics
+from cluster.metrics import RouterMetrics, SloMetrics
 from cluster.registry.goodput import GoodputReader, GoodputRecorder, RequestRecord
 from cluster.registry.reporter import connect
 from router.config import RouterConfig
@@ -33,6 +33,7 @@ from router.router import Decision, RouteRequest, Router, Topology
 
 SWEEP_EVERY_S = 2.0
 GOODPUT_BUFFER = 10_000
+GAUGES_EVERY_S = 5.0  # goodput, attainment and queue gauges: refreshed on a timer, busy or idle
 
 
 class RouterActor:
@@ -52,6 +53,8 @@ class RouterActor:
                 pass
         self._last_sweep = 0.0
         self.metrics = RouterMetrics(cluster, self.router.config.policy)
+        self.slo_metrics = SloMetrics(cluster)
+        self._gauges: asyncio.Task | None = None
         self._waiters: dict[str, asyncio.Future] = {}
         self._changed: asyncio.Event | None = None
         self._retrier: asyncio.Task | None = None
@@ -85,6 +88,18 @@ class RouterActor:
             raise
         finally:
             self._waiters.pop(request_id, None)
+
+    async def ready(self) -> bool:
+        """True once the router runs (and keeps its gauges fresh from then on)."""
+        if self._gauges is None or self._gauges.done():
+            self._gauges = asyncio.get_running_loop().create_task(self._export_gauges())
+        return True
+
+    async def _export_gauges(self) -> None:
+        while True:
+            self.slo_metrics.queue_length(len(self.router.waiting))
+            self.slo_metrics.slo(await asyncio.get_running_loop().run_in_executor(None, self.goodput))
+            await asyncio.sleep(GAUGES_EVERY_S)
 
     def _answered(self, decision: Decision) -> Decision:
         if decision.action == "reject":

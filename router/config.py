@@ -69,6 +69,9 @@ class RouterConfig:
     slo_classes: tuple[SloClass, ...] = DEFAULT_SLO_CLASSES
     default_class: str = "standard"
     skip_prefill_fraction: float = 0.9  # a decode worker caching this much of a prompt may prefill it itself
+    local_prefill_max_tokens: int = 256  # ... and so may one with at most this many prompt tokens left to compute
+    migration_limit: int = 3  # times a request may move to another worker after one failed under it
+    replicas: int = 1  # router actors; each ingress replica spreads its requests over them
     load_refresh_s: float = 0.05  # how stale the router's view of load may get
     registry_retry_s: float = 1.0  # after a registry failure, how long to place by load only before trying again
     queue_limit: int = 4096  # requests the router may hold waiting; past it, one that would wait is rejected
@@ -94,7 +97,8 @@ class RouterConfig:
             if key in data and not isinstance(data[key], kind):
                 raise RouterConfigError(f"{where}.{key}: must be {wanted}; got {data[key]!r}")
         known = {"policy", "weights", "admission_control", "slo_classes", "default_class", "skip_prefill_fraction",
-                 "load_refresh_s", "registry_retry_s", "queue_limit", "correction_limit_ms", "correction_half_life_s"}
+                 "load_refresh_s", "registry_retry_s", "queue_limit", "correction_limit_ms", "correction_half_life_s",
+                 "local_prefill_max_tokens", "migration_limit", "replicas"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RouterConfigError(f"{where}.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
@@ -123,6 +127,10 @@ class RouterConfig:
             correction_limit_s=_non_negative(data.get("correction_limit_ms", 500), f"{where}.correction_limit_ms") / 1000,
             correction_half_life_s=_positive(data.get("correction_half_life_s", 30.0),
                                              f"{where}.correction_half_life_s"),
+            local_prefill_max_tokens=_count(data.get("local_prefill_max_tokens", 256),
+                                            f"{where}.local_prefill_max_tokens", minimum=0),
+            migration_limit=_count(data.get("migration_limit", 3), f"{where}.migration_limit", minimum=0),
+            replicas=_count(data.get("replicas", 1), f"{where}.replicas"),
         )
         try:
             config.slo_class(config.default_class)
@@ -163,9 +171,9 @@ def _non_negative(value: Any, where: str) -> float:
     return float(value)
 
 
-def _count(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise RouterConfigError(f"{where}: must be an integer >= 1, got {value!r}")
+def _count(value: Any, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RouterConfigError(f"{where}: must be an integer >= {minimum}, got {value!r}")
     return value
 
 

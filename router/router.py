@@ -59,10 +59,18 @@ class RegistryView(Protocol):
 
 @dataclass(frozen=True)
 class Topology:
+    """The workers a router places on: prefill and decode pools (disaggregated), and a
+    ``colocated`` pool whose workers prefill and decode every request themselves."""
+
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     block_size: int
     hash_keys: tuple = ()
+    colocated: tuple[str, ...] = ()
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return self.prefill + self.decode + self.colocated
 
 
 @dataclass(frozen=True)
@@ -165,7 +173,7 @@ class Router:
             return None
         if now - self._loads_read_at >= self.config.load_refresh_s or self._registry_down_since is not None:
             try:
-                self._loads = self.registry.loads(self.topology.prefill + self.topology.decode)
+                self._loads = self.registry.loads(self.topology.workers)
             except RegistryUnavailable as exc:
                 self._mark_down(now, exc)
                 return None
@@ -202,11 +210,14 @@ class Router:
             hits = self._prefix_hits(request, sorted(loads), now)
         if loads is None or hits is None:
             return self._place_by_load(request, cls, now)
-        prefill = [w for w in self.topology.prefill if w in loads and w not in self.failed]
-        decode = [w for w in self.topology.decode if w in loads and w not in self.failed]
-        if not prefill or not decode:
-            return self._without_reports(request, cls, "prefill" if not prefill else "decode", now)
-        candidates = self._candidates(request, cls, loads, hits, prefill, decode, now)
+        prefill, decode, colocated = ([w for w in pool if w in loads and w not in self.failed]
+                                      for pool in (self.topology.prefill, self.topology.decode,
+                                                   self.topology.colocated))
+        if not decode and not colocated:
+            return self._without_reports(request, cls, "decode", now)
+        candidates = self._candidates(request, cls, loads, hits, prefill, decode, colocated, now)
+        if not candidates:  # no live prefill worker, and no decode worker may prefill this prompt itself
+            return self._without_reports(request, cls, "prefill", now)
         return self._choose(request, cls, candidates, now)
 
     def submit(self, request: RouteRequest, now: float | None = None) -> Decision:
@@ -284,7 +295,7 @@ class Router:
         """No live worker of one role in the registry: if one has not reported yet (starting),
         the request waits for its first report (placing it blind would skip admission);
         if every one has reported before and is gone or failed, nothing can serve it."""
-        names = self.topology.prefill if side == "prefill" else self.topology.decode
+        names = self.topology.prefill if side == "prefill" else self.topology.decode + self.topology.colocated
         starting = [w for w in names if w not in self._reported and w not in self.failed]
         if starting:
             self.counters.queued += 1
@@ -315,24 +326,30 @@ class Router:
         return pending
 
     def _candidates(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad],
-                    hits: dict[str, int], prefill: list[str], decode: list[str], now: float) -> list[Candidate]:
+                    hits: dict[str, int], prefill: list[str], decode: list[str], colocated: list[str],
+                    now: float) -> list[Candidate]:
+        """Every (prefill, decode) pair, and every decode worker that may prefill the prompt
+        itself (it caches nearly all of it, or little is left to compute: conditional
+        disaggregation), with their predictions; colocated workers always prefill themselves."""
         n, bs = len(request.prompt_token_ids), self.topology.block_size
         cacheable = cacheable_prefix_blocks(n, bs)
         prompt_blocks = -(-n // bs)
-        pending_on = self._pending(loads, prefill + decode)
+        everyone = prefill + decode + colocated
+        pending_on = self._pending(loads, everyone)
         queued = {w: loads[w].queued_prefill_tokens
                   + sum(p.prompt_tokens for p in pending_on[w] if p.decision.prefill in (w, None))
-                  for w in prefill + decode}
+                  for w in everyone}
         prefill_side = {}  # what a candidate's prefill worker contributes, whichever decode worker it pairs with
         for p in prefill:
             model_p, hit_p = self.model(loads[p]), min(hits.get(p, 0), cacheable)
             prefill_side[p] = (model_p, hit_p, model_p.queue_seconds(queued[p]),
                                model_p.prefill_seconds(n - hit_p * bs, hit_p * bs))
         remote_correction, local_correction = self.correction("remote", now), self.correction("local", now)
-        turn_p = prefill[self._rotation % len(prefill)]
-        turn_d = decode[self._rotation % len(decode)]
+        turn_p = prefill[self._rotation % len(prefill)] if prefill else None
+        generating = decode + colocated
+        turn_d = generating[self._rotation % len(generating)]
         candidates = []
-        for d in decode:
+        for d in generating:
             load_d, model_d = loads[d], self.model(loads[d])
             pending = pending_on[d]
             sequences = load_d.running + load_d.receiving + len(pending) + 1
@@ -344,7 +361,7 @@ class Router:
             tpot = model_d.decode_step_seconds(sequences, context)
             idle_tpot = model_d.decode_step_seconds(1, n)
             reserve_wait = tpot if load_d.running else 0.0  # a call waits for the step in progress
-            for p in prefill:
+            for p in prefill if d in decode else ():
                 model_p, hit_p, queue_s, prefill_s = prefill_side[p]
                 c = Candidate(p, d, hit_p, hit_d, cacheable, queued[p], decode_load, queue_s=queue_s,
                               prefill_s=prefill_s, transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
@@ -354,13 +371,15 @@ class Router:
                 c.ttft_s = c.queue_s + c.prefill_s + c.transfer_s + reserve_wait + c.correction_s
                 c.idle_ttft_s, c.idle_tpot_s = c.prefill_s + c.transfer_s + c.correction_s, idle_tpot
                 candidates.append(c)
-            if cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable:
+            mostly_cached = cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable
+            if d in colocated or mostly_cached or n - hit_d * bs <= self.config.local_prefill_max_tokens:
                 # It waits for the step in progress, then its prefill runs in a step with the decodes.
                 local_prefill = model_d.prefill_seconds(n - hit_d * bs, hit_d * bs)
                 c = Candidate(None, d, hit_d, hit_d, cacheable, queued[d], decode_load,
                               queue_s=model_d.queue_seconds(queued[d]) + reserve_wait,
                               prefill_s=local_prefill + reserve_wait,
-                              tpot_s=tpot, decode_has_room=free >= needed)
+                              tpot_s=tpot, decode_has_room=free >= needed,
+                              rotation_slot=d == turn_d and (turn_p is None or d in colocated))
                 c.correction_s = local_correction
                 c.ttft_s = c.queue_s + c.prefill_s + c.correction_s
                 c.idle_ttft_s, c.idle_tpot_s = local_prefill + c.correction_s, idle_tpot
@@ -371,7 +390,7 @@ class Router:
         objectives = (cls.ttft_s, cls.tpot_s)
         with_room = [c for c in candidates if c.decode_has_room] or candidates
         score_all(with_room, dict(self.config.weights), objectives)
-        ranked = sorted(with_room, key=lambda c: (-c.score, c.ttft_s))
+        ranked = sorted(with_room, key=lambda c: (-c.score, c.ttft_s, c.prefill is not None))  # ties: fewer hops
         if not self.config.admission_control or (cls.ttft_s is None and cls.tpot_s is None):
             return self._place(request, cls, ranked[0], now)
         # A class that may not wait must be served in time counting what it already spent; one
@@ -483,6 +502,7 @@ class Router:
             registry = "ok"
         return {
             "policy": self.config.policy, "weights": dict(self.config.weights), "registry": registry,
+            "workers": list(self.topology.workers),
             "live_workers": sorted(self._loads) if self._registry_down_since is None else [],
             "failed_workers": sorted(self.failed), "in_flight": len(self.inflight),
             "placed": c.placed, "local_prefills": c.local_prefills, "queued_decisions": c.queued,

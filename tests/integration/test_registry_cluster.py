@@ -71,7 +71,7 @@ def test_reporter_publishes_events_and_load_and_survives_redis_restart():
 def test_a_url_with_password_and_database_number():
     """Workers and readers reach a password-protected Redis in the URL's database; a wrong
     password is refused with a message naming where and why."""
-    from cluster.disaggregated import _check_registry
+    from cluster.deployment import check_registry as _check_registry
     from cluster.engine.config import EngineConfigError
 
     with LocalRedis(password="s3cret") as server:
