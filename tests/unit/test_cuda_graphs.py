@@ -123,3 +123,14 @@ def test_engine_config_names_bad_settings():
         EngineConfig(model="m", load_format="pt")
     with pytest.raises(EngineConfigError, match="enforce_eager must be true or false"):
         EngineConfig(model="m", enforce_eager="yes")
+
+
+def test_command_line_flags_reach_the_engine_config():
+    from cluster.cli import _engine_args, build_parser
+
+    default = _engine_args(build_parser().parse_args(["run", "--input", "-", "--output", "-"]))
+    assert default["attention_backend"] == "auto" and default["enforce_eager"] is False
+    args = build_parser().parse_args(["run", "--input", "-", "--output", "-", "--enforce-eager",
+                                      "--attention-backend", "torch"])
+    config = EngineConfig(model="m", **_engine_args(args))
+    assert config.enforce_eager is True and config.attention_backend == "torch"
