@@ -131,7 +131,7 @@ def run_ours(model_dir: Path, batches: list[int], context: int, new_tokens: int,
         wall = time.perf_counter() - started
         decode_steps = [s for s in engine.stats.steps if s.num_prefill_tokens == 0 and s.num_decode_tokens == batch]
         step_s = median(s.seconds for s in decode_steps)
-        kv_tokens = median(s.context_tokens + batch for s in decode_steps)  # keys read: each decode's new one too
+        kv_tokens = median(s.context_tokens for s in decode_steps)  # keys the step's decodes attended to
         results["rows"][batch] = dict(
             wall_s=wall, tokens_per_s=batch * new_tokens / wall, step_s=step_s, decode_steps=len(decode_steps),
             kv_bytes=kv_tokens * results["kv_bytes_per_token"],

@@ -44,6 +44,26 @@ def _dot(a, b, FP32: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, pos, key_ok, visible, kv_head, dims, dim_ok,
+                 stride_c_block, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale,
+                 PAGE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Folds one tile of keys into the running softmax of the queries ``q``: the keys at context
+    positions ``pos`` (``key_ok`` of them exist), found through one request's block-table row
+    ``table_ptr``; ``visible`` masks scores per query. Returns the new (max, sum, accumulator)."""
+    block = tl.load(table_ptr + pos // PAGE, mask=key_ok, other=0).to(tl.int64)
+    base = block * stride_c_block + (pos % PAGE) * stride_c_slot + kv_head * stride_c_head
+    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    scores = tl.where(visible, _dot(q, tl.trans(k), FP32_DOT) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no visible key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    v = tl.load(v_cache_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+
+
+@triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
@@ -100,19 +120,9 @@ def _decode_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + cols
         valid = pos < end
-        block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        base = block * stride_c_block + (pos % PAGE) * stride_c_slot + kv_head * stride_c_head
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = _dot(q, tl.trans(k), FP32_DOT) * qk_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite: every tile holds a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, block_table_ptr + seq * stride_bt, pos, valid,
+                                     valid[None, :], kv_head, dims, dim_ok, stride_c_block, stride_c_slot,
+                                     stride_c_head, m_i, l_i, acc, qk_scale, PAGE, FP32_DOT)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a split (or a padding row) with no keys: zeros
     store_mask = row_ok[:, None] & dim_ok[None, :]
@@ -186,23 +196,12 @@ def _prefill_kernel(
         for tile in range(lo, hi, BLOCK_N):
             pos = tile + cols
             key_ok = pos < hi
-            block = tl.load(block_table_ptr + chunk * stride_bt + pos // PAGE, mask=key_ok, other=0).to(tl.int64)
-            base = block * stride_c_block + (pos % PAGE) * stride_c_slot + kv_head * stride_c_head
-            kv_mask = key_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_cache_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            scores = _dot(q, tl.trans(k), FP32_DOT) * qk_scale
             visible = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
             if SLIDING:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, block_table_ptr + chunk * stride_bt, pos, key_ok,
+                                         visible, kv_head, dims, dim_ok, stride_c_block, stride_c_slot, stride_c_head,
+                                         m_i, l_i, acc, qk_scale, PAGE, FP32_DOT)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_o_tok + head * HEAD_DIM + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
