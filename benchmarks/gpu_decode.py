@@ -149,7 +149,8 @@ def run_transformers(batches: list[int], context: int, new_tokens: int, device: 
     import transformers
 
     log("transformers: building the model on the GPU (random bfloat16 weights)")
-    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "torch_dtype")})
+    fields = {k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "torch_dtype")}
+    config = transformers.LlamaConfig(**fields)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:

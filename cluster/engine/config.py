@@ -68,7 +68,9 @@ class EngineConfig:
         from cluster.engine.models.loader import LOAD_FORMATS
 
         if self.attention_backend not in BACKENDS:
-            raise EngineConfigError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
+            raise EngineConfigError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise EngineConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if not isinstance(self.enforce_eager, bool):

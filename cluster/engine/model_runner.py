@@ -6,8 +6,9 @@ head_dim], each layer's attention holding views of its K and V parts.
 Two attention backends (``kernels.triton_support``): the plain-torch path, and the fused Triton
 kernels (the default on CUDA), whose step tensors cross to the device in one non-blocking copy
 (``fused_inputs``) and whose decode-only steps replay as CUDA graphs (``cuda_graphs``) unless
-``enforce_eager`` is set. On CUDA nothing here waits for the GPU before the sampled token ids
-are read back, so the host builds the sampling batch while the forward pass runs.
+``enforce_eager`` is set. On that path nothing here waits for the GPU before the sampled token
+ids are read back, so the host builds the sampling batch while the forward pass runs; the next
+step is scheduled once those ids are back (its decodes need them).
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.graphs: DecodeGraphs | None = None
         self._sm_count = device_sm_count(self.device)
+        self._kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
 
     @property
     def transfers(self) -> TransferAgent:
@@ -146,8 +148,9 @@ class ModelRunner:
             attn.v_cache = self.kv_cache[index, 1]
         self.num_blocks = num_blocks
         if self.use_decode_graphs:
-            self.graphs = DecodeGraphs(self.model, capture_sizes(self.max_num_seqs), -(-self.max_model_len // self.block_size),
-                                       first.num_kv_heads, self.device)
+            blocks_per_seq = -(-self.max_model_len // self.block_size)
+            self.graphs = DecodeGraphs(self.model, capture_sizes(self.max_num_seqs), blocks_per_seq, self._kv_heads,
+                                       self.device)
             self.graphs.capture()
 
     # -- one step -------------------------------------------------------------------------
@@ -266,8 +269,7 @@ class ModelRunner:
         step = build_fused_step(
             plan.input_ids, plan.positions, plan.slots, plan.sample_rows, plan.decode_lens, plan.decode_block_table,
             [(p.query_start, p.query_len, p.context_len, p.block_ids) for p in plan.prefills],
-            choose_decode_splits(len(plan.decode_lens), self.model.attention_layers()[0].num_kv_heads, self._sm_count,
-                                 longest),
+            choose_decode_splits(len(plan.decode_lens), self._kv_heads, self._sm_count, longest),
             self.device,
         )
         meta = AttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=len(plan.decode_lens),

@@ -77,7 +77,8 @@ def _write_kv_kernel(
         heads = tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
         mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-        dst = (slot // PAGE) * stride_c_block + (slot % PAGE) * stride_c_slot + heads[:, None] * stride_c_head + dims[None, :]
+        dst = ((slot // PAGE) * stride_c_block + (slot % PAGE) * stride_c_slot
+               + heads[:, None] * stride_c_head + dims[None, :])
         k = tl.load(k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask)
         v = tl.load(v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
         tl.store(k_cache_ptr + dst, k, mask=mask)

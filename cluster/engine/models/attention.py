@@ -143,7 +143,8 @@ class PagedAttention(nn.Module):
             out[rows] = o.squeeze(0).transpose(0, 1).reshape(span.query_len, self.num_heads * d)
         return out
 
-    def _forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
         kernels, fused = _fused_kernels(), meta.fused
         kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
