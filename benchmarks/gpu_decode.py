@@ -175,10 +175,6 @@ def run_transformers(batches: list[int], context: int, new_tokens: int, device: 
         wall = generate(make_prompts(batch, context, seed=batch), new_tokens)
         rows[batch] = dict(wall_s=wall, tokens_per_s=batch * new_tokens / wall)
         log(f"transformers: batch {batch}: {batch * new_tokens / wall:.1f} tok/s")
-    del model
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
     return dict(version=transformers.__version__, rows=rows)
 
 

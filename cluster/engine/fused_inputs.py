@@ -54,7 +54,7 @@ def build_fused_step(
 ) -> FusedStep:
     """``prefill_chunks`` holds (first row in the step, rows, context length, block ids) per
     chunk, in step order after the decodes."""
-    tokens, decodes, chunks = len(input_ids), len(decode_lens), len(prefill_chunks)
+    decodes, chunks = len(decode_lens), len(prefill_chunks)
     decode_table, decode_width = padded_rows(decode_block_table)
     starts = [start for start, _, _, _ in prefill_chunks]
     if prefill_chunks:
