@@ -3,8 +3,8 @@
 Without CUDA they run under Triton's CPU interpreter (set here, before the kernels module is
 imported); with CUDA, natively. Caches are random and blocks scattered, so a wrong block-table
 walk, head mapping, stride, split merge, mask or window shows as a mismatch. Shapes are small
-so the interpreter stays quick; the families cover head dims (64, 128 and a padded 48), GQA
-groups 1 to 8, page sizes, sliding windows, contexts around block edges, split counts, and
+so the interpreter stays quick; the families cover head dims (64, 128, 256 and the padded 48
+and 96), GQA groups 1 to 8, page sizes, sliding windows, contexts around block edges, split counts, and
 mixed steps of decodes and prompt chunks through the attention layer.
 """
 
@@ -71,6 +71,8 @@ DECODE_SHAPES = [  # heads, kv heads, head dim, page
     (16, 4, 64, 8),
     (8, 1, 64, 32),
     (6, 2, 48, 16),
+    (4, 4, 96, 16),
+    (4, 2, 256, 16),
 ]
 
 
@@ -127,7 +129,7 @@ CHUNKS = [(5, 5), (17, 40), (33, 33), (1, 70), (16, 48)]
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, page", [
-    (4, 4, 64, 16), (8, 2, 64, 16), (8, 1, 128, 8), (6, 2, 48, 32),
+    (4, 4, 64, 16), (8, 2, 64, 16), (8, 1, 128, 8), (6, 2, 48, 32), (2, 1, 256, 16),
 ])
 @pytest.mark.parametrize("window", [None, 20])
 def test_prefill_chunks_match_reference(num_heads, num_kv_heads, head_dim, page, window):
