@@ -47,6 +47,7 @@ class Outcome:
     first: float | None = None  # first response message at the client
     end: float | None = None
     code: str = "OK"
+    message: str = ""
 
 
 def free_port() -> int:
@@ -91,6 +92,7 @@ async def client(stub, slo_class: str, deadline: float, args, rng: random.Random
                     outcome.first = time.monotonic()
         except grpc.aio.AioRpcError as exc:
             outcome.code = exc.code().name
+            outcome.message = exc.details() or ""
         outcome.end = time.monotonic()
         if outcome.code == "RESOURCE_EXHAUSTED":
             await asyncio.sleep(args.backoff_s)
@@ -169,6 +171,16 @@ def main() -> None:
     print_table("overload drill (client-side times)", rows,
                 ("class", "sent", "completed", "rejected", "failed", "TTFT p50 ms", "TTFT p90 ms", "met 1 s",
                  "reject p50 ms", "reject p90 ms", "reject max ms"))
+    failures: dict[str, int] = {}
+    for o in outcomes:
+        if o.code not in ("OK", "RESOURCE_EXHAUSTED"):
+            failures[f"{o.slo_class} {o.code}"] = failures.get(f"{o.slo_class} {o.code}", 0) + 1
+    if failures:
+        print_table("failed requests by status", sorted(failures.items()), ("class and status", "requests"))
+        for o in outcomes:
+            if o.code not in ("OK", "RESOURCE_EXHAUSTED") and o.message:
+                print(f"e.g. {o.code}: {o.message[:300]}")
+                break
     interactive = rows[0]
     print(f"\ngoal: >= 90% of admitted interactive requests meet 1 s at the client: {interactive[7]}")
     print(f"goal: rejections within 100 ms: p90 {interactive[9]} ms")

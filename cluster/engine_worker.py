@@ -109,6 +109,8 @@ class EngineWorker:
                 queued_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
                 decode_context_tokens=sum(r.num_computed_tokens for r in scheduler.running
                                           if r.num_computed_tokens >= r.num_prompt_tokens),
+                next_slot_tokens=min((r.params.max_tokens - r.num_output_tokens for r in scheduler.running),
+                                     default=0),
                 free_blocks=engine.block_manager.num_free_blocks, num_blocks=engine.block_manager.num_blocks,
                 block_size=engine.config.block_size, max_num_batched_tokens=engine.config.max_num_batched_tokens,
                 max_num_seqs=engine.config.max_num_seqs,

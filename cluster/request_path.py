@@ -192,6 +192,10 @@ class RequestPath:
                 journey.outcome = "unavailable"
                 yield _error("unavailable", "the router is not running")
                 return
+            except ray.exceptions.RayTaskError as exc:
+                journey.outcome = "unavailable"
+                yield _error("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")
+                return
             if decision.action == "reject":
                 journey.outcome = "rejected"
                 if decision.decode is None and decision.reason.startswith("no live"):

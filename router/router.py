@@ -352,7 +352,7 @@ class Router:
         for d in generating:
             load_d, model_d = loads[d], self.model(loads[d])
             pending = pending_on[d]
-            sequences = load_d.running + load_d.receiving + len(pending) + 1
+            sequences = load_d.running + load_d.receiving + load_d.waiting + len(pending) + 1
             context = load_d.decode_context_tokens + sum(p.prompt_tokens for p in pending) + n
             hit_d = min(hits.get(d, 0), cacheable)
             needed = -(-(n + request.max_tokens) // bs) - hit_d
@@ -360,15 +360,24 @@ class Router:
             decode_load = sequences / load_d.max_num_seqs + 1 - free / max(1, load_d.num_blocks)
             tpot = model_d.decode_step_seconds(sequences, context)
             idle_tpot = model_d.decode_step_seconds(1, n)
+            # Room: the blocks the request will need, and a slot in the running batch. Without
+            # one it would wait inside the worker for others to finish, which the step-time model
+            # does not predict; it waits in the router instead, offered again when one ends. A
+            # class that may not wait may take the first place in the worker's line, where the
+            # wait is known: until the running sequence closest to its end has finished.
+            first_in_line = sequences == load_d.max_num_seqs + 1 and cls.on_overload == "reject"
+            has_room = free >= needed and (sequences <= load_d.max_num_seqs or first_in_line)
+            slot_wait = tpot * load_d.next_slot_tokens if first_in_line else 0.0
             reserve_wait = tpot if load_d.running else 0.0  # a call waits for the step in progress
             for p in prefill if d in decode else ():
                 model_p, hit_p, queue_s, prefill_s = prefill_side[p]
                 c = Candidate(p, d, hit_p, hit_d, cacheable, queued[p], decode_load, queue_s=queue_s,
                               prefill_s=prefill_s, transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
-                              tpot_s=tpot, decode_has_room=free >= needed,
+                              tpot_s=tpot, decode_has_room=has_room,
                               rotation_slot=(p, d) == (turn_p, turn_d))
                 c.correction_s = remote_correction
                 c.ttft_s = c.queue_s + c.prefill_s + c.transfer_s + reserve_wait + c.correction_s
+                c.ttft_s = max(c.ttft_s, slot_wait + c.correction_s)  # the KV may land before a slot frees
                 c.idle_ttft_s, c.idle_tpot_s = c.prefill_s + c.transfer_s + c.correction_s, idle_tpot
                 candidates.append(c)
             mostly_cached = cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable
@@ -376,9 +385,9 @@ class Router:
                 # It waits for the step in progress, then its prefill runs in a step with the decodes.
                 local_prefill = model_d.prefill_seconds(n - hit_d * bs, hit_d * bs)
                 c = Candidate(None, d, hit_d, hit_d, cacheable, queued[d], decode_load,
-                              queue_s=model_d.queue_seconds(queued[d]) + reserve_wait,
+                              queue_s=model_d.queue_seconds(queued[d]) + reserve_wait + slot_wait,
                               prefill_s=local_prefill + reserve_wait,
-                              tpot_s=tpot, decode_has_room=free >= needed,
+                              tpot_s=tpot, decode_has_room=has_room,
                               rotation_slot=d == turn_d and (turn_p is None or d in colocated))
                 c.correction_s = local_correction
                 c.ttft_s = c.queue_s + c.prefill_s + c.correction_s
@@ -388,20 +397,20 @@ class Router:
 
     def _choose(self, request: RouteRequest, cls: SloClass, candidates: list[Candidate], now: float) -> Decision:
         objectives = (cls.ttft_s, cls.tpot_s)
-        with_room = [c for c in candidates if c.decode_has_room] or candidates
-        score_all(with_room, dict(self.config.weights), objectives)
-        ranked = sorted(with_room, key=lambda c: (-c.score, c.ttft_s, c.prefill is not None))  # ties: fewer hops
+        with_room = [c for c in candidates if c.decode_has_room]
+        score_all(with_room or candidates, dict(self.config.weights), objectives)
+        ranked = sorted(with_room or candidates, key=lambda c: (-c.score, c.ttft_s, c.prefill is not None))  # ties: fewer hops
         if not self.config.admission_control or (cls.ttft_s is None and cls.tpot_s is None):
             return self._place(request, cls, ranked[0], now)
         # A class that may not wait must be served in time counting what it already spent; one
-        # that may wait is placed as soon as a pair could serve a fresh request in time.
+        # that may wait is placed as soon as a pair with room could serve a fresh request in time.
         spent = _waited(request, now) if cls.on_overload == "reject" else 0.0
-        meeting = [c for c in ranked if _meets(c.ttft_s + spent, c.tpot_s, cls)]
+        meeting = [c for c in ranked if c.decode_has_room and _meets(c.ttft_s + spent, c.tpot_s, cls)]
         if meeting:
             return self._place(request, cls, meeting[0], now)
         never = not any(_meets(c.idle_ttft_s + spent, c.idle_tpot_s, cls) for c in candidates)
-        fastest = min(with_room, key=lambda c: c.ttft_s + c.tpot_s)
-        why = _explain(cls, fastest, never, spent)
+        fastest = min(ranked, key=lambda c: c.ttft_s + c.tpot_s)
+        why = _explain(cls, fastest, never, spent, full=not with_room)
         if cls.on_overload == "reject":
             return self._reject(request, cls, why, now, fastest)
         if cls.on_overload == "queue" and not never:
@@ -522,11 +531,16 @@ def _waited(request: RouteRequest, now: float) -> float:
     return max(0.0, now - request.arrival) if request.arrival is not None else 0.0
 
 
-def _explain(cls: SloClass, c: Candidate, never: bool, spent: float = 0.0) -> str:
+def _explain(cls: SloClass, c: Candidate, never: bool, spent: float = 0.0, full: bool = False) -> str:
     def ms(seconds: float | None) -> str:
         return "none" if seconds is None else f"{seconds * 1000:.0f} ms"
 
-    state = "even an idle cluster cannot meet" if never else "no (prefill, decode) pair can meet now"
+    if never:
+        state = "even an idle cluster cannot meet"
+    elif full:
+        state = "no decode worker has a free slot and KV blocks now for"
+    else:
+        state = "no (prefill, decode) pair can meet now"
     waited = f"waited {ms(spent)} + " if spent else ""
     return (f"{state} slo_class {cls.name!r} (TTFT <= {ms(cls.ttft_s)}, TPOT <= {ms(cls.tpot_s)}): the best, "
             f"{c.label}, predicts TTFT {waited}{ms(c.ttft_s)} (queue {ms(c.queue_s)} + prefill {ms(c.prefill_s)} + "

@@ -36,7 +36,7 @@ class StepSample:
 @dataclass(frozen=True)
 class WorkerLoad:
     worker: str
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "colocated"
     waiting: int
     running: int
     receiving: int
@@ -49,6 +49,7 @@ class WorkerLoad:
     max_num_seqs: int
     steps: tuple[StepSample, ...] = ()
     updated_at: float = field(default_factory=time.time)
+    next_slot_tokens: int = 0  # most steps until a running sequence ends and frees a slot (0: none running)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

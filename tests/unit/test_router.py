@@ -294,13 +294,13 @@ def test_a_class_that_may_not_wait_counts_the_time_it_already_spent():
 
 
 def test_a_waiting_head_never_holds_back_a_request_that_can_be_placed():
-    busy = {w: load(w, queued=3000) for w in ("p0", "p1")}  # 3.02 s of queue on each prefill worker
+    busy = {w: load(w, queued=4700) for w in ("p0", "p1")}  # 4.73 s of queue on each prefill worker
     registry = FakeRegistry(busy)
     router = Router(TOPOLOGY, registry, config())
-    head = router.submit(RouteRequest("head", list(range(2000)), 8, "standard", priority=5), now=NOW)
-    assert head.action == "queue"  # 3.02 s + 2.01 s of prefill > 5 s, though an idle pair could
+    head = router.submit(RouteRequest("head", list(range(300)), 8, "standard", priority=5), now=NOW)
+    assert head.action == "queue"  # 4.73 s + 0.31 s of prefill > 5 s, though an idle pair could
     behind = router.submit(RouteRequest("short", PROMPT, 8, "standard"), now=NOW)
-    assert behind.action == "place"  # 3.02 s + 0.043 s: placed at once, past the waiting head
+    assert behind.action == "place"  # 4.73 s + 0.043 s: placed at once, past the waiting head
     assert router.retry_waiting(NOW + 0.01) == []  # nothing changed: it keeps waiting
     assert router.status(NOW)["waiting"] == 1
     registry.state.update({w: load(w, updated_at=NOW + 0.05) for w in ("p0", "p1")})  # the queues drained
@@ -394,3 +394,23 @@ def test_a_long_queue_is_offered_again_only_on_change_and_pruned_by_what_must_wa
     router.finished("bulk")  # a finished request is a change
     router.retry_waiting(NOW + 0.4)
     assert len(routed) == 4
+
+
+def test_a_decode_worker_without_a_free_slot_makes_requests_wait_in_the_router():
+    """max_num_seqs 8, all taken: a 9th sequence would wait inside the worker for one to finish.
+    A standard request waits in the router; an interactive one may take the first place in the
+    worker's line (the wait is known: 4 more steps of the sequence closest to its end), a second
+    one may not; batch requests (no objectives) are placed and queue in the worker."""
+    full = {d: replace(load(d, running=8), max_num_seqs=8, next_slot_tokens=4) for d in ("d0", "d1")}
+    router = Router(TOPOLOGY, FakeRegistry(full), config())
+    assert route(router, "s", slo_class="standard").action == "queue"
+    first = route(router, "i1", slo_class="interactive")
+    step = 0.020 + 0.005 * 9 + 0.0001 * 33  # a decode step with this request in the batch
+    assert (first.action, first.decode) == ("place", "d0")
+    assert first.predicted_ttft_s == pytest.approx(4 * step)  # the slot frees later than the KV lands
+    second = route(router, "i2", slo_class="interactive")
+    assert (second.action, second.decode) == ("place", "d1")
+    third = route(router, "i3", slo_class="interactive")
+    assert third.action == "reject"
+    assert "no decode worker has a free slot and KV blocks now for slo_class 'interactive'" in third.reason
+    assert route(router, "b", slo_class="batch").action == "place"
