@@ -52,6 +52,7 @@ from cluster.ray_runtime import ensure_ray
 from cluster.registry.load import read_loads
 from cluster.registry.local_redis import LocalRedis
 from cluster.registry.reporter import connect
+from cluster.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
 from router.config import RouterConfig, RouterConfigError
 from router.router import Decision, Topology
 
@@ -144,10 +145,13 @@ class _Frontend:
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     priority: int = 0, slo_class: str | None = None, stream: bool = False,
                     ttft_s: float | None = None, tpot_s: float | None = None) -> None:
+        check_request_id(request_id)
+        check_slo_class(slo_class)
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         if any(q.request_id == request_id for q in self.queue):
-            raise InvalidRequestError(f"request id {request_id!r} is already queued")
+            raise InvalidRequestError(f"request id {quote(request_id)} is already queued")
         params = params or SamplingParams()
+        check_stop_token_ids(params.stop_token_ids, self.vocab_size)
         if self.limits is not None:
             self.limits.check(Request(request_id, token_ids, params))
         try:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from cluster.paths import cache_dir
+from cluster.ray_runtime import auth_summary, quiet_auth_notice
 from cluster.topology import ClusterSpec
 
 READY_TIMEOUT_S = 600.0
@@ -61,6 +62,7 @@ def start_ray(spec: ClusterSpec):
     if spec.ray.address:
         context = ray.init(address=spec.ray.address, namespace=spec.name, log_to_driver=True)
     else:
+        quiet_auth_notice()
         kwargs = {}
         if obs.metrics_export_port:
             kwargs["_metrics_export_port"] = obs.metrics_export_port
@@ -109,9 +111,9 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         _log(f"cluster {spec.name!r} up in {time.perf_counter() - started:.0f}s")
         _log(f"API: {api} (gRPC tandem.v1.Tandem{', TLS' if state['tls'] else ''}); try "
              f"`tandem generate --addr {api} \"Hello\"`")
-        _log(f"dashboard: {dashboard} (its token: ~/.ray/auth_token)" if dashboard else
-             "dashboard: off (observability.dashboard: true starts it)")
-        _log(f"Ray: {context.gcs_address}; `tandem status --cluster {spec.name}`, `tandem down --cluster {spec.name}`")
+        _log(f"dashboard: {dashboard}" if dashboard else "dashboard: off (observability.dashboard: true starts it)")
+        _log(f"Ray: {context.gcs_address}, {auth_summary()}; `tandem status --cluster {spec.name}`, "
+             f"`tandem down --cluster {spec.name}`")
         while not stop.wait(1.0):
             pass
         _log("stopping")

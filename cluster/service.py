@@ -24,6 +24,7 @@ from typing import AsyncIterator
 from cluster.engine.engine import RequestOutput
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.metrics import ClusterMetrics
+from cluster.request_limits import quote
 from cluster.topology import ClusterSpec, parse_topology
 
 STATUS_TIMEOUT_S = 10.0
@@ -149,11 +150,11 @@ class ClusterService:
         request_id = request.get("request_id") or f"req-{next(self._ids)}"
         model = request.get("model")
         if model and model != self.model_name:
-            yield {"error": {"kind": "not_found", "message": f"model {model!r} is not served here; this cluster "
-                                                             f"serves {self.model_name!r}"}, "finished": True}
+            message = f"model {quote(model)} is not served here; this cluster serves {quote(self.model_name)}"
+            yield {"error": {"kind": "not_found", "message": message}, "finished": True}
             return
         if request_id in self._streams:
-            yield {"error": {"kind": "invalid", "message": f"request_id {request_id!r} is already in flight"},
+            yield {"error": {"kind": "invalid", "message": f"request_id {quote(request_id)} is already in flight"},
                    "finished": True}
             return
         try:
@@ -205,7 +206,7 @@ class ClusterService:
             raise InvalidRequestError("this model has no tokenizer.json")
         bad = [t for t in token_ids if not 0 <= t < engine.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token_ids must be in [0, {engine.vocab_size}); got {bad[:5]}")
+            raise InvalidRequestError(f"token_ids must be in [0, {engine.vocab_size}); got {quote(bad[:5])}")
         return engine.tokenizer.decode(token_ids)
 
     async def status(self) -> dict:

@@ -14,10 +14,13 @@ cluster
 model
     path (null)
         A local Hugging Face-format directory (``config.json``, ``*.safetensors``,
-        ``tokenizer.json``). Null is the built-in default model, built on first use. A path
-        that does not exist where the file is validated is only a warning (the file may be
-        checked on a laptop before deployment); where it exists, the TP degrees and
-        ``max_model_len`` are checked against its ``config.json``.
+        ``tokenizer.json``). Null is the built-in default model, built on first use. The TP
+        degrees and ``max_model_len`` are checked against the model's ``config.json`` (the
+        default model's shape is known before it is built). A path that does not exist where
+        the file is checked is an error, as ``tandem up`` would fail on it; it is only a
+        warning when the model lives on other machines: with ``ray.address`` set (the cluster's
+        nodes hold it), or with ``tandem validate --model-elsewhere`` (a file checked on a
+        laptop before deployment).
     name (null)
         The model's name in the API. Null: the directory's name, or ``tandem-default``.
     dtype (null)
@@ -149,6 +152,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from cluster.request_limits import quote
 from router.config import RouterConfig, RouterConfigError, SloClass
 
 DEFAULT_MODEL_NAME = "tandem-default"
@@ -332,15 +336,17 @@ class ClusterSpec:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 
-def parse_topology(text: str, source: str = "<topology>") -> ClusterSpec:
-    spec, errors, _ = _check(text, source)
+def parse_topology(text: str, source: str = "<topology>", model_elsewhere: bool = False) -> ClusterSpec:
+    """The spec of a topology's text; ``model_elsewhere``: ``model.path`` is on the machines the
+    cluster runs on, not necessarily here (a missing one is a warning, not an error)."""
+    spec, errors, _ = _check(text, source, model_elsewhere)
     if errors:
         raise TopologyError(errors, source)
     return spec
 
 
-def load_topology(path: str | Path) -> ClusterSpec:
-    spec, errors, warnings = validate_file(path)
+def load_topology(path: str | Path, model_elsewhere: bool = False) -> ClusterSpec:
+    spec, errors, warnings = validate_file(path, model_elsewhere)
     if errors:
         raise TopologyError(errors, str(path))
     for warning in warnings:
@@ -352,7 +358,8 @@ def default_topology() -> ClusterSpec:
     return parse_topology("")
 
 
-def validate_file(path: str | Path) -> tuple[ClusterSpec | None, list[TopologyIssue], list[str]]:
+def validate_file(path: str | Path, model_elsewhere: bool = False
+                  ) -> tuple[ClusterSpec | None, list[TopologyIssue], list[str]]:
     """The spec (None when there are errors), every error, and the warnings as printable lines."""
     path = Path(path)
     try:
@@ -361,7 +368,7 @@ def validate_file(path: str | Path) -> tuple[ClusterSpec | None, list[TopologyIs
         return None, [TopologyIssue("", None, "no such file")], []
     except (OSError, UnicodeDecodeError) as exc:
         return None, [TopologyIssue("", None, f"cannot read the file: {exc}")], []
-    spec, errors, warnings = _check(text, str(path))
+    spec, errors, warnings = _check(text, str(path), model_elsewhere)
     return spec, errors, [warning.format(str(path)) for warning in warnings]
 
 
@@ -442,12 +449,12 @@ def _describe(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return f"{value!r} (a string)"
+        return f"{quote(value)} (a string)"
     if isinstance(value, dict):
         return "a mapping"
     if isinstance(value, list):
         return "a list"
-    return repr(value)
+    return quote(value)
 
 
 def _unknown_key(key: Any, known: list[str]) -> str:
@@ -494,7 +501,7 @@ def _string(null: bool = False, pattern: re.Pattern | None = None, rule: str = "
         if not isinstance(value, str) or not value:
             raise _Bad(f"must be a non-empty string{' or null' if null else ''}; got {_describe(value)}")
         if pattern is not None and not pattern.match(value):
-            raise _Bad(f"{value!r} {rule}")
+            raise _Bad(f"{quote(value)} {rule}")
         return value
 
     return check
@@ -640,7 +647,8 @@ def _key_lines(node: yaml.Node, prefix: str, lines: dict[str, int], duplicates: 
     visiting.discard(id(node))
 
 
-def _check(text: str, source: str) -> tuple[ClusterSpec | None, list[TopologyIssue], list[TopologyIssue]]:
+def _check(text: str, source: str, model_elsewhere: bool = False
+           ) -> tuple[ClusterSpec | None, list[TopologyIssue], list[TopologyIssue]]:
     try:
         data, lines, duplicates = _load_yaml(text)
     except yaml.YAMLError as exc:
@@ -668,8 +676,7 @@ def _check(text: str, source: str) -> tuple[ClusterSpec | None, list[TopologyIss
     )
     _check_ports(ctx, spec)
     _check_exposure(ctx, spec)
-    if spec.model.path:
-        _check_model(ctx, spec)
+    _check_model(ctx, spec, model_elsewhere or spec.ray.address is not None)
     for issues in (ctx.errors, ctx.warnings):
         issues.sort(key=lambda issue: issue.line or 0)
     return (None if ctx.errors else spec), ctx.errors, ctx.warnings
@@ -809,13 +816,31 @@ def _check_exposure(ctx: _Context, spec: ClusterSpec) -> None:
                          "these ranks could not be placed")
 
 
-def _check_model(ctx: _Context, spec: ClusterSpec) -> None:
+def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
+    """The TP degrees and max_model_len against the model's config.json: the default model's
+    (known before it is built), or the one at ``model.path``. A path that does not exist here
+    is an error, unless the model is ``elsewhere`` (the topology joins a Ray cluster, whose
+    nodes hold it, or ``tandem validate --model-elsewhere``): then a warning."""
     from cluster.engine.models.config import load_model_config
 
+    if not spec.model.path:
+        from cluster.default_model import default_model_config
+
+        try:
+            config = default_model_config(spec.model.dtype)
+        except (ValueError, OSError) as exc:
+            ctx.error("model.path", f"the default model's config.json cannot be read: {exc}")
+            return
+        _check_against(ctx, spec, config)
+        return
     path = Path(spec.model.path).expanduser()
     if not path.exists():
-        ctx.warn("model.path", f"{path} does not exist here; tp and max_model_len are checked against the model "
-                 "only where it is readable")
+        if elsewhere:
+            ctx.warn("model.path", f"{path} does not exist here; tp and max_model_len are checked against the model "
+                     "only where it is readable")
+        else:
+            ctx.error("model.path", f"{path} does not exist here: give a local Hugging Face-format model directory "
+                      "(or null for the default model)")
         return
     if not (path / "config.json").is_file():
         ctx.error("model.path", f"{path} is not a model directory: it has no config.json")
@@ -825,6 +850,10 @@ def _check_model(ctx: _Context, spec: ClusterSpec) -> None:
     except (ValueError, OSError) as exc:
         ctx.error("model.path", str(exc))
         return
+    _check_against(ctx, spec, config)
+
+
+def _check_against(ctx: _Context, spec: ClusterSpec, config) -> None:
     from cluster.parallel.tp_runner import check_tensor_parallel
 
     for role in ROLES:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.request_limits import quote
+
 
 class EngineConfigError(ValueError):
     """A setting that cannot work; the message names it."""
@@ -50,7 +52,7 @@ class EngineConfig:
                 positive[name] = getattr(self, name)
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+                raise EngineConfigError(f"{name} must be a positive integer, got {quote(value)}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise EngineConfigError(
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"

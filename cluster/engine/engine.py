@@ -24,6 +24,7 @@ from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from cluster.request_limits import check_request_id, check_stop_token_ids, quote
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def prompt_token_ids(prompt: str | Sequence[int], tokenizer: Tokenizer | None, v
         token_ids = list(prompt)
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {quote(bad[:5])}")
     return token_ids
 
 
@@ -214,7 +215,9 @@ class LLMEngine:
 
     def _make_request(self, request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None) -> Request:
         params = params or SamplingParams()
+        check_request_id(request_id)
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        check_stop_token_ids(params.stop_token_ids, self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has no tokenizer.json")
         request = Request(

@@ -102,12 +102,12 @@ def reference(model_dir) -> dict:
 BROKEN_JSON = '{"id": "broken", "prompt": "no closing brace"'
 
 
-def _input_lines(reference: dict) -> list[tuple[str, str | None, bytes]]:
-    """(key, expected output id, raw line) in file order."""
+def _input_lines(reference: dict) -> list[tuple[str, str | int | None, bytes]]:
+    """(key, expected output id, raw line) in file order; an integer id comes back an integer."""
     stop = reference["stop"][0]
     lines = [
         ("text", "text", {"id": "text", "prompt": LONG_TEXT, "max_tokens": 8, **GREEDY}),
-        ("17", "17", {"id": 17, "prompt_token_ids": IDS_PROMPT, "max_tokens": 6, "logprobs": 2, **GREEDY}),
+        ("17", 17, {"id": 17, "prompt_token_ids": IDS_PROMPT, "max_tokens": 6, "logprobs": 2, **GREEDY}),
         ("broken", None, BROKEN_JSON),
         ("seeded", "seeded", {"id": "seeded", "prompt": SEEDED_PROMPT, **SEEDED}),
         ("unknown", "unknown", {"id": "unknown", "prompt": "hi", "temprature": 0.5}),

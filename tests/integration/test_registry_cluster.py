@@ -4,8 +4,11 @@ rebuilt by the workers' re-publishing."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -66,6 +69,65 @@ def test_reporter_publishes_events_and_load_and_survives_redis_restart():
                 restarted.stop()
         finally:
             reporter.stop()
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether the pid names a process, a zombie included (a reaped child has no /proc entry)."""
+    return Path(f"/proc/{pid}").exists()
+
+
+def test_embedded_redis_killed_is_reaped_restarted_and_repopulated():
+    """kill -9 of the private redis-server: the supervisor reaps it (no zombie), starts it again
+    on the same port, and the worker's reporter re-publishes its whole state there."""
+    with LocalRedis() as server:
+        port, url = server.port, server.url
+        blocks = BlockManager(8, 4)
+        hashes = hash_token_blocks(list(range(12)), 4, ("m",))
+
+        def snapshot():
+            return blocks.drain_events(), WorkerLoad("w0", "decode", 0, 0, 0, 0, 0, blocks.num_free_blocks, 8, 4,
+                                                     64, 4)
+
+        reporter = WorkerReporter(url, "sup", "w0", snapshot, interval_s=0.05, heartbeat_ttl_s=1.0)
+        try:
+            for block_id, h in zip(blocks.allocate(3), hashes):
+                blocks.cache_block(block_id, h)
+            reader = KVIndexReader(redis.Redis.from_url(url), "sup")
+            wait_for(lambda: reader.prefix_blocks(hashes) == {"w0": 3}, what="stored blocks")
+            killed = server.process.pid
+            os.kill(killed, signal.SIGKILL)
+            wait_for(lambda: server.restarts == 1, what="the supervisor to start redis-server again")
+            assert server.port == port and server.process.pid != killed
+            assert not _process_exists(killed)  # reaped, not a zombie
+            reader = KVIndexReader(redis.Redis.from_url(url), "sup")
+            wait_for(lambda: reader.prefix_blocks(hashes) == {"w0": 3}, what="re-published blocks")
+            assert reporter.connected and reporter.resyncs == 1
+        finally:
+            reporter.stop()
+        last = server.process.pid
+    assert not _process_exists(last)  # stop() ends the server it started last, and no restart follows
+    assert server.restarts == 1
+
+
+def test_embedded_redis_restarts_are_bounded(monkeypatch):
+    """A redis-server that keeps dying is started again at most MAX_RESTARTS times within the
+    window; then the supervisor gives up, and the last one is reaped too."""
+    from cluster.registry import local_redis
+
+    monkeypatch.setattr(local_redis, "MAX_RESTARTS", 2)
+    with LocalRedis() as server:
+        pids = []
+        for expected in (1, 2):
+            pids.append(server.process.pid)
+            os.kill(server.process.pid, signal.SIGKILL)
+            wait_for(lambda: server.restarts == expected, what=f"restart {expected}")
+        pids.append(server.process.pid)
+        os.kill(server.process.pid, signal.SIGKILL)
+        wait_for(lambda: not server._supervisor.is_alive(), what="the supervisor to give up")
+        assert server.restarts == 2
+        assert not any(_process_exists(pid) for pid in pids)
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(server.url, socket_timeout=1).ping()
 
 
 def test_a_url_with_password_and_database_number():
