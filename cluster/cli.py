@@ -73,11 +73,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cluster.parallel.group import GroupSetupError
     from cluster.parallel.tp_runner import TensorParallelError
     from cluster.registry.local_redis import RedisServerError
+    from cluster.startup import ClusterStartError
 
     try:
         llm = _make_llm(args)
     except (EngineConfigError, ModelConfigError, WeightLoadError, FileNotFoundError, GroupSetupError,
-            TensorParallelError, RedisServerError, ValueError) as exc:
+            TensorParallelError, RedisServerError, ClusterStartError, ValueError) as exc:
         print(f"tandem run: {exc}", file=sys.stderr)
         return 2
     with llm:
@@ -136,8 +137,10 @@ def _run_file(llm, args: argparse.Namespace) -> int:
 def _load_spec(args: argparse.Namespace):
     from cluster.topology import TopologyError, default_topology, load_topology
 
+    # Joining a Ray cluster (--address), the model is on its nodes: it need not exist here.
+    elsewhere = bool(getattr(args, "address", None))
     try:
-        spec = load_topology(args.topology) if args.topology else default_topology()
+        spec = load_topology(args.topology, model_elsewhere=elsewhere) if args.topology else default_topology()
     except TopologyError as exc:
         print(f"tandem {args.command}: the topology has errors:\n{exc}", file=sys.stderr)
         return None

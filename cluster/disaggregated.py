@@ -53,6 +53,7 @@ from cluster.registry.load import read_loads
 from cluster.registry.local_redis import LocalRedis
 from cluster.registry.reporter import connect
 from cluster.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
+from cluster.startup import CLI_SETTINGS, SettingNames, guarded, placement_failed, worker_failed
 from router.config import RouterConfig, RouterConfigError
 from router.router import Decision, Topology
 
@@ -184,10 +185,14 @@ class DisaggregatedLLM(LLM):
         registry_url: str | None = None,
         pools: dict[str, PoolResources] | None = None,
         role_args: dict[str, dict] | None = None,
+        settings: SettingNames = CLI_SETTINGS,
         **engine_args,
     ):
         """``engine_args`` are EngineConfig fields for both roles; ``role_args["prefill"]`` and
-        ``role_args["decode"]`` override them per role; ``pools`` sets each role's resources."""
+        ``role_args["decode"]`` override them per role; ``pools`` sets each role's resources.
+        A worker that cannot be placed or started raises :class:`ClusterStartError`, one line
+        naming it and the setting to change (spelled as ``settings`` says), after stopping
+        everything started so far."""
         if model is None:
             from cluster.default_model import default_model_dir
 
@@ -226,6 +231,8 @@ class DisaggregatedLLM(LLM):
         self.transfers: deque[TransferStat] = deque(maxlen=TRANSFERS_KEPT)  # the most recent, for stats
         common = dict(model=str(model_dir), cluster_name=cluster_name, ray_address=ray_address, **engine_args)
 
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         from decode_worker.worker import DecodeWorker
         from prefill_worker.worker import PrefillWorker
 
@@ -246,23 +253,40 @@ class DisaggregatedLLM(LLM):
         role_args = role_args or {}
         self.placement_groups = []
         self.prefill, self.decode = [], []
+        self.settings = settings
+        workers = ([(PrefillWorker, "prefill", i, prefill_tp, 64) for i in range(prefill_workers)] +
+                   [(DecodeWorker, "decode", i, decode_tp, 16) for i in range(decode_workers)])
 
-        def start(cls, role: str, index: int, tp: int, concurrency: int):
-            name = f"{role}-{index}"
+        def engine_config(role: str, index: int, tp: int, share: float) -> EngineConfig:
             pool = pools.get(role, PoolResources())
-            strategy = self._reserve(name, tp, pool)
             # With GPUs per rank, Ray assigns each rank its device (it sees only that one, as cuda:0).
-            config = EngineConfig(**{**common, **role_args.get(role, {})}, tensor_parallel_size=tp, engine_name=name,
-                                  device="cuda:0" if pool.gpus_per_rank else device_for(tp),
-                                  cpus_per_rank=pool.cpus_per_rank, gpus_per_rank=pool.gpus_per_rank)
-            return ray.remote(cls).options(name=name, num_cpus=pool.cpus_per_rank, num_gpus=pool.gpus_per_rank,
-                                           max_concurrency=concurrency,
-                                           scheduling_strategy=strategy).remote(config, self.registry_url)
+            return EngineConfig(**{**common, **role_args.get(role, {})}, tensor_parallel_size=tp,
+                                engine_name=f"{role}-{index}", device="cuda:0" if pool.gpus_per_rank else device_for(tp),
+                                cpus_per_rank=pool.cpus_per_rank, gpus_per_rank=pool.gpus_per_rank,
+                                kv_memory_share=share)
 
         try:
-            self.prefill = [start(PrefillWorker, "prefill", i, prefill_tp, 64) for i in range(prefill_workers)]
-            self.decode = [start(DecodeWorker, "decode", i, decode_tp, 16) for i in range(decode_workers)]
-            described = ray.get([w.describe.remote() for w in self.prefill + self.decode])
+            # Every worker's ranks are placed first, so that each rank's share of its node's KV
+            # budget is known before any engine sizes its cache.
+            groups = [self._reserve(f"{role}-{i}", role, tp, pools.get(role, PoolResources()), ray_address is None)
+                      for _, role, i, tp, _ in workers]
+            on_cpu = [not pools.get(role, PoolResources()).gpus_per_rank and not device.startswith("cuda")
+                      for _, role, _, _, _ in workers]
+            shares = kv_memory_shares([(_group_node(group), tp, cpu)
+                                       for group, (_, _, _, tp, _), cpu in zip(groups, workers, on_cpu)])
+            configs = [engine_config(role, i, tp, share) for (_, role, i, tp, _), share in zip(workers, shares)]
+            actors = [ray.remote(guarded(cls)).options(
+                name=cfg.engine_name, num_cpus=cfg.cpus_per_rank, num_gpus=cfg.gpus_per_rank,
+                max_concurrency=concurrency, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
+            ).remote(cfg, self.registry_url) for (cls, _, _, _, concurrency), group, cfg in zip(workers, groups, configs)]
+            self.prefill, self.decode = actors[:prefill_workers], actors[prefill_workers:]
+            self.kv_shares = {cfg.engine_name: share for cfg, share in zip(configs, shares)}
+            by_name = {cfg.engine_name: cfg for cfg in configs}
+            self._await_workers([(cfg.engine_name, actor.started.remote()) for cfg, actor in zip(configs, actors)],
+                                by_name)
+            described = self._await_workers([(cfg.engine_name, actor.describe.remote())
+                                             for cfg, actor in zip(configs, actors)], by_name)
             smallest = min(described[len(self.prefill):], key=lambda d: d["num_blocks"])
             self.engine.limits = Scheduler(BlockManager(smallest["num_blocks"], smallest["block_size"]), 1, 1,
                                            smallest["max_model_len"])
@@ -270,8 +294,9 @@ class DisaggregatedLLM(LLM):
             for p, d in itertools.product(range(prefill_workers), range(decode_workers)):
                 layout = PairLayout(self._pair(p, d), prefill_tp, decode_tp, config.num_kv_heads, kv_transport)
                 spec = GroupSpec(cluster_name, f"kv-p{p}-d{d}", layout.size)
-                joins += [self.prefill[p].join_pair.remote(layout, spec), self.decode[d].join_pair.remote(layout, spec)]
-            ray.get(joins)
+                joins += [(f"prefill-{p}", self.prefill[p].join_pair.remote(layout, spec)),
+                          (f"decode-{d}", self.decode[d].join_pair.remote(layout, spec))]
+            self._await_workers(joins, by_name)
             from router.actor import RouterActor
 
             self.names = [d["name"] for d in described]
@@ -295,27 +320,57 @@ class DisaggregatedLLM(LLM):
         if verbose:
             registry = "private redis-server on " + self.registry_url if self.local_redis else "Redis registry"
             print(f"[tandem] disaggregated: {prefill_workers} prefill worker(s) TP {prefill_tp}, {decode_workers} decode "
-                  f"worker(s) TP {decode_tp}, router policy {router_config.policy}, {registry}; ready in "
-                  f"{time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+                  f"worker(s) TP {decode_tp}, router policy {router_config.policy}, {registry}"
+                  f"{self._kv_budget(configs)}; ready in {time.perf_counter() - started:.1f}s", file=sys.stderr,
+                  flush=True)
+
+    @staticmethod
+    def _kv_budget(configs: list[EngineConfig]) -> str:
+        """How the KV budget was split, for the ready line ("" when KV blocks are fixed)."""
+        if any(c.num_kv_blocks is not None for c in configs):
+            return ""
+        fraction = configs[0].kv_cache_memory_fraction
+        most = max(round(1 / c.kv_share) for c in configs)
+        shared = f", shared by its CPU ranks (up to {most} on a node)" if most > 1 else ""
+        return f"; KV cache {fraction:g} of each node's memory{shared}"
 
     @staticmethod
     def _pair(prefill: int, decode: int) -> str:
         return f"p{prefill}-d{decode}"
 
-    def _reserve(self, name: str, tp: int, pool: PoolResources):
-        """A placement group of ``tp`` bundles packed on one node for a worker's ranks; its
-        scheduling strategy (rank 0 in bundle 0, the other ranks captured into the rest)."""
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    def _reserve(self, name: str, role: str, tp: int, pool: PoolResources, local_ray: bool):
+        """A placement group of ``tp`` bundles packed on one node for a worker's ranks (rank 0
+        goes in bundle 0, the other ranks are captured into the rest), once Ray has placed it.
+        On a local Ray a placement no node could ever hold fails at once; otherwise (nodes may
+        yet join, or free up) after ``REGISTRY_WAIT_S``."""
+        from ray.util.placement_group import placement_group, placement_group_table
 
         group = placement_group([pool.bundle()] * tp, strategy="STRICT_PACK", name=f"{self.cluster_name}-{name}")
         self.placement_groups.append(group)
-        if not group.wait(REGISTRY_WAIT_S):
-            raise EngineConfigError(
-                f"cannot place {name}: its {tp} rank(s) need {pool.bundle()} each, together on one node, and the "
-                f"Ray cluster has no such room (see `ray status`)")
-        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
-                                                placement_group_capture_child_tasks=True)
+        deadline = time.monotonic() + REGISTRY_WAIT_S
+        while not group.wait(0.2):
+            infeasible = placement_group_table(group).get("stats", {}).get("scheduling_state") == "INFEASIBLE"
+            if (infeasible and local_ray) or time.monotonic() > deadline:
+                raise placement_failed(name, role, tp, pool.bundle(), self.settings, never=infeasible)
+        return group
+
+    def _await_workers(self, calls: list[tuple[str, object]], configs: dict[str, EngineConfig]) -> list:
+        """The results of start-up calls, in order; the first to fail (a worker whose engine
+        raised, that died or was killed for memory) becomes a :class:`ClusterStartError`
+        naming that worker."""
+        ray = self._ray
+        results: dict[object, object] = {}
+        names = {ref: name for name, ref in calls}
+        pending = [ref for _, ref in calls]
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                results[ready[0]] = ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                config = configs[names[ready[0]]]
+                raise worker_failed(names[ready[0]], exc, self.settings, config.kv_cache_memory_fraction,
+                                    config.num_kv_blocks) from None
+        return [results[ref] for _, ref in calls]
 
     def _wait_for_registry(self) -> None:
         """Until every worker's first report is in the registry (they report right after their
@@ -602,6 +657,27 @@ class DisaggregatedLLM(LLM):
         free = [w["kv_blocks"] - w["kv_blocks_used"] if w["state"] == "alive" else None
                 for w in self.worker_status()]
         return free[:len(self.prefill)], free[len(self.prefill):]
+
+
+def kv_memory_shares(ranks: list[tuple[str, int, bool]]) -> list[float]:
+    """Each worker's share of its node's KV budget, from (node id, ranks, on a CPU) per worker.
+
+    The budget (``kv_cache_memory_fraction`` of the node's RAM) is the node's: every CPU rank
+    placed on a node takes an equal part of it. A GPU rank has a GPU of its own (Ray gives
+    each rank one, or ranks take consecutive devices), so its budget is that GPU's: share 1.
+    """
+    on_node: dict[str, int] = {}
+    for node, tp, cpu in ranks:
+        if cpu:
+            on_node[node] = on_node.get(node, 0) + tp
+    return [1.0 / on_node[node] if cpu else 1.0 for node, _, cpu in ranks]
+
+
+def _group_node(group) -> str:
+    """The node a placed (STRICT_PACK) placement group's bundles are on."""
+    from ray.util.placement_group import placement_group_table
+
+    return placement_group_table(group)["bundles_to_node_id"][0]
 
 
 def _on_driver_clock(started: _Started, output: RequestOutput) -> None:

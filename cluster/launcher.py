@@ -10,9 +10,12 @@ is how ``down`` (SIGTERM to that pid; it stops everything it started) and ``stat
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -74,11 +77,63 @@ def start_ray(spec: ClusterSpec):
     return ray, (f"http://{url}" if url and not url.startswith("http") else url)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _listen_problem(host: str, port: int) -> str | None:
+    """Why nothing here could listen on host:port now (in use, or not an address of this
+    machine), or None. Without SO_REUSEPORT, so a server that shares its port is seen too."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return f"cannot resolve {host}: {exc.strerror}"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is already in use"
+            return f"cannot listen on {host}:{port} here ({exc.strerror})"
+    return None
+
+
+def port_problem(spec: ClusterSpec) -> str | None:
+    """One line naming the first port the topology gives that cannot be used here, or None.
+
+    Checked before anything starts: the API's ``server.port`` (where the ingress will run on
+    this machine: a local Ray, or one joined on loopback) and, for a local Ray, the dashboard's
+    and the metrics agent's ports."""
+    ray_here = spec.ray.address is None or _is_loopback(spec.ray.address.rpartition("://")[2].rpartition(":")[0])
+    wanted = []
+    if spec.server.port and ray_here:
+        wanted.append(("server.port", spec.server.host, spec.server.port))
+    obs = spec.observability
+    if spec.ray.address is None and obs.dashboard:
+        wanted.append(("observability.dashboard_port", obs.dashboard_host, obs.dashboard_port))
+    if spec.ray.address is None and obs.metrics_export_port:
+        wanted.append(("observability.metrics_export_port", "127.0.0.1", obs.metrics_export_port))
+    for key, host, port in wanted:
+        problem = _listen_problem(host, port)
+        if problem is not None:
+            return f"{key}: {problem}; choose another {key}, or stop what holds it"
+    return None
+
+
 def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     existing = read_state(spec.name)
     if existing and process_alive(existing["pid"]):
         _log(f"cluster {spec.name!r} is already up (pid {existing['pid']}, API {existing.get('api')}); "
              f"`tandem down --cluster {spec.name}` first")
+        return 1
+    problem = port_problem(spec)
+    if problem is not None:
+        _log(problem)
         return 1
     if detach:
         return _detach(spec, argv)
@@ -88,6 +143,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
 
     from cluster.ingress import HEAD_NODE, GrpcIngress
     from cluster.service import ClusterService
+    from cluster.startup import exception_line, guarded
 
     started = time.perf_counter()
     stop = threading.Event()
@@ -95,12 +151,22 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     frontend = None
     try:
-        frontend = ray.remote(ClusterService).options(name="frontend", num_cpus=0.1, max_concurrency=1000,
-                                                      resources=HEAD_NODE).remote(spec_yaml)
+        frontend = ray.remote(guarded(ClusterService)).options(
+            name="frontend", num_cpus=0.1, max_concurrency=1000, resources=HEAD_NODE).remote(spec_yaml)
+        try:
+            ray.get(frontend.started.remote())
+        except ray.exceptions.RayError as exc:  # its workers, placement, registry or model
+            _log(f"cluster {spec.name!r} did not start: {exception_line(exc)}")
+            return 1
         ray.get(frontend.ready.remote())
         serve.start(proxy_location="Disabled")
-        handle = serve.run(GrpcIngress.bind(spec_yaml), name=spec.name, route_prefix=None)
-        api = handle.address.remote().result()
+        try:
+            handle = serve.run(GrpcIngress.bind(spec_yaml), name=spec.name, route_prefix=None)
+            api = handle.address.remote().result()
+        except Exception as exc:  # noqa: BLE001 - Serve reports a replica that cannot start as a RuntimeError
+            _log(f"cluster {spec.name!r} did not start: the gRPC API on {spec.server.host}:{spec.server.port} "
+                 f"(server.host, server.port) did not come up: {exception_line(exc)}")
+            return 1
         context = ray.get_runtime_context()
         state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "dashboard": dashboard,
                  "tls": bool(spec.server.tls and spec.server.tls.cert_file),

@@ -45,6 +45,7 @@ def _resolve_registry_url(spec: ClusterSpec) -> str | None:
 def build_driver(spec: ClusterSpec, verbose: bool = True):
     """The deployment's driver: workers in their placement groups, registry, router."""
     from cluster.disaggregated import DisaggregatedLLM, PoolResources
+    from cluster.startup import TOPOLOGY_SETTINGS
 
     def pool(role: str) -> PoolResources:
         p = getattr(spec, role)
@@ -61,6 +62,7 @@ def build_driver(spec: ClusterSpec, verbose: bool = True):
         ray_address=spec.ray.address, transfer_timeout_s=spec.kv.transfer_timeout_s, kv_transport=spec.kv.transport,
         stream_layers=spec.kv.stream_layers, router_config=spec.router, registry_url=_resolve_registry_url(spec),
         pools={"prefill": pool("prefill"), "decode": pool("decode")}, role_args=role_args, device=device,
+        settings=TOPOLOGY_SETTINGS,
     )
 
 

@@ -188,6 +188,9 @@ class TopologyError(ValueError):
         self.source = source
         super().__init__("\n".join(issue.format(source) for issue in self.errors))
 
+    def __reduce__(self):  # so that it crosses processes (a Ray actor's error) whole
+        return type(self), (self.errors, self.source)
+
 
 @dataclass(frozen=True)
 class ModelSpec:

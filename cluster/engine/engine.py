@@ -17,7 +17,7 @@ import torch
 
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.config import EngineConfig, EngineConfigError
-from cluster.engine.model_runner import ModelRunner
+from cluster.engine.model_runner import ModelRunner, device_memory_bytes
 from cluster.engine.models.config import load_model_config
 from cluster.engine.request import FinishReason, Request, TransferTarget
 from cluster.engine.sampler import make_generator, skip_one_draw
@@ -181,9 +181,14 @@ class LLMEngine:
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        by_memory = self.runner.blocks_for_memory_fraction(cfg.kv_cache_memory_fraction)
+        share = cfg.kv_share
+        by_memory = self.runner.blocks_for_memory_fraction(cfg.kv_cache_memory_fraction * share)
         if by_memory < 1:
-            raise EngineConfigError("kv_cache_memory_fraction leaves no room for a single KV block")
+            memory = device_memory_bytes(self.runner.device) / 2**20
+            shared = f", shared by {round(1 / share)} ranks," if share < 1 else ""
+            raise EngineConfigError(
+                f"kv_cache_memory_fraction {cfg.kv_cache_memory_fraction:g} of {memory:.0f} MiB{shared} leaves no "
+                f"room for a single KV block of {self.runner.block_bytes / 2**20:.2f} MiB")
         return min(by_memory, useful)
 
     # -- requests -------------------------------------------------------------------------

@@ -637,3 +637,14 @@ def test_validate_not_yaml(tmp_path, capsys):
     path = write(tmp_path, "prefill: {tp: 2\n")
     code, out, err = run_validate(path, capsys)
     assert code == 1 and err.startswith(f"{path}:2: not valid YAML")
+
+
+def test_topology_error_crosses_processes_whole():
+    """A frontend actor's TopologyError reaches `tandem up` through pickling with its issues."""
+    import pickle
+
+    with pytest.raises(TopologyError) as info:
+        parse_topology("prefill:\n  tp: 0\n", "t.yaml")
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert copy.errors == info.value.errors and str(copy) == str(info.value)
+    assert str(copy).startswith("t.yaml:2: prefill.tp: ")
