@@ -18,7 +18,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, help="exact number of KV blocks")
     kv.add_argument("--kv-cache-memory-fraction", type=float, default=0.25,
-                    help="share of device memory (RAM on a CPU) for the KV cache (default: 0.25)")
+                    help="share of the node's memory (RAM on a CPU, each GPU's free memory on CUDA) for the KV "
+                         "cache, split among the ranks on the node (default: 0.25)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument("--no-chunked-prefill", action="store_true", help="schedule each prompt whole")
     parser.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")

@@ -63,8 +63,9 @@ kv
     block_size (16)
         Tokens per KV block, a positive integer; prefill and decode share it.
     cache_memory_fraction (0.25)
-        Share of each worker's memory (free GPU memory, or RAM on a CPU) given to the KV
-        cache, in (0, 0.95].
+        Share of each node's memory given to the KV cache, in (0, 0.95]: of its RAM on a CPU,
+        split equally among every CPU rank the cluster places on that node; of a GPU's free
+        memory for the rank that GPU is given to.
     num_blocks (null)
         Exact number of KV blocks per worker, a positive integer; overrides the fraction.
     prefix_caching (true)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import psutil
 import pytest
+import torch
 
 from cluster.disaggregated import DisaggregatedLLM, PoolResources
 from cluster.engine.model_runner import device_memory_bytes
@@ -49,12 +50,24 @@ def test_ranks_on_one_node_share_its_kv_budget(checkpoint, ray_session):
     with disaggregated(model_dir, prefill_tp=2, decode_tp=1, kv_cache_memory_fraction=fraction) as llm:
         assert llm.kv_shares == {"prefill-0": pytest.approx(1 / 3), "decode-0": pytest.approx(1 / 3)}
         described = {d["name"]: d for d in ray_session.get([w.describe.remote() for w in llm.prefill + llm.decode])}
-    memory = device_memory_bytes(__import__("torch").device("cpu"))
+    memory = device_memory_bytes(torch.device("cpu"))
     # A block holds 16 tokens of K and V for 2 layers of (KV heads of this rank) x 16 dims, float32.
     per_rank_heads = {"prefill-0": 1, "decode-0": 2}  # the model's 2 KV heads split over TP 2, or whole
     for name, heads in per_rank_heads.items():
         block_bytes = 2 * 2 * 16 * heads * 16 * 4
-        assert described[name]["num_blocks"] == int(memory * fraction / 3) // block_bytes, name
+        assert described[name]["num_blocks"] == int(memory * (fraction * (1 / 3))) // block_bytes, name
+
+
+def test_colocated_tensor_parallel_ranks_share_one_budget(checkpoint, ray_session):
+    """`tandem run --tp 2` on one machine: both ranks come from one budget, half each."""
+    from cluster.engine.llm import LLM
+
+    fraction = 0.0005
+    with LLM(str(checkpoint("llama")), verbose=False, tensor_parallel_size=2, cluster_name=CLUSTER,
+             engine_name="colocated", kv_cache_memory_fraction=fraction) as llm:
+        num_blocks = llm.engine.block_manager.num_blocks
+    block_bytes = 2 * 2 * 16 * 1 * 16 * 4  # one of the 2 KV heads per rank
+    assert num_blocks == int(device_memory_bytes(torch.device("cpu")) * fraction / 2) // block_bytes
 
 
 def test_a_placement_no_node_can_hold_fails_at_once_naming_the_worker(checkpoint, ray_session):
