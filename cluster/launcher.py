@@ -218,12 +218,23 @@ def _detach(spec: ClusterSpec, argv: list[str]) -> int:
             _log(f"API: {state['api']}; dashboard: {state['dashboard'] or 'off'}")
             return 0
         if child.poll() is not None:
-            _log(f"`tandem up` exited with {child.returncode}; its log {log} ends:\n" + _tail(log))
+            said = _last_said(log)
+            _log(f"`tandem up` exited with {child.returncode}: {said} (log: {log})" if said else
+                 f"`tandem up` exited with {child.returncode}; its log {log} ends:\n" + _tail(log))
             return 1
         time.sleep(0.5)
     child.terminate()
     _log(f"cluster {spec.name!r} did not come up within {READY_TIMEOUT_S:.0f}s; log: {log}")
     return 1
+
+
+def _last_said(path: Path) -> str | None:
+    """The last line Tandem itself logged (why a background `up` stopped), without its prefix."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.removeprefix("[tandem] ") for line in reversed(lines) if line.startswith("[tandem] ")), None)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from cluster.request_limits import clip
 
 _ALLOCATION_FAILED = re.compile(r"out of memory|can't allocate memory|cannot allocate memory", re.IGNORECASE)
+_TRIED_BYTES = re.compile(r"tried to allocate (\d+) bytes")
 _RAY_MEMORY_KILL = re.compile(r"low on memory|memory pressure", re.IGNORECASE)
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -109,6 +110,9 @@ def _failure(exc: BaseException) -> tuple[str, str]:
         if isinstance(exc, MemoryError):
             return "memory", line
     memory = _ALLOCATION_FAILED.search(line) or _RAY_MEMORY_KILL.search(line)  # also a rank's, reported by rank 0
+    tried = _TRIED_BYTES.search(line)
+    if memory and tried:  # torch's CPU allocator names the size among much else
+        line = f"could not allocate {int(tried.group(1)) / 2**30:,.1f} GiB"
     return ("memory" if memory else "raised"), line
 
 

@@ -222,3 +222,29 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(checkpoint, ray_ses
             assert all(o.error is None for o in survivors)
     finally:
         server.stop()
+
+
+def test_embedded_redis_killed_under_a_running_cluster_comes_back(checkpoint, ray_session):
+    """The private redis-server of a cluster, killed with -9 while it serves: requests go on,
+    the supervisor starts it again on the same port, every worker registers again, and the
+    router leaves load-only placement."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([40, 20, 30], seed=13)
+    with DisaggregatedLLM(str(model_dir), cluster_name=CLUSTER, num_kv_blocks=64, verbose=False) as llm:
+        server = llm.local_redis
+        port, killed = server.port, server.process.pid
+        os.kill(killed, signal.SIGKILL)
+        during = llm.generate(prompts[:1], greedy(4))
+        assert during[0].error is None
+        wait_for(lambda: server.restarts == 1, what="the supervisor to start redis-server again")
+        assert server.port == port and not _process_exists(killed)
+        reader = KVIndexReader(redis.Redis.from_url(llm.registry_url), CLUSTER)
+        wait_for(lambda: reader.alive_workers() == {"prefill-0", "decode-0"}, what="workers to register again")
+
+        def placed_with_the_registry() -> bool:
+            output = llm.generate(prompts[1:2], greedy(2))[0]
+            return output.error is None and not llm.decisions[output.request_id].load_only
+
+        wait_for(placed_with_the_registry, timeout_s=30, every_s=0.5, what="placement with the registry again")
+        assert llm.router_status()["registry"] == "ok"
+    assert not _process_exists(server.process.pid)

@@ -58,10 +58,15 @@ def test_ray_memory_monitor_kill_names_the_kv_setting():
 
 
 def test_a_failed_allocation_is_out_of_memory_and_other_errors_are_quoted():
-    allocation = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 TB\nmore")
+    allocation = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                              "memory: you tried to allocate 8192002097152 bytes. Error code 12\nmore")
     assert str(worker_failed("decode-0", allocation, TOPOLOGY_SETTINGS, 0.5, None)) == (
-        "decode-0 ran out of memory while starting (RuntimeError: DefaultCPUAllocator: can't allocate memory: you "
-        "tried to allocate 8 TB): lower kv.cache_memory_fraction (now 0.5) or give kv.num_blocks")
+        "decode-0 ran out of memory while starting (could not allocate 7,629.4 GiB): lower "
+        "kv.cache_memory_fraction (now 0.5) or give kv.num_blocks")
+    cuda = RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    assert str(worker_failed("decode-0", cuda, CLI_SETTINGS, 0.9, None)) == (
+        "decode-0 ran out of memory while starting (RuntimeError: CUDA out of memory. Tried to allocate 20.00 GiB): "
+        "lower --kv-cache-memory-fraction (now 0.9) or give --num-kv-blocks")
     refused = EngineConfigError("max_model_len 4096 exceeds the model's max_position_embeddings 512")
     assert str(worker_failed("prefill-1", refused, CLI_SETTINGS, 0.25, None)) == (
         "prefill-1 failed to start: max_model_len 4096 exceeds the model's max_position_embeddings 512")
