@@ -83,7 +83,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"tandem run: {exc}", file=sys.stderr)
         return 2
     with llm:
-        return _run_file(llm, args)
+        try:
+            return _run_file(llm, args)
+        except Exception as exc:
+            ray = sys.modules.get("ray")
+            if ray is None or not isinstance(exc, ray.exceptions.RayError):
+                raise
+            from cluster.startup import CLI_SETTINGS, serving_failed
+
+            print(f"tandem run: {serving_failed(exc, CLI_SETTINGS)}", file=sys.stderr)
+            return 1
 
 
 def _make_llm(args: argparse.Namespace):

@@ -260,10 +260,10 @@ class DisaggregatedLLM(LLM):
         def engine_config(role: str, index: int, tp: int, share: float) -> EngineConfig:
             pool = pools.get(role, PoolResources())
             # With GPUs per rank, Ray assigns each rank its device (it sees only that one, as cuda:0).
+            device_here = "cuda:0" if pool.gpus_per_rank else device_for(tp)
             return EngineConfig(**{**common, **role_args.get(role, {})}, tensor_parallel_size=tp,
-                                engine_name=f"{role}-{index}", device="cuda:0" if pool.gpus_per_rank else device_for(tp),
-                                cpus_per_rank=pool.cpus_per_rank, gpus_per_rank=pool.gpus_per_rank,
-                                kv_memory_share=share)
+                                engine_name=f"{role}-{index}", device=device_here, cpus_per_rank=pool.cpus_per_rank,
+                                gpus_per_rank=pool.gpus_per_rank, kv_memory_share=share)
 
         try:
             # Every worker's ranks are placed first, so that each rank's share of its node's KV
@@ -279,7 +279,8 @@ class DisaggregatedLLM(LLM):
                 name=cfg.engine_name, num_cpus=cfg.cpus_per_rank, num_gpus=cfg.gpus_per_rank,
                 max_concurrency=concurrency, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
-            ).remote(cfg, self.registry_url) for (cls, _, _, _, concurrency), group, cfg in zip(workers, groups, configs)]
+            ).remote(cfg, self.registry_url)
+                for (cls, _, _, _, concurrency), group, cfg in zip(workers, groups, configs)]
             self.prefill, self.decode = actors[:prefill_workers], actors[prefill_workers:]
             self.kv_shares = {cfg.engine_name: share for cfg, share in zip(configs, shares)}
             by_name = {cfg.engine_name: cfg for cfg in configs}

@@ -45,16 +45,18 @@ class SettingNames:
     kv_blocks: str
     prefill_placement: str
     decode_placement: str
+    batch: str
 
     def placement(self, role: str) -> str:
         return self.prefill_placement if role == "prefill" else self.decode_placement
 
 
 CLI_SETTINGS = SettingNames("--kv-cache-memory-fraction", "--num-kv-blocks", "--prefill-tp or --prefill-workers",
-                            "--decode-tp or --decode-workers")
+                            "--decode-tp or --decode-workers", "--max-num-seqs")
 TOPOLOGY_SETTINGS = SettingNames("kv.cache_memory_fraction", "kv.num_blocks",
                                  "prefill.tp, prefill.cpus_per_rank, prefill.gpus_per_rank or prefill.node.resources",
-                                 "decode.tp, decode.cpus_per_rank, decode.gpus_per_rank or decode.node.resources")
+                                 "decode.tp, decode.cpus_per_rank, decode.gpus_per_rank or decode.node.resources",
+                                 "max_num_seqs of the pools")
 
 
 def guarded(cls: type) -> type:
@@ -142,6 +144,13 @@ def worker_failed(name: str, exc: BaseException, settings: SettingNames, memory_
         return ClusterStartError(f"{name} died while starting: {line}; if it ran out of memory, lower "
                                  f"{settings.kv_memory}")
     return ClusterStartError(f"{name} failed to start: {line}")
+
+
+def serving_failed(exc: BaseException, settings: SettingNames) -> str:
+    """One line for a Ray error that ends a run after the start (a worker killed mid-run)."""
+    kind, line = _failure(exc)
+    hint = f"; lower {settings.kv_memory} or {settings.batch}" if kind in ("memory", "died") else ""
+    return f"a worker failed while serving: {line}{hint}"
 
 
 def placement_failed(name: str, role: str, tp: int, bundle: dict[str, float], settings: SettingNames,

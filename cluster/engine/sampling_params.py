@@ -57,7 +57,8 @@ class SamplingParams:
             _check_int(self.seed, "seed", minimum=0, maximum=2**64 - 1)
         _check_number(self.repetition_penalty, "repetition_penalty")
         if self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0 (1 means none), got {quote(self.repetition_penalty)}")
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0 (1 means none), got {quote(self.repetition_penalty)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(value, name)

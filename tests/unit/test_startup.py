@@ -21,6 +21,7 @@ from cluster.startup import (
     exception_line,
     guarded,
     placement_failed,
+    serving_failed,
     worker_failed,
 )
 from cluster.topology import parse_topology
@@ -77,6 +78,13 @@ def test_a_worker_process_that_died_points_at_memory_too():
     assert str(worker_failed("decode-0", died, CLI_SETTINGS, 0.25, None)) == (
         "decode-0 died while starting: its process died (a signal, the kernel's out-of-memory killer, or a "
         "crash); if it ran out of memory, lower --kv-cache-memory-fraction")
+
+
+def test_a_worker_killed_mid_run_is_one_line_too():
+    killed = ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.\nMore.")
+    assert serving_failed(killed, CLI_SETTINGS) == (
+        "a worker failed while serving: Ray's memory monitor killed it: the node ran low on memory; lower "
+        "--kv-cache-memory-fraction or --max-num-seqs")
 
 
 def test_an_actor_constructor_error_reads_as_its_last_line():
