@@ -18,7 +18,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, help="exact number of KV blocks")
     kv.add_argument("--kv-cache-memory-fraction", type=float, default=0.25,
-                    help="share of device memory (RAM on a CPU) for the KV cache (default: 0.25)")
+                    help="share of the node's memory (RAM on a CPU, each GPU's free memory on CUDA) for the KV "
+                         "cache, split among the ranks on the node (default: 0.25)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     parser.add_argument("--no-chunked-prefill", action="store_true", help="schedule each prompt whole")
     parser.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")
@@ -79,15 +80,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cluster.parallel.group import GroupSetupError
     from cluster.parallel.tp_runner import TensorParallelError
     from cluster.registry.local_redis import RedisServerError
+    from cluster.startup import ClusterStartError
 
     try:
         llm = _make_llm(args)
     except (EngineConfigError, ModelConfigError, WeightLoadError, FileNotFoundError, GroupSetupError,
-            TensorParallelError, RedisServerError, ValueError) as exc:
+            TensorParallelError, RedisServerError, ClusterStartError, ValueError) as exc:
         print(f"tandem run: {exc}", file=sys.stderr)
         return 2
     with llm:
-        return _run_file(llm, args)
+        try:
+            return _run_file(llm, args)
+        except Exception as exc:
+            ray = sys.modules.get("ray")
+            if ray is None or not isinstance(exc, ray.exceptions.RayError):
+                raise
+            from cluster.startup import CLI_SETTINGS, serving_failed
+
+            print(f"tandem run: {serving_failed(exc, CLI_SETTINGS)}", file=sys.stderr)
+            return 1
 
 
 def _make_llm(args: argparse.Namespace):
@@ -142,8 +153,10 @@ def _run_file(llm, args: argparse.Namespace) -> int:
 def _load_spec(args: argparse.Namespace):
     from cluster.topology import TopologyError, default_topology, load_topology
 
+    # Joining a Ray cluster (--address), the model is on its nodes: it need not exist here.
+    elsewhere = bool(getattr(args, "address", None))
     try:
-        spec = load_topology(args.topology) if args.topology else default_topology()
+        spec = load_topology(args.topology, model_elsewhere=elsewhere) if args.topology else default_topology()
     except TopologyError as exc:
         print(f"tandem {args.command}: the topology has errors:\n{exc}", file=sys.stderr)
         return None

@@ -2,7 +2,8 @@
 
 A good file is printed back normalised, every default filled in (warnings go to stderr), and
 the command exits 0. A bad one gets every mistake on stderr, one ``FILE:LINE: key: message``
-line each, and exit status 1.
+line each, and exit status 1. It checks what ``tandem up`` of the file on this machine would
+fail on, the model included (its path must exist here unless ``--model-elsewhere``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ def add_validate_parser(subparsers) -> argparse.ArgumentParser:
                     "A valid file is printed back normalised, every default filled in.",
     )
     parser.add_argument("file", help="the topology YAML file")
+    parser.add_argument("--model-elsewhere", action="store_true",
+                        help="model.path is on the machines that will run the cluster, not here: a missing one is "
+                             "a warning, not an error")
     parser.set_defaults(func=cmd_validate)
     return parser
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    spec, errors, warnings = validate_file(args.file)
+    spec, errors, warnings = validate_file(args.file, model_elsewhere=args.model_elsewhere)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if errors:

@@ -31,6 +31,7 @@ from cluster.ray_runtime import ensure_ray
 from cluster.registry.load import read_loads
 from cluster.registry.local_redis import LocalRedis
 from cluster.registry.reporter import connect
+from cluster.startup import CLI_SETTINGS, SettingNames, guarded, placement_failed, worker_failed
 from router.config import RouterConfig
 from router.router import Topology
 
@@ -106,9 +107,13 @@ class Deployment:
         ray_address: str | None = None,
         model_name: str | None = None,
         verbose: bool = True,
+        settings: SettingNames = CLI_SETTINGS,
         **engine_args,
     ):
-        """``engine_args`` are EngineConfig fields for every pool; each ``Pool`` may override them."""
+        """``engine_args`` are EngineConfig fields for every pool; each ``Pool`` may override them.
+        A worker that cannot be placed or started raises :class:`~cluster.startup.ClusterStartError`,
+        one line naming it and the setting to change (spelled as ``settings`` says), after
+        stopping everything started so far."""
         self.pools = {pool.role: pool for pool in pools if pool.replicas}
         if "decode" not in self.pools and "colocated" not in self.pools:
             raise EngineConfigError("the deployment needs decode or colocated workers")
@@ -128,6 +133,7 @@ class Deployment:
         self.router_config = router_config or RouterConfig()
         self.cluster_name = cluster_name
         self.verbose = verbose
+        self.settings = settings
         self._ray = ray = ensure_ray(cluster_name, ray_address)
         if registry_url is not None:
             check_registry(registry_url)
@@ -135,12 +141,14 @@ class Deployment:
         self.registry_url = registry_url or self.local_redis.url
         self.placement_groups: list = []
         self.workers: dict[str, object] = {}
+        self.configs: dict[str, EngineConfig] = {}
         self.routers: dict[str, object] = {}
         started = time.perf_counter()
         try:
             self._start_workers(model_dir, ray_address, engine_args)
-            described = {name: d for name, d in zip(self.workers, ray.get(
-                [w.describe.remote() for w in self.workers.values()]))}
+            self._await_workers([(name, w.started.remote()) for name, w in self.workers.items()])
+            described = dict(zip(self.workers, self._await_workers(
+                [(name, w.describe.remote()) for name, w in self.workers.items()])))
             self._pair(config.num_kv_heads, kv_transport)
             generating = [d for n, d in described.items() if not n.startswith("prefill-")]
             smallest = min(generating, key=lambda d: d["num_blocks"])
@@ -165,12 +173,27 @@ class Deployment:
         if verbose:
             pools = ", ".join(f"{p.replicas} {p.role} worker(s) TP {p.tp}" for p in self.pools.values())
             registry = "private redis-server on " + self.registry_url if self.local_redis else "Redis registry"
-            print(f"[tandem] {pools}, {len(self.routers)} router(s) ({self.router_config.policy}), {registry}; "
-                  f"ready in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+            print(f"[tandem] {pools}, {len(self.routers)} router(s) ({self.router_config.policy}), {registry}"
+                  f"{self._kv_budget()}; ready in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+
+    def _kv_budget(self) -> str:
+        """How the KV budget was split, for the ready line ("" when KV blocks are fixed)."""
+        configs = list(self.configs.values())
+        if any(c.num_kv_blocks is not None for c in configs):
+            return ""
+        fraction = configs[0].kv_cache_memory_fraction
+        most = max(round(1 / c.kv_share) for c in configs)
+        shared = f", shared by its CPU ranks (up to {most} on a node)" if most > 1 else ""
+        return f"; KV cache {fraction:g} of each node's memory{shared}"
 
     # -- starting -----------------------------------------------------------------------------
 
     def _start_workers(self, model_dir: Path, ray_address: str | None, engine_args: dict) -> None:
+        """Places every worker's ranks first, so that each rank's share of its node's KV budget
+        is known before any engine sizes its cache; then starts the workers (guarded: a
+        constructor's failure is raised by ``started()``, not printed by Ray)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         from decode_worker.worker import ColocatedWorker, DecodeWorker
         from prefill_worker.worker import PrefillWorker
 
@@ -188,38 +211,58 @@ class Deployment:
                 next(gpus)
             return f"cuda:{first}"
 
-        for role in ROLES:
-            pool = self.pools.get(role)
-            if pool is None:
-                continue
-            cls, concurrency = classes[role]
-            for name in pool.names():
-                strategy = self._reserve(name, pool)
-                # With GPUs per rank, Ray assigns each rank its device (it sees only that one, as cuda:0).
-                config = EngineConfig(**{**common, **dict(pool.engine_args)}, tensor_parallel_size=pool.tp,
-                                      engine_name=name,
-                                      device="cuda:0" if pool.resources.gpus_per_rank else device_for(pool.tp),
-                                      cpus_per_rank=pool.resources.cpus_per_rank,
-                                      gpus_per_rank=pool.resources.gpus_per_rank)
-                self.workers[name] = self._ray.remote(cls).options(
-                    name=name, num_cpus=pool.resources.cpus_per_rank, num_gpus=pool.resources.gpus_per_rank,
-                    max_concurrency=concurrency, scheduling_strategy=strategy).remote(config, self.registry_url)
+        workers = [(pool, name) for role in ROLES if (pool := self.pools.get(role)) for name in pool.names()]
+        groups = [self._reserve(name, pool, ray_address is None) for pool, name in workers]
+        on_cpu = [not pool.resources.gpus_per_rank and not device.startswith("cuda") for pool, _ in workers]
+        shares = kv_memory_shares([(_group_node(group), pool.tp, cpu)
+                                   for group, (pool, _), cpu in zip(groups, workers, on_cpu)])
+        for (pool, name), group, share in zip(workers, groups, shares):
+            cls, concurrency = classes[pool.role]
+            # With GPUs per rank, Ray assigns each rank its device (it sees only that one, as cuda:0).
+            config = self.configs[name] = EngineConfig(
+                **{**common, **dict(pool.engine_args)}, tensor_parallel_size=pool.tp, engine_name=name,
+                device="cuda:0" if pool.resources.gpus_per_rank else device_for(pool.tp),
+                cpus_per_rank=pool.resources.cpus_per_rank, gpus_per_rank=pool.resources.gpus_per_rank,
+                kv_memory_share=share)
+            self.workers[name] = self._ray.remote(guarded(cls)).options(
+                name=name, num_cpus=pool.resources.cpus_per_rank, num_gpus=pool.resources.gpus_per_rank,
+                max_concurrency=concurrency, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
+            ).remote(config, self.registry_url)
 
-    def _reserve(self, name: str, pool: Pool):
-        """A placement group of ``tp`` bundles packed on one node for a worker's ranks; its
-        scheduling strategy (rank 0 in bundle 0, the other ranks captured into the rest)."""
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    def _reserve(self, name: str, pool: Pool, local_ray: bool):
+        """A placement group of ``tp`` bundles packed on one node for a worker's ranks (rank 0
+        goes in bundle 0, the other ranks are captured into the rest), once Ray has placed it.
+        On a local Ray a placement no node could ever hold fails at once; otherwise (nodes may
+        yet join, or free up) after ``REGISTRY_WAIT_S``."""
+        from ray.util.placement_group import placement_group, placement_group_table
 
         bundle = pool.resources.bundle()
         group = placement_group([bundle] * pool.tp, strategy="STRICT_PACK", name=f"{self.cluster_name}-{name}")
         self.placement_groups.append(group)
-        if not group.wait(REGISTRY_WAIT_S):
-            raise EngineConfigError(
-                f"cannot place {name}: its {pool.tp} rank(s) need {bundle} each, together on one node, and the "
-                f"Ray cluster has no such room (see `ray status`)")
-        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0,
-                                                placement_group_capture_child_tasks=True)
+        deadline = time.monotonic() + REGISTRY_WAIT_S
+        while not group.wait(0.2):
+            infeasible = placement_group_table(group).get("stats", {}).get("scheduling_state") == "INFEASIBLE"
+            if (infeasible and local_ray) or time.monotonic() > deadline:
+                raise placement_failed(name, pool.role, pool.tp, bundle, self.settings, never=infeasible)
+        return group
+
+    def _await_workers(self, calls: list[tuple[str, object]]) -> list:
+        """The results of start-up calls, in order; the first to fail (a worker whose engine
+        raised, that died or was killed for memory) becomes a ClusterStartError naming it."""
+        ray = self._ray
+        results: dict[object, object] = {}
+        names = {ref: name for name, ref in calls}
+        pending = [ref for _, ref in calls]
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                results[ready[0]] = ray.get(ready[0])
+            except ray.exceptions.RayError as exc:
+                config = self.configs[names[ready[0]]]
+                raise worker_failed(names[ready[0]], exc, self.settings, config.kv_cache_memory_fraction,
+                                    config.num_kv_blocks) from None
+        return [results[ref] for _, ref in calls]
 
     def _pair(self, num_kv_heads: int, kv_transport: str) -> None:
         """A transfer group for every (prefill, decode) pair; each decode worker learns its pairs."""
@@ -231,10 +274,10 @@ class Deployment:
             pair = f"p{p}-d{d}"
             layout = PairLayout(pair, prefill.tp, decode.tp, num_kv_heads, kv_transport)
             spec = GroupSpec(self.cluster_name, f"kv-{pair}", layout.size)
-            joins += [self.workers[p_name].join_pair.remote(layout, spec),
-                      self.workers[d_name].join_pair.remote(layout, spec)]
+            joins += [(p_name, self.workers[p_name].join_pair.remote(layout, spec)),
+                      (d_name, self.workers[d_name].join_pair.remote(layout, spec))]
             peers[d_name][p_name] = pair
-        self._ray.get(joins)
+        self._await_workers(joins)
         self._ray.get([self.workers[d].set_peers.remote(p) for d, p in peers.items()])
 
     def _wait_for_registry(self) -> None:
@@ -287,6 +330,27 @@ class Deployment:
         if getattr(self, "local_redis", None) is not None:
             self.local_redis.stop()
             self.local_redis = None
+
+
+def kv_memory_shares(ranks: list[tuple[str, int, bool]]) -> list[float]:
+    """Each worker's share of its node's KV budget, from (node id, ranks, on a CPU) per worker.
+
+    The budget (``kv_cache_memory_fraction`` of the node's RAM) is the node's: every CPU rank
+    placed on a node takes an equal part of it. A GPU rank has a GPU of its own (Ray gives
+    each rank one, or ranks take consecutive devices), so its budget is that GPU's: share 1.
+    """
+    on_node: dict[str, int] = {}
+    for node, tp, cpu in ranks:
+        if cpu:
+            on_node[node] = on_node.get(node, 0) + tp
+    return [1.0 / on_node[node] if cpu else 1.0 for node, _, cpu in ranks]
+
+
+def _group_node(group) -> str:
+    """The node a placed (STRICT_PACK) placement group's bundles are on."""
+    from ray.util.placement_group import placement_group_table
+
+    return placement_group_table(group)["bundles_to_node_id"][0]
 
 
 def worker_status(ray, workers: dict[str, object]) -> list[dict]:

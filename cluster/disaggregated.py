@@ -204,6 +204,11 @@ class DisaggregatedLLM(LLM):
 
     # -- looking at it --------------------------------------------------------------------------
 
+    @property
+    def kv_shares(self) -> dict[str, float]:
+        """Each worker's share of its node's KV budget."""
+        return {name: config.kv_memory_share for name, config in self.deployment.configs.items()}
+
     def worker_status(self) -> list[dict]:
         return self.deployment.worker_status()
 

@@ -11,9 +11,12 @@ started) and ``status`` find it.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cluster.paths import cache_dir
+from cluster.ray_runtime import auth_summary, quiet_auth_notice
 from cluster.topology import ClusterSpec
 
 READY_TIMEOUT_S = 600.0
@@ -63,6 +67,7 @@ def start_ray(spec: ClusterSpec):
     if spec.ray.address:
         context = ray.init(address=spec.ray.address, namespace=spec.name, log_to_driver=True)
     else:
+        quiet_auth_notice()
         kwargs = {}
         if obs.metrics_export_port:
             kwargs["_metrics_export_port"] = obs.metrics_export_port
@@ -74,11 +79,63 @@ def start_ray(spec: ClusterSpec):
     return ray, (f"http://{url}" if url and not url.startswith("http") else url)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _listen_problem(host: str, port: int) -> str | None:
+    """Why nothing here could listen on host:port now (in use, or not an address of this
+    machine), or None. Without SO_REUSEPORT, so a server that shares its port is seen too."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return f"cannot resolve {host}: {exc.strerror}"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is already in use"
+            return f"cannot listen on {host}:{port} here ({exc.strerror})"
+    return None
+
+
+def port_problem(spec: ClusterSpec) -> str | None:
+    """One line naming the first port the topology gives that cannot be used here, or None.
+
+    Checked before anything starts: the API's ``server.port`` (where the ingress will run on
+    this machine: a local Ray, or one joined on loopback) and, for a local Ray, the dashboard's
+    and the metrics agent's ports."""
+    ray_here = spec.ray.address is None or _is_loopback(spec.ray.address.rpartition("://")[2].rpartition(":")[0])
+    wanted = []
+    if spec.server.port and ray_here:
+        wanted.append(("server.port", spec.server.host, spec.server.port))
+    obs = spec.observability
+    if spec.ray.address is None and obs.dashboard:
+        wanted.append(("observability.dashboard_port", obs.dashboard_host, obs.dashboard_port))
+    if spec.ray.address is None and obs.metrics_export_port:
+        wanted.append(("observability.metrics_export_port", "127.0.0.1", obs.metrics_export_port))
+    for key, host, port in wanted:
+        problem = _listen_problem(host, port)
+        if problem is not None:
+            return f"{key}: {problem}; choose another {key}, or stop what holds it"
+    return None
+
+
 def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     existing = read_state(spec.name)
     if existing and process_alive(existing["pid"]):
         _log(f"cluster {spec.name!r} is already up (pid {existing['pid']}, API {existing.get('api')}); "
              f"`tandem down --cluster {spec.name}` first")
+        return 1
+    problem = port_problem(spec)
+    if problem is not None:
+        _log(problem)
         return 1
     if detach:
         return _detach(spec, argv)
@@ -91,6 +148,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
 
     from cluster.ingress import ingress_app
     from cluster.service import build_deployment
+    from cluster.startup import ClusterStartError, exception_line
 
     started = time.perf_counter()
     stop = threading.Event()
@@ -98,12 +156,21 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     deployment = None
     try:
-        deployment = build_deployment(spec)
+        try:
+            deployment = build_deployment(spec)
+        except ClusterStartError as exc:  # its workers, placement, registry or model
+            _log(f"cluster {spec.name!r} did not start: {exc}")
+            return 1
         info = deployment.info
         ray.get([router.ready.remote() for router in deployment.routers.values()])
         serve.start(proxy_location="Disabled")
-        handle = serve.run(ingress_app(spec_yaml, info, spec.server.replicas), name=spec.name, route_prefix=None)
-        api = handle.address.remote().result()
+        try:
+            handle = serve.run(ingress_app(spec_yaml, info, spec.server.replicas), name=spec.name, route_prefix=None)
+            api = handle.address.remote().result()
+        except Exception as exc:  # noqa: BLE001 - Serve reports a replica that cannot start as a RuntimeError
+            _log(f"cluster {spec.name!r} did not start: the gRPC API on {spec.server.host}:{spec.server.port} "
+                 f"(server.host, server.port) did not come up: {exception_line(exc)}")
+            return 1
         context = ray.get_runtime_context()
         state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "dashboard": dashboard,
                  "tls": bool(spec.server.tls and spec.server.tls.cert_file),
@@ -115,9 +182,9 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         _log(f"cluster {spec.name!r} up in {time.perf_counter() - started:.0f}s")
         _log(f"API: {api} (gRPC tandem.v1.Tandem{', TLS' if state['tls'] else ''}, {spec.server.replicas} "
              f"ingress replica(s)); try `tandem generate --addr {api} \"Hello\"`")
-        _log(f"dashboard: {dashboard} (its token: ~/.ray/auth_token)" if dashboard else
-             "dashboard: off (observability.dashboard: true starts it)")
-        _log(f"Ray: {context.gcs_address}; `tandem status --cluster {spec.name}`, `tandem down --cluster {spec.name}`")
+        _log(f"dashboard: {dashboard}" if dashboard else "dashboard: off (observability.dashboard: true starts it)")
+        _log(f"Ray: {context.gcs_address}, {auth_summary()}; `tandem status --cluster {spec.name}`, "
+             f"`tandem down --cluster {spec.name}`")
         while not stop.wait(1.0):
             pass
         _log("stopping")
@@ -161,12 +228,23 @@ def _detach(spec: ClusterSpec, argv: list[str]) -> int:
             _log(f"API: {state['api']}; dashboard: {state['dashboard'] or 'off'}")
             return 0
         if child.poll() is not None:
-            _log(f"`tandem up` exited with {child.returncode}; its log {log} ends:\n" + _tail(log))
+            said = _last_said(log)
+            _log(f"`tandem up` exited with {child.returncode}: {said} (log: {log})" if said else
+                 f"`tandem up` exited with {child.returncode}; its log {log} ends:\n" + _tail(log))
             return 1
         time.sleep(0.5)
     child.terminate()
     _log(f"cluster {spec.name!r} did not come up within {READY_TIMEOUT_S:.0f}s; log: {log}")
     return 1
+
+
+def _last_said(path: Path) -> str | None:
+    """The last line Tandem itself logged (why a background `up` stopped), without its prefix."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.removeprefix("[tandem] ") for line in reversed(lines) if line.startswith("[tandem] ")), None)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

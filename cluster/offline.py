@@ -1,7 +1,9 @@
 """``tandem run``: a JSONL file of requests in, a JSONL file of results out, in input order.
 
 A bad line (malformed JSON, an unknown field, a prompt longer than the context) gets an
-``error`` in its output line; every other line still runs.
+``error`` in its output line; every other line still runs. Each output line echoes its input
+line's ``id`` as it was given: an integer stays an integer. Ids are compared as text, so ``1``
+and ``"1"`` are the same id (the second is a duplicate).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Iterable, TextIO
 from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.engine.llm import LLM
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.request_limits import MAX_REQUEST_ID_CHARS, quote
 
 REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "priority", "slo_class"})
 
@@ -20,8 +23,9 @@ REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "priority", "slo
 @dataclass
 class InputLine:
     line_number: int
-    request_id: str | None
+    request_id: str | None  # the engine's id: the line's id as text
     error: str | None = None
+    given_id: str | int | None = None  # the line's id as the JSON gave it, echoed in the result
 
 
 def _parse(line_number: int, raw: str) -> tuple[InputLine, dict[str, Any] | None]:
@@ -34,12 +38,17 @@ def _parse(line_number: int, raw: str) -> tuple[InputLine, dict[str, Any] | None
         item = json.loads(raw.rstrip("\r\n"))  # so that a column past the end is the line's end
     except json.JSONDecodeError as exc:
         return InputLine(line_number, None, f"line {line_number}: malformed JSON: {exc.msg} at column {exc.pos + 1}"), None
+    except ValueError:  # an integer of more digits than Python converts
+        return InputLine(line_number, None, f"line {line_number}: malformed JSON: a number too long to read"), None
     if not isinstance(item, dict):
         return InputLine(line_number, None, f"line {line_number}: expected a JSON object"), None
     request_id = item.get("id")
     if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
         return InputLine(line_number, None, f"line {line_number}: 'id' must be a string or integer"), None
-    return InputLine(line_number, str(request_id)), item
+    if len(str(request_id)) > MAX_REQUEST_ID_CHARS:
+        return InputLine(line_number, None, f"line {line_number}: 'id' is {len(str(request_id))} characters long; "
+                                            f"at most {MAX_REQUEST_ID_CHARS} are allowed"), None
+    return InputLine(line_number, str(request_id), given_id=request_id), item
 
 
 def _submit(engine: LLMEngine, entry: InputLine, item: dict[str, Any]) -> None:
@@ -72,11 +81,11 @@ def _submit(engine: LLMEngine, entry: InputLine, item: dict[str, Any]) -> None:
 def _result(entry: InputLine, output: RequestOutput | None) -> dict[str, Any]:
     if output is None:
         return {
-            "id": entry.request_id, "token_ids": [], "text": "", "finish_reason": "error",
+            "id": entry.given_id, "token_ids": [], "text": "", "finish_reason": "error",
             "usage": {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}, "error": entry.error,
         }
     result = {
-        "id": entry.request_id,
+        "id": entry.given_id,
         "token_ids": output.token_ids,
         "text": output.text,
         "finish_reason": output.finish_reason,
@@ -101,7 +110,7 @@ def run_file(llm: LLM, lines: Iterable[str], out: TextIO, progress: bool = True)
         if item is None:
             continue
         if entry.request_id in seen:
-            entry.error = f"line {number}: duplicate id {entry.request_id!r}"
+            entry.error = f"line {number}: duplicate id {quote(entry.given_id)}"
             continue
         seen.add(entry.request_id)  # a later line with this id is a duplicate even if this one fails
         try:

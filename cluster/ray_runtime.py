@@ -4,11 +4,46 @@ Without an address, Tandem starts a local Ray bound to loopback (no dashboard: i
 1 GB and is started only by the commands that serve it). With one (``ray://`` or
 ``host:port``), it joins that cluster. Either way actors live in the namespace named after the
 Tandem cluster, so two clusters on one Ray never see each other's named actors.
+
+Token authentication: a local Ray that Tandem starts keeps Ray's default for a new cluster,
+token authentication on (``RAY_AUTH_MODE=disabled`` in the environment turns it off). Even
+on loopback that matters: any local user can reach a loopback port, and whoever reaches Ray
+can run code as this user. Ray announces that default on every start; Tandem drops Ray's
+notice, and ``tandem up`` says once, in its own words, where the token is
+(:func:`auth_summary`), which is what a dashboard or ``ray`` command asks for.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
+
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_RAY_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_RAY_AUTH_NOTICE)
+
+
+def quiet_auth_notice() -> None:
+    """Drops Ray's notice that a new local cluster has token authentication on (once per process)."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _DropAuthNotice) for f in logger.filters):
+        logger.addFilter(_DropAuthNotice())
+
+
+def auth_summary() -> str:
+    """Where this process's Ray token comes from, or that there is none (after ``ray.init``)."""
+    mode = os.environ.get("RAY_AUTH_MODE", "").lower()
+    if mode != "token":
+        return "no token authentication (RAY_AUTH_MODE is not 'token')"
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "token authentication; the token is in $RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path("~/.ray/auth_token"))
+    return f"token authentication; the token is in {path}"
 
 
 def ensure_ray(cluster: str, address: str | None = None, num_cpus: int | None = None):
@@ -21,6 +56,7 @@ def ensure_ray(cluster: str, address: str | None = None, num_cpus: int | None = 
     if address:
         ray.init(address=address, namespace=cluster, log_to_driver=True)
     else:
+        quiet_auth_notice()
         ray.init(
             namespace=cluster,
             num_cpus=num_cpus or os.cpu_count(),

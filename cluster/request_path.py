@@ -39,6 +39,7 @@ from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
+from cluster.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
 from router.config import RouterConfigError
 from router.router import Decision
 
@@ -120,12 +121,16 @@ class RequestPath:
         InvalidRequestError names what is wrong, LookupError a model this cluster does not serve."""
         model = request.get("model")
         if model and model != self.info.model_name:
-            raise LookupError(f"model {model!r} is not served here; this cluster serves {self.info.model_name!r}")
+            raise LookupError(f"model {quote(model)} is not served here; this cluster serves "
+                              f"{quote(self.info.model_name)}")
         request_id = request.get("request_id") or uuid.uuid4().hex
+        check_request_id(request_id)
         if request_id in self.active:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
+            raise InvalidRequestError(f"request_id {quote(request_id)} is already in flight")
+        check_slo_class(request.get("slo_class") or None)
         sampling = request.get("sampling")
         params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_mapping(sampling or {})
+        check_stop_token_ids(params.stop_token_ids, self.info.vocab_size)
         token_ids = prompt_token_ids(request["prompt"], self.tokenizer, self.info.vocab_size)
         self.limits.check(Request(request_id, token_ids, params))
         try:
@@ -300,7 +305,7 @@ class RequestPath:
             raise InvalidRequestError("this model has no tokenizer.json")
         bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token_ids must be in [0, {self.info.vocab_size}); got {bad[:5]}")
+            raise InvalidRequestError(f"token_ids must be in [0, {self.info.vocab_size}); got {quote(bad[:5])}")
         return self.tokenizer.decode(list(token_ids))
 
 

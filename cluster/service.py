@@ -7,6 +7,7 @@ import os
 
 from cluster.deployment import Deployment, Pool, PoolResources
 from cluster.engine.sampling_params import InvalidRequestError
+from cluster.startup import TOPOLOGY_SETTINGS
 from cluster.topology import ROLES, ClusterSpec
 
 
@@ -41,5 +42,6 @@ def build_deployment(spec: ClusterSpec, verbose: bool = True) -> Deployment:
         str(spec.model_dir()), pools_of(spec), cluster_name=spec.name, router_config=spec.router,
         registry_url=resolve_registry_url(spec), kv_transport=spec.kv.transport,
         transfer_timeout_s=spec.kv.transfer_timeout_s, stream_layers=spec.kv.stream_layers,
-        ray_address=spec.ray.address, model_name=spec.model.name, verbose=verbose, device=generating.device,
+        ray_address=spec.ray.address, model_name=spec.model.name, verbose=verbose, settings=TOPOLOGY_SETTINGS,
+        device=generating.device,
     )

@@ -14,10 +14,13 @@ cluster
 model
     path (null)
         A local Hugging Face-format directory (``config.json``, ``*.safetensors``,
-        ``tokenizer.json``). Null is the built-in default model, built on first use. A path
-        that does not exist where the file is validated is only a warning (the file may be
-        checked on a laptop before deployment); where it exists, the TP degrees and
-        ``max_model_len`` are checked against its ``config.json``.
+        ``tokenizer.json``). Null is the built-in default model, built on first use. The TP
+        degrees and ``max_model_len`` are checked against the model's ``config.json`` (the
+        default model's shape is known before it is built). A path that does not exist where
+        the file is checked is an error, as ``tandem up`` would fail on it; it is only a
+        warning when the model lives on other machines: with ``ray.address`` set (the cluster's
+        nodes hold it), or with ``tandem validate --model-elsewhere`` (a file checked on a
+        laptop before deployment).
     name (null)
         The model's name in the API. Null: the directory's name, or ``tandem-default``.
     dtype (null)
@@ -64,8 +67,9 @@ kv
     block_size (16)
         Tokens per KV block, a positive integer; prefill and decode share it.
     cache_memory_fraction (0.25)
-        Share of each worker's memory (free GPU memory, or RAM on a CPU) given to the KV
-        cache, in (0, 0.95].
+        Share of each node's memory given to the KV cache, in (0, 0.95]: of its RAM on a CPU,
+        split equally among every CPU rank the cluster places on that node; of a GPU's free
+        memory for the rank that GPU is given to.
     num_blocks (null)
         Exact number of KV blocks per worker, a positive integer; overrides the fraction.
     prefix_caching (true)
@@ -178,6 +182,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from cluster.request_limits import quote
 from router.config import RouterConfig, RouterConfigError, SloClass
 
 DEFAULT_MODEL_NAME = "tandem-default"
@@ -212,6 +217,9 @@ class TopologyError(ValueError):
         self.errors = list(errors)
         self.source = source
         super().__init__("\n".join(issue.format(source) for issue in self.errors))
+
+    def __reduce__(self):  # so that it crosses processes (a Ray actor's error) whole
+        return type(self), (self.errors, self.source)
 
 
 @dataclass(frozen=True)
@@ -364,15 +372,17 @@ class ClusterSpec:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 
-def parse_topology(text: str, source: str = "<topology>") -> ClusterSpec:
-    spec, errors, _ = _check(text, source)
+def parse_topology(text: str, source: str = "<topology>", model_elsewhere: bool = False) -> ClusterSpec:
+    """The spec of a topology's text; ``model_elsewhere``: ``model.path`` is on the machines the
+    cluster runs on, not necessarily here (a missing one is a warning, not an error)."""
+    spec, errors, _ = _check(text, source, model_elsewhere)
     if errors:
         raise TopologyError(errors, source)
     return spec
 
 
-def load_topology(path: str | Path) -> ClusterSpec:
-    spec, errors, warnings = validate_file(path)
+def load_topology(path: str | Path, model_elsewhere: bool = False) -> ClusterSpec:
+    spec, errors, warnings = validate_file(path, model_elsewhere)
     if errors:
         raise TopologyError(errors, str(path))
     for warning in warnings:
@@ -384,7 +394,8 @@ def default_topology() -> ClusterSpec:
     return parse_topology("")
 
 
-def validate_file(path: str | Path) -> tuple[ClusterSpec | None, list[TopologyIssue], list[str]]:
+def validate_file(path: str | Path, model_elsewhere: bool = False
+                  ) -> tuple[ClusterSpec | None, list[TopologyIssue], list[str]]:
     """The spec (None when there are errors), every error, and the warnings as printable lines."""
     path = Path(path)
     try:
@@ -393,7 +404,7 @@ def validate_file(path: str | Path) -> tuple[ClusterSpec | None, list[TopologyIs
         return None, [TopologyIssue("", None, "no such file")], []
     except (OSError, UnicodeDecodeError) as exc:
         return None, [TopologyIssue("", None, f"cannot read the file: {exc}")], []
-    spec, errors, warnings = _check(text, str(path))
+    spec, errors, warnings = _check(text, str(path), model_elsewhere)
     return spec, errors, [warning.format(str(path)) for warning in warnings]
 
 
@@ -474,12 +485,12 @@ def _describe(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return f"{value!r} (a string)"
+        return f"{quote(value)} (a string)"
     if isinstance(value, dict):
         return "a mapping"
     if isinstance(value, list):
         return "a list"
-    return repr(value)
+    return quote(value)
 
 
 def _unknown_key(key: Any, known: list[str]) -> str:
@@ -526,7 +537,7 @@ def _string(null: bool = False, pattern: re.Pattern | None = None, rule: str = "
         if not isinstance(value, str) or not value:
             raise _Bad(f"must be a non-empty string{' or null' if null else ''}; got {_describe(value)}")
         if pattern is not None and not pattern.match(value):
-            raise _Bad(f"{value!r} {rule}")
+            raise _Bad(f"{quote(value)} {rule}")
         return value
 
     return check
@@ -673,7 +684,8 @@ def _key_lines(node: yaml.Node, prefix: str, lines: dict[str, int], duplicates: 
     visiting.discard(id(node))
 
 
-def _check(text: str, source: str) -> tuple[ClusterSpec | None, list[TopologyIssue], list[TopologyIssue]]:
+def _check(text: str, source: str, model_elsewhere: bool = False
+           ) -> tuple[ClusterSpec | None, list[TopologyIssue], list[TopologyIssue]]:
     try:
         data, lines, duplicates = _load_yaml(text)
     except yaml.YAMLError as exc:
@@ -703,8 +715,7 @@ def _check(text: str, source: str) -> tuple[ClusterSpec | None, list[TopologyIss
     _check_pools(ctx, spec)
     _check_ports(ctx, spec)
     _check_exposure(ctx, spec)
-    if spec.model.path:
-        _check_model(ctx, spec)
+    _check_model(ctx, spec, model_elsewhere or spec.ray.address is not None)
     for issues in (ctx.errors, ctx.warnings):
         issues.sort(key=lambda issue: issue.line or 0)
     return (None if ctx.errors else spec), ctx.errors, ctx.warnings
@@ -861,13 +872,31 @@ def _check_exposure(ctx: _Context, spec: ClusterSpec) -> None:
                          "these ranks could not be placed")
 
 
-def _check_model(ctx: _Context, spec: ClusterSpec) -> None:
+def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
+    """The TP degrees and max_model_len against the model's config.json: the default model's
+    (known before it is built), or the one at ``model.path``. A path that does not exist here
+    is an error, unless the model is ``elsewhere`` (the topology joins a Ray cluster, whose
+    nodes hold it, or ``tandem validate --model-elsewhere``): then a warning."""
     from cluster.engine.models.config import load_model_config
 
+    if not spec.model.path:
+        from cluster.default_model import default_model_config
+
+        try:
+            config = default_model_config(spec.model.dtype)
+        except (ValueError, OSError) as exc:
+            ctx.error("model.path", f"the default model's config.json cannot be read: {exc}")
+            return
+        _check_against(ctx, spec, config)
+        return
     path = Path(spec.model.path).expanduser()
     if not path.exists():
-        ctx.warn("model.path", f"{path} does not exist here; tp and max_model_len are checked against the model "
-                 "only where it is readable")
+        if elsewhere:
+            ctx.warn("model.path", f"{path} does not exist here; tp and max_model_len are checked against the model "
+                     "only where it is readable")
+        else:
+            ctx.error("model.path", f"{path} does not exist here: give a local Hugging Face-format model directory "
+                      "(or null for the default model)")
         return
     if not (path / "config.json").is_file():
         ctx.error("model.path", f"{path} is not a model directory: it has no config.json")
@@ -877,6 +906,10 @@ def _check_model(ctx: _Context, spec: ClusterSpec) -> None:
     except (ValueError, OSError) as exc:
         ctx.error("model.path", str(exc))
         return
+    _check_against(ctx, spec, config)
+
+
+def _check_against(ctx: _Context, spec: ClusterSpec, config) -> None:
     from cluster.parallel.tp_runner import check_tensor_parallel
 
     for role in ROLES:

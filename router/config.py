@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from cluster.request_limits import MAX_SLO_CLASS_CHARS, quote
+
 SCORERS = ("round_robin", "least_loaded", "prefix_affinity", "slo_headroom")
 OVERLOAD_ACTIONS = ("reject", "queue", "admit")
 
@@ -84,7 +86,7 @@ class RouterConfig:
             if cls.name == name:
                 return cls
         known = ", ".join(c.name for c in self.slo_classes)
-        raise RouterConfigError(f"unknown slo_class {name!r}; known: {known}")
+        raise RouterConfigError(f"unknown slo_class {quote(name)}; known: {known}")
 
     @classmethod
     def for_policy(cls, policy: str, **overrides: Any) -> "RouterConfig":
@@ -95,7 +97,7 @@ class RouterConfig:
         data = dict(data or {})
         for key, (kind, wanted) in _TYPES.items():
             if key in data and not isinstance(data[key], kind):
-                raise RouterConfigError(f"{where}.{key}: must be {wanted}; got {data[key]!r}")
+                raise RouterConfigError(f"{where}.{key}: must be {wanted}; got {quote(data[key])}")
         known = {"policy", "weights", "admission_control", "slo_classes", "default_class", "skip_prefill_fraction",
                  "load_refresh_s", "registry_retry_s", "queue_limit", "correction_limit_ms", "correction_half_life_s",
                  "local_prefill_max_tokens", "migration_limit", "replicas"}
@@ -104,13 +106,13 @@ class RouterConfig:
             raise RouterConfigError(f"{where}.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
         policy = data.get("policy", "slo")
         if policy not in PRESETS:
-            raise RouterConfigError(f"{where}.policy: unknown policy {policy!r}; known: {', '.join(PRESETS)}")
+            raise RouterConfigError(f"{where}.policy: unknown policy {quote(policy)}; known: {', '.join(PRESETS)}")
         weights = dict(PRESETS[policy])
         for name, weight in dict(data.get("weights") or {}).items():
             if name not in SCORERS:
                 raise RouterConfigError(f"{where}.weights.{name}: unknown scorer; known: {', '.join(SCORERS)}")
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-                raise RouterConfigError(f"{where}.weights.{name}: must be a number >= 0, got {weight!r}")
+                raise RouterConfigError(f"{where}.weights.{name}: must be a number >= 0, got {quote(weight)}")
             weights[name] = float(weight)
         if not any(weights.values()):
             raise RouterConfigError(f"{where}.weights: at least one scorer needs a positive weight")
@@ -145,12 +147,16 @@ def _slo_class(name: str, spec: Any, where: str) -> SloClass:
     unknown = sorted(set(spec) - {"ttft_ms", "tpot_ms", "priority", "on_overload"})
     if unknown:
         raise RouterConfigError(f"{where}.{unknown[0]}: unknown key; known: on_overload, priority, tpot_ms, ttft_ms")
+    if len(str(name)) > MAX_SLO_CLASS_CHARS:
+        raise RouterConfigError(f"{where}: a class name may have at most {MAX_SLO_CLASS_CHARS} characters "
+                                f"(requests must be able to name it)")
     on_overload = spec.get("on_overload", "queue")
     if on_overload not in OVERLOAD_ACTIONS:
-        raise RouterConfigError(f"{where}.on_overload: must be one of {', '.join(OVERLOAD_ACTIONS)}, got {on_overload!r}")
+        raise RouterConfigError(f"{where}.on_overload: must be one of {', '.join(OVERLOAD_ACTIONS)}, "
+                                f"got {quote(on_overload)}")
     priority = spec.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise RouterConfigError(f"{where}.priority: must be an integer, got {priority!r}")
+        raise RouterConfigError(f"{where}.priority: must be an integer, got {quote(priority)}")
 
     def seconds(key: str) -> float | None:
         value = spec.get(key)
@@ -161,7 +167,7 @@ def _slo_class(name: str, spec: Any, where: str) -> SloClass:
 
 def _positive(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise RouterConfigError(f"{where}: must be a positive number, got {value!r}")
+        raise RouterConfigError(f"{where}: must be a positive number, got {quote(value)}")
     return float(value)
 
 
@@ -179,5 +185,5 @@ def _count(value: Any, where: str, minimum: int = 1) -> int:
 
 def _fraction(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise RouterConfigError(f"{where}: must be in (0, 1], got {value!r}")
+        raise RouterConfigError(f"{where}: must be in (0, 1], got {quote(value)}")
     return float(value)

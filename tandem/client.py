@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.request_limits import quote
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -183,11 +184,11 @@ def _token_ids(ids: Iterable[int], what: str) -> list[int]:
     out = []
     for t in ids:
         if isinstance(t, bool):
-            raise TypeError(f"{what}: token ids must be integers, got {t!r}")
+            raise TypeError(f"{what}: token ids must be integers, got {quote(t)}")
         try:
             value = operator.index(t)
         except TypeError:
-            raise TypeError(f"{what}: token ids must be integers, got {t!r}") from None
+            raise TypeError(f"{what}: token ids must be integers, got {quote(t)}") from None
         if not 0 <= value < 2**32:
             raise ValueError(f"{what}: token id {value} is out of range (0 to 2**32-1)")
         out.append(value)

@@ -34,11 +34,27 @@ _REQUIRED_FILES = (
     "tokenizer_config.json",
 )
 
-__all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir"]
+__all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_config", "default_model_dir"]
 
 
 def _is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in _REQUIRED_FILES)
+
+
+def default_model_config(dtype: str | None = None):
+    """The default model's :class:`~cluster.engine.models.config.ModelConfig` without building
+    it: the cached build's, or else the fixed architecture every build has (its heads, MLP and
+    context; the vocabulary is the tokenizer trainer's target size), so a topology can be
+    checked against it before the first build."""
+    from cluster.engine.models.config import load_model_config, parse_model_config
+
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if _is_complete(target):
+        return load_model_config(target, dtype)
+    from cluster.default_model.train import ModelConfig, TrainConfig
+
+    raw = ModelConfig(vocab_size=TrainConfig().vocab_size).to_hf_config(eos_token_id=0)
+    return parse_model_config(raw, {}, Path(f"<{DEFAULT_MODEL_NAME}>/config.json"), dtype)
 
 
 def default_model_dir() -> Path:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.request_limits import quote
+
 
 class EngineConfigError(ValueError):
     """A setting that cannot work; the message names it."""
@@ -14,8 +16,14 @@ class EngineConfig:
     """How one engine runs a model.
 
     ``num_kv_blocks`` fixes the KV cache size; otherwise ``kv_cache_memory_fraction`` of the
-    device's memory (the machine's RAM on a CPU) is given to it, capped at what
-    ``max_num_seqs`` requests of ``max_model_len`` tokens could ever use.
+    device's memory (the node's RAM on a CPU, a GPU's free memory on CUDA) is the KV budget,
+    capped at what ``max_num_seqs`` requests of ``max_model_len`` tokens could ever use.
+
+    The budget is the node's (or the GPU's), not each process's: every rank placed there
+    shares it. Each rank of this engine takes ``kv_memory_share`` of it; the disaggregated
+    cluster sets that to 1 / (ranks it placed on the rank's node). None: the engine's own
+    ranks share the node, 1 / ``tensor_parallel_size`` on a CPU; on CUDA each rank has a GPU
+    of its own, so 1.
 
     ``attention_backend``: ``auto`` (Triton kernels on CUDA, plain torch elsewhere), ``torch``
     or ``triton`` (on a CPU only under ``TRITON_INTERPRET=1``, for tests). ``enforce_eager``
@@ -33,6 +41,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.25
+    kv_memory_share: float | None = None  # this engine's ranks' part of the node's KV budget (see above)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
@@ -59,7 +68,7 @@ class EngineConfig:
                 positive[name] = getattr(self, name)
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise EngineConfigError(f"{name} must be a positive integer, got {value!r}")
+                raise EngineConfigError(f"{name} must be a positive integer, got {quote(value)}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise EngineConfigError(
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
@@ -75,6 +84,10 @@ class EngineConfig:
             raise EngineConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if not isinstance(self.enforce_eager, bool):
             raise EngineConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        share = self.kv_memory_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or
+                                  not 0.0 < share <= 1.0):
+            raise EngineConfigError(f"kv_memory_share must be in (0, 1], got {quote(share)}")
         from cluster.parallel.naming import GroupNameError, check_name
 
         try:
@@ -82,3 +95,10 @@ class EngineConfig:
             check_name("engine", self.engine_name)
         except GroupNameError as exc:
             raise EngineConfigError(str(exc)) from None
+
+    @property
+    def kv_share(self) -> float:
+        """The part of the node's (or GPU's) KV budget each rank of this engine takes."""
+        if self.kv_memory_share is not None:
+            return float(self.kv_memory_share)
+        return 1.0 if self.device.startswith("cuda") else 1.0 / self.tensor_parallel_size

@@ -18,13 +18,14 @@ import torch
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
-from cluster.engine.model_runner import ModelRunner
+from cluster.engine.model_runner import ModelRunner, device_memory_bytes
 from cluster.engine.models.config import load_model_config
 from cluster.engine.request import FinishReason, Request, TransferTarget
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from cluster.request_limits import check_request_id, check_stop_token_ids, quote
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def prompt_token_ids(prompt: str | Sequence[int], tokenizer: Tokenizer | None, v
         token_ids = list(prompt)
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {quote(bad[:5])}")
     return token_ids
 
 
@@ -187,9 +188,14 @@ class LLMEngine:
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        by_memory = self.runner.blocks_for_memory_fraction(cfg.kv_cache_memory_fraction)
+        share = cfg.kv_share
+        by_memory = self.runner.blocks_for_memory_fraction(cfg.kv_cache_memory_fraction * share)
         if by_memory < 1:
-            raise EngineConfigError("kv_cache_memory_fraction leaves no room for a single KV block")
+            memory = device_memory_bytes(self.runner.device) / 2**20
+            shared = f", shared by {round(1 / share)} ranks," if share < 1 else ""
+            raise EngineConfigError(
+                f"kv_cache_memory_fraction {cfg.kv_cache_memory_fraction:g} of {memory:.0f} MiB{shared} leaves no "
+                f"room for a single KV block of {self.runner.block_bytes / 2**20:.2f} MiB")
         return min(by_memory, useful)
 
     # -- requests -------------------------------------------------------------------------
@@ -221,7 +227,9 @@ class LLMEngine:
 
     def _make_request(self, request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None) -> Request:
         params = params or SamplingParams()
+        check_request_id(request_id)
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        check_stop_token_ids(params.stop_token_ids, self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has no tokenizer.json")
         request = Request(

@@ -74,10 +74,24 @@ class StepInputs:
 
 
 def device_memory_bytes(device: torch.device) -> int:
+    """What a KV budget is a fraction of: a GPU's free memory, or the node's RAM (its cgroup's
+    limit where that is lower, as in a container)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_memory_limit()
+    return min(physical, limit) if limit else physical
+
+
+def _cgroup_memory_limit() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() else None  # "max": no limit
+    return None
 
 
 class ModelRunner:

@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from cluster.request_limits import InvalidRequestError, check_stops, clip, quote
 
-class InvalidRequestError(ValueError):
-    """A request a user can fix: the message names the field and what is wrong with it."""
+__all__ = ["InvalidRequestError", "SamplingParams"]
 
 
 @dataclass(frozen=True)
@@ -45,32 +45,34 @@ class SamplingParams:
         _check_int(self.max_tokens, "max_tokens", minimum=1)
         _check_number(self.temperature, "temperature")
         if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be >= 0 (0 means greedy), got {quote(self.temperature)}")
         _check_number(self.top_p, "top_p")
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {quote(self.top_p)}")
         _check_int(self.top_k, "top_k", minimum=0)
         _check_number(self.min_p, "min_p")
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {quote(self.min_p)}")
         if self.seed is not None:
             _check_int(self.seed, "seed", minimum=0, maximum=2**64 - 1)
         _check_number(self.repetition_penalty, "repetition_penalty")
         if self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0 (1 means none), got {self.repetition_penalty}")
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0 (1 means none), got {quote(self.repetition_penalty)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(value, name)
             if not -2.0 <= value <= 2.0:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {quote(value)}")
         if self.logprobs is not None:
             _check_int(self.logprobs, "logprobs", minimum=0, maximum=20)
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {quote(self.ignore_eos)}")
+        check_stops(self.stop, self.stop_token_ids)
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be non-negative, got {list(self.stop_token_ids)}")
+            raise InvalidRequestError(f"stop_token_ids must be non-negative, got {quote(list(self.stop_token_ids))}")
 
     @property
     def greedy(self) -> bool:
@@ -89,7 +91,7 @@ class SamplingParams:
         """Builds from a flat mapping (a JSON line), refusing keys that are not fields."""
         unknown = sorted(set(values) - cls.field_names())
         if unknown:
-            raise InvalidRequestError(f"unknown sampling field(s): {', '.join(unknown)}")
+            raise InvalidRequestError(f"unknown sampling field(s): {clip(', '.join(map(str, unknown)))}")
         return cls(**values)
 
 
@@ -97,22 +99,29 @@ def _as_tuple(value: Any, name: str, kind: type) -> tuple:
     if isinstance(value, kind):
         value = (value,)
     if not isinstance(value, (list, tuple)):
-        raise InvalidRequestError(f"{name} must be a list of {kind.__name__}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a list of {kind.__name__}, got {quote(value)}")
     for item in value:
         if not isinstance(item, kind) or isinstance(item, bool):
-            raise InvalidRequestError(f"{name} must be a list of {kind.__name__}, got item {item!r}")
+            raise InvalidRequestError(f"{name} must be a list of {kind.__name__}, got item {quote(item)}")
     return tuple(value)
 
 
 def _check_number(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {quote(value)}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
 
 
 def _check_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an integer, got {quote(value)}")
     if minimum is not None and value < minimum:
-        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidRequestError(f"{name} must be >= {minimum}, got {quote(value)}")
     if maximum is not None and value > maximum:
-        raise InvalidRequestError(f"{name} must be <= {maximum}, got {value}")
+        raise InvalidRequestError(f"{name} must be <= {maximum}, got {quote(value)}")

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 from cluster.engine.block_hash import ExtraKey, cacheable_prefix_blocks, hash_token_blocks, request_hash_keys
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import FinishReason, Request, RequestStatus
-from cluster.engine.sampling_params import InvalidRequestError
+from cluster.request_limits import InvalidRequestError, quote
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Scheduler:
     def check(self, request: Request) -> None:
         """Refuses a request that could never run, with a message saying what to change."""
         if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {quote(request.request_id)} is already in use")
         n = request.num_prompt_tokens
         if n == 0:
             raise InvalidRequestError("prompt is empty")

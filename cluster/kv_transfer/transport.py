@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from cluster.request_limits import quote
+
 
 class Pending(Protocol):
     def wait(self, timeout_s: float | None = None) -> None: ...
@@ -61,7 +63,7 @@ def transport_class(name: str) -> type[KVTransport]:
     try:
         return _TRANSPORTS[name]
     except KeyError:
-        raise TransportError(f"unknown KV transport {name!r}; known: {', '.join(sorted(_TRANSPORTS))}") from None
+        raise TransportError(f"unknown KV transport {quote(name)}; known: {', '.join(sorted(_TRANSPORTS))}") from None
 
 
 def create_transport(name: str, **options) -> KVTransport:

@@ -25,6 +25,7 @@ from cluster.engine.models.config import ModelConfig
 from cluster.kv_transfer.agent import PairLayout
 from cluster.parallel.group import GroupSpec, join_group
 from cluster.ray_runtime import ensure_ray
+from cluster.startup import exception_line, guarded
 
 
 # A follower of a decode engine blocks a thread in each KV receive while the engine keeps
@@ -123,7 +124,7 @@ class TensorParallelRunner(ModelRunner):
         threads = num_threads or threads_per_rank(tp_size)
         torch.set_num_threads(threads)
         spec = GroupSpec(cluster, f"{name}-tp", tp_size)
-        follower = ray.remote(TPFollower)
+        follower = ray.remote(guarded(TPFollower))
         self.followers = [
             follower.options(name=f"{name}-tp{rank}", num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
                              max_concurrency=FOLLOWER_THREADS).remote(
@@ -137,16 +138,27 @@ class TensorParallelRunner(ModelRunner):
             group = join_group(spec, 0, torch.device(device))
             super().__init__(config, model_dir, block_size, max_model_len, device, group, progress,
                              attention_backend=attention_backend, load_format=load_format)
-            self._wait([f.ready.remote() for f in self.followers], "loading its shard")
+            self._wait([f.started.remote() for f in self.followers], "loading its shard")
         except BaseException:
             self.shutdown()
             raise
 
     def _wait(self, refs: list, doing: str) -> list:
+        """The followers' results (``refs`` in rank order); a rank that failed becomes one line
+        naming it."""
         try:
             return self._ray.get(refs)
-        except self._ray.exceptions.RayError as exc:
-            raise TensorParallelError(f"a tensor-parallel rank failed while {doing}: {exc}") from exc
+        except self._ray.exceptions.RayError as first:
+            failed = "a tensor-parallel rank", first
+            for name, ref in zip(self.follower_names, refs):
+                try:
+                    self._ray.get(ref, timeout=0)
+                except self._ray.exceptions.GetTimeoutError:
+                    continue
+                except self._ray.exceptions.RayError as exc:
+                    failed = name, exc
+                    break
+            raise TensorParallelError(f"{failed[0]} failed while {doing}: {exception_line(failed[1])}") from None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         refs = [f.allocate_kv_cache.remote(num_blocks) for f in self.followers]

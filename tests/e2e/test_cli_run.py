@@ -103,12 +103,12 @@ def reference(model_dir) -> dict:
 BROKEN_JSON = '{"id": "broken", "prompt": "no closing brace"'
 
 
-def _input_lines(reference: dict) -> list[tuple[str, str | None, bytes]]:
-    """(key, expected output id, raw line) in file order."""
+def _input_lines(reference: dict) -> list[tuple[str, str | int | None, bytes]]:
+    """(key, expected output id, raw line) in file order; an integer id comes back an integer."""
     stop = reference["stop"][0]
     lines = [
         ("text", "text", {"id": "text", "prompt": LONG_TEXT, "max_tokens": 8, **GREEDY}),
-        ("17", "17", {"id": 17, "prompt_token_ids": IDS_PROMPT, "max_tokens": 6, "logprobs": 2, **GREEDY}),
+        ("17", 17, {"id": 17, "prompt_token_ids": IDS_PROMPT, "max_tokens": 6, "logprobs": 2, **GREEDY}),
         ("broken", None, BROKEN_JSON),
         ("seeded", "seeded", {"id": "seeded", "prompt": SEEDED_PROMPT, **SEEDED}),
         ("unknown", "unknown", {"id": "unknown", "prompt": "hi", "temprature": 0.5}),
@@ -127,6 +127,7 @@ def _input_lines(reference: dict) -> list[tuple[str, str | None, bytes]]:
         ("dup_of_failed", "unknown", {"id": "unknown", "prompt": "hi"}),
         # Same prompt as line 1 at a lower priority: admitted after line 1 when the token budget is tight.
         ("shared", "shared", {"id": "shared", "prompt": LONG_TEXT, "max_tokens": 8, "priority": -1, **GREEDY}),
+        ("stopoov", "stopoov", {"id": "stopoov", "prompt": "hi", "stop_token_ids": [512]}),
     ]
     encoded = []
     for key, expected_id, line in lines:
@@ -148,6 +149,7 @@ ERRORS = {
     "latin1": ["line 13", "UTF-8"],
     "surrogate": ["line 14", "prompt", "Unicode"],
     "dup_of_failed": ["line 15", "duplicate", "'unknown'"],
+    "stopoov": ["line 17", "stop_token_ids must be in [0, 512)"],
 }
 GOOD = {"text", "17", "seeded", "stop", "stoptok", "shared"}
 
@@ -176,6 +178,7 @@ def _run_file(model_dir: Path, input_file, tmp_path: Path, *flags: str, stdio: b
     assert result.returncode == 0, stderr
     assert f"wrote {'-' if stdio else out}" in stderr
     assert "Traceback" not in stderr
+    assert "Token authentication" not in stderr  # Ray's notice; Tandem keeps token auth on, quietly
     rows = [json.loads(line) for line in stdout.splitlines()]
     assert len(rows) == len(ids)
     assert [r["id"] for r in rows] == ids  # one line per input line, in input order
@@ -283,7 +286,8 @@ def test_run_file_routed_by_policy_with_slo_classes(model_dir, input_file, refer
     _check_rows(rows, reference)
     lines = [{"id": "fast", "prompt_token_ids": IDS_PROMPT, "max_tokens": 4, "temperature": 0, "slo_class": "interactive"},
              {"id": "bulk", "prompt_token_ids": IDS_PROMPT, "max_tokens": 4, "temperature": 0, "slo_class": "batch"},
-             {"id": "typo", "prompt_token_ids": IDS_PROMPT, "max_tokens": 4, "slo_class": "realtime"}]
+             {"id": "typo", "prompt_token_ids": IDS_PROMPT, "max_tokens": 4, "slo_class": "realtime"},
+             {"id": 4, "prompt_token_ids": IDS_PROMPT, "max_tokens": 4, "slo_class": "x" * 10_000}]
     result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--quiet", "--disaggregated",
                   "--cluster-name", "cli-route-test", "--threads", "1",
                   stdin="".join(json.dumps(line) + "\n" for line in lines).encode())
@@ -292,6 +296,8 @@ def test_run_file_routed_by_policy_with_slo_classes(model_dir, input_file, refer
     assert out["fast"]["error"] is None and out["bulk"]["error"] is None
     assert out["fast"]["token_ids"] == out["bulk"]["token_ids"] == reference["ids"].token_ids[:4]
     assert out["typo"]["error"] == "line 3: unknown slo_class 'realtime'; known: interactive, standard, batch"
+    assert out[4]["error"].startswith("line 4: slo_class is 10000 characters long; at most 64 are allowed: 'xxx")
+    assert len(out[4]["error"]) < 250
     # Both placed requests are recorded; whether "fast" met 1 s is the machine's business, not this test's.
     assert re.search(rb"\[tandem\] goodput \(last minute\): .*attainment \d+% of 2", result.stderr), result.stderr
 
@@ -301,6 +307,18 @@ def test_slo_class_without_the_router_fails_its_line(model_dir):
     result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--quiet", stdin=line.encode())
     assert result.returncode == 0
     assert json.loads(result.stdout)["error"] == "line 1: 'slo_class' needs the router: run with --disaggregated"
+
+
+def test_a_worker_that_cannot_start_is_one_line_and_exit_2(model_dir):
+    """--disaggregated with a KV cache far beyond the machine: the first worker's failure is
+    one line naming it and the flag to change, with no traceback (Ray's included)."""
+    result = _run("--model", str(model_dir), "--input", "-", "--output", "-", "--disaggregated",
+                  "--num-kv-blocks", "1000000000", "--cluster-name", "cli-nostart-test", "--threads", "1", stdin=b"")
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr
+    assert "Traceback" not in stderr and "Exception raised in creation task" not in stderr
+    line = next(line for line in stderr.splitlines() if line.startswith("tandem run: "))
+    assert " ran out of memory while starting (" in line and line.endswith("lower --num-kv-blocks (now 1000000000)")
 
 
 def test_unreachable_redis_url_exits_2(model_dir):

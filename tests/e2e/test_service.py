@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -179,12 +180,24 @@ def test_a_node_client_completes_a_streaming_generate(default_cluster, reference
     (dict(prompt=PROMPTS[0], model="llama-70b"), grpc.StatusCode.NOT_FOUND, "model 'llama-70b' is not served"),
     (dict(prompt=PROMPTS[0], slo_class="interactive", ttft_ms=0.001), grpc.StatusCode.RESOURCE_EXHAUSTED,
      "rejected by admission control: even an idle cluster cannot meet slo_class 'interactive'"),
+    # Field limits: a 10 KB value is INVALID_ARGUMENT with a short message, not a status whose
+    # details overflow gRPC's metadata limit.
+    (dict(prompt=PROMPTS[0], slo_class="g" * 10_000), grpc.StatusCode.INVALID_ARGUMENT,
+     "slo_class is 10000 characters long; at most 64 are allowed: 'ggg"),
+    (dict(prompt=PROMPTS[0], request_id="r" * 10_000), grpc.StatusCode.INVALID_ARGUMENT,
+     "request_id is 10000 characters long; at most 256 are allowed"),
+    (dict(prompt=PROMPTS[0], stop=["s" * 10_000]), grpc.StatusCode.INVALID_ARGUMENT,
+     "a stop string is 10000 characters long; at most 256 are allowed"),
+    (dict(prompt=PROMPTS[0], stop=["."] * 17), grpc.StatusCode.INVALID_ARGUMENT, "stop: 17 stop strings; at most 16"),
+    (dict(prompt=PROMPTS[0], stop_token_ids=[600]), grpc.StatusCode.INVALID_ARGUMENT,
+     "stop_token_ids must be in [0, 512); got [600]"),
 ])
 def test_status_codes(default_cluster, kwargs, code, words):
     with TandemClient(default_cluster.api, timeout_s=60) as client, pytest.raises(TandemError) as caught:
         list(client.generate(**kwargs))
     assert caught.value.code == code
     assert words in caught.value.message
+    assert len(caught.value.message) < 400
 
 
 def test_drill_an_impossible_objective_and_a_burst_never_wedge_the_cluster(default_cluster):
@@ -329,3 +342,42 @@ def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(m
             ("decode-0", 1), ("decode-1", 1), ("prefill-0", 2), ("prefill-1", 2)]
     finally:
         cluster.down()
+
+
+def test_up_on_a_busy_port_is_one_line_naming_server_port(model_dir, tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        path = tmp_path / "busy.yaml"
+        path.write_text(yaml.safe_dump(topology("e2e-busy", model_dir, server={"port": port})))
+        result = tandem("up", "--topology", str(path), env={"TANDEM_CACHE_DIR": str(tmp_path / "cache")}, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr == (f"[tandem] server.port: port {port} on 127.0.0.1 is already in use; choose another "
+                             "server.port, or stop what holds it\n")
+
+
+def test_up_whose_worker_cannot_start_is_one_line_and_leaves_nothing(model_dir, tmp_path):
+    """A KV cache far beyond the machine: `tandem up` ends with one line naming the worker and
+    kv.num_blocks, no traceback, no state file, and no Ray or Redis left behind."""
+    import psutil
+
+    path = tmp_path / "huge.yaml"
+    path.write_text(yaml.safe_dump(topology("e2e-nostart", model_dir, kv={"num_blocks": 10**9})))
+    cache = tmp_path / "cache"
+    began = time.time()
+    result = tandem("up", "--topology", str(path), env={"TANDEM_CACHE_DIR": str(cache)}, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "Exception raised in creation task" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("[tandem] cluster 'e2e-nostart' did not start: ") and " ran out of memory while " in last
+    assert last.endswith("lower kv.num_blocks (now 1000000000)")
+    assert not (cache / "clusters" / "e2e-nostart.json").exists()
+
+    def orphans() -> list[str]:
+        """Ray's or Redis's processes started during this test whose parent is gone."""
+        return [f"{p.info['name']} ({p.pid})" for p in psutil.process_iter(["name", "create_time", "ppid"])
+                if p.info["create_time"] >= began - 1 and p.info["ppid"] == 1
+                and p.info["name"] in ("redis-server", "raylet", "gcs_server")]
+
+    wait_for(lambda: not orphans(), timeout_s=30, what="no orphaned Ray or Redis process")

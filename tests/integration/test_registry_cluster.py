@@ -4,8 +4,11 @@ rebuilt by the workers' re-publishing."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -66,6 +69,65 @@ def test_reporter_publishes_events_and_load_and_survives_redis_restart():
                 restarted.stop()
         finally:
             reporter.stop()
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether the pid names a process, a zombie included (a reaped child has no /proc entry)."""
+    return Path(f"/proc/{pid}").exists()
+
+
+def test_embedded_redis_killed_is_reaped_restarted_and_repopulated():
+    """kill -9 of the private redis-server: the supervisor reaps it (no zombie), starts it again
+    on the same port, and the worker's reporter re-publishes its whole state there."""
+    with LocalRedis() as server:
+        port, url = server.port, server.url
+        blocks = BlockManager(8, 4)
+        hashes = hash_token_blocks(list(range(12)), 4, ("m",))
+
+        def snapshot():
+            return blocks.drain_events(), WorkerLoad("w0", "decode", 0, 0, 0, 0, 0, blocks.num_free_blocks, 8, 4,
+                                                     64, 4)
+
+        reporter = WorkerReporter(url, "sup", "w0", snapshot, interval_s=0.05, heartbeat_ttl_s=1.0)
+        try:
+            for block_id, h in zip(blocks.allocate(3), hashes):
+                blocks.cache_block(block_id, h)
+            reader = KVIndexReader(redis.Redis.from_url(url), "sup")
+            wait_for(lambda: reader.prefix_blocks(hashes) == {"w0": 3}, what="stored blocks")
+            killed = server.process.pid
+            os.kill(killed, signal.SIGKILL)
+            wait_for(lambda: server.restarts == 1, what="the supervisor to start redis-server again")
+            assert server.port == port and server.process.pid != killed
+            assert not _process_exists(killed)  # reaped, not a zombie
+            reader = KVIndexReader(redis.Redis.from_url(url), "sup")
+            wait_for(lambda: reader.prefix_blocks(hashes) == {"w0": 3}, what="re-published blocks")
+            assert reporter.connected and reporter.resyncs == 1
+        finally:
+            reporter.stop()
+        last = server.process.pid
+    assert not _process_exists(last)  # stop() ends the server it started last, and no restart follows
+    assert server.restarts == 1
+
+
+def test_embedded_redis_restarts_are_bounded(monkeypatch):
+    """A redis-server that keeps dying is started again at most MAX_RESTARTS times within the
+    window; then the supervisor gives up, and the last one is reaped too."""
+    from cluster.registry import local_redis
+
+    monkeypatch.setattr(local_redis, "MAX_RESTARTS", 2)
+    with LocalRedis() as server:
+        pids = []
+        for expected in (1, 2):
+            pids.append(server.process.pid)
+            os.kill(server.process.pid, signal.SIGKILL)
+            wait_for(lambda: server.restarts == expected, what=f"restart {expected}")
+        pids.append(server.process.pid)
+        os.kill(server.process.pid, signal.SIGKILL)
+        wait_for(lambda: not server._supervisor.is_alive(), what="the supervisor to give up")
+        assert server.restarts == 2
+        assert not any(_process_exists(pid) for pid in pids)
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(server.url, socket_timeout=1).ping()
 
 
 def test_a_url_with_password_and_database_number():
@@ -162,3 +224,29 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(checkpoint, ray_ses
             assert all(o.error is None for o in survivors)
     finally:
         server.stop()
+
+
+def test_embedded_redis_killed_under_a_running_cluster_comes_back(checkpoint, ray_session):
+    """The private redis-server of a cluster, killed with -9 while it serves: requests go on,
+    the supervisor starts it again on the same port, every worker registers again, and the
+    router leaves load-only placement."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([40, 20, 30], seed=13)
+    with DisaggregatedLLM(str(model_dir), cluster_name=CLUSTER, num_kv_blocks=64, verbose=False) as llm:
+        server = llm.local_redis
+        port, killed = server.port, server.process.pid
+        os.kill(killed, signal.SIGKILL)
+        during = llm.generate(prompts[:1], greedy(4))
+        assert during[0].error is None
+        wait_for(lambda: server.restarts == 1, what="the supervisor to start redis-server again")
+        assert server.port == port and not _process_exists(killed)
+        reader = KVIndexReader(redis.Redis.from_url(llm.registry_url), CLUSTER)
+        wait_for(lambda: reader.alive_workers() == {"prefill-0", "decode-0"}, what="workers to register again")
+
+        def placed_with_the_registry() -> bool:
+            output = llm.generate(prompts[1:2], greedy(2))[0]
+            return output.error is None and not llm.decisions[output.request_id].load_only
+
+        wait_for(placed_with_the_registry, timeout_s=30, every_s=0.5, what="placement with the registry again")
+        assert llm.router_status()["registry"] == "ok"
+    assert not _process_exists(server.process.pid)

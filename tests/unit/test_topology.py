@@ -68,10 +68,10 @@ def model_dir(tmp_path: Path, **config) -> Path:
     return directory
 
 
-def run_validate(path, capsys) -> tuple[int, str, str]:
+def run_validate(path, capsys, *flags: str) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser(prog="tandem")
     add_validate_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["validate", str(path)])
+    args = parser.parse_args(["validate", *flags, str(path)])
     code = args.func(args)
     out, err = capsys.readouterr()
     return code, out, err
@@ -85,10 +85,11 @@ def test_there_are_three_examples():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_validates_and_round_trips(path):
-    spec, errors, warnings = validate_file(path)
+    """Checked as on a laptop before deployment: the examples' models are on their nodes."""
+    spec, errors, warnings = validate_file(path, model_elsewhere=True)
     assert errors == []
-    assert load_topology(path) == spec
-    assert parse_topology(spec.to_yaml()) == spec
+    assert load_topology(path, model_elsewhere=True) == spec
+    assert parse_topology(spec.to_yaml(), model_elsewhere=True) == spec
     assert yaml.safe_load(spec.to_yaml()) == spec.to_dict()
     for role in ("prefill", "decode"):
         EngineConfig(model="m", **spec.engine_args(role))
@@ -101,7 +102,7 @@ def test_local_cpu_example_is_the_default():
 
 
 def test_gpu_example():
-    spec, _, warnings = validate_file(EXAMPLES[0])
+    spec, _, warnings = validate_file(EXAMPLES[0], model_elsewhere=True)
     assert (spec.prefill.replicas, spec.prefill.tp, spec.decode.replicas, spec.decode.tp) == (2, 2, 4, 1)
     assert spec.prefill.gpus_per_rank == spec.decode.gpus_per_rank == 1
     assert spec.model == ModelSpec("/models/llama-3.1-8b-instruct", "llama-3.1-8b-instruct", "bfloat16", 16384)
@@ -112,6 +113,15 @@ def test_gpu_example():
     assert spec.router.slo_class("chat") == SloClass("chat", 0.5, 0.05, 2, "reject")
     assert spec.prefill.ranks * spec.prefill.gpus_per_rank + spec.decode.ranks * spec.decode.gpus_per_rank == 8
     assert any("model.path: /models/llama-3.1-8b-instruct does not exist here" in w for w in warnings)
+
+
+def test_gpu_example_here_needs_its_model():
+    """Its Ray is local (ray.address null): `tandem up` here would load the model from this
+    machine, so a path that does not exist here is an error, with its line."""
+    spec, errors, _ = validate_file(EXAMPLES[0])
+    assert spec is None
+    assert [(e.key, e.line) for e in errors] == [("model.path", 11)]
+    assert "/models/llama-3.1-8b-instruct does not exist here" in errors[0].message
 
 
 def test_multi_node_example():
@@ -190,16 +200,16 @@ def test_round_trip_of_every_setting():
         observability: {dashboard: true, dashboard_port: 9000, metrics_export_port: 9001}
         ray: {num_cpus: 8}
     """)
-    spec = parse_topology(text)
+    spec = parse_topology(text, model_elsewhere=True)
     assert spec.prefill.node.resources == {"a100": 1.0}
     assert spec.router.slo_class("a").ttft_s == pytest.approx(0.1234)
     assert spec.to_dict()["router"]["slo_classes"]["a"]["ttft_ms"] == 123.4
-    assert parse_topology(spec.to_yaml()) == spec
+    assert parse_topology(spec.to_yaml(), model_elsewhere=True) == spec
 
 
 def test_model_name_defaults_to_the_directory():
-    assert parse_topology("model: {path: /models/qwen2-7b/}").model.name == "qwen2-7b"
-    assert parse_topology("model: {path: /models/x, name: mine}").model.name == "mine"
+    assert parse_topology("model: {path: /models/qwen2-7b/}", model_elsewhere=True).model.name == "qwen2-7b"
+    assert parse_topology("model: {path: /models/x, name: mine}", model_elsewhere=True).model.name == "mine"
 
 
 def test_model_dir(tmp_path):
@@ -400,17 +410,52 @@ def test_max_model_len_beyond_the_model(tmp_path):
         "model.max_model_len", 3, "16384 exceeds the model's max_position_embeddings 8192")
 
 
-def test_missing_model_path_is_a_warning(tmp_path):
+def test_missing_model_path_is_an_error_naming_its_line(tmp_path):
     path = write(tmp_path, """
+        cluster:
+          name: t
         model:
           path: /nonexistent/llama
-        prefill:
-          tp: 3
     """)
     spec, errors, warnings = validate_file(path)
+    assert spec is None and warnings == []
+    assert [e.format(str(path)) for e in errors] == [
+        f"{path}:4: model.path: /nonexistent/llama does not exist here: give a local Hugging Face-format model "
+        "directory (or null for the default model)"]
+
+
+@pytest.mark.parametrize("joins_a_cluster", [False, True])
+def test_missing_model_path_is_a_warning_where_the_model_is_elsewhere(tmp_path, joins_a_cluster):
+    """With ray.address the cluster's nodes hold the model; `tandem validate --model-elsewhere`
+    checks a file away from its machines."""
+    text = "model:\n  path: /nonexistent/llama\nprefill:\n  tp: 3\n"
+    path = write(tmp_path, text + ("ray:\n  address: head:6379\n" if joins_a_cluster else ""))
+    spec, errors, warnings = validate_file(path, model_elsewhere=not joins_a_cluster)
     assert errors == [] and spec.prefill.tp == 3
     assert warnings == [f"{path}:2: model.path: /nonexistent/llama does not exist here; tp and max_model_len "
                         "are checked against the model only where it is readable"]
+
+
+def test_default_model_heads_are_checked_before_it_is_built(tmp_path, monkeypatch):
+    """The default model (8 attention heads, 4 KV heads, MLP 704, context 1024) is known
+    without building it: TP 3 and a longer context are errors with their lines."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "empty-cache"))
+    assert errors_of("""
+        cluster:
+          name: t
+        prefill:
+          tp: 3
+        decode:
+          tp: 2
+        model:
+          max_model_len: 4096
+    """) == [
+        ("prefill.tp", 4, "tensor-parallel size 3 does not divide this model's 8 attention heads, 4 KV heads "
+                          "(neither divides the other), MLP size 704"),
+        ("model.max_model_len", 8, "4096 exceeds the model's max_position_embeddings 1024"),
+    ]
+    assert not (tmp_path / "empty-cache").exists()  # nothing was built
+    assert parse_topology("prefill:\n  tp: 4\ndecode:\n  tp: 8\n").decode.tp == 8
 
 
 def test_model_path_that_is_not_a_model(tmp_path):
@@ -574,7 +619,7 @@ def test_validate_prints_the_normalised_topology(tmp_path, capsys):
 
 
 def test_validate_prints_warnings_to_stderr(capsys):
-    code, out, err = run_validate(EXAMPLES[0], capsys)
+    code, out, err = run_validate(EXAMPLES[0], capsys, "--model-elsewhere")
     assert code == 0 and out.startswith("cluster:\n  name: llama-8b\n")
     assert f"warning: {EXAMPLES[0]}:11: model.path: /models/llama-3.1-8b-instruct does not exist here" in err
 
@@ -598,3 +643,14 @@ def test_validate_not_yaml(tmp_path, capsys):
     path = write(tmp_path, "prefill: {tp: 2\n")
     code, out, err = run_validate(path, capsys)
     assert code == 1 and err.startswith(f"{path}:2: not valid YAML")
+
+
+def test_topology_error_crosses_processes_whole():
+    """A frontend actor's TopologyError reaches `tandem up` through pickling with its issues."""
+    import pickle
+
+    with pytest.raises(TopologyError) as info:
+        parse_topology("prefill:\n  tp: 0\n", "t.yaml")
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert copy.errors == info.value.errors and str(copy) == str(info.value)
+    assert str(copy).startswith("t.yaml:2: prefill.tp: ")

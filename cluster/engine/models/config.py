@@ -131,7 +131,13 @@ def load_model_config(model_dir: str | Path, dtype: str | torch.dtype | None = N
     raw = json.loads(config_path.read_text())
     generation_path = path / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+    return parse_model_config(raw, generation, config_path, dtype)
 
+
+def parse_model_config(raw: dict[str, Any], generation: dict[str, Any], config_path: Path,
+                       dtype: str | torch.dtype | None = None) -> ModelConfig:
+    """A ``config.json`` mapping (and ``generation_config.json``'s) as a :class:`ModelConfig`;
+    ``config_path`` names the file in messages."""
     architectures = raw.get("architectures") or []
     architecture = architectures[0] if architectures else None
     if architecture not in SUPPORTED_ARCHITECTURES:
