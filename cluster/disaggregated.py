@@ -85,11 +85,12 @@ class DisaggregatedLLM(LLM):
         router_config: RouterConfig | None = None,
         registry_url: str | None = None,
         pools: dict[str, PoolResources] | None = None,
+        role_args: dict[str, dict] | None = None,
         local_prefill_max_tokens: int | None = None,
         **engine_args,
     ):
-        """``engine_args`` are EngineConfig fields for both roles; ``pools`` sets each role's
-        resources. ``local_prefill_max_tokens`` (default: the router's) bounds the prompts a
+        """``engine_args`` are EngineConfig fields for both roles, ``role_args["prefill"]`` and
+        ``role_args["decode"]`` override them per role; ``pools`` sets each role's resources. ``local_prefill_max_tokens`` (default: the router's) bounds the prompts a
         decode worker may prefill itself; 0 sends every prompt to a prefill worker."""
         if model is None:
             from cluster.default_model import default_model_dir
@@ -104,10 +105,12 @@ class DisaggregatedLLM(LLM):
             router_config = router_config or RouterConfig.for_policy(policy, **overrides)
         except RouterConfigError as exc:
             raise EngineConfigError(str(exc)) from None
-        pools = pools or {}
+        pools, role_args = pools or {}, role_args or {}
         self.deployment = Deployment(
-            str(model), [Pool("prefill", prefill_workers, prefill_tp, pools.get("prefill", PoolResources())),
-                         Pool("decode", decode_workers, decode_tp, pools.get("decode", PoolResources()))],
+            str(model), [Pool(role, replicas, tp, pools.get(role, PoolResources()),
+                              tuple(sorted(role_args.get(role, {}).items())))
+                         for role, replicas, tp in (("prefill", prefill_workers, prefill_tp),
+                                                    ("decode", decode_workers, decode_tp))],
             cluster_name=cluster_name, router_config=router_config, registry_url=registry_url,
             kv_transport=kv_transport, transfer_timeout_s=transfer_timeout_s, stream_layers=stream_layers,
             ray_address=ray_address, verbose=verbose, **engine_args)
@@ -203,6 +206,15 @@ class DisaggregatedLLM(LLM):
         return [results[i] for i in request_ids]
 
     # -- looking at it --------------------------------------------------------------------------
+
+    @property
+    def registry_url(self) -> str:
+        return self.deployment.registry_url
+
+    @property
+    def local_redis(self):
+        """The private redis-server (None with a registry URL)."""
+        return self.deployment.local_redis
 
     @property
     def kv_shares(self) -> dict[str, float]:
