@@ -185,9 +185,9 @@ class DisaggregatedLLM(LLM):
         """``engine_args`` are EngineConfig fields for both roles; ``role_args["prefill"]`` and
         ``role_args["decode"]`` override them per role; ``pools`` sets each role's resources."""
         if model is None:
-            from cluster.default_model import default_model_dir
+            from cluster.default_model import default_model_path
 
-            model = str(default_model_dir())
+            model = str(default_model_path())
         for name, value in (("prefill_workers", prefill_workers), ("decode_workers", decode_workers)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

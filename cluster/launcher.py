@@ -80,7 +80,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         return 1
     if detach:
         return _detach(spec, argv)
-    spec.model_dir()  # builds the default model here, with its progress, when none is cached yet
+    spec.model_dir()  # fetches the default model here, with its progress, when none is cached yet
     ray, dashboard = start_ray(spec)
     from ray import serve
 

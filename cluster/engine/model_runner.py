@@ -78,7 +78,7 @@ class ModelRunner:
         max_model_len: int,
         device: str = "cpu",
         group: ParallelGroup = SINGLE_RANK,
-        progress: Callable[[int, int], None] | None = None,
+        progress: Callable[[int, int, str], None] | None = None,
     ):
         self.config = config
         self.device = torch.device(device)
