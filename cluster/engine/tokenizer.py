@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from tokenizers import Tokenizer as _HFTokenizer
 
 from cluster.engine.chat_template import ChatTemplate, ChatTemplateError, template_source
-from cluster.engine.models.source import ModelSource, resolve_model_source
+from cluster.engine.models.source import ModelSource, ModelSourceError, resolve_model_source
 
 
 class TokenizerError(ValueError):
@@ -23,11 +23,20 @@ class Tokenizer:
     the model has none."""
 
     def __init__(self, model: str | Path | ModelSource):
-        source = resolve_model_source(model)
-        if source.is_gguf:
-            self._load_gguf(source)
+        given = model.path if isinstance(model, ModelSource) else Path(model).expanduser()
+        if (given / "tokenizer.json").is_file():  # a tokenizer folder needs no config.json
+            self._load_directory(given)
         else:
-            self._load_directory(source.path)
+            try:
+                source = resolve_model_source(model)
+            except ModelSourceError:
+                if given.is_dir():
+                    raise TokenizerError(f"{given} has no tokenizer.json; pass prompt_token_ids instead of text") from None
+                raise
+            if source.is_gguf:
+                self._load_gguf(source)
+            else:
+                self._load_directory(source.path)
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         # Whether plain encoding puts BOS first: a chat prompt gets it too (once) when so.
         self.adds_bos = self.bos_token_id is not None and self._tok.encode("").ids[:1] == [self.bos_token_id]
