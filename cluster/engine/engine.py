@@ -125,7 +125,7 @@ class LLMEngine:
         model_dir = source.path
         self.model_config = load_model_config(source, config.dtype)
         self.max_model_len = self._max_model_len()
-        self.tokenizer = self._load_tokenizer(source)
+        self.tokenizer = self._load_tokenizer(source, verbose)
         progress = (lambda done, total, unit: _log(f"loading weights: {done}/{total} {unit}")) if verbose else None
         started = time.perf_counter()
         self.runner = self._make_runner(model_dir, progress)
@@ -183,10 +183,12 @@ class LLMEngine:
         return wanted
 
     @staticmethod
-    def _load_tokenizer(source: ModelSource) -> Tokenizer | None:
+    def _load_tokenizer(source: ModelSource, verbose: bool) -> Tokenizer | None:
         try:
             return Tokenizer(source)
-        except TokenizerError:
+        except TokenizerError as exc:
+            if verbose:
+                _log(f"no text tokenizer ({exc}); requests must give token ids")
             return None
 
     def _num_kv_blocks(self) -> int:
