@@ -23,6 +23,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", action="store_true", help="schedule each prompt whole")
     parser.add_argument("--seed", type=int, default=0, help="global seed for unseeded sampling")
     parser.add_argument("--threads", type=int, help="torch CPU threads (per rank with --tp)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                        help="auto: Triton kernels on CUDA, plain torch elsewhere (default: auto)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: launch every decode step's kernels from Python")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree: ranks 1..N-1 run as Ray actors (default: 1)")
     parser.add_argument("--cluster-name", default="tandem",
@@ -63,6 +67,8 @@ def _engine_args(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tp,
         cluster_name=args.cluster_name,
         ray_address=args.ray_address,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
     )
 
 

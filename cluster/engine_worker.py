@@ -89,7 +89,7 @@ class EngineWorker:
             engine.add_request(f"profile-prefill-{i}", prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
             while engine.has_unfinished_requests():
                 engine.step()
-        if self.role == "decode":
+        if self.role != "prefill":
             for i, (n, out) in enumerate(PROFILE_DECODE_BATCH):
                 engine.add_request(f"profile-decode-{i}", prompt(n), SamplingParams(max_tokens=out, ignore_eos=True))
             while engine.has_unfinished_requests():
@@ -123,7 +123,7 @@ class EngineWorker:
     def describe(self) -> dict:
         engine = self.engine
         return {"num_kv_heads": engine.model_config.num_kv_heads, "tp": engine.config.tensor_parallel_size,
-                "num_layers": engine.model_config.num_layers, "free_blocks": self.free_blocks(),
+                "num_layers": engine.model_config.num_layers, "free_blocks": self._free_blocks(),
                 "num_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
                 "max_model_len": engine.max_model_len, "hash_keys": engine.scheduler.extra_hash_keys,
                 "role": self.role, "name": self.name}
@@ -144,6 +144,9 @@ class EngineWorker:
                     "registry": "ok" if self.reporter is None or self.reporter.connected else "unreachable"}
 
     def free_blocks(self) -> int:
+        return self._free_blocks()
+
+    def _free_blocks(self) -> int:
         with self._lock:
             return self.engine.block_manager.num_free_blocks
 

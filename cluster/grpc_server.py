@@ -1,10 +1,13 @@
-"""The gRPC API (``tandem.v1.Tandem``, see ``proto/``) in front of the cluster's frontend actor.
+"""The gRPC API (``tandem.v1.Tandem``, see ``proto/``) of an ingress replica.
 
-A plain ``grpc.server`` (threads): each ``Generate`` call reads the frontend's streaming
-generator and turns each message into a ``GenerateResponse``; errors become status codes
-(INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE; DEADLINE_EXCEEDED and
-CANCELLED come from gRPC itself). When the call ends early (the client cancels, disconnects or
-passes its deadline) the generator is cancelled, which aborts the request on every worker.
+An asyncio server (``grpc.aio``) on an event loop of its own: a call costs a coroutine, not a
+thread, so however many streams are open none waits unseen for a free thread, and each call is
+stamped with the time it arrived, from which its admission and TTFT are timed. Each
+``Generate`` call runs the request's path (``cluster/request_path.py``: the router places it,
+the decode worker streams it) and turns each message into a ``GenerateResponse``; errors become
+status codes (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE; DEADLINE_EXCEEDED
+and CANCELLED come from gRPC itself). When the call ends early (the client cancels, disconnects
+or passes its deadline) the path is closed, which aborts the request on every worker.
 
 Also served: the standard health service (``grpc.health.v1``, exempt from the token so probes
 work), server reflection, TLS when the topology names a certificate and key, and a bearer
@@ -13,8 +16,10 @@ token (``authorization: Bearer <token>``) checked on every other call when one i
 
 from __future__ import annotations
 
+import asyncio
 import os
-from concurrent import futures
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -33,7 +38,7 @@ CODES = {
 }
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "logprobs")
-MAX_WORKERS = 64
+START_TIMEOUT_S = 30.0
 
 
 class RequestError(ValueError):
@@ -41,7 +46,7 @@ class RequestError(ValueError):
 
 
 def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
-    """The frontend's request mapping; RequestError names the field that is wrong."""
+    """The request path's request mapping; RequestError names the field that is wrong."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestError("prompt: give text or token_ids")
@@ -60,7 +65,7 @@ def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
     if request.sampling.ignore_eos:
         sampling["ignore_eos"] = True
     objectives = {name.replace("_ms", "_s"): getattr(request.objectives, name) / 1000.0
-                  for name in ("ttft_ms", "tpot_ms") if request.objectives.HasField(name)}  # checked by the frontend
+                  for name in ("ttft_ms", "tpot_ms") if request.objectives.HasField(name)}  # checked by the request path
     return {"request_id": request.request_id, "model": request.model, "prompt": prompt, "sampling": sampling,
             "slo_class": request.slo_class, "priority": request.priority, **objectives}
 
@@ -84,73 +89,71 @@ def response_message(message: dict) -> tandem_pb2.GenerateResponse:
 
 
 class TandemServicer(tandem_pb2_grpc.TandemServicer):
-    def __init__(self, frontend):
-        import ray
+    def __init__(self, path):
+        self.path = path
 
-        self.ray, self.frontend = ray, frontend
-
-    def _call(self, context, method, *args):
-        try:
-            return self.ray.get(getattr(self.frontend, method).remote(*args))
-        except self.ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, ValueError):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(cause))
-            context.abort(grpc.StatusCode.INTERNAL, str(exc).splitlines()[0])
-        except self.ray.exceptions.RayActorError:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster's frontend is not running")
-
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
+        arrival = time.time()
         try:
             payload = request_payload(request)
         except RequestError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        stream = self.frontend.generate.options(num_returns="streaming").remote(payload)
-        context.add_callback(lambda: self.ray.cancel(stream))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        payload["arrival"] = arrival
+        messages = self.path.generate(payload)
         try:
-            for ref in stream:
-                message = self.ray.get(ref)
+            async for message in messages:
                 if "error" in message:
                     error = message["error"]
-                    context.abort(CODES.get(error["kind"], grpc.StatusCode.UNAVAILABLE), error["message"])
+                    await context.abort(CODES.get(error["kind"], grpc.StatusCode.UNAVAILABLE), error["message"])
                 yield response_message(message)
                 if message["finished"]:
                     return
-        except (self.ray.exceptions.TaskCancelledError, self.ray.exceptions.RayTaskError) as exc:
-            if context.is_active():
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"the request failed in the cluster: {exc}")
-        except self.ray.exceptions.RayActorError:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster's frontend is not running")
+        finally:
+            await messages.aclose()  # a call that ended early aborts its request on every worker
 
-    def GetModelInfo(self, request, context):
-        return tandem_pb2.ModelInfo(**self._call(context, "model_info"))
+    async def GetModelInfo(self, request, context):
+        return tandem_pb2.ModelInfo(**self.path.model_info())
 
-    def Tokenize(self, request, context):
-        return tandem_pb2.TokenizeResponse(token_ids=self._call(context, "tokenize", request.text))
+    async def Tokenize(self, request, context):
+        return tandem_pb2.TokenizeResponse(token_ids=await self._invalid_as_status(context, self.path.tokenize,
+                                                                                    request.text))
 
-    def Detokenize(self, request, context):
-        return tandem_pb2.DetokenizeResponse(text=self._call(context, "detokenize", list(request.token_ids)))
+    async def Detokenize(self, request, context):
+        return tandem_pb2.DetokenizeResponse(text=await self._invalid_as_status(context, self.path.detokenize,
+                                                                                 list(request.token_ids)))
+
+    @staticmethod
+    async def _invalid_as_status(context, fn, *args):
+        try:
+            return fn(*args)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
-class TokenCheck(grpc.ServerInterceptor):
+class TokenCheck(grpc.aio.ServerInterceptor):
     """Refuses calls without ``authorization: Bearer <token>``; the health service is exempt."""
 
     def __init__(self, token: str):
         self.expected = f"Bearer {token}"
 
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
         if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
             return handler
         metadata = dict(details.invocation_metadata)
         if metadata.get("authorization") == self.expected:
             return handler
 
-        def refuse(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong bearer token (authorization metadata)")
+
+        async def refuse_stream(request, context):
+            await refuse(request, context)
+            yield  # an async generator, as a streaming handler must be
 
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(refuse, handler.request_deserializer,
+            return grpc.unary_stream_rpc_method_handler(refuse_stream, handler.request_deserializer,
                                                         handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
 
@@ -167,26 +170,78 @@ def api_token(spec: ClusterSpec) -> str | None:
     return None
 
 
-def build_server(spec: ClusterSpec, frontend) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """The server, bound (not started) to the topology's host and port; the port it got."""
+def build_server(spec: ClusterSpec, path) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """The asyncio server, bound (not started) to the topology's host and port; the port it
+    got. Call it on the event loop that will run the server."""
     token = api_token(spec)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_WORKERS),
-                         interceptors=[TokenCheck(token)] if token else [])
-    tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(frontend), server)
-    health_servicer = health.HealthServicer()
+    server = grpc.aio.server(interceptors=[TokenCheck(token)] if token else [])
+    tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(path), server)
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     host = spec.server.host
     address = f"[{host}]:{spec.server.port}" if ":" in host else f"{host}:{spec.server.port}"
     tls = spec.server.tls
-    if tls is not None and tls.cert_file:
-        credentials = grpc.ssl_server_credentials(
-            [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())])
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if tls is not None and tls.cert_file:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())])
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise OSError(f"server.port: cannot bind {address}")
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        raise OSError(f"server.port: cannot bind {address} (is the port in use?)")
     return server, port, health_servicer
+
+
+class ApiServer:
+    """The gRPC server on an event loop of its own thread, so it serves the same whoever
+    hosts it (a Ray Serve replica, a test, a plain process)."""
+
+    def __init__(self, spec: ClusterSpec, path):
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, args=(spec, path), name="grpc-api", daemon=True)
+        self._thread.start()
+        if not self._started.wait(START_TIMEOUT_S):
+            raise RuntimeError("the gRPC server did not start")
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, spec: ClusterSpec, path) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self.server, self.port, self.health = self._loop.run_until_complete(self._start(spec, path))
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
+
+    @staticmethod
+    async def _start(spec: ClusterSpec, path):
+        server, port, health_servicer = build_server(spec, path)
+        await server.start()
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return server, port, health_servicer
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def set_all():
+            for name in ("", SERVICE):
+                await self.health.set(name, status)
+
+        asyncio.run_coroutine_threadsafe(set_all(), self._loop).result(timeout=10)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result(timeout=grace_s + 10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

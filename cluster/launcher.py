@@ -1,11 +1,12 @@
 """``tandem up``, ``down`` and ``status``: a deployment's life on Ray.
 
-``up`` starts (or, with an address, joins) Ray, then the frontend actor (which starts the
-workers in their placement groups, the registry and the router) and the gRPC ingress through
-Ray Serve. The ``up`` process owns the deployment: it stays in the foreground until
-interrupted, or with ``--detach`` re-runs itself in the background and returns once the API
-answers. Its state file (``<cache>/clusters/<name>.json``: pid, Ray address, API, dashboard)
-is how ``down`` (SIGTERM to that pid; it stops everything it started) and ``status`` find it.
+``up`` starts (or, with an address, joins) Ray, then the deployment (the workers in their
+placement groups, the registry and the routers: ``cluster/deployment.py``) and the ingress
+replicas through Ray Serve. The ``up`` process owns the deployment: it stays in the foreground
+until interrupted, or with ``--detach`` re-runs itself in the background and returns once the
+API answers. Its state file (``<cache>/clusters/<name>.json``: pid, Ray address, API,
+dashboard, the actors' names) is how ``down`` (SIGTERM to that pid; it stops everything it
+started) and ``status`` find it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.paths import cache_dir
@@ -81,34 +83,38 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     if detach:
         return _detach(spec, argv)
     spec.model_dir()  # fetches the default model here, with its progress, when none is cached yet
+    if spec.server.port == 0:  # every ingress replica must share one port: choose it now
+        spec = replace(spec, server=replace(spec.server, port=free_port(spec.server.host)))
+        spec_yaml = spec.to_yaml()
     ray, dashboard = start_ray(spec)
     from ray import serve
 
-    from cluster.ingress import HEAD_NODE, GrpcIngress
-    from cluster.service import ClusterService
+    from cluster.ingress import ingress_app
+    from cluster.service import build_deployment
 
     started = time.perf_counter()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    frontend = None
+    deployment = None
     try:
-        frontend = ray.remote(ClusterService).options(name="frontend", num_cpus=0.1, max_concurrency=1000,
-                                                      resources=HEAD_NODE).remote(spec_yaml)
-        ray.get(frontend.ready.remote())
+        deployment = build_deployment(spec)
+        info = deployment.info
+        ray.get([router.ready.remote() for router in deployment.routers.values()])
         serve.start(proxy_location="Disabled")
-        handle = serve.run(GrpcIngress.bind(spec_yaml), name=spec.name, route_prefix=None)
+        handle = serve.run(ingress_app(spec_yaml, info, spec.server.replicas), name=spec.name, route_prefix=None)
         api = handle.address.remote().result()
         context = ray.get_runtime_context()
         state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "dashboard": dashboard,
                  "tls": bool(spec.server.tls and spec.server.tls.cert_file),
-                 "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token")}
+                 "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token"), "model": info.model_name,
+                 "workers": list(info.workers), "routers": list(info.routers)}
         path = state_file(spec.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state))
         _log(f"cluster {spec.name!r} up in {time.perf_counter() - started:.0f}s")
-        _log(f"API: {api} (gRPC tandem.v1.Tandem{', TLS' if state['tls'] else ''}); try "
-             f"`tandem generate --addr {api} \"Hello\"`")
+        _log(f"API: {api} (gRPC tandem.v1.Tandem{', TLS' if state['tls'] else ''}, {spec.server.replicas} "
+             f"ingress replica(s)); try `tandem generate --addr {api} \"Hello\"`")
         _log(f"dashboard: {dashboard} (its token: ~/.ray/auth_token)" if dashboard else
              "dashboard: off (observability.dashboard: true starts it)")
         _log(f"Ray: {context.gcs_address}; `tandem status --cluster {spec.name}`, `tandem down --cluster {spec.name}`")
@@ -122,16 +128,21 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
             serve.shutdown()
         except Exception:  # noqa: BLE001 - tearing down what may be half started
             pass
-        if frontend is not None:
-            try:
-                ray.get(frontend.shutdown.remote(), timeout=60)
-            except Exception:  # noqa: BLE001
-                pass
-            ray.kill(frontend)
+        if deployment is not None:
+            deployment.shutdown()
         state = read_state(spec.name)
         if state and state.get("pid") == os.getpid():
             state_file(spec.name).unlink(missing_ok=True)
         ray.shutdown()
+
+
+def free_port(host: str) -> int:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _detach(spec: ClusterSpec, argv: list[str]) -> int:
@@ -184,7 +195,7 @@ def down(cluster: str, timeout_s: float = 120.0) -> int:
 
 
 def cluster_status(cluster: str, address: str | None = None) -> dict:
-    """The frontend's status of a running cluster."""
+    """A running cluster's status, read from its routers and workers."""
     state = read_state(cluster)
     address = address or (state or {}).get("ray_address")
     if not address:
@@ -194,21 +205,32 @@ def cluster_status(cluster: str, address: str | None = None) -> dict:
         os.environ.setdefault("RAY_AUTH_MODE", state["ray_auth_mode"])  # as the cluster was started; read on import
     import ray
 
+    from cluster.deployment import worker_status
+
     ray.init(address=address, namespace=cluster, log_to_driver=False, logging_level="ERROR")
     try:
-        frontend = ray.get_actor("frontend", namespace=cluster)
-        status = ray.get(frontend.status.remote(), timeout=30)
+        routers = [ray.get_actor(name, namespace=cluster) for name in (state or {}).get("routers", ["router-0"])]
+        router_rows = ray.get([r.status.remote() for r in routers], timeout=30)
+        names = (state or {}).get("workers") or router_rows[0]["workers"]
+        workers = worker_status(ray, {name: ray.get_actor(name, namespace=cluster) for name in names})
+        goodput = ray.get(routers[0].goodput.remote(), timeout=30)
     finally:
         ray.shutdown()
-    status["api"] = (state or {}).get("api")
-    status["dashboard"] = (state or {}).get("dashboard")
-    return status
+    router = dict(router_rows[0])
+    for other in router_rows[1:]:
+        for key in ("in_flight", "waiting", "placed", "rejected", "queued_decisions"):
+            router[key] += other[key]
+    return {"cluster": cluster, "model": (state or {}).get("model", ""), "workers": workers, "router": router,
+            "routers": len(router_rows), "goodput": goodput, "queued": router["waiting"],
+            "in_flight": router["in_flight"], "api": (state or {}).get("api"),
+            "dashboard": (state or {}).get("dashboard")}
 
 
 def format_status(status: dict) -> str:
     lines = [f"cluster {status['cluster']}: model {status['model']}; API {status.get('api')}; dashboard "
              f"{status.get('dashboard') or 'off'}; router {status['router']['policy']} (registry "
-             f"{status['router']['registry']}); {status['queued']} queued, {status['in_flight']} streaming"]
+             f"{status['router']['registry']}); {status['queued']} waiting for placement, {status['in_flight']} placed "
+             "and not finished"]
     header = ("worker", "role", "TP", "state", "KV used", "waiting", "running", "receiving", "hit rate")
     rows = [header]
     for w in status["workers"]:

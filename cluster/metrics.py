@@ -1,10 +1,10 @@
 """Prometheus metrics through Ray's metrics API (exported by each node's metrics agent).
 
-Names start with ``tandem_``; every metric carries the ``cluster`` tag. The driver records
-requests (by outcome and SLO class), TTFT and TPOT histograms, the queue length, and goodput
-and SLO attainment per class (read from the registry every few seconds); each worker records
-its KV blocks and prefix-cache hit rate, and decode workers the KV bytes and seconds they
-receive; the router counts its decisions by policy and action.
+Names start with ``tandem_``; every metric carries the ``cluster`` tag. Each ingress replica
+records requests (by outcome, SLO class and API) and TTFT and TPOT histograms; the router counts
+its decisions by policy, action and path, and keeps the queue length and goodput and SLO
+attainment per class (read from the registry every few seconds); each worker records its KV
+blocks and prefix-cache hit rate, and decode workers the KV bytes and seconds they receive.
 """
 
 from __future__ import annotations
@@ -15,33 +15,39 @@ LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 TOKEN_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
-class ClusterMetrics:
-    """The driver's metrics."""
+class IngressMetrics:
+    """Each ingress replica's: requests by outcome, SLO class and API, TTFT and TPOT as the
+    caller saw them (from the call's arrival)."""
 
-    def __init__(self, cluster: str, policy: str):
+    def __init__(self, cluster: str):
         self.tags = {"cluster": cluster}
-        self.policy = policy
-        self.requests = metrics.Counter("tandem_requests", "finished requests by outcome and SLO class",
-                                        tag_keys=("cluster", "outcome", "slo_class"))
+        self.requests = metrics.Counter("tandem_requests", "finished requests by outcome, SLO class and API",
+                                        tag_keys=("cluster", "outcome", "slo_class", "api"))
         self.ttft = metrics.Histogram("tandem_ttft_seconds", "time to first token", LATENCY_BOUNDARIES_S,
-                                      tag_keys=("cluster", "slo_class"))
+                                      tag_keys=("cluster", "slo_class", "api"))
         self.tpot = metrics.Histogram("tandem_tpot_seconds", "time per output token after the first",
-                                      TOKEN_BOUNDARIES_S, tag_keys=("cluster", "slo_class"))
+                                      TOKEN_BOUNDARIES_S, tag_keys=("cluster", "slo_class", "api"))
+
+    def finished(self, outcome: str, slo_class: str, ttft_s: float | None, tpot_s: float | None, api: str) -> None:
+        tags = {**self.tags, "slo_class": slo_class, "api": api}
+        self.requests.inc(1, {**tags, "outcome": outcome})
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, tags)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s, tags)
+
+
+class SloMetrics:
+    """The router's gauges: requests waiting for placement, and goodput and attainment per
+    class over the last minute (as the registry computes them)."""
+
+    def __init__(self, cluster: str):
+        self.tags = {"cluster": cluster}
         self.queue = metrics.Gauge("tandem_queue_length", "requests waiting for placement", tag_keys=("cluster",))
         self.goodput = metrics.Gauge("tandem_goodput_rps", "requests per second that met both objectives, last "
                                      "minute", tag_keys=("cluster", "slo_class"))
         self.attainment = metrics.Gauge("tandem_slo_attainment", "share of requests that met both objectives, "
                                         "last minute", tag_keys=("cluster", "slo_class"))
-
-    def finished(self, output, slo_class: str) -> None:
-        tags = {**self.tags, "slo_class": slo_class}
-        outcome = output.finish_reason if output.finish_reason != "error" else (output.error_kind or "error")
-        self.requests.inc(1, {**tags, "outcome": outcome})
-        if output.first_token_time is not None and output.finish_reason != "error":
-            self.ttft.observe(output.first_token_time - output.arrival_time, tags)
-            n = output.usage.completion_tokens
-            if n >= 2 and output.finish_time is not None:
-                self.tpot.observe((output.finish_time - output.first_token_time) / (n - 1), tags)
 
     def queue_length(self, n: int) -> None:
         self.queue.set(n, self.tags)

@@ -28,11 +28,15 @@ model
         Longest context (prompt and answer) in tokens, a positive integer. Null: the model's
         ``max_position_embeddings``.
 
-prefill, decode
-    The two worker pools, with the same keys and defaults.
+prefill, decode, colocated
+    The worker pools, with the same keys and defaults. Prefill workers compute prompts' KV
+    and stream it to decode workers, which generate; colocated workers prefill and decode
+    every request themselves (no KV travels), for models and workloads where disaggregation
+    does not pay. A topology has prefill and decode workers, colocated ones, or all three.
 
-    replicas (1)
-        Number of workers, at least 1.
+    replicas (1 for prefill and decode, 0 for colocated)
+        Number of workers, at least 0. Prefill and decode workers come together (both 0 or
+        both at least 1), and some worker must generate (decode or colocated).
     tp (1)
         Tensor-parallel degree of each worker: its number of ranks, at least 1. It must divide
         the model's attention heads and MLP size, and the tp ranks of one worker must fit on one
@@ -92,11 +96,31 @@ router
     default_class (``standard``)
         The class of a request that names none; must be one of ``slo_classes``.
     skip_prefill_fraction (0.9)
-        A decode worker caching this share of a prompt prefills it itself, in (0, 1].
+        A decode worker caching this share of a prompt may prefill it itself, in (0, 1].
+    local_prefill_max_tokens (256)
+        ... and so may one with at most this many prompt tokens left to compute (0: only by
+        the share above). The router then compares the predicted TTFT and TPOT of prefilling
+        there against a prefill worker's, and picks what meets the objectives with the most
+        headroom (conditional disaggregation, per request).
+    migration_limit (3)
+        Times a request may move after a worker failed under it: a decode worker that died
+        mid-stream (prompt and the tokens already sent are prefilled elsewhere and the stream
+        resumes), or a prefill worker that died before its KV landed. An integer >= 0.
+    replicas (1)
+        Router actors (``router-0``, ...). Each ingress replica spreads its requests over
+        them; each sees the others' placements once the workers' next load reports show them.
     load_refresh_s (0.05)
         How stale the router's view of load may get, > 0.
     registry_retry_s (1.0)
         After a registry failure, seconds of placing by load only before trying again, > 0.
+    queue_limit (4096)
+        Requests the router may hold until it can place them; past it, a request of a
+        ``queue`` class is rejected (RESOURCE_EXHAUSTED) instead of waiting. An integer >= 1.
+    correction_limit_ms (500)
+        Bound, either way, of the TTFT correction the router learns from finished requests
+        (what its step-time models leave out: control-plane hops, contention), >= 0.
+    correction_half_life_s (30)
+        Seconds after which an unrefreshed correction has halved, > 0.
 
 registry
     url (null)
@@ -111,6 +135,11 @@ server
         The gRPC API's bind address. Anything but loopback exposes the API to the network.
     port (50051)
         0..65535; 0 takes any free port.
+    replicas (1)
+        Ingress replicas (a Ray Serve deployment), at least 1. Each is a stateless asyncio
+        server on the same address (the kernel spreads connections over them, SO_REUSEPORT);
+        one that dies is restarted by Serve while the others serve. On Kubernetes the API
+        Service spreads clients across them.
     tls (null)
         Null, or both ``cert_file`` and ``key_file`` (PEM) to serve over TLS.
     auth_token_env (null)
@@ -155,7 +184,7 @@ from router.config import RouterConfig, RouterConfigError, SloClass
 
 DEFAULT_MODEL_NAME = "tandem-default"
 DTYPES = ("float32", "bfloat16", "float16")
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "colocated")
 
 _CLUSTER_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -257,6 +286,7 @@ class ServerSpec:
     tls: TLSSpec | None = None
     auth_token_env: str | None = None
     auth_token_file: str | None = None
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -279,6 +309,7 @@ class ClusterSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     prefill: PoolSpec = field(default_factory=PoolSpec)
     decode: PoolSpec = field(default_factory=PoolSpec)
+    colocated: PoolSpec = field(default_factory=lambda: PoolSpec(replicas=0))
     kv: KVSpec = field(default_factory=KVSpec)
     router: RouterConfig = field(default_factory=RouterConfig)
     registry: RegistrySpec = field(default_factory=RegistrySpec)
@@ -288,7 +319,7 @@ class ClusterSpec:
 
     def pool(self, role: str) -> PoolSpec:
         if role not in ROLES:
-            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         return getattr(self, role)
 
     def engine_args(self, role: str) -> dict[str, Any]:
@@ -325,6 +356,7 @@ class ClusterSpec:
             "model": asdict(self.model),
             "prefill": asdict(self.prefill),
             "decode": asdict(self.decode),
+            "colocated": asdict(self.colocated),
             "kv": asdict(self.kv),
             "router": _router_dict(self.router),
             "registry": asdict(self.registry),
@@ -576,7 +608,7 @@ _MODEL = {
     "max_model_len": _integer(1, null=True),
 }
 _POOL = {
-    "replicas": _integer(1),
+    "replicas": _integer(0),
     "tp": _integer(1),
     "gpus_per_rank": _choice((0, 1), names="0 (CPU ranks) or 1 (one GPU per rank)"),
     "cpus_per_rank": _number(0),
@@ -598,6 +630,7 @@ _REGISTRY = {"url": _redis_url, "password_env": _ENV}
 _SERVER = {
     "host": _string(),
     "port": _integer(0, 65535),
+    "replicas": _integer(1),
     "auth_token_env": _ENV,
     "auth_token_file": _string(null=True),
 }
@@ -609,7 +642,7 @@ _OBSERVABILITY = {
     "metrics_export_port": _integer(1, 65535, null=True),
 }
 _RAY = {"address": _string(null=True), "num_cpus": _integer(1, null=True)}
-_SECTIONS = ("cluster", "model", "prefill", "decode", "kv", "router", "registry", "server", "observability", "ray")
+_SECTIONS = ("cluster", "model", "prefill", "decode", "colocated", "kv", "router", "registry", "server", "observability", "ray")
 
 
 def _load_yaml(text: str) -> tuple[Any, dict[str, int], list[TopologyIssue]]:
@@ -664,6 +697,7 @@ def _check(text: str, source: str) -> tuple[ClusterSpec | None, list[TopologyIss
         model=ModelSpec(**top.section("model", _MODEL).values()),
         prefill=_pool(top, "prefill"),
         decode=_pool(top, "decode"),
+        colocated=_pool(top, "colocated", default_replicas=0),
         kv=KVSpec(**top.section("kv", _KV).values()),
         router=_router(ctx, top.data.get("router")),
         registry=_registry(top),
@@ -671,6 +705,7 @@ def _check(text: str, source: str) -> tuple[ClusterSpec | None, list[TopologyIss
         observability=ObservabilitySpec(**top.section("observability", _OBSERVABILITY).values()),
         ray=_ray(top),
     )
+    _check_pools(ctx, spec)
     _check_ports(ctx, spec)
     _check_exposure(ctx, spec)
     if spec.model.path:
@@ -680,15 +715,26 @@ def _check(text: str, source: str) -> tuple[ClusterSpec | None, list[TopologyIss
     return (None if ctx.errors else spec), ctx.errors, ctx.warnings
 
 
-def _pool(top: _Section, role: str) -> PoolSpec:
+def _pool(top: _Section, role: str, default_replicas: int = 1) -> PoolSpec:
     section = top.section(role, _POOL, ("node",))
     node_section = section.section("node", _NODE)
-    pool = PoolSpec(node=NodeConstraints(**node_section.values()), **section.values())
+    pool = PoolSpec(node=NodeConstraints(**node_section.values()), **{"replicas": default_replicas,
+                                                                       **section.values()})
     gpus = pool.node.gpus
     if gpus is not None and pool.tp * pool.gpus_per_rank > gpus and "tp" not in section.bad:
         ranks = f"{pool.tp} ranks of 1 GPU do" if pool.tp != 1 else "1 rank of 1 GPU does"
         top.ctx.error(f"{role}.tp", f"{ranks} not fit on a node of {gpus} GPU{'s' if gpus != 1 else ''}")
     return pool
+
+
+def _check_pools(ctx: _Context, spec: ClusterSpec) -> None:
+    prefill, decode, colocated = spec.prefill.replicas, spec.decode.replicas, spec.colocated.replicas
+    if prefill and not decode:
+        ctx.error("decode.replicas", "prefill workers need decode workers to send their KV to (at least 1)")
+    elif decode and not prefill:
+        ctx.error("prefill.replicas", "decode workers need prefill workers (at least 1), or use a colocated pool")
+    elif not decode and not colocated:
+        ctx.error("decode.replicas", "no worker generates: give decode (with prefill) or colocated workers")
 
 
 def _router(ctx: _Context, data: Any) -> RouterConfig:
@@ -719,6 +765,12 @@ def _router_dict(config: RouterConfig) -> dict[str, Any]:
         "skip_prefill_fraction": config.skip_prefill_fraction,
         "load_refresh_s": config.load_refresh_s,
         "registry_retry_s": config.registry_retry_s,
+        "queue_limit": config.queue_limit,
+        "correction_limit_ms": _milliseconds(config.correction_limit_s),
+        "correction_half_life_s": config.correction_half_life_s,
+        "local_prefill_max_tokens": config.local_prefill_max_tokens,
+        "migration_limit": config.migration_limit,
+        "replicas": config.replicas,
     }
 
 

@@ -1,23 +1,95 @@
-"""A decode worker: a Ray actor holding an engine that generates from KV computed elsewhere.
+"""A decode worker: a Ray actor holding an engine that generates, from KV computed elsewhere
+or (for short or well-cached prompts) prefilled here.
 
-Requests arrive in three calls: ``reserve`` holds blocks (reusing the prompt's full blocks
-this worker already caches, so only the rest travel), ``receive`` takes the KV straight into
-those blocks, and ``admit`` joins the request into the running batch with the first token the
-prefill worker sampled. A background thread steps the engine whenever requests are running, so
-receives proceed while other requests decode (they write only blocks reserved for them). A
-receive that fails or passes its deadline frees the request's blocks at once.
+The ingress calls ``generate`` once per request, as a Ray streaming generator, with the
+router's choice of prefill worker. The worker does the rest itself:
+
+1. reserves blocks for the prompt, reusing the full blocks it already caches (only the rest
+   travel);
+2. asks the prefill worker to compute the missing KV and stream it layer by layer, while its
+   own receive takes each layer straight into the reserved blocks;
+3. admits the request into its continuous batch with the first token the prefill worker
+   sampled;
+4. streams token deltas back to the caller: each item carries every token produced since the
+   caller read the last one (one per step while it keeps up, several when it lags).
+
+With no prefill worker (``prefill=None``) it prefills the prompt itself. A caller that goes
+away cancels the generator, which releases the request's blocks (after its KV receive ends, if
+one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
+that fails, ends the stream with an error item the caller can retry elsewhere.
+
+The engine is stepped by its own thread (``EngineWorker``); calls touch it from a small thread
+pool, and outputs reach each request's stream through the actor's event loop, once per step.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import itertools
 import time
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import RequestOutput
-from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.request import TransferTarget
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine_worker import EngineWorker
+from cluster.kv_transfer.sender import TAG_STRIDE
+
+TAG_LIMIT = 2**30
+CALL_THREADS = 4  # reserve, admit, release and status calls: each waits at most one step for the lock
+MAX_RECEIVES = 64  # receives in flight: each blocks a thread until its KV has landed
+
+
+class _Stream:
+    """One request's outputs on their way to its caller: appended once per step from the
+    engine's thread (through the event loop), taken all at once by the caller."""
+
+    def __init__(self):
+        self.parts: list[dict] = []
+        self.ready = asyncio.Event()
+
+    def push(self, part: dict) -> None:
+        self.parts.append(part)
+        self.ready.set()
+
+    async def take(self) -> dict:
+        await self.ready.wait()
+        self.ready.clear()
+        parts, self.parts = self.parts, []
+        return merge_parts(parts)
+
+
+def output_part(output: RequestOutput) -> dict:
+    """What the caller needs of one step's output: the new tokens and text, and at the end the
+    finish reason, usage and error."""
+    new = len(output.new_token_ids)
+    part = {"token_ids": list(output.new_token_ids), "text": output.delta_text, "finished": output.finished}
+    if output.logprobs is not None:
+        part["logprobs"] = list(zip(output.logprobs[-new:] if new else [],
+                                    (output.top_logprobs or [])[-new:] if new else []))
+    if output.finished:
+        part["finish_reason"] = output.finish_reason
+        part["usage"] = [output.usage.prompt_tokens, output.usage.cached_tokens, output.usage.completion_tokens]
+        if output.finish_reason == "error":
+            part["error"] = {"kind": output.error_kind or "unavailable", "message": output.error}
+    return part
+
+
+def merge_parts(parts: list[dict]) -> dict:
+    """Several steps' parts as one item, in order; the last one's ending, if it ended."""
+    if len(parts) == 1:
+        return parts[0]
+    item = dict(parts[-1])
+    item["token_ids"] = [t for p in parts for t in p["token_ids"]]
+    item["text"] = "".join(p["text"] for p in parts)
+    if any("logprobs" in p for p in parts):
+        item["logprobs"] = [lp for p in parts for lp in p.get("logprobs", [])]
+    for p in parts:
+        if "transfer" in p:
+            item["transfer"] = p["transfer"]
+    return item
 
 
 class DecodeWorker(EngineWorker):
@@ -25,74 +97,179 @@ class DecodeWorker(EngineWorker):
     role = "decode"
 
     def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
-        self._outbox: list[RequestOutput] = []
-        self._outbox_lock = threading.Lock()  # so that polling never waits for a step
-        self._streamed: set[str] = set()  # requests whose every new token is reported, not just the end
+        self._streams: dict[str, _Stream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="decode-call")
+        self._receives = ThreadPoolExecutor(MAX_RECEIVES, thread_name_prefix="decode-receive")
+        self._peers: dict[str, str] = {}  # prefill worker name -> the pair (transfer group) joining us
+        self._tags: dict[str, itertools.count] = {}
+        self._namespace = config.cluster_name
         super().__init__(config, registry_url, profile)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                priority: int = 0) -> tuple[int, list[int]] | None:
-        """(blocks already cached here, block ids for the KV), or None when blocks are short.
-        Raises InvalidRequestError for a request that can never run."""
-        with self._lock:
-            return self.engine.reserve_transfer(request_id, prompt_token_ids, params, priority)
+    # -- set-up -------------------------------------------------------------------------------
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, stream: bool = False) -> None:
-        """Runs a request here from its prompt: the router's choice when this worker already
-        caches nearly all of it, so a remote prefill would save little and cost a transfer."""
-        with self._lock:
-            self.engine.add_request(request_id, prompt_token_ids, params, priority)
-            if stream:
-                self._streamed.add(request_id)
+    async def set_peers(self, peers: dict[str, str]) -> None:
+        """The prefill workers this worker can take KV from, each with the pair joining them."""
+        self._peers = dict(peers)
+        self._tags = {pair: itertools.count() for pair in peers.values()}
 
-    def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int,
-                timeout_s: float) -> str | None:
-        """Blocks until the KV is in place; None, or the error (the request is then aborted)."""
+    async def describe(self) -> dict:
+        return await self._call(super().describe)
+
+    async def join_pair(self, layout, spec) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._receives, super().join_pair, layout, spec)
+
+    async def status(self) -> dict:
+        return await self._call(super().status)
+
+    async def free_blocks(self) -> int:
+        return await self._call(super().free_blocks)
+
+    async def cached_prefix_blocks(self, prompt_token_ids: list[int]) -> int:
+        return await self._call(super().cached_prefix_blocks, prompt_token_ids)
+
+    async def shutdown(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, super().shutdown)
+        self._calls.shutdown(wait=False)
+        self._receives.shutdown(wait=False)
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
+
+    # -- one request ---------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0, prefill: str | None = None, transfer_timeout_s: float = 60.0,
+                       stream_layers: bool = True) -> AsyncIterator[dict]:
+        """Runs one request and streams its items (see the module's docstring). The first item
+        carries ``transfer`` (what the KV hand-off did) when a prefill worker was used; an item
+        with ``error`` ends the stream (``kind`` ``retry`` when another placement may work)."""
+        self._loop = asyncio.get_running_loop()
+        stream = self._streams[request_id] = _Stream()
+        ended = False
+        receiving: asyncio.Future | None = None
+        try:
+            if prefill is None:
+                try:
+                    await self._call(self._add_local, request_id, prompt_token_ids, params, priority)
+                except InvalidRequestError as exc:
+                    ended = True
+                    yield {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}
+                    return
+            else:
+                outcome, receiving = await self._prefill_remote(request_id, prompt_token_ids, params, priority,
+                                                                prefill, transfer_timeout_s, stream_layers)
+                if "error" in outcome:
+                    ended = True
+                    yield outcome
+                    return
+                stream.parts.insert(0, {"token_ids": [], "text": "", "finished": False, "transfer": outcome})
+            while True:
+                item = await stream.take()
+                ended = item["finished"]
+                yield item
+                if ended:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not ended:  # the caller went away: free the request's blocks, once no receive can write them
+                if receiving is not None and not receiving.done():
+                    receiving.add_done_callback(lambda _: self._calls.submit(self._release, request_id))
+                else:
+                    self._calls.submit(self._release, request_id)
+
+    async def _prefill_remote(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+                              prefill: str, timeout_s: float, stream_layers: bool) -> tuple[dict, asyncio.Future]:
+        """Reserves blocks, then runs the prefill worker's prefill and this worker's receive
+        together; admits the request once both ended well. Returns what the hand-off did (or an
+        error item) and the receive's future."""
+        import ray
+
+        try:
+            reserved = await self._call(self._reserve, request_id, prompt, params, priority)
+        except InvalidRequestError as exc:
+            return {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}, None
+        if reserved is None:
+            return _retry(f"{self.name} has no free KV blocks for this prompt now", no_room=True), None
+        first_block, dst_blocks = reserved
+        pair = self._peers.get(prefill)
+        if pair is None:
+            await self._call(self._release, request_id)
+            return _retry(f"{self.name} has no KV transfer group with {prefill}"), None
+        tag_base = next(self._tags[pair]) * self.engine.model_config.num_layers * TAG_STRIDE % TAG_LIMIT
+        target = TransferTarget(pair, tag_base, first_block, timeout_s, stream_layers)
+        loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        error = self.engine.receive_transfer(pair, request_id, dst_blocks, tag_base, timeout_s)
-        if error is not None:
-            self.release(request_id)
-        else:
-            self.metrics.received(len(dst_blocks) * self.engine.runner.block_bytes, time.perf_counter() - started)
-        return error
+        receiving = loop.run_in_executor(self._receives, self.engine.receive_transfer, pair, request_id, dst_blocks,
+                                         tag_base, timeout_s)
+        try:
+            worker = ray.get_actor(prefill, namespace=self._namespace)
+            result = await worker.prefill.remote(request_id, prompt, params, target)
+        except (ray.exceptions.RayActorError, ValueError):
+            # It died (or never was): our receive ends at its deadline, then the blocks go free.
+            receiving.add_done_callback(lambda _: self._calls.submit(self._release, request_id))
+            return _retry(f"prefill worker {prefill} died", failed=prefill), receiving
+        receive_error = await receiving
+        received_s = time.perf_counter() - started
+        if result.error or receive_error:
+            await self._call(self._release, request_id)
+            why = "; ".join(e for e in (result.error and f"prefill: {result.error}",
+                                        receive_error and f"receive: {receive_error}") if e)
+            return _retry(f"KV transfer failed: {why}"), receiving
+        await self._call(self._admit, request_id, result.first_token, result.first_logprob,
+                         result.first_top_logprobs)
+        self.metrics.received(len(dst_blocks) * self.engine.runner.block_bytes, received_s)
+        return {"prefill": prefill, "blocks_cached_on_decode": first_block, "blocks_sent": result.blocks_sent,
+                "prefill_cached_tokens": result.cached_tokens}, receiving
 
-    def admit(self, request_id: str, first_token: int, logprob: float | None = None,
-              top_logprobs: list[tuple[int, float]] | None = None, stream: bool = False) -> None:
+    # -- on the call threads (the engine under its lock) ---------------------------------------
+
+    def _add_local(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> None:
         with self._lock:
-            if stream:
-                self._streamed.add(request_id)
+            self.engine.add_request(request_id, prompt, params, priority)
+
+    def _reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 priority: int) -> tuple[int, list[int]] | None:
+        with self._lock:
+            return self.engine.reserve_transfer(request_id, prompt, params, priority)
+
+    def _admit(self, request_id: str, first_token: int, logprob, top_logprobs) -> None:
+        with self._lock:
             self._on_outputs([self.engine.admit_transfer(request_id, first_token, logprob, top_logprobs)])
 
-    def release(self, request_id: str) -> None:
-        """Aborts a reserved or running request and frees its blocks."""
+    def _release(self, request_id: str) -> None:
         with self._lock:
             self.engine.abort_request(request_id)
-            self._streamed.discard(request_id)
 
-    def poll(self) -> list[RequestOutput]:
-        """Outputs since the last poll: every finished request, and the new tokens of streamed ones."""
-        with self._outbox_lock:
-            out, self._outbox = self._outbox, []
-        return out
+    # -- the stepping thread ------------------------------------------------------------------
 
     def _has_work(self) -> bool:
         # Requests still receiving their KV are not schedulable yet.
         return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        with self._outbox_lock:
-            for output in outputs:
-                if output.finished:
-                    self._streamed.discard(output.request_id)
-                    self._outbox.append(output)
-                elif output.request_id in self._streamed:
-                    self._outbox.append(_delta(output))
+        parts = [(o.request_id, output_part(o)) for o in outputs if o.request_id in self._streams]
+        if parts and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, parts)
+
+    def _deliver(self, parts: list[tuple[str, dict]]) -> None:
+        for request_id, part in parts:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.push(part)
 
 
-def _delta(output: RequestOutput) -> RequestOutput:
-    """An unfinished output slimmed to what is new (not the prompt, nor the tokens sent before)."""
-    new = len(output.new_token_ids)
-    return replace(output, prompt_token_ids=[], token_ids=[], text="",
-                   logprobs=output.logprobs[-new:] if output.logprobs is not None else None,
-                   top_logprobs=output.top_logprobs[-new:] if output.top_logprobs is not None else None)
+class ColocatedWorker(DecodeWorker):
+    """A worker of a ``colocated`` pool: it prefills and decodes every request itself (no KV
+    travels), the baseline that disaggregation is measured against."""
+
+    role = "colocated"
+
+
+def _retry(message: str, failed: str | None = None, no_room: bool = False) -> dict:
+    """An error item after which another placement may work: ``failed_worker`` names a worker
+    found dead, ``no_room`` says only that this worker had no blocks at that moment."""
+    error = {"kind": "retry", "message": message, "no_room": no_room}
+    if failed:
+        error["failed_worker"] = failed
+    return {"error": error, "finished": True}

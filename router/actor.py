@@ -4,10 +4,17 @@ It owns a :class:`~router.router.Router` over the Redis registry, tokenizes text
 the model's tokenizer, records every finished (or rejected) request's goodput record in the
 registry, and sweeps expired workers' blocks out of it now and then. Goodput records made
 while Redis is down wait in a bounded buffer and are written when it returns.
+
+It is an asyncio actor: ``place`` answers at once when it can place or reject, and otherwise
+holds the call until the request can be placed. Held requests are offered again when
+something changes: a request finished (told by ``finished``) or the load reports refreshed
+(every ``load_refresh_s`` while anything waits). A caller that goes away cancels its call,
+which drops the request from the queue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import replace
@@ -17,7 +24,7 @@ from typing import Sequence
 import redis
 
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
-from cluster.metrics import RouterMetrics
+from cluster.metrics import RouterMetrics, SloMetrics
 from cluster.registry.goodput import GoodputReader, GoodputRecorder, RequestRecord
 from cluster.registry.reporter import connect
 from router.config import RouterConfig
@@ -26,6 +33,7 @@ from router.router import Decision, RouteRequest, Router, Topology
 
 SWEEP_EVERY_S = 2.0
 GOODPUT_BUFFER = 10_000
+GAUGES_EVERY_S = 5.0  # goodput, attainment and queue gauges: refreshed on a timer, busy or idle
 
 
 class RouterActor:
@@ -45,10 +53,17 @@ class RouterActor:
                 pass
         self._last_sweep = 0.0
         self.metrics = RouterMetrics(cluster, self.router.config.policy)
+        self.slo_metrics = SloMetrics(cluster)
+        self._gauges: asyncio.Task | None = None
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._changed: asyncio.Event | None = None
+        self._retrier: asyncio.Task | None = None
 
-    def route(self, request_id: str, prompt: str | Sequence[int], max_tokens: int = 16,
-              slo_class: str | None = None, cache_salt: str | None = None, ttft_s: float | None = None,
-              tpot_s: float | None = None) -> Decision:
+    async def place(self, request_id: str, prompt: str | Sequence[int], max_tokens: int = 16,
+                    slo_class: str | None = None, cache_salt: str | None = None, ttft_s: float | None = None,
+                    tpot_s: float | None = None, priority: int = 0, arrival: float | None = None) -> Decision:
+        """``place`` or ``reject``, answered once the request can be placed. ``arrival`` is the
+        wall-clock time the call reached the API, from which its TTFT objective counts."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return Decision("reject", request_id, reason="this model has no tokenizer; send token ids")
@@ -57,23 +72,89 @@ class RouterActor:
         if now - self._last_sweep > SWEEP_EVERY_S:
             self._last_sweep = now
             self.view.sweep()
-        decision = self.router.route(
-            RouteRequest(request_id, prompt, max_tokens, slo_class, cache_salt, ttft_s, tpot_s), now)
+        request = RouteRequest(request_id, prompt, max_tokens, slo_class, cache_salt, ttft_s, tpot_s, priority,
+                               arrival)
+        decision = self.router.submit(request, now)
         self.metrics.decided(decision)
+        if decision.action != "queue":
+            return self._answered(decision)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = waiter
+        self._start_retrier()
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            self.router.cancel(request_id)
+            raise
+        finally:
+            self._waiters.pop(request_id, None)
+
+    async def ready(self) -> bool:
+        """True once the router runs (and keeps its gauges fresh from then on)."""
+        if self._gauges is None or self._gauges.done():
+            self._gauges = asyncio.get_running_loop().create_task(self._export_gauges())
+        return True
+
+    async def _export_gauges(self) -> None:
+        while True:
+            self.slo_metrics.queue_length(len(self.router.waiting))
+            self.slo_metrics.slo(await asyncio.get_running_loop().run_in_executor(None, self.goodput))
+            await asyncio.sleep(GAUGES_EVERY_S)
+
+    def _answered(self, decision: Decision) -> Decision:
         if decision.action == "reject":
-            self._record(RequestRecord(request_id, decision.slo_class, None, None, None, None,
+            self._record(RequestRecord(decision.request_id, decision.slo_class, None, None, None, None,
                                        decision.ttft_objective_s, decision.tpot_objective_s, failed=True))
         return decision
 
+    def _start_retrier(self) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        if self._retrier is None or self._retrier.done():
+            self._retrier = asyncio.get_running_loop().create_task(self._retry_waiting())
+
+    async def _retry_waiting(self) -> None:
+        """While requests wait: offer them again whenever told something changed, or when the
+        load reports are due for a refresh."""
+        while len(self.router.waiting):
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.router.config.load_refresh_s)
+            except asyncio.TimeoutError:
+                pass
+            self._changed.clear()
+            for decision in self.router.retry_waiting(time.time()):
+                self.metrics.decided(decision)
+                waiter = self._waiters.get(decision.request_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(self._answered(decision))
+                elif decision.action == "place":  # its caller is gone
+                    self.router.forget(decision.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Drops a waiting request (its caller went away)."""
+        self.router.cancel(request_id)
+        waiter = self._waiters.get(request_id)
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+
     def forget(self, request_id: str) -> None:
         self.router.forget(request_id)
+        self._told()
 
-    def finished(self, request_id: str, ttft_s: float | None, tpot_s: float | None, failed: bool = False) -> None:
-        decision = self.router.finished(request_id, ttft_s)
+    def finished(self, request_id: str, ttft_s: float | None, tpot_s: float | None, failed: bool = False,
+                 service_ttft_s: float | None = None) -> None:
+        """A placed request ended: ``ttft_s`` counts from its arrival at the API (its goodput
+        record), ``service_ttft_s`` from its placement (what the router learns from)."""
+        decision = self.router.finished(request_id, service_ttft_s)
+        self._told()
         if decision is None:
             return
         self._record(RequestRecord(request_id, decision.slo_class, decision.prefill, decision.decode, ttft_s, tpot_s,
                                    decision.ttft_objective_s, decision.tpot_objective_s, failed=failed))
+
+    def _told(self) -> None:
+        if self._changed is not None and len(self.router.waiting):
+            self._changed.set()
 
     def worker_failed(self, worker: str) -> None:
         self.router.worker_failed(worker)

@@ -69,8 +69,14 @@ class RouterConfig:
     slo_classes: tuple[SloClass, ...] = DEFAULT_SLO_CLASSES
     default_class: str = "standard"
     skip_prefill_fraction: float = 0.9  # a decode worker caching this much of a prompt may prefill it itself
+    local_prefill_max_tokens: int = 256  # ... and so may one with at most this many prompt tokens left to compute
+    migration_limit: int = 3  # times a request may move to another worker after one failed under it
+    replicas: int = 1  # router actors; each ingress replica spreads its requests over them
     load_refresh_s: float = 0.05  # how stale the router's view of load may get
     registry_retry_s: float = 1.0  # after a registry failure, how long to place by load only before trying again
+    queue_limit: int = 4096  # requests the router may hold waiting; past it, one that would wait is rejected
+    correction_limit_s: float = 0.5  # bound of the learned TTFT correction, either way
+    correction_half_life_s: float = 30.0  # the correction halves after this long without a finished request
 
     def slo_class(self, name: str | None) -> SloClass:
         name = name or self.default_class
@@ -91,7 +97,8 @@ class RouterConfig:
             if key in data and not isinstance(data[key], kind):
                 raise RouterConfigError(f"{where}.{key}: must be {wanted}; got {data[key]!r}")
         known = {"policy", "weights", "admission_control", "slo_classes", "default_class", "skip_prefill_fraction",
-                 "load_refresh_s", "registry_retry_s"}
+                 "load_refresh_s", "registry_retry_s", "queue_limit", "correction_limit_ms", "correction_half_life_s",
+                 "local_prefill_max_tokens", "migration_limit", "replicas"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RouterConfigError(f"{where}.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
@@ -116,6 +123,14 @@ class RouterConfig:
             skip_prefill_fraction=_fraction(data.get("skip_prefill_fraction", 0.9), f"{where}.skip_prefill_fraction"),
             load_refresh_s=_positive(data.get("load_refresh_s", 0.05), f"{where}.load_refresh_s"),
             registry_retry_s=_positive(data.get("registry_retry_s", 1.0), f"{where}.registry_retry_s"),
+            queue_limit=_count(data.get("queue_limit", 4096), f"{where}.queue_limit"),
+            correction_limit_s=_non_negative(data.get("correction_limit_ms", 500), f"{where}.correction_limit_ms") / 1000,
+            correction_half_life_s=_positive(data.get("correction_half_life_s", 30.0),
+                                             f"{where}.correction_half_life_s"),
+            local_prefill_max_tokens=_count(data.get("local_prefill_max_tokens", 256),
+                                            f"{where}.local_prefill_max_tokens", minimum=0),
+            migration_limit=_count(data.get("migration_limit", 3), f"{where}.migration_limit", minimum=0),
+            replicas=_count(data.get("replicas", 1), f"{where}.replicas"),
         )
         try:
             config.slo_class(config.default_class)
@@ -148,6 +163,18 @@ def _positive(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise RouterConfigError(f"{where}: must be a positive number, got {value!r}")
     return float(value)
+
+
+def _non_negative(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise RouterConfigError(f"{where}: must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _count(value: Any, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RouterConfigError(f"{where}: must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 def _fraction(value: Any, where: str) -> float:

@@ -5,10 +5,20 @@ The router reads two things from the registry: each live worker's load report (w
 steps its cost model is fitted to) and, per request, how many leading blocks of the prompt
 each worker caches. Its own state is soft: placements it made since each worker's last
 report (so a burst of requests does not all pile on the worker that looked idle), the
-round-robin position, the fitted models, and a running TTFT correction per path (remote or
-local prefill) learned from finished requests: what the step-time model leaves out, such as
-control-plane round trips and CPU contention. All of it rebuilds from the registry and the
-requests that follow.
+round-robin position, the fitted models, the requests it holds until it can place them, and a
+running TTFT correction per path (remote or local prefill) learned from finished requests: what
+the step-time model leaves out, such as control-plane round trips and CPU contention. All of it
+rebuilds from the registry and the requests that follow.
+
+Admission is honest about time. A request's TTFT objective counts from when the call reached
+the API (``RouteRequest.arrival``): a class that may not wait (``reject``) must be served in
+time counting what it already spent; a class that may wait is held (``submit``) and offered
+again (``retry_waiting``) whenever the load changes, in priority order, each on its own, so a
+request that cannot be placed never holds back one that can. Whether an objective can ever be
+met is asked of the same prediction that placement uses, with empty queues; one that cannot is
+rejected at once or runs best-effort, never waits for ever. The correction is learned from the
+time after placement only (a request's own queueing is not work the model left out), is bounded
+(``correction_limit_s``) and decays (``correction_half_life_s``).
 
 When the registry cannot be read, the router places by load only: the fewest requests it has
 in flight on each side, and says so in ``status()``; it tries the registry again after
@@ -27,9 +37,11 @@ from cluster.registry.load import WorkerLoad
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel
 from router.scorers import Candidate, score_all
+from router.waiting import WaitingQueue
 
 
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
+HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
 
 
 class RegistryUnavailable(RuntimeError):
@@ -47,10 +59,18 @@ class RegistryView(Protocol):
 
 @dataclass(frozen=True)
 class Topology:
+    """The workers a router places on: prefill and decode pools (disaggregated), and a
+    ``colocated`` pool whose workers prefill and decode every request themselves."""
+
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     block_size: int
     hash_keys: tuple = ()
+    colocated: tuple[str, ...] = ()
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return self.prefill + self.decode + self.colocated
 
 
 @dataclass(frozen=True)
@@ -62,6 +82,8 @@ class RouteRequest:
     cache_salt: str | None = None
     ttft_s: float | None = None  # explicit objectives, in place of the class's
     tpot_s: float | None = None
+    priority: int = 0  # added to the class's; higher waits less
+    arrival: float | None = None  # wall-clock time the call reached the API (None: now)
 
 
 @dataclass(frozen=True)
@@ -83,6 +105,7 @@ class Decision:
     load_only: bool = False
     reason: str = ""
     ttft_correction_s: float = 0.0  # the learned residual included in predicted_ttft_s
+    waited_s: float = 0.0  # between arrival at the API and this decision
 
 
 @dataclass
@@ -102,6 +125,7 @@ class RouterCounters:
     ttft_error_sum: float = 0.0  # |predicted - observed| / observed, summed
     ttft_error_n: int = 0
     last_rejection: str = ""
+    waiting_placed: int = 0  # placed after having waited in the router
 
 
 @dataclass
@@ -118,9 +142,27 @@ class Router:
         self._models: dict[str, tuple[tuple, StepTimeModel]] = {}
         self._loads: dict[str, WorkerLoad] = {}
         self._loads_read_at = -math.inf
+        self._last_hits: dict[str, int] | None = None
+        self._changes = 0  # finished or forgotten placements, failed workers: reasons to offer the queue again
+        self._offered_state: tuple | None = None
         self._registry_down_since: float | None = None
         self._registry_error = ""
-        self.ttft_residual = {"remote": 0.0, "local": 0.0}  # learned: what the step-time model leaves out
+        self._reported: set[str] = set()  # workers whose load report has ever been read
+        self.waiting = WaitingQueue(self.config.queue_limit)
+        self._residual = {"remote": (0.0, -math.inf), "local": (0.0, -math.inf)}  # (value, when last learned)
+
+    def correction(self, path: str, now: float) -> float:
+        """The learned TTFT correction of a path (``remote`` or ``local`` prefill), decayed by
+        the time since a finished request last refreshed it."""
+        value, learned_at = self._residual[path]
+        if not value:
+            return 0.0
+        return value * 0.5 ** (max(0.0, now - learned_at) / self.config.correction_half_life_s)
+
+    @property
+    def ttft_residual(self) -> dict[str, float]:
+        """The corrections as last learned (not decayed)."""
+        return {path: value for path, (value, _) in self._residual.items()}
 
     # -- the registry ---------------------------------------------------------------------
 
@@ -131,11 +173,12 @@ class Router:
             return None
         if now - self._loads_read_at >= self.config.load_refresh_s or self._registry_down_since is not None:
             try:
-                self._loads = self.registry.loads(self.topology.prefill + self.topology.decode)
+                self._loads = self.registry.loads(self.topology.workers)
             except RegistryUnavailable as exc:
                 self._mark_down(now, exc)
                 return None
             self._loads_read_at = now
+            self._reported.update(self._loads)
             self._registry_down_since = None
         return self._loads
 
@@ -156,31 +199,122 @@ class Router:
 
     # -- placing --------------------------------------------------------------------------
 
-    def route(self, request: RouteRequest, now: float | None = None) -> Decision:
+    def route(self, request: RouteRequest, now: float | None = None,
+              hits: dict[str, int] | None = None) -> Decision:
+        """One placement attempt: ``place``, ``queue`` (not held: see ``submit``) or ``reject``.
+        ``hits`` are the prompt's prefix hits when the caller already has fresh ones."""
         now = time.time() if now is None else now
+        cls = self._class_of(request)
+        loads = self._read_loads(now)
+        if loads is not None and hits is None:
+            hits = self._prefix_hits(request, sorted(loads), now)
+        if loads is None or hits is None:
+            return self._place_by_load(request, cls, now)
+        prefill, decode, colocated = ([w for w in pool if w in loads and w not in self.failed]
+                                      for pool in (self.topology.prefill, self.topology.decode,
+                                                   self.topology.colocated))
+        if not decode and not colocated:
+            return self._without_reports(request, cls, "decode", now)
+        candidates = self._candidates(request, cls, loads, hits, prefill, decode, colocated, now)
+        if not candidates:  # no live prefill worker, and no decode worker may prefill this prompt itself
+            return self._without_reports(request, cls, "prefill", now)
+        return self._choose(request, cls, candidates, now)
+
+    def submit(self, request: RouteRequest, now: float | None = None) -> Decision:
+        """``route``, holding a request that must wait: it is answered by a later
+        ``retry_waiting`` (or dropped by ``cancel``). A full queue rejects instead."""
+        now = time.time() if now is None else now
+        decision = self.route(request, now)
+        if decision.action != "queue":
+            return decision
+        if request.request_id in self.waiting:
+            return decision
+        if self.waiting.full():
+            reason = (f"the router already holds {self.config.queue_limit} waiting requests (router.queue_limit); "
+                      + decision.reason)
+            return self._reject(request, self._class_of(request), reason, now)
+        self.waiting.add(request, request.priority + self._class_of(request).priority,
+                         request.arrival if request.arrival is not None else now, self._last_hits, now)
+        return decision
+
+    def retry_waiting(self, now: float | None = None) -> list[Decision]:
+        """Offers every waiting request again, in priority order, each on its own; returns
+        those it placed or rejected (the rest keep waiting).
+
+        Two things keep a long queue cheap. Nothing is offered again unless something changed
+        since the last offer (a newer load report, a request finished or was forgotten). And
+        within one offer, a request that must wait tells about the ones behind it: another of
+        the same objectives with at least as many tokens to prefill and as long a prompt would
+        be predicted no faster, so it waits too without being routed."""
+        now = time.time() if now is None else now
+        loads = self._read_loads(now)
+        state = (max((l.updated_at for l in loads.values()), default=None) if loads is not None else now,
+                 self._changes)
+        if state == self._offered_state:
+            return []
+        self._offered_state = state
+        resolved, must_wait = [], []
+        for entry in self.waiting.in_order():
+            request = entry.request
+            size = (self._uncached_tokens(request, entry.hits), len(request.prompt_token_ids))
+            kind = (request.slo_class, request.ttft_s, request.tpot_s)
+            if any(k == kind and size[0] >= u and size[1] >= n for k, u, n in must_wait):
+                continue
+            fresh = entry.hits if now - entry.hits_at < HITS_TTL_S else None
+            decision = self.route(request, now, hits=fresh)
+            if fresh is None and self._last_hits is not None:
+                entry.hits, entry.hits_at = self._last_hits, now
+            if decision.action == "queue":
+                must_wait.append((kind, *size))
+                continue
+            self.waiting.remove(request.request_id)
+            self.counters.waiting_placed += decision.action == "place"
+            resolved.append(decision)
+        return resolved
+
+    def _uncached_tokens(self, request: RouteRequest, hits: dict[str, int] | None) -> int:
+        best = max(hits.values(), default=0) if hits else 0
+        return len(request.prompt_token_ids) - best * self.topology.block_size
+
+    def cancel(self, request_id: str) -> bool:
+        """Drops a waiting request (its caller went away); True if it was waiting."""
+        return self.waiting.remove(request_id) is not None
+
+    def _changed(self) -> None:
+        """Something that could let a waiting request be placed: offer the queue again."""
+        self._changes += 1
+
+    def _class_of(self, request: RouteRequest) -> SloClass:
         cls = self.config.slo_class(request.slo_class)
         if request.ttft_s is not None or request.tpot_s is not None:
             cls = replace(cls, ttft_s=request.ttft_s if request.ttft_s is not None else cls.ttft_s,
                           tpot_s=request.tpot_s if request.tpot_s is not None else cls.tpot_s)
-        loads = self._read_loads(now)
-        hits = self._prefix_hits(request, sorted(loads), now) if loads is not None else None
-        if loads is None or hits is None:
-            return self._place_by_load(request, cls, now)
-        prefill = [w for w in self.topology.prefill if w in loads and w not in self.failed]
-        decode = [w for w in self.topology.decode if w in loads and w not in self.failed]
-        if not prefill or not decode:
-            return self._place_by_load(request, cls, now)
-        candidates = self._candidates(request, cls, loads, hits, prefill, decode, now)
-        return self._choose(request, cls, candidates, now)
+        return cls
+
+    def _without_reports(self, request: RouteRequest, cls: SloClass, side: str, now: float) -> Decision:
+        """No live worker of one role in the registry: if one has not reported yet (starting),
+        the request waits for its first report (placing it blind would skip admission);
+        if every one has reported before and is gone or failed, nothing can serve it."""
+        names = self.topology.prefill if side == "prefill" else self.topology.decode + self.topology.colocated
+        starting = [w for w in names if w not in self._reported and w not in self.failed]
+        if starting:
+            self.counters.queued += 1
+            return Decision("queue", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
+                            tpot_objective_s=cls.tpot_s, reason=f"waiting for the first load report of {starting[0]}",
+                            waited_s=_waited(request, now))
+        self.counters.rejected += 1
+        return Decision("reject", request.request_id, slo_class=cls.name, reason=f"no live {side} worker",
+                        waited_s=_waited(request, now))
 
     def _prefix_hits(self, request: RouteRequest, live: Sequence[str], now: float) -> dict[str, int] | None:
         keys = request_hash_keys(self.topology.hash_keys, request.cache_salt)
         hashes = hash_token_blocks(request.prompt_token_ids, self.topology.block_size, keys)
+        self._last_hits = None
         try:
-            return self.registry.prefix_blocks(hashes, live)
+            self._last_hits = self.registry.prefix_blocks(hashes, live)
         except RegistryUnavailable as exc:
             self._mark_down(now, exc)
-            return None
+        return self._last_hits
 
     def _pending(self, loads: dict[str, WorkerLoad], workers: Sequence[str]) -> dict[str, list[_Placed]]:
         """For each worker, the placements on it that its last report cannot show yet."""
@@ -192,23 +326,30 @@ class Router:
         return pending
 
     def _candidates(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad],
-                    hits: dict[str, int], prefill: list[str], decode: list[str], now: float) -> list[Candidate]:
+                    hits: dict[str, int], prefill: list[str], decode: list[str], colocated: list[str],
+                    now: float) -> list[Candidate]:
+        """Every (prefill, decode) pair, and every decode worker that may prefill the prompt
+        itself (it caches nearly all of it, or little is left to compute: conditional
+        disaggregation), with their predictions; colocated workers always prefill themselves."""
         n, bs = len(request.prompt_token_ids), self.topology.block_size
         cacheable = cacheable_prefix_blocks(n, bs)
         prompt_blocks = -(-n // bs)
-        pending_on = self._pending(loads, prefill + decode)
+        everyone = prefill + decode + colocated
+        pending_on = self._pending(loads, everyone)
         queued = {w: loads[w].queued_prefill_tokens
                   + sum(p.prompt_tokens for p in pending_on[w] if p.decision.prefill in (w, None))
-                  for w in prefill + decode}
+                  for w in everyone}
         prefill_side = {}  # what a candidate's prefill worker contributes, whichever decode worker it pairs with
         for p in prefill:
             model_p, hit_p = self.model(loads[p]), min(hits.get(p, 0), cacheable)
             prefill_side[p] = (model_p, hit_p, model_p.queue_seconds(queued[p]),
                                model_p.prefill_seconds(n - hit_p * bs, hit_p * bs))
-        turn_p = prefill[self._rotation % len(prefill)]
-        turn_d = decode[self._rotation % len(decode)]
+        remote_correction, local_correction = self.correction("remote", now), self.correction("local", now)
+        turn_p = prefill[self._rotation % len(prefill)] if prefill else None
+        generating = decode + colocated
+        turn_d = generating[self._rotation % len(generating)]
         candidates = []
-        for d in decode:
+        for d in generating:
             load_d, model_d = loads[d], self.model(loads[d])
             pending = pending_on[d]
             sequences = load_d.running + load_d.receiving + len(pending) + 1
@@ -218,24 +359,30 @@ class Router:
             free = load_d.free_blocks - sum(-(-p.prompt_tokens // bs) for p in pending)
             decode_load = sequences / load_d.max_num_seqs + 1 - free / max(1, load_d.num_blocks)
             tpot = model_d.decode_step_seconds(sequences, context)
+            idle_tpot = model_d.decode_step_seconds(1, n)
             reserve_wait = tpot if load_d.running else 0.0  # a call waits for the step in progress
-            for p in prefill:
+            for p in prefill if d in decode else ():
                 model_p, hit_p, queue_s, prefill_s = prefill_side[p]
                 c = Candidate(p, d, hit_p, hit_d, cacheable, queued[p], decode_load, queue_s=queue_s,
                               prefill_s=prefill_s, transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
                               tpot_s=tpot, decode_has_room=free >= needed,
                               rotation_slot=(p, d) == (turn_p, turn_d))
-                c.correction_s = self.ttft_residual["remote"]
+                c.correction_s = remote_correction
                 c.ttft_s = c.queue_s + c.prefill_s + c.transfer_s + reserve_wait + c.correction_s
+                c.idle_ttft_s, c.idle_tpot_s = c.prefill_s + c.transfer_s + c.correction_s, idle_tpot
                 candidates.append(c)
-            if cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable:
+            mostly_cached = cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable
+            if d in colocated or mostly_cached or n - hit_d * bs <= self.config.local_prefill_max_tokens:
                 # It waits for the step in progress, then its prefill runs in a step with the decodes.
+                local_prefill = model_d.prefill_seconds(n - hit_d * bs, hit_d * bs)
                 c = Candidate(None, d, hit_d, hit_d, cacheable, queued[d], decode_load,
                               queue_s=model_d.queue_seconds(queued[d]) + reserve_wait,
-                              prefill_s=model_d.prefill_seconds(n - hit_d * bs, hit_d * bs) + reserve_wait,
-                              tpot_s=tpot, decode_has_room=free >= needed)
-                c.correction_s = self.ttft_residual["local"]
+                              prefill_s=local_prefill + reserve_wait,
+                              tpot_s=tpot, decode_has_room=free >= needed,
+                              rotation_slot=d == turn_d and (turn_p is None or d in colocated))
+                c.correction_s = local_correction
                 c.ttft_s = c.queue_s + c.prefill_s + c.correction_s
+                c.idle_ttft_s, c.idle_tpot_s = local_prefill + c.correction_s, idle_tpot
                 candidates.append(c)
         return candidates
 
@@ -243,28 +390,35 @@ class Router:
         objectives = (cls.ttft_s, cls.tpot_s)
         with_room = [c for c in candidates if c.decode_has_room] or candidates
         score_all(with_room, dict(self.config.weights), objectives)
-        ranked = sorted(with_room, key=lambda c: (-c.score, c.ttft_s))
+        ranked = sorted(with_room, key=lambda c: (-c.score, c.ttft_s, c.prefill is not None))  # ties: fewer hops
         if not self.config.admission_control or (cls.ttft_s is None and cls.tpot_s is None):
             return self._place(request, cls, ranked[0], now)
-        meeting = [c for c in ranked if _meets(c, cls)]
+        # A class that may not wait must be served in time counting what it already spent; one
+        # that may wait is placed as soon as a pair could serve a fresh request in time.
+        spent = _waited(request, now) if cls.on_overload == "reject" else 0.0
+        meeting = [c for c in ranked if _meets(c.ttft_s + spent, c.tpot_s, cls)]
         if meeting:
             return self._place(request, cls, meeting[0], now)
+        never = not any(_meets(c.idle_ttft_s + spent, c.idle_tpot_s, cls) for c in candidates)
         fastest = min(with_room, key=lambda c: c.ttft_s + c.tpot_s)
-        idle_ttft = fastest.prefill_s + fastest.transfer_s
-        never = (cls.ttft_s is not None and idle_ttft > cls.ttft_s)
-        why = _explain(cls, fastest, never)
+        why = _explain(cls, fastest, never, spent)
         if cls.on_overload == "reject":
-            self.counters.rejected += 1
-            self.counters.last_rejection = why
-            return Decision("reject", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
-                            tpot_objective_s=cls.tpot_s, predicted_ttft_s=fastest.ttft_s,
-                            predicted_tpot_s=fastest.tpot_s, reason=why)
+            return self._reject(request, cls, why, now, fastest)
         if cls.on_overload == "queue" and not never:
             self.counters.queued += 1
             return Decision("queue", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
                             tpot_objective_s=cls.tpot_s, predicted_ttft_s=fastest.ttft_s,
-                            predicted_tpot_s=fastest.tpot_s, reason=why)
+                            predicted_tpot_s=fastest.tpot_s, reason=why, waited_s=_waited(request, now))
         return self._place(request, cls, ranked[0], now, reason="best effort: " + why)
+
+    def _reject(self, request: RouteRequest, cls: SloClass, why: str, now: float,
+                fastest: Candidate | None = None) -> Decision:
+        self.counters.rejected += 1
+        self.counters.last_rejection = why
+        return Decision("reject", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
+                        tpot_objective_s=cls.tpot_s, predicted_ttft_s=fastest.ttft_s if fastest else None,
+                        predicted_tpot_s=fastest.tpot_s if fastest else None, reason=why,
+                        waited_s=_waited(request, now))
 
     def _place(self, request: RouteRequest, cls: SloClass, c: Candidate, now: float, reason: str = "") -> Decision:
         self._rotation += 1
@@ -272,7 +426,7 @@ class Router:
         self.counters.local_prefills += c.prefill is None
         decision = Decision("place", request.request_id, c.prefill, c.decode, cls.name, cls.ttft_s, cls.tpot_s,
                             c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason,
-                            ttft_correction_s=c.correction_s)
+                            ttft_correction_s=c.correction_s, waited_s=_waited(request, now))
         self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now)
         return decision
 
@@ -293,11 +447,12 @@ class Router:
         if p is None or d is None:
             side = "prefill" if p is None else "decode"
             self.counters.rejected += 1
-            return Decision("reject", request.request_id, slo_class=cls.name, reason=f"no live {side} worker")
+            return Decision("reject", request.request_id, slo_class=cls.name, reason=f"no live {side} worker",
+                            waited_s=_waited(request, now))
         self.counters.placed += 1
         self.counters.load_only += 1
         decision = Decision("place", request.request_id, p, d, cls.name, cls.ttft_s, cls.tpot_s, load_only=True,
-                            reason="registry unreachable: placed by load only")
+                            reason="registry unreachable: placed by load only", waited_s=_waited(request, now))
         self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now)
         return decision
 
@@ -306,24 +461,36 @@ class Router:
     def forget(self, request_id: str) -> Decision | None:
         """The request was not started after all (e.g. its decode worker had no room)."""
         placed = self.inflight.pop(request_id, None)
-        return placed.decision if placed else None
+        if placed is None:
+            return None
+        self._changed()
+        return placed.decision
 
-    def finished(self, request_id: str, ttft_s: float | None = None) -> Decision | None:
+    def finished(self, request_id: str, service_ttft_s: float | None = None,
+                 now: float | None = None) -> Decision | None:
+        """A placed request ended. ``service_ttft_s`` is its TTFT counted from when it was
+        placed (dispatch), not from arrival: its own wait for placement is not work the
+        step-time model left out, and learning it would make an idle cluster look slow."""
         placed = self.inflight.pop(request_id, None)
         if placed is None:
             return None
+        self._changed()
         decision = placed.decision
         predicted = decision.predicted_ttft_s
-        if ttft_s and predicted is not None and not decision.load_only:
-            self.counters.ttft_error_sum += abs(predicted - ttft_s) / ttft_s
+        if service_ttft_s and predicted is not None and not decision.load_only:
+            now = time.time() if now is None else now
+            self.counters.ttft_error_sum += abs(predicted - service_ttft_s) / service_ttft_s
             self.counters.ttft_error_n += 1
             path = "local" if decision.prefill is None else "remote"
-            residual = ttft_s - (predicted - decision.ttft_correction_s)
-            self.ttft_residual[path] += RESIDUAL_WEIGHT * (residual - self.ttft_residual[path])
+            limit = self.config.correction_limit_s
+            residual = min(limit, max(-limit, service_ttft_s - (predicted - decision.ttft_correction_s)))
+            current = self.correction(path, now)
+            self._residual[path] = (current + RESIDUAL_WEIGHT * (residual - current), now)
         return decision
 
     def worker_failed(self, worker: str) -> None:
         self.failed.add(worker)
+        self._changed()
 
     def status(self, now: float | None = None) -> dict:
         now = time.time() if now is None else now
@@ -335,24 +502,33 @@ class Router:
             registry = "ok"
         return {
             "policy": self.config.policy, "weights": dict(self.config.weights), "registry": registry,
+            "workers": list(self.topology.workers),
             "live_workers": sorted(self._loads) if self._registry_down_since is None else [],
             "failed_workers": sorted(self.failed), "in_flight": len(self.inflight),
             "placed": c.placed, "local_prefills": c.local_prefills, "queued_decisions": c.queued,
+            "waiting": len(self.waiting), "waiting_by_class": self.waiting.by_class(),
+            "placed_after_waiting": c.waiting_placed,
             "rejected": c.rejected, "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
-            "ttft_residual_s": dict(self.ttft_residual),
+            "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},
         }
 
 
-def _meets(c: Candidate, cls: SloClass) -> bool:
-    return (cls.ttft_s is None or c.ttft_s <= cls.ttft_s) and (cls.tpot_s is None or c.tpot_s <= cls.tpot_s)
+def _meets(ttft_s: float, tpot_s: float, cls: SloClass) -> bool:
+    return (cls.ttft_s is None or ttft_s <= cls.ttft_s) and (cls.tpot_s is None or tpot_s <= cls.tpot_s)
 
 
-def _explain(cls: SloClass, c: Candidate, never: bool) -> str:
+def _waited(request: RouteRequest, now: float) -> float:
+    return max(0.0, now - request.arrival) if request.arrival is not None else 0.0
+
+
+def _explain(cls: SloClass, c: Candidate, never: bool, spent: float = 0.0) -> str:
     def ms(seconds: float | None) -> str:
         return "none" if seconds is None else f"{seconds * 1000:.0f} ms"
 
     state = "even an idle cluster cannot meet" if never else "no (prefill, decode) pair can meet now"
+    waited = f"waited {ms(spent)} + " if spent else ""
     return (f"{state} slo_class {cls.name!r} (TTFT <= {ms(cls.ttft_s)}, TPOT <= {ms(cls.tpot_s)}): the best, "
-            f"{c.label}, predicts TTFT {ms(c.ttft_s)} (queue {ms(c.queue_s)} + prefill {ms(c.prefill_s)} + "
-            f"transfer {ms(c.transfer_s)}) and TPOT {ms(c.tpot_s)}")
+            f"{c.label}, predicts TTFT {waited}{ms(c.ttft_s)} (queue {ms(c.queue_s)} + prefill {ms(c.prefill_s)} + "
+            f"transfer {ms(c.transfer_s)}) and TPOT {ms(c.tpot_s)}; idle, TTFT {ms(c.idle_ttft_s)} and "
+            f"TPOT {ms(c.idle_tpot_s)}")

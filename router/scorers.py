@@ -26,6 +26,8 @@ class Candidate:
     correction_s: float = 0.0
     ttft_s: float = 0.0
     tpot_s: float = 0.0
+    idle_ttft_s: float = 0.0  # the same prediction with empty queues: what this pair could ever do
+    idle_tpot_s: float = 0.0
     decode_has_room: bool = True
     rotation_slot: bool = False  # this request's turn in the round-robin order
     scores: dict[str, float] = field(default_factory=dict)

@@ -16,6 +16,12 @@ class EngineConfig:
     ``num_kv_blocks`` fixes the KV cache size; otherwise ``kv_cache_memory_fraction`` of the
     device's memory (the machine's RAM on a CPU) is given to it, capped at what
     ``max_num_seqs`` requests of ``max_model_len`` tokens could ever use.
+
+    ``attention_backend``: ``auto`` (Triton kernels on CUDA, plain torch elsewhere), ``torch``
+    or ``triton`` (on a CPU only under ``TRITON_INTERPRET=1``, for tests). ``enforce_eager``
+    turns off CUDA graphs for decode steps (on by default with the Triton backend on one
+    rank). ``load_format="dummy"`` fills the weights with random values instead of reading
+    them (benchmarks on a model's shape).
     """
 
     model: str
@@ -37,6 +43,9 @@ class EngineConfig:
     ray_address: str | None = None
     cpus_per_rank: float = 0.25  # Ray CPUs of each tensor-parallel follower rank
     gpus_per_rank: int = 0  # Ray GPUs of each follower rank (0: devices are given by index instead)
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    load_format: str = "safetensors"
 
     def __post_init__(self) -> None:
         positive = {
@@ -55,6 +64,17 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
             )
+        from cluster.engine.kernels.triton_support import BACKENDS
+        from cluster.engine.models.loader import LOAD_FORMATS
+
+        if self.attention_backend not in BACKENDS:
+            raise EngineConfigError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise EngineConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise EngineConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         from cluster.parallel.naming import GroupNameError, check_name
 
         try:

@@ -18,6 +18,7 @@ import torch
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.chat_template import ChatPrompt, ChatTemplateError
 from cluster.engine.config import EngineConfig, EngineConfigError
+from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.models.config import load_model_config
 from cluster.engine.models.source import ModelSource, resolve_model_source
@@ -154,9 +155,15 @@ class LLMEngine:
 
     def _make_runner(self, model_dir: Path, progress) -> ModelRunner:
         cfg = self.config
+        try:
+            resolve_attention_backend(cfg.attention_backend, torch.device(cfg.device))
+        except BackendUnavailableError as exc:
+            raise EngineConfigError(str(exc)) from None
         if cfg.tensor_parallel_size == 1:
             return ModelRunner(self.model_config, model_dir, cfg.block_size, self.max_model_len, cfg.device,
-                               progress=progress)
+                               progress=progress, attention_backend=cfg.attention_backend,
+                               enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
+                               load_format=cfg.load_format)
         from cluster.parallel.tp_runner import TensorParallelRunner, check_tensor_parallel
 
         try:
@@ -166,7 +173,7 @@ class LLMEngine:
         return TensorParallelRunner(
             self.model_config, model_dir, cfg.block_size, self.max_model_len, cfg.tensor_parallel_size,
             cfg.cluster_name, cfg.engine_name, cfg.device, cfg.ray_address, cfg.num_threads, progress,
-            cfg.cpus_per_rank, cfg.gpus_per_rank,
+            cfg.cpus_per_rank, cfg.gpus_per_rank, cfg.attention_backend, cfg.load_format,
         )
 
     def shutdown(self) -> None:

@@ -2,6 +2,13 @@
 
 Owns the model and the paged KV cache: one tensor [layers, 2, blocks, block_size, kv_heads,
 head_dim], each layer's attention holding views of its K and V parts.
+
+Two attention backends (``kernels.triton_support``): the plain-torch path, and the fused Triton
+kernels (the default on CUDA), whose step tensors cross to the device in one non-blocking copy
+(``fused_inputs``) and whose decode-only steps replay as CUDA graphs (``cuda_graphs``) unless
+``enforce_eager`` is set. On that path nothing here waits for the GPU before the sampled token
+ids are read back, so the host builds the sampling batch while the forward pass runs; the next
+step is scheduled once those ids are back (its decodes need them).
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ from typing import Callable
 
 import torch
 
+from cluster.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from cluster.engine.fused_inputs import build_fused_step
+from cluster.engine.kernels.triton_support import choose_decode_splits, device_sm_count, resolve_attention_backend
 from cluster.engine.memory import empty_huge_paged
 from cluster.kv_transfer.agent import KVStream, TransferAgent, finish_all
 from cluster.kv_transfer.sender import KVSender
@@ -31,7 +41,7 @@ class PrefillPlan:
     query_start: int
     query_len: int
     context_len: int
-    block_ids: tuple[int, ...] | None  # the cached context's blocks, when there is one
+    block_ids: tuple[int, ...]  # the blocks of the whole context (cached tokens and this chunk)
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class StepInputs:
     sampling_requests: list[Request]
     plan: StepPlan
     senders: list[KVSender] = field(default_factory=list)
+    decode_graph: bool = False  # a decode-only step that runs through ModelRunner.graphs
     transfer_errors: dict[str, str | None] = field(default_factory=dict)  # request id -> None or the error
     transfer_tail_s: float = 0.0  # time spent after the forward pass waiting for this step's sends
 
@@ -79,18 +90,32 @@ class ModelRunner:
         device: str = "cpu",
         group: ParallelGroup = SINGLE_RANK,
         progress: Callable[[int, int, str], None] | None = None,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        max_num_seqs: int = 128,
+        load_format: str = "safetensors",
     ):
+        """``enforce_eager`` keeps decode steps out of CUDA graphs (graphs need the Triton
+        backend and a single rank); ``max_num_seqs`` sizes the largest graph."""
         self.config = config
         self.device = torch.device(device)
         self.block_size = block_size
-        self.model = build_model(config, model_dir, max_model_len, group, self.device, progress)
+        self.max_model_len = max_model_len
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device)
+        self.model = build_model(config, model_dir, max_model_len, group, self.device, progress, load_format)
         self.weight_bytes = parameter_bytes(self.model)
         self.sampler = Sampler()
         self.sliding_window = config.sliding_window
         self.kv_cache = torch.empty(0)
+        self.num_blocks = 0
         self.after_layer: Callable[[int], None] | None = None  # see AttentionMetadata.after_layer
         self.tp_rank = group.rank
         self._transfers: TransferAgent | None = None
+        self.use_decode_graphs = self.attention_backend == "triton" and not enforce_eager and group.size == 1
+        self.max_num_seqs = max_num_seqs
+        self.graphs: DecodeGraphs | None = None
+        self._sm_count = device_sm_count(self.device)
+        self._kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
 
     @property
     def transfers(self) -> TransferAgent:
@@ -98,7 +123,6 @@ class ModelRunner:
         if self._transfers is None:
             self._transfers = TransferAgent(self.kv_cache, self.tp_rank, str(self.device))
         return self._transfers
-        self.num_blocks = 0
 
     # -- KV cache -------------------------------------------------------------------------
 
@@ -123,6 +147,11 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[index, 0]
             attn.v_cache = self.kv_cache[index, 1]
         self.num_blocks = num_blocks
+        if self.use_decode_graphs:
+            blocks_per_seq = -(-self.max_model_len // self.block_size)
+            self.graphs = DecodeGraphs(self.model, capture_sizes(self.max_num_seqs), blocks_per_seq, self._kv_heads,
+                                       self.device)
+            self.graphs.capture()
 
     # -- one step -------------------------------------------------------------------------
 
@@ -161,8 +190,7 @@ class ModelRunner:
             end = start + count
             blocks = request.block_ids
             prefills.append(PrefillPlan(
-                query_start=len(input_ids), query_len=count, context_len=end,
-                block_ids=tuple(blocks[: -(-end // bs)]) if start > 0 else None,
+                query_start=len(input_ids), query_len=count, context_len=end, block_ids=tuple(blocks[: -(-end // bs)]),
             ))
             input_ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
@@ -179,12 +207,17 @@ class ModelRunner:
         return plan, sampling
 
     def build_inputs(self, plan: StepPlan, sampling: list[Request] | None = None) -> StepInputs:
-        device = self.device
         senders = self.transfers.senders(list(plan.streams)) if plan.streams else []
+        after_layer = self._layer_hook(senders)
+        if self.attention_backend == "triton":
+            if self._graph_fits(plan, after_layer):
+                return self._graph_inputs(plan, sampling)
+            return self._fused_inputs(plan, sampling, senders, after_layer)
+        device = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(plan.slots, dtype=torch.long, device=device),
             num_decodes=len(plan.decode_lens),
-            after_layer=self._layer_hook(senders),
+            after_layer=after_layer,
         )
         if plan.decode_lens:
             meta.decode_context_lens = plan.decode_lens
@@ -193,7 +226,7 @@ class ModelRunner:
         for prefill in plan.prefills:
             span = PrefillSpan(prefill.query_start, prefill.query_len, prefill.context_len)
             start = prefill.context_len - prefill.query_len
-            if prefill.block_ids is not None:
+            if start > 0:
                 span.block_ids = torch.tensor(prefill.block_ids, dtype=torch.long, device=device)
             if start > 0 or (self.sliding_window is not None and prefill.context_len > self.sliding_window):
                 query_positions = torch.arange(start, prefill.context_len)
@@ -208,6 +241,40 @@ class ModelRunner:
             plan=plan,
             senders=senders,
         )
+
+    def _graph_fits(self, plan: StepPlan, after_layer) -> bool:
+        return (
+            self.graphs is not None and not plan.prefills and after_layer is None
+            and 0 < len(plan.decode_lens) <= self.graphs.sizes[-1]
+        )
+
+    def _graph_inputs(self, plan: StepPlan, sampling: list[Request] | None) -> StepInputs:
+        """A decode-only step: its values go into the graphs' persistent buffers in ``execute``;
+        the tensors here are only what the rest of the step reads (every row samples)."""
+        rows = len(plan.decode_lens)
+        buffers = self.graphs.buffers
+        return StepInputs(
+            input_ids=buffers.input_ids[:rows],
+            positions=buffers.positions[:rows],
+            meta=self.graphs.metas[self.graphs.bucket_for(rows)],
+            sample_rows=torch.arange(rows, device=self.device),
+            sampling_requests=sampling or [],
+            plan=plan,
+            decode_graph=True,
+        )
+
+    def _fused_inputs(self, plan: StepPlan, sampling: list[Request] | None, senders: list[KVSender],
+                      after_layer) -> StepInputs:
+        longest = max(plan.decode_lens, default=0)
+        step = build_fused_step(
+            plan.input_ids, plan.positions, plan.slots, plan.sample_rows, plan.decode_lens, plan.decode_block_table,
+            [(p.query_start, p.query_len, p.context_len, p.block_ids) for p in plan.prefills],
+            choose_decode_splits(len(plan.decode_lens), self._kv_heads, self._sm_count, longest),
+            self.device,
+        )
+        meta = AttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=len(plan.decode_lens),
+                                 after_layer=after_layer, fused=step.fused)
+        return StepInputs(step.input_ids, step.positions, meta, step.sample_rows, sampling or [], plan, senders)
 
     def join_transfer(self, layout, spec, prefill_side: bool) -> None:
         self.transfers.join(layout, spec, prefill_side)
@@ -232,6 +299,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Runs the model; returns logits for the rows that sample a token."""
+        if inputs.decode_graph:
+            plan = inputs.plan
+            hidden = self.graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens,
+                                     plan.decode_block_table)
+            return self.model.compute_logits(hidden)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
         if inputs.senders:

@@ -9,6 +9,9 @@ The draw uses the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` pe
 token ``i`` with probability ``probs[i]``, and needs no cumulative sum or search. A request with
 a seed owns a CPU generator from which exactly one row of ``V`` draws is taken per step, so its
 tokens do not depend on which other requests share the batch or where its row sits.
+
+On a GPU everything after the batch's parameters are uploaded (without blocking: pinned memory)
+runs there for the whole batch at once; the host waits once, for the sampled ids.
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:
     """Consumes one step's draws, as when another process (a prefill worker) sampled the
     request's token from a generator with the same seed: the next draw then matches."""
     torch.empty(vocab_size).exponential_(generator=generator)
+
+
+def _host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``; on CUDA copied from pinned memory without blocking,
+    so building a batch never waits for the forward pass still running on the GPU."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return _host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -49,6 +64,7 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None  # [B, V] bool: token is in the prompt or the output
     output_counts: torch.Tensor | None  # [B, V] int32: occurrences of each token in the output
     generators: list[torch.Generator | None]  # per row; None = the global RNG
+    random_rows: list[bool]  # per row: temperature > 0 (kept on the host, to avoid reading the device)
     all_greedy: bool
     all_random: bool
     max_num_logprobs: int | None  # max of params.logprobs over rows; None when no row asks
@@ -76,7 +92,7 @@ class SamplingBatch:
             values = [getattr(p, name) for p in params]
             if all(v == off for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=device)
+            return _to_device(values, dtype, device)
 
         repetition = column("repetition_penalty", torch.float32, 1.0)
         presence = column("presence_penalty", torch.float32, 0.0)
@@ -91,7 +107,7 @@ class SamplingBatch:
 
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            temperature=_to_device([p.temperature for p in params], torch.float32, device),
             top_k=column("top_k", torch.int64, 0),
             top_p=column("top_p", torch.float32, 1.0),
             min_p=column("min_p", torch.float32, 0.0),
@@ -101,6 +117,7 @@ class SamplingBatch:
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             generators=list(generators),
+            random_rows=[not p.greedy for p in params],
             all_greedy=all(p.greedy for p in params),
             all_random=not any(p.greedy for p in params),
             max_num_logprobs=max(asked) if asked else None,
@@ -124,7 +141,7 @@ def _padded(seqs: Sequence[Sequence[int]], pad: int, device: torch.device | str)
     out[torch.arange(width) < lengths[:, None]] = torch.tensor(
         list(itertools.chain.from_iterable(seqs)), dtype=torch.int64
     )
-    return out.to(device)
+    return _host_to_device(out, device)
 
 
 def _token_counts(seqs: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
@@ -183,13 +200,14 @@ def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     """q ~ Exp(1) of probs' shape: one batched draw from the global RNG for rows without a
     generator, and one row of V draws from its own generator for each seeded random row."""
     rows, vocab = probs.shape
-    random_row = [t != 0.0 for t in batch.temperature.tolist()]
+    random_row = batch.random_rows
     seeded = [i for i, g in enumerate(batch.generators) if g is not None and random_row[i]]
     q = torch.empty_like(probs)
     if len(seeded) < sum(random_row):
         q.exponential_()
-    for i in seeded:
-        q[i] = torch.empty(vocab).exponential_(generator=batch.generators[i]).to(probs.device)
+    if seeded:
+        draws = torch.stack([torch.empty(vocab).exponential_(generator=batch.generators[i]) for i in seeded])
+        q[_to_device(seeded, torch.int64, probs.device)] = _host_to_device(draws, probs.device).to(probs.dtype)
     # An exact 0 would turn a masked token's 0/0 into NaN, which argmax would pick.
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 

@@ -60,7 +60,8 @@ class TPFollower:
     """A rank other than 0: its shard of the model and of the KV cache (a Ray actor)."""
 
     def __init__(self, config: ModelConfig, model_dir: str, block_size: int, max_model_len: int, device: str,
-                 spec: GroupSpec, rank: int, num_threads: int):
+                 spec: GroupSpec, rank: int, num_threads: int, attention_backend: str = "auto",
+                 load_format: str = "safetensors"):
         torch.set_num_threads(num_threads)
         if device.startswith("cuda"):
             import ray
@@ -71,7 +72,8 @@ class TPFollower:
             device = "cuda:0" if ray.get_gpu_ids() else f"cuda:{first + rank}"
             torch.cuda.set_device(device)
         group = join_group(spec, rank, torch.device(device))
-        self.runner = ModelRunner(config, Path(model_dir), block_size, max_model_len, device, group)
+        self.runner = ModelRunner(config, Path(model_dir), block_size, max_model_len, device, group,
+                                  attention_backend=attention_backend, load_format=load_format)
 
     def ready(self) -> int:
         return self.runner.weight_bytes
@@ -109,6 +111,8 @@ class TensorParallelRunner(ModelRunner):
         progress: Callable[[int, int, str], None] | None = None,
         cpus_per_rank: float = 0.25,
         gpus_per_rank: int = 0,
+        attention_backend: str = "auto",
+        load_format: str = "safetensors",
     ):
         """Ranks 1..N-1 start as Ray actors of ``cpus_per_rank`` CPUs each; inside a placement
         group that captures child tasks (the cluster reserves one per TP group) they land in its
@@ -123,14 +127,16 @@ class TensorParallelRunner(ModelRunner):
         self.followers = [
             follower.options(name=f"{name}-tp{rank}", num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
                              max_concurrency=FOLLOWER_THREADS).remote(
-                config, str(model_dir), block_size, max_model_len, device, spec, rank, threads
+                config, str(model_dir), block_size, max_model_len, device, spec, rank, threads, attention_backend,
+                load_format,
             )
             for rank in range(1, tp_size)
         ]
         self.follower_names = [f"{name}-tp{rank}" for rank in range(1, tp_size)]
         try:
             group = join_group(spec, 0, torch.device(device))
-            super().__init__(config, model_dir, block_size, max_model_len, device, group, progress)
+            super().__init__(config, model_dir, block_size, max_model_len, device, group, progress,
+                             attention_backend=attention_backend, load_format=load_format)
             self._wait([f.ready.remote() for f in self.followers], "loading its shard")
         except BaseException:
             self.shutdown()

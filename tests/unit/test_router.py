@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.engine.block_hash import hash_token_blocks
@@ -57,6 +59,11 @@ class FakeRegistry:
 PROMPT = list(range(100, 133))  # 33 tokens: 8 full blocks, all 8 cacheable
 
 
+def config(policy: str = "slo", **overrides) -> RouterConfig:
+    """Most tests pin remote prefill: no decode worker prefills a prompt just for being short."""
+    return RouterConfig.from_mapping({"policy": policy, "local_prefill_max_tokens": 0, **overrides})
+
+
 def route(router: Router, rid: str = "r", prompt=PROMPT, now: float = NOW, **kw):
     return router.route(RouteRequest(rid, prompt, max_tokens=8, **kw), now=now)
 
@@ -85,7 +92,7 @@ def test_prefix_affinity_goes_where_the_prompt_is_cached():
     registry = FakeRegistry()
     registry.hold("p1", PROMPT, 8)
     registry.hold("d1", PROMPT, 2)
-    decision = route(Router(TOPOLOGY, registry, RouterConfig.for_policy("prefix_affinity")))
+    decision = route(Router(TOPOLOGY, registry, config("prefix_affinity")))
     assert (decision.action, decision.prefill, decision.decode) == ("place", "p1", "d1")
     assert (decision.prefill_hit_blocks, decision.decode_hit_blocks) == (8, 2)
 
@@ -94,24 +101,24 @@ def test_a_prompt_never_counts_its_last_token_as_cached():
     registry = FakeRegistry()
     prompt = PROMPT[:32]  # 8 full blocks, but only 7 can hit: the last token is always computed
     registry.hold("p0", prompt, 8)
-    decision = route(Router(TOPOLOGY, registry, RouterConfig.for_policy("prefix_affinity")), prompt=prompt)
+    decision = route(Router(TOPOLOGY, registry, config("prefix_affinity")), prompt=prompt)
     assert (decision.prefill, decision.prefill_hit_blocks) == ("p0", 7)
 
 
 def test_round_robin_rotates_both_sides():
-    router = Router(TOPOLOGY, FakeRegistry(), RouterConfig.for_policy("round_robin"))
+    router = Router(TOPOLOGY, FakeRegistry(), config("round_robin"))
     placed = [route(router, f"r{i}") for i in range(4)]
     assert [(d.prefill, d.decode) for d in placed] == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
 
 
 def test_least_loaded_avoids_the_queue_and_the_busy_decoder():
     registry = FakeRegistry({"p0": load("p0", queued=1000), "d0": load("d0", running=10, free=20, context=500)})
-    decision = route(Router(TOPOLOGY, registry, RouterConfig.for_policy("least_loaded")))
+    decision = route(Router(TOPOLOGY, registry, config("least_loaded")))
     assert (decision.prefill, decision.decode) == ("p1", "d1")
 
 
 def test_placements_not_yet_in_a_report_count_as_load():
-    router = Router(TOPOLOGY, FakeRegistry(), RouterConfig.for_policy("least_loaded"))
+    router = Router(TOPOLOGY, FakeRegistry(), config("least_loaded"))
     first, second = route(router, "a"), route(router, "b")
     assert (first.prefill, first.decode) == ("p0", "d0")
     assert (second.prefill, second.decode) == ("p1", "d1")
@@ -123,7 +130,7 @@ def test_placements_not_yet_in_a_report_count_as_load():
 def test_slo_prediction_is_queue_plus_prefill_plus_transfer_and_the_decode_step():
     registry = FakeRegistry({"p0": load("p0", queued=200), "p1": load("p1", queued=300),
                              "d0": load("d0", running=3, context=600)})
-    decision = route(Router(TOPOLOGY, registry))
+    decision = route(Router(TOPOLOGY, registry, config()))
     assert (decision.prefill, decision.decode) == ("p0", "d1")
     assert decision.predicted_ttft_s == pytest.approx((0.010 + 0.200) + (0.010 + 0.033))
     assert decision.predicted_tpot_s == pytest.approx(0.020 + 0.005 * 1 + 0.0001 * 33)
@@ -132,7 +139,7 @@ def test_slo_prediction_is_queue_plus_prefill_plus_transfer_and_the_decode_step(
 def test_slo_takes_the_cache_hit_when_it_still_meets_the_objectives():
     registry = FakeRegistry({"p1": load("p1", queued=500)})
     registry.hold("p1", PROMPT, 8)
-    decision = route(Router(TOPOLOGY, registry), slo_class="interactive")
+    decision = route(Router(TOPOLOGY, registry, config()), slo_class="interactive")
     assert decision.prefill == "p1"
     assert decision.predicted_ttft_s == pytest.approx(0.510 + 0.011)
 
@@ -140,28 +147,29 @@ def test_slo_takes_the_cache_hit_when_it_still_meets_the_objectives():
 def test_slo_leaves_the_cache_hit_when_its_queue_would_miss_the_ttft():
     registry = FakeRegistry({"p1": load("p1", queued=1500)})
     registry.hold("p1", PROMPT, 8)
-    decision = route(Router(TOPOLOGY, registry), slo_class="interactive")  # TTFT <= 1 s
+    decision = route(Router(TOPOLOGY, registry, config()), slo_class="interactive")  # TTFT <= 1 s
     assert decision.prefill == "p0"
     assert decision.prefill_hit_blocks == 0
 
 
 def test_admission_rejects_at_once_with_the_reason():
     busy = {w: load(w, queued=3000) for w in ("p0", "p1")}  # two 2048-token steps each: 3.02 s
-    router = Router(TOPOLOGY, FakeRegistry(busy))
+    router = Router(TOPOLOGY, FakeRegistry(busy), config())
     decision = route(router, slo_class="interactive")
     assert decision.action == "reject"
     assert "no (prefill, decode) pair can meet now slo_class 'interactive' (TTFT <= 1000 ms" in decision.reason
     assert "p0 -> d0, predicts TTFT 3063 ms (queue 3020 ms + prefill 43 ms + transfer 0 ms)" in decision.reason
+    assert decision.reason.endswith("idle, TTFT 43 ms and TPOT 28 ms")
     assert router.inflight == {}
     assert router.status(NOW)["rejected"] == 1
 
 
 def test_a_queueable_class_waits_and_a_hopeless_prompt_runs_best_effort():
     busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
-    router = Router(TOPOLOGY, FakeRegistry(busy))
+    router = Router(TOPOLOGY, FakeRegistry(busy), config())
     assert route(router, slo_class="standard").action == "queue"
     long_prompt = list(range(6000))  # 6 s of prefill on an idle worker: no queue makes it meet 5 s
-    decision = route(Router(TOPOLOGY, FakeRegistry()), prompt=long_prompt, slo_class="standard")
+    decision = route(Router(TOPOLOGY, FakeRegistry(), config()), prompt=long_prompt, slo_class="standard")
     assert decision.action == "place"
     assert decision.reason.startswith("best effort: even an idle cluster cannot meet")
 
@@ -169,7 +177,7 @@ def test_a_queueable_class_waits_and_a_hopeless_prompt_runs_best_effort():
 def test_a_decode_worker_caching_nearly_the_whole_prompt_prefills_it_itself():
     registry = FakeRegistry()
     registry.hold("d1", PROMPT, 8)
-    router = Router(TOPOLOGY, registry)
+    router = Router(TOPOLOGY, registry, config())
     decision = route(router)
     assert (decision.prefill, decision.decode) == (None, "d1")
     assert decision.predicted_ttft_s == pytest.approx(0.010 + 0.001)  # one token left to compute
@@ -178,21 +186,21 @@ def test_a_decode_worker_caching_nearly_the_whole_prompt_prefills_it_itself():
 
 def test_a_decode_worker_without_room_is_passed_over():
     registry = FakeRegistry({"d0": load("d0", free=2)})
-    decision = route(Router(TOPOLOGY, registry, RouterConfig.for_policy("round_robin")))
+    decision = route(Router(TOPOLOGY, registry, config("round_robin")))
     assert decision.decode == "d1"
 
 
 def test_dead_and_failed_workers_are_not_candidates():
     registry = FakeRegistry()
     del registry.state["p0"]  # heartbeat expired: no load report
-    router = Router(TOPOLOGY, registry, RouterConfig.for_policy("round_robin"))
+    router = Router(TOPOLOGY, registry, config("round_robin"))
     router.worker_failed("d0")
     assert [(d.prefill, d.decode) for d in (route(router, "a"), route(router, "b"))] == [("p1", "d1"), ("p1", "d1")]
 
 
 def test_registry_down_places_by_load_only_then_recovers():
     registry = FakeRegistry()
-    router = Router(TOPOLOGY, registry, RouterConfig.for_policy("slo", registry_retry_s=1.0))
+    router = Router(TOPOLOGY, registry, config("slo", registry_retry_s=1.0))
     registry.down = True
     placed = [route(router, f"r{i}", now=NOW + i * 0.1) for i in range(3)]
     assert [(d.prefill, d.decode, d.load_only) for d in placed] == [
@@ -222,14 +230,167 @@ def test_config_errors_name_the_key():
     assert config.weights["least_loaded"] == 2.0 and config.slo_class(None).ttft_s == 0.5
 
 
-def test_the_ttft_the_model_leaves_out_is_learned_per_path_from_finished_requests():
-    router = Router(TOPOLOGY, FakeRegistry(), RouterConfig.for_policy("round_robin"))
+def test_the_ttft_the_model_leaves_out_is_learned_per_path_from_the_time_after_placement():
+    router = Router(TOPOLOGY, FakeRegistry(), config("round_robin"))
     first = route(router, "a")
     assert first.predicted_ttft_s == pytest.approx(0.043) and first.ttft_correction_s == 0.0
-    router.finished("a", ttft_s=0.543)  # 0.5 s more than predicted: a tenth of it is learned
-    assert router.ttft_residual == pytest.approx({"remote": 0.05, "local": 0.0})
+    router.finished("a", service_ttft_s=0.243, now=NOW)  # 0.2 s more than predicted: a tenth of it is learned
+    assert router.ttft_residual == pytest.approx({"remote": 0.02, "local": 0.0})
     second = route(router, "b")
-    assert second.predicted_ttft_s == pytest.approx(0.043 + 0.05) and second.ttft_correction_s == pytest.approx(0.05)
-    router.finished("b", ttft_s=0.093)  # as predicted with the correction: the residual holds
-    assert router.ttft_residual["remote"] == pytest.approx(0.05 + 0.1 * (0.05 - 0.05))
-    assert router.status(NOW)["ttft_prediction_error"] == pytest.approx((0.5 / 0.543 + 0.0) / 2)
+    assert second.predicted_ttft_s == pytest.approx(0.043 + 0.02) and second.ttft_correction_s == pytest.approx(0.02)
+    router.finished("b", service_ttft_s=0.063, now=NOW)  # as predicted with the correction: it holds
+    assert router.ttft_residual["remote"] == pytest.approx(0.02)
+    assert router.status(NOW)["ttft_prediction_error"] == pytest.approx((0.2 / 0.243 + 0.0) / 2)
+
+
+def test_the_correction_is_bounded_and_decays():
+    router = Router(TOPOLOGY, FakeRegistry(), config("round_robin", correction_limit_ms=100,
+                                                     correction_half_life_s=10))
+    for i in range(200):  # a burst whose requests took 37 s each after placement
+        route(router, f"r{i}")
+        router.finished(f"r{i}", service_ttft_s=37.0, now=NOW)
+    assert router.correction("remote", NOW) == pytest.approx(0.1, rel=1e-6)  # never past the limit
+    assert router.correction("remote", NOW + 10) == pytest.approx(0.05, rel=1e-6)  # one half-life later
+    assert router.correction("remote", NOW + 100) < 0.0001
+    assert route(router, "later", now=NOW + 10).ttft_correction_s == pytest.approx(0.05, rel=1e-6)
+
+
+def test_an_idle_cluster_admits_an_interactive_request_after_a_burst():
+    """The wedge of issue 11: after a burst, an idle cluster rejected interactive requests for ever."""
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    for i in range(400):
+        route(router, f"burst{i}", slo_class="batch")
+        router.finished(f"burst{i}", service_ttft_s=37.0, now=NOW)
+    decision = route(router, "fresh", slo_class="interactive")
+    assert decision.action == "place"
+    assert decision.predicted_ttft_s == pytest.approx(0.043 + 0.5)  # prefill + the bounded correction
+
+
+def test_an_objective_no_idle_pair_can_meet_is_known_at_once_from_the_same_prediction():
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    # TPOT: an idle decode step with this request alone is 20 + 5 + 3.3 ms; 1 ms can never be met.
+    hopeless = route(router, "tpot", slo_class="standard", tpot_s=0.001)
+    assert hopeless.action == "place"
+    assert hopeless.reason.startswith("best effort: even an idle cluster cannot meet")
+    assert "idle, TTFT 43 ms and TPOT 28 ms" in hopeless.reason
+    assert route(router, "tpot-i", slo_class="interactive", tpot_s=0.001).action == "reject"
+    # TTFT: with a learned correction of 0.1 s, an idle pair predicts 143 ms for a 33-token prompt.
+    for objective, reason in ((0.120, "best effort: even an idle cluster cannot meet"), (0.150, "")):
+        router = Router(TOPOLOGY, FakeRegistry(), config())
+        router.finished("none")  # nothing was placed: nothing learned
+        router._residual["remote"] = (0.1, NOW)
+        decision = route(router, "ttft", slo_class="standard", ttft_s=objective)
+        assert decision.action == "place" and decision.reason.startswith(reason)
+        assert decision.predicted_ttft_s == pytest.approx(0.143)
+
+
+def test_a_class_that_may_not_wait_counts_the_time_it_already_spent():
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    on_time = route(router, "a", slo_class="interactive", arrival=NOW - 0.9)  # 0.9 + 0.043 <= 1 s
+    assert on_time.action == "place" and on_time.waited_s == pytest.approx(0.9)
+    late = route(router, "b", slo_class="interactive", arrival=NOW - 0.98)  # 0.98 + 0.043 > 1 s
+    assert late.action == "reject"
+    assert "even an idle cluster cannot meet" in late.reason and "predicts TTFT waited 980 ms + 43 ms" in late.reason
+
+
+def test_a_waiting_head_never_holds_back_a_request_that_can_be_placed():
+    busy = {w: load(w, queued=3000) for w in ("p0", "p1")}  # 3.02 s of queue on each prefill worker
+    registry = FakeRegistry(busy)
+    router = Router(TOPOLOGY, registry, config())
+    head = router.submit(RouteRequest("head", list(range(2000)), 8, "standard", priority=5), now=NOW)
+    assert head.action == "queue"  # 3.02 s + 2.01 s of prefill > 5 s, though an idle pair could
+    behind = router.submit(RouteRequest("short", PROMPT, 8, "standard"), now=NOW)
+    assert behind.action == "place"  # 3.02 s + 0.043 s: placed at once, past the waiting head
+    assert router.retry_waiting(NOW + 0.01) == []  # nothing changed: it keeps waiting
+    assert router.status(NOW)["waiting"] == 1
+    registry.state.update({w: load(w, updated_at=NOW + 0.05) for w in ("p0", "p1")})  # the queues drained
+    placed = router.retry_waiting(NOW + 0.1)
+    assert [(d.request_id, d.action) for d in placed] == [("head", "place")]
+    assert router.status(NOW + 0.1)["waiting"] == 0
+
+
+def test_waiting_requests_are_offered_in_priority_order_each_on_its_own():
+    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
+    registry = FakeRegistry(busy)
+    router = Router(TOPOLOGY, registry, config("slo"))
+    for rid, priority, arrival in (("low", 0, NOW - 2), ("high", 3, NOW - 1), ("mid", 1, NOW - 3)):
+        assert router.submit(RouteRequest(rid, PROMPT, 8, "standard", priority=priority, arrival=arrival),
+                             now=NOW).action == "queue"
+    assert router.cancel("mid") and not router.cancel("mid")
+    registry.state.update({w: load(w, updated_at=NOW + 0.05) for w in ("p0", "p1")})
+    assert [d.request_id for d in router.retry_waiting(NOW + 0.1)] == ["high", "low"]
+
+
+def test_a_full_queue_rejects_instead_of_holding():
+    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
+    router = Router(TOPOLOGY, FakeRegistry(busy), config(queue_limit=1))
+    assert router.submit(RouteRequest("a", PROMPT, 8, "standard"), now=NOW).action == "queue"
+    second = router.submit(RouteRequest("b", PROMPT, 8, "standard"), now=NOW)
+    assert second.action == "reject"
+    assert second.reason.startswith("the router already holds 1 waiting requests (router.queue_limit)")
+
+
+def test_before_the_first_reports_requests_wait_and_then_face_admission():
+    registry = FakeRegistry()
+    reports = dict(registry.state)
+    registry.state.clear()  # the workers are still starting: nothing reported yet
+    router = Router(TOPOLOGY, registry, config())
+    impossible = router.submit(RouteRequest("x", PROMPT, 8, "interactive", ttft_s=0.000001), now=NOW)
+    fine = router.submit(RouteRequest("y", PROMPT, 8, "interactive"), now=NOW)
+    assert (impossible.action, fine.action) == ("queue", "queue")
+    assert impossible.reason == "waiting for the first load report of d0"
+    registry.state.update(reports)
+    resolved = {d.request_id: d.action for d in router.retry_waiting(NOW + 0.1)}
+    assert resolved == {"x": "reject", "y": "place"}
+    registry.state.clear()  # every worker reported once and is gone now: nothing can serve
+    gone = router.submit(RouteRequest("z", PROMPT, 8, "standard"), now=NOW + 0.2)
+    assert (gone.action, gone.reason) == ("reject", "no live decode worker")
+    registry.state.update({w: reports[w] for w in ("d0", "d1")})  # decode workers back, prefill workers gone
+    remote = router.submit(RouteRequest("r", PROMPT, 8, "standard"), now=NOW + 0.3)
+    assert (remote.action, remote.reason) == ("reject", "no live prefill worker")
+
+
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker():
+    """Up to local_prefill_max_tokens left to compute, a decode worker may prefill the prompt
+    itself; the slo policy then takes whichever meets the objectives with the most headroom."""
+    registry = FakeRegistry()
+    router = Router(TOPOLOGY, registry, config(local_prefill_max_tokens=64))
+    short = route(router, "short")  # 33 tokens: no queue, no transfer on the decode worker
+    assert (short.prefill, short.decode) == (None, "d0")
+    assert short.predicted_ttft_s == pytest.approx(0.010 + 0.033)
+    long = route(router, "long", prompt=list(range(100)))  # 100 tokens left: only a prefill worker may
+    assert long.prefill is not None
+    busy = FakeRegistry({d: load(d, queued=2000) for d in ("d0", "d1")})  # the decode workers' prefill queues
+    remote = route(Router(TOPOLOGY, busy, config(local_prefill_max_tokens=64)), "busy")
+    assert remote.prefill is not None  # 2 s of queue there: a prefill worker has more headroom
+
+
+def test_a_colocated_pool_prefills_and_decodes_on_one_worker():
+    topology = Topology(prefill=(), decode=(), colocated=("c0", "c1"), block_size=BS, hash_keys=("m",))
+    registry = FakeRegistry()
+    registry.state.update({c: replace(load("d0"), worker=c, role="colocated") for c in ("c0", "c1")})
+    router = Router(topology, registry, config("round_robin"))
+    placed = [route(router, f"r{i}", prompt=list(range(300))) for i in range(3)]
+    assert [(d.prefill, d.decode) for d in placed] == [(None, "c0"), (None, "c1"), (None, "c0")]
+
+
+def test_a_long_queue_is_offered_again_only_on_change_and_pruned_by_what_must_wait():
+    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
+    registry = FakeRegistry(busy)
+    router = Router(TOPOLOGY, registry, config())
+    for i in range(100):
+        router.submit(RouteRequest(f"long{i}", list(range(200)), 8, "standard"), now=NOW)
+    router.submit(RouteRequest("short", PROMPT, 8, "standard"), now=NOW)
+    routed = []
+    original = router.route
+    router.route = lambda request, now=None, hits=None: routed.append(request.request_id) or original(request, now,
+                                                                                                       hits)
+    assert router.retry_waiting(NOW + 0.1) == []
+    assert routed == ["long0", "short"]  # the 99 longer ones behind long0 would wait too: not routed
+    assert router.retry_waiting(NOW + 0.2) == [] and len(routed) == 2  # nothing changed: nothing offered
+    router.finished("unknown")  # not a request of this router's: no change
+    assert router.retry_waiting(NOW + 0.3) == [] and len(routed) == 2
+    assert original(RouteRequest("bulk", PROMPT, 8, "batch"), NOW).action == "place"
+    router.finished("bulk")  # a finished request is a change
+    router.retry_waiting(NOW + 0.4)
+    assert len(routed) == 4

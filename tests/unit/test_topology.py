@@ -142,8 +142,9 @@ def test_default_topology():
     assert spec.server == ServerSpec("127.0.0.1", 50051, None, None, None)
     assert spec.observability.dashboard is False
     assert spec.registry.url is None and spec.ray.address is None
-    assert list(spec.to_dict()) == ["cluster", "model", "prefill", "decode", "kv", "router", "registry", "server",
-                                    "observability", "ray"]
+    assert spec.colocated == PoolSpec(0, 1, 0, 0.25, NodeConstraints(None, {}), 2048, 128, None)
+    assert list(spec.to_dict()) == ["cluster", "model", "prefill", "decode", "colocated", "kv", "router", "registry",
+                                    "server", "observability", "ray"]
     assert parse_topology(spec.to_yaml()) == spec
 
 
@@ -160,6 +161,8 @@ def test_to_dict_router_in_input_format():
         "policy": "least_loaded", "weights": {"least_loaded": 1.0}, "admission_control": False,
         "slo_classes": {"fast": {"ttft_ms": 300, "tpot_ms": None, "priority": 3, "on_overload": "reject"}},
         "default_class": "fast", "skip_prefill_fraction": 0.9, "load_refresh_s": 0.05, "registry_retry_s": 1.0,
+        "queue_limit": 4096, "correction_limit_ms": 500, "correction_half_life_s": 30.0,
+        "local_prefill_max_tokens": 256, "migration_limit": 3, "replicas": 1,
     }
     assert "tpot_ms: null" in spec.to_yaml()
     assert parse_topology(spec.to_yaml()) == spec
@@ -293,10 +296,12 @@ def test_unknown_key_suggests_and_lists_the_known():
 
 
 @pytest.mark.parametrize("text, key, line, fragment", [
-    ("prefill:\n  replicas: true\n", "prefill.replicas", 2, "must be an integer >= 1; got true"),
+    ("prefill:\n  replicas: true\n", "prefill.replicas", 2, "must be an integer >= 0; got true"),
     ("decode:\n  tp: \"2\"\n", "decode.tp", 2, "got '2' (a string)"),
     ("decode:\n  tp: 2.0\n", "decode.tp", 2, "must be an integer"),
-    ("prefill:\n  replicas: 0\n", "prefill.replicas", 2, "got 0"),
+    ("prefill:\n  replicas: 0\n", "prefill.replicas", 2, "decode workers need prefill workers (at least 1)"),
+    ("prefill:\n  replicas: 0\ndecode:\n  replicas: 0\n", "decode.replicas", 4, "no worker generates"),
+    ("decode:\n  replicas: 0\n", "decode.replicas", 2, "prefill workers need decode workers"),
     ("prefill:\n  cpus_per_rank: 0\n", "prefill.cpus_per_rank", 2, "must be a number > 0"),
     ("prefill:\n  threads: -1\n", "prefill.threads", 2, "or null"),
     ("prefill:\n  node:\n    gpus: -1\n", "prefill.node.gpus", 3, ">= 0"),
@@ -524,7 +529,8 @@ def test_error_text_is_one_line_per_issue():
     assert isinstance(info.value, ValueError)
     assert str(info.value).splitlines() == [
         "site.yaml:2: prefill.tp: must be an integer >= 1; got 0",
-        "site.yaml:3: bogus: unknown key; known: cluster, decode, kv, model, observability, prefill, ray, registry, "
+        "site.yaml:3: bogus: unknown key; known: cluster, colocated, decode, kv, model, observability, prefill, ray, "
+        "registry, "
         "router, server",
     ]
     assert TopologyIssue("kv", None, "x").format("f.yaml") == "f.yaml: kv: x"
@@ -579,7 +585,7 @@ def test_validate_reports_every_error(tmp_path, capsys):
     assert (code, out) == (1, "")
     assert err.splitlines() == [
         f"{path}:2: prefill.tp: must be an integer >= 1; got 0",
-        f"{path}:4: decode.replicas: must be an integer >= 1; got 'x' (a string)",
+        f"{path}:4: decode.replicas: must be an integer >= 0; got 'x' (a string)",
     ]
 
 

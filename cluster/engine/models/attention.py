@@ -1,7 +1,13 @@
-"""Attention over a paged KV cache, in plain torch so it runs on any device.
+"""Attention over a paged KV cache: the plain-torch reference, and the fused (Triton) path.
 
 A step's tokens are flattened: first one token for each decoding request, then the prompt
 chunks. New keys and values are written into their cache slots.
+
+When the step's metadata carries :class:`FusedMetadata` (the Triton backend, chosen on CUDA),
+three kernels do the whole layer: one writes the new keys and values, one attends every decode
+and one every prompt chunk, each reading the cache in place through the block table
+(:mod:`cluster.engine.kernels.triton_attention`). Otherwise the plain-torch path below runs,
+which is the reference the kernels are tested against.
 
 Decodes use the native kernel (:mod:`cluster.engine.kernels`) when it fits: it reads keys and
 values in place through the block table, once each. Otherwise each decode gathers only its own
@@ -14,6 +20,7 @@ attention on the new keys, no gather) or to its cached context.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Callable
 
 import torch
@@ -41,11 +48,35 @@ class PrefillSpan:
 
 
 @dataclass
+class FusedMetadata:
+    """What the fused kernels read: device tensors only (int64), so that a CUDA graph can hold
+    them in persistent buffers. Decodes are rows 0..num_decodes-1 of the step; prompt chunk
+    ``c`` is rows ``prefill_query_starts[c]:prefill_query_starts[c + 1]``."""
+
+    decode_seq_lens: torch.Tensor  # [D] keys each decode attends to (its new one included); 0 = padding row
+    decode_block_table: torch.Tensor  # [D, W]
+    decode_splits: int = 1  # parts each decode context is split into (see choose_decode_splits)
+    prefill_query_starts: torch.Tensor | None = None  # [C + 1]
+    prefill_context_lens: torch.Tensor | None = None  # [C]
+    prefill_block_table: torch.Tensor | None = None  # [C, W]
+    prefill_max_query_len: int = 0
+
+
+@cache
+def _fused_kernels():
+    """The Triton kernels, imported on first use (Triton is optional)."""
+    from cluster.engine.kernels import triton_attention
+
+    return triton_attention
+
+
+@dataclass
 class AttentionMetadata:
     """``decode_block_table`` is [num_decodes, most blocks] (int64, padded with block 0);
     ``decode_lens`` holds ``decode_context_lens`` as an int64 tensor on the CPU.
     ``after_layer(i)`` runs once layer ``i`` has written this step's keys and values (KV
-    streaming sends that layer while later layers compute)."""
+    streaming sends that layer while later layers compute). With ``fused`` set, the fused
+    kernels run and the torch path's fields (decode and prefill layouts) are left empty."""
 
     slot_mapping: torch.Tensor
     num_decodes: int = 0
@@ -54,6 +85,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
     after_layer: Callable[[int], None] | None = None
+    fused: FusedMetadata | None = None
 
 
 def visible_keys(query_positions: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -80,6 +112,8 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
+        if meta.fused is not None:
+            return self._forward_fused(q, k, v, meta)
         num_tokens = q.shape[0]
         kv, d = self.num_kv_heads, self.head_dim
         num_blocks = self.k_cache.shape[0]
@@ -107,6 +141,20 @@ class PagedAttention(nn.Module):
                     attn_mask=span.mask, scale=self.scale, enable_gqa=True,
                 )
             out[rows] = o.squeeze(0).transpose(0, 1).reshape(span.query_len, self.num_heads * d)
+        return out
+
+    def _forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        kernels, fused = _fused_kernels(), meta.fused
+        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if meta.num_decodes:
+            kernels.paged_decode(q[: meta.num_decodes], self.k_cache, self.v_cache, fused.decode_block_table,
+                                 fused.decode_seq_lens, out, self.scale, self.sliding_window, fused.decode_splits)
+        if fused.prefill_max_query_len:
+            kernels.paged_prefill(q, self.k_cache, self.v_cache, fused.prefill_block_table, fused.prefill_query_starts,
+                                  fused.prefill_context_lens, fused.prefill_max_query_len, out, self.scale,
+                                  self.sliding_window)
         return out
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:

@@ -3,7 +3,9 @@ a GGUF file (dequantized as it is read).
 
 Each checkpoint tensor goes to its parameter's ``weight_loader`` as a slice (a safetensors slice,
 or a :class:`~cluster.engine.models.gguf_checkpoint.GGUFTensorSlice`), so a tensor-parallel rank
-reads (and dequantizes) only the rows or columns it keeps.
+reads (and dequantizes) only the rows or columns it keeps. The ``dummy`` load format reads no
+weights: they are small seeded random values, for measuring speed on a model's shape (a
+directory with only ``config.json``, or a GGUF file, is enough).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup, default_wei
 from cluster.engine.models.source import ModelSource, resolve_model_source
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 class WeightLoadError(ValueError):
@@ -120,12 +123,32 @@ def build_model(
     group: ParallelGroup = SINGLE_RANK,
     device: torch.device | str = "cpu",
     progress: Callable[[int, int, str], None] | None = None,
+    load_format: str = "safetensors",
 ) -> CausalLM:
+    if load_format not in LOAD_FORMATS:
+        raise WeightLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     with torch.device(device):
         model = CausalLM(config, max_positions, group)
-    load_weights(model, model_path, progress)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, model_path, progress)
     model.eval()
     return model
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 1e-3) -> None:
+    """Uniform values in [-scale, scale] for every parameter, drawn on its device (fast even for
+    billions of parameters), the same for a seed; norm weights stay 1 so activations keep their size."""
+    generator = None
+    for name, param in model.named_parameters():
+        if generator is None or generator.device != param.device:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.uniform_(-scale, scale, generator=generator)
 
 
 def parameter_bytes(model: nn.Module) -> int:

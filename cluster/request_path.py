@@ -1,0 +1,304 @@
+"""One request's path through the cluster, as an ingress replica (or ``tandem run``) drives it.
+
+    call ──▶ validate, tokenize ──▶ router.place ──▶ decode worker.generate ──▶ token items ──▶ call
+                                     (1 round trip)    (1 streaming call; it fetches the KV
+                                                        from the prefill worker itself)
+
+Two hops on the critical path, whatever the cluster's size: the router answers where the
+request goes (at once, or when it can be placed), and the chosen decode worker streams the
+tokens straight back here. Nothing else sees the request.
+
+When a worker fails under a request it moves, up to ``router.migration_limit`` times: a
+decode worker that dies mid-stream is told to the router, and the prompt plus the tokens
+already streamed are placed and prefilled elsewhere (its prefix cache helps), the stream
+resuming without repeating or losing a token; a prefill worker that dies before the KV lands,
+or a transfer that fails, is retried on another placement. Only when no worker of a role is
+left does the caller get ``unavailable``.
+
+Messages are plain dicts (the API layers turn them into gRPC or HTTP responses): token deltas
+``{"token_ids", "text", "finished", "logprobs"?}``, the first carrying ``request_id``; the last
+also ``finish_reason``, ``usage`` ``[prompt, cached, completion]``, ``timings`` ``[queue,
+TTFT, TPOT, end to end]`` in ms and ``placement``; or an error ``{"error": {"kind",
+"message"}, "finished": True}`` with kind ``invalid``, ``not_found``, ``rejected`` or
+``unavailable``. Times count from ``arrival``, when the call reached the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Sequence
+
+from cluster.deployment import ServingInfo
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.engine import prompt_token_ids
+from cluster.engine.request import Request
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.tokenizer import Tokenizer, TokenizerError
+from router.config import RouterConfigError
+from router.router import Decision
+
+NO_ROOM_RETRIES = 50  # a decode worker that had no blocks after all: placements tried again, with a short wait
+
+
+@dataclass
+class Journey:
+    """What happened to one request, for its last message, its metrics and the router."""
+
+    request_id: str
+    arrival: float
+    prompt_tokens: int
+    slo_class: str = ""
+    placed_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    attempt: int = 0  # placements after the first (migrations and retries)
+    decision: Decision | None = None
+    transfer: dict | None = None
+    outcome: str = ""
+
+    def ttft_s(self) -> float | None:
+        return self.first_token_at - self.arrival if self.first_token_at is not None else None
+
+    def tpot_s(self) -> float | None:
+        n = len(self.tokens)
+        if n < 2 or self.first_token_at is None or self.finished_at is None:
+            return None
+        return (self.finished_at - self.first_token_at) / (n - 1)
+
+    def timings_ms(self) -> list[float]:
+        def ms(later, earlier):
+            return (later - earlier) * 1000 if later is not None and earlier is not None else 0.0
+
+        tpot = self.tpot_s()
+        return [ms(self.placed_at, self.arrival), ms(self.first_token_at, self.arrival),
+                tpot * 1000 if tpot is not None else 0.0, ms(self.finished_at, self.arrival)]
+
+
+class RequestPath:
+    def __init__(self, info: ServingInfo, metrics=None, api: str = "grpc"):
+        import ray
+
+        self.ray = ray
+        self.info = info
+        self.metrics = metrics
+        self.api = api
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(info.model_dir)
+        except TokenizerError:
+            self.tokenizer = None
+        self.limits = Scheduler(BlockManager(info.num_blocks, info.block_size), 1, 1, info.max_model_len)
+        self.routers = [ray.get_actor(name, namespace=info.cluster) for name in info.routers]
+        self._workers: dict[str, object] = {}
+        for name in info.decode + info.colocated:
+            try:
+                self.worker(name)
+            except LookupError:
+                pass  # gone already: a placement on it fails like one on a worker that died later
+        self.active: dict[str, Journey] = {}
+
+    def worker(self, name: str):
+        """The named worker's handle (LookupError when no such actor lives)."""
+        handle = self._workers.get(name)
+        if handle is None:
+            try:
+                handle = self._workers[name] = self.ray.get_actor(name, namespace=self.info.cluster)
+            except ValueError:
+                raise LookupError(f"worker {name} is not running") from None
+        return handle
+
+    # -- checking a request -------------------------------------------------------------------
+
+    def check(self, request: dict) -> tuple[str, list[int], SamplingParams, int, str, float | None, float | None]:
+        """(request id, prompt token ids, sampling, priority, SLO class, TTFT and TPOT objectives);
+        InvalidRequestError names what is wrong, LookupError a model this cluster does not serve."""
+        model = request.get("model")
+        if model and model != self.info.model_name:
+            raise LookupError(f"model {model!r} is not served here; this cluster serves {self.info.model_name!r}")
+        request_id = request.get("request_id") or uuid.uuid4().hex
+        if request_id in self.active:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
+        sampling = request.get("sampling")
+        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_mapping(sampling or {})
+        token_ids = prompt_token_ids(request["prompt"], self.tokenizer, self.info.vocab_size)
+        self.limits.check(Request(request_id, token_ids, params))
+        try:
+            cls = self.info.router_config.slo_class(request.get("slo_class") or None)
+        except RouterConfigError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        objectives = (request.get("ttft_s"), request.get("tpot_s"))
+        for name, value in zip(("ttft", "tpot"), objectives):
+            if value is not None and not value > 0:
+                raise InvalidRequestError(f"objectives.{name}_ms must be positive, got {value * 1000:g}")
+        return request_id, token_ids, params, int(request.get("priority") or 0), cls.name, *objectives
+
+    # -- one request --------------------------------------------------------------------------
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        """Streams one request's messages (see the module's docstring)."""
+        arrival = min(request.get("arrival") or time.time(), time.time())
+        try:
+            request_id, prompt, params, priority, slo_class, ttft_s, tpot_s = self.check(request)
+        except LookupError as exc:
+            yield _error("not_found", str(exc))
+            return
+        except InvalidRequestError as exc:
+            yield _error("invalid", str(exc))
+            return
+        journey = self.active[request_id] = Journey(request_id, arrival, len(prompt), slo_class)
+        engine_priority = priority + self.info.router_config.slo_class(slo_class).priority
+        router = random.choice(self.routers)
+        first = True
+        try:
+            async for message in self._run(journey, router, prompt, params, priority, engine_priority, ttft_s,
+                                           tpot_s):
+                if first:
+                    message["request_id"] = request_id
+                    first = False
+                yield message
+        finally:
+            del self.active[request_id]
+            if not journey.outcome:
+                journey.outcome = "abort"  # the caller went away: _run's own cleanup released the request
+            if self.metrics is not None:
+                self.metrics.finished(journey.outcome, journey.slo_class, journey.ttft_s(), journey.tpot_s(),
+                                      self.api)
+
+    async def _run(self, journey: Journey, router, prompt: list[int], params: SamplingParams, priority: int,
+                   engine_priority: int, ttft_s: float | None, tpot_s: float | None) -> AsyncIterator[dict]:
+        ray = self.ray
+        limit = self.info.router_config.migration_limit
+        no_room = 0
+        while True:
+            attempt_id = journey.request_id if not journey.attempt else f"{journey.request_id}.{journey.attempt}"
+            # After a failure mid-stream the tokens already sent become part of the prompt.
+            sent = journey.tokens
+            now_prompt = prompt + sent
+            now_params = replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params
+            placing = router.place.remote(attempt_id, now_prompt, now_params.max_tokens, journey.slo_class, None,
+                                          ttft_s, tpot_s, priority, journey.arrival)
+            try:
+                decision: Decision = await placing
+            except asyncio.CancelledError:
+                ray.cancel(placing)
+                raise
+            except ray.exceptions.RayActorError:
+                journey.outcome = "unavailable"
+                yield _error("unavailable", "the router is not running")
+                return
+            if decision.action == "reject":
+                journey.outcome = "rejected"
+                if decision.decode is None and decision.reason.startswith("no live"):
+                    journey.outcome = "unavailable"
+                    yield _error("unavailable", decision.reason)
+                else:
+                    yield _error("rejected", f"rejected by admission control: {decision.reason}")
+                return
+            journey.decision = decision
+            placed_at = time.time()
+            if journey.placed_at is None:
+                journey.placed_at = placed_at
+            failure: tuple[str, str | None] | None = None  # (why, the worker that failed)
+            out_of_room = ended = False
+            stream = None
+            try:
+                stream = self.worker(decision.decode).generate.options(num_returns="streaming").remote(
+                    attempt_id, now_prompt, now_params, engine_priority, decision.prefill,
+                    self.info.transfer_timeout_s, self.info.stream_layers)
+                async for ref in stream:
+                    item = await ref
+                    error = item.get("error")
+                    if error is not None:
+                        if error["kind"] != "retry":
+                            ended = True
+                            router.finished.remote(attempt_id, None, None, True)
+                            journey.outcome = error["kind"]
+                            yield _error(error["kind"], error["message"])
+                            return
+                        failure = (error["message"], error.get("failed_worker"))
+                        out_of_room = error.get("no_room", False)
+                        ended = True
+                        break
+                    if "transfer" in item:
+                        journey.transfer = item["transfer"]
+                    if item["token_ids"] and journey.first_token_at is None:
+                        journey.first_token_at = time.time()
+                    journey.tokens.extend(item["token_ids"])
+                    message = {"token_ids": item["token_ids"], "text": item["text"], "finished": item["finished"]}
+                    if "logprobs" in item:
+                        message["logprobs"] = item["logprobs"]
+                    if item["finished"]:
+                        ended = True
+                        self._finish(journey, router, attempt_id, item, placed_at, message)
+                        yield message
+                        return
+                    if message["token_ids"] or message["text"]:
+                        yield message
+            except (ray.exceptions.RayActorError, LookupError):
+                failure = (f"decode worker {decision.decode} died", decision.decode)
+                ended = True
+            finally:
+                if not ended and stream is not None:  # cancelled, disconnected, past its deadline: release it
+                    ray.cancel(stream)
+                    router.finished.remote(attempt_id, None, None, False)
+            why, failed_worker = failure or (f"decode worker {decision.decode} ended the stream early", None)
+            router.forget.remote(attempt_id)
+            if failed_worker is not None:
+                for r in self.routers:
+                    r.worker_failed.remote(failed_worker)
+            elif out_of_room and no_room < NO_ROOM_RETRIES:
+                no_room += 1
+                await asyncio.sleep(0.01 * no_room)
+                continue
+            journey.attempt += 1
+            if journey.attempt > limit:
+                journey.outcome = "unavailable"
+                yield _error("unavailable", f"{why}; gave up after {limit} retries (router.migration_limit)")
+                return
+
+    def _finish(self, journey: Journey, router, attempt_id: str, item: dict, placed_at: float,
+                message: dict) -> None:
+        journey.finished_at = time.time()
+        journey.outcome = item.get("finish_reason") or "stop"
+        prompt_tokens, cached, _ = item["usage"]
+        journey.cached_tokens = min(cached, journey.prompt_tokens)
+        service_ttft = (journey.first_token_at - placed_at
+                        if journey.first_token_at is not None and journey.first_token_at >= placed_at else None)
+        router.finished.remote(attempt_id, journey.ttft_s(), journey.tpot_s(), False, service_ttft)
+        decision = journey.decision
+        message.update(finish_reason=journey.outcome,
+                       usage=[journey.prompt_tokens, journey.cached_tokens, len(journey.tokens)],
+                       timings=journey.timings_ms(), placement=[decision.prefill or "", decision.decode or ""],
+                       decision=decision, transfer=journey.transfer, migrations=journey.attempt)
+
+    # -- the other calls ----------------------------------------------------------------------
+
+    def model_info(self) -> dict:
+        info, config = self.info, self.info.router_config
+        return {"name": info.model_name, "architecture": info.architecture, "max_model_len": info.max_model_len,
+                "vocab_size": info.vocab_size, "block_size": info.block_size,
+                "has_tokenizer": self.tokenizer is not None, "slo_classes": [c.name for c in config.slo_classes],
+                "default_slo_class": config.default_class}
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer.json; send token ids")
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer.json")
+        bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token_ids must be in [0, {self.info.vocab_size}); got {bad[:5]}")
+        return self.tokenizer.decode(list(token_ids))
+
+
+def _error(kind: str, message: str) -> dict:
+    return {"error": {"kind": kind, "message": message}, "finished": True}
