@@ -92,7 +92,7 @@ def print_table(title: str, rows: list[tuple], headers: tuple | None = None) -> 
 
 
 def default_model_dir() -> Path:
-    from cluster.default_model import cache_dir
+    from cluster.paths import cache_dir
 
     return cache_dir() / "models" / f"bench-llama-30m-s{BENCH_MODEL_SEED}"
 

@@ -93,9 +93,9 @@ class DisaggregatedLLM(LLM):
         ``role_args["decode"]`` override them per role; ``pools`` sets each role's resources. ``local_prefill_max_tokens`` (default: the router's) bounds the prompts a
         decode worker may prefill itself; 0 sends every prompt to a prefill worker."""
         if model is None:
-            from cluster.default_model import default_model_dir
+            from cluster.default_model import default_model_path
 
-            model = str(default_model_dir())
+            model = str(default_model_path())
         for name, value in (("prefill_workers", prefill_workers), ("decode_workers", decode_workers)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")

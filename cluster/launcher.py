@@ -139,7 +139,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         return 1
     if detach:
         return _detach(spec, argv)
-    spec.model_dir()  # builds the default model here, with its progress, when none is cached yet
+    spec.model_dir()  # fetches the default model here, with its progress, when none is cached yet
     if spec.server.port == 0:  # every ingress replica must share one port: choose it now
         spec = replace(spec, server=replace(spec.server, port=free_port(spec.server.host)))
         spec_yaml = spec.to_yaml()

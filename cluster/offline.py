@@ -12,12 +12,14 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, TextIO
 
+from cluster.engine.chat_template import ChatPrompt
 from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.engine.llm import LLM
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.request_limits import MAX_REQUEST_ID_CHARS, quote
 
-REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "priority", "slo_class"})
+REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "messages", "tools", "priority", "slo_class"})
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 
 
 @dataclass
@@ -54,17 +56,21 @@ def _parse(line_number: int, raw: str) -> tuple[InputLine, dict[str, Any] | None
 def _submit(engine: LLMEngine, entry: InputLine, item: dict[str, Any]) -> None:
     sampling = {k: v for k, v in item.items() if k not in REQUEST_FIELDS}
     params = SamplingParams.from_mapping(sampling)
-    has_text, has_ids = "prompt" in item, "prompt_token_ids" in item
-    if has_text == has_ids:
-        raise InvalidRequestError("give exactly one of 'prompt' (text) or 'prompt_token_ids' (list of ints)")
-    prompt = item["prompt"] if has_text else item["prompt_token_ids"]
+    given = [name for name in PROMPT_FIELDS if name in item]
+    if len(given) != 1:
+        raise InvalidRequestError("give exactly one of 'prompt' (text), 'prompt_token_ids' (list of ints) or "
+                                  "'messages' (list of {\"role\", \"content\"} objects)")
+    if "tools" in item and given != ["messages"]:
+        raise InvalidRequestError("'tools' goes with 'messages'")
+    has_text, has_ids = given == ["prompt"], given == ["prompt_token_ids"]
+    prompt = item[given[0]]
+    if given == ["messages"]:
+        _check_unicode(item["messages"], "messages")
+        prompt = ChatPrompt(item["messages"], tools=item.get("tools"))
     if has_text and not isinstance(prompt, str):
         raise InvalidRequestError("'prompt' must be a string")
     if has_text:
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequestError(f"'prompt' is not valid Unicode: lone surrogate at character {exc.start + 1}")
+        _check_unicode(prompt, "prompt")
     if has_ids and not isinstance(prompt, list):
         raise InvalidRequestError("'prompt_token_ids' must be a list of integers")
     priority = item.get("priority", 0)
@@ -76,6 +82,16 @@ def _submit(engine: LLMEngine, entry: InputLine, item: dict[str, Any]) -> None:
         raise InvalidRequestError("'slo_class' needs the router: run with --disaggregated")
     else:
         engine.add_request(entry.request_id, prompt, params, priority=priority, slo_class=item["slo_class"])
+
+
+def _check_unicode(value: Any, field: str) -> None:
+    """Text that JSON escapes let through but UTF-8 cannot encode (a lone surrogate)."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = f" at character {exc.start + 1}" if isinstance(value, str) else ""
+        raise InvalidRequestError(f"'{field}' is not valid Unicode: lone surrogate{where}")
 
 
 def _result(entry: InputLine, output: RequestOutput | None) -> dict[str, Any]:

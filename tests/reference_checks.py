@@ -21,12 +21,18 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 def reference_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """``max_tokens`` greedy tokens and their logits, EOS treated as any other token (as our
+    ``ignore_eos`` runs do; ``generate`` would stop at it, or mask it with ``min_new_tokens``)."""
+    tokens, scores, past = [], [], None
+    inputs = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-        )
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.scores)[:, 0].float()
+        for _ in range(max_tokens):
+            out = model(input_ids=inputs, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1].float()
+            tokens.append(int(logits.argmax()))
+            scores.append(logits)
+            inputs = torch.tensor([[tokens[-1]]])
+    return tokens, torch.stack(scores)
 
 
 def assert_equivalent(ours: list[int], reference: list[int], scores: torch.Tensor, dtype: torch.dtype, label: str):

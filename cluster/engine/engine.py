@@ -11,15 +11,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
 from cluster.engine.block_manager import BlockManager
+from cluster.engine.chat_template import ChatPrompt, ChatTemplateError
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
 from cluster.engine.model_runner import ModelRunner, device_memory_bytes
 from cluster.engine.models.config import load_model_config
+from cluster.engine.models.source import ModelSource, resolve_model_source
 from cluster.engine.request import FinishReason, Request, TransferTarget
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -85,13 +87,24 @@ class EngineStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def prompt_token_ids(prompt: str | Sequence[int], tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
-    """A prompt's token ids (text is tokenized first), checked against the vocabulary.
-    Raises InvalidRequestError naming what to fix."""
+Prompt = Union[str, Sequence[int], ChatPrompt]
+
+
+def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
+    """A prompt's token ids, checked against the vocabulary: text is tokenized, chat messages are
+    rendered with the model's chat template and then tokenized. This is where every request
+    becomes the token ids the engine (and the router's block hashes) see. Raises
+    InvalidRequestError naming what to fix."""
+    if isinstance(prompt, (str, ChatPrompt)) and tokenizer is None:
+        what = "prompt_token_ids instead of prompt" if isinstance(prompt, str) else "prompt_token_ids instead of messages"
+        raise InvalidRequestError(f"this model has no tokenizer; send {what}")
     if isinstance(prompt, str):
-        if tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer.json; send prompt_token_ids instead of prompt")
         token_ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, ChatPrompt):
+        try:
+            token_ids = tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools)
+        except ChatTemplateError as exc:
+            raise InvalidRequestError(str(exc)) from None
     else:
         token_ids = list(prompt)
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
@@ -110,11 +123,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        model_dir = Path(config.model)
-        self.model_config = load_model_config(model_dir, config.dtype)
+        source = resolve_model_source(config.model)
+        model_dir = source.path
+        self.model_config = load_model_config(source, config.dtype)
         self.max_model_len = self._max_model_len()
-        self.tokenizer = self._load_tokenizer(model_dir)
-        progress = (lambda done, total: _log(f"loading weights: {done}/{total} files")) if verbose else None
+        self.tokenizer = self._load_tokenizer(source, verbose)
+        progress = (lambda done, total, unit: _log(f"loading weights: {done}/{total} {unit}")) if verbose else None
         started = time.perf_counter()
         self.runner = self._make_runner(model_dir, progress)
         num_blocks = self._num_kv_blocks()
@@ -133,7 +147,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            extra_hash_keys=(self.model_config.architecture, str(model_dir.resolve().name)),
+            extra_hash_keys=(self.model_config.architecture, source.name),
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -177,10 +191,12 @@ class LLMEngine:
         return wanted
 
     @staticmethod
-    def _load_tokenizer(model_dir: Path) -> Tokenizer | None:
+    def _load_tokenizer(source: ModelSource, verbose: bool) -> Tokenizer | None:
         try:
-            return Tokenizer(model_dir)
-        except TokenizerError:
+            return Tokenizer(source)
+        except TokenizerError as exc:
+            if verbose:
+                _log(f"no text tokenizer ({exc}); requests must give token ids")
             return None
 
     def _num_kv_blocks(self) -> int:
@@ -200,13 +216,13 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
         return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,

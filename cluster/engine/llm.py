@@ -20,9 +20,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, verbose: bool = True, **engine_args):
         if model is None:
-            from cluster.default_model import default_model_dir
+            from cluster.default_model import default_model_path
 
-            model = str(default_model_dir())
+            model = str(default_model_path())
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), verbose=verbose)
 
     def shutdown(self) -> None:

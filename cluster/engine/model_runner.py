@@ -103,7 +103,7 @@ class ModelRunner:
         max_model_len: int,
         device: str = "cpu",
         group: ParallelGroup = SINGLE_RANK,
-        progress: Callable[[int, int], None] | None = None,
+        progress: Callable[[int, int, str], None] | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         max_num_seqs: int = 128,

@@ -1,12 +1,16 @@
-"""Tokenizer (``tokenizer.json`` through the ``tokenizers`` library) and incremental
-detokenization with stop strings."""
+"""The model's tokenizer (a Hugging Face ``tokenizer.json``, or the vocabulary in a GGUF file),
+its chat template, and incremental detokenization with stop strings."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+from cluster.engine.chat_template import ChatTemplate, ChatTemplateError, template_source
+from cluster.engine.models.source import ModelSource, ModelSourceError, resolve_model_source
 
 
 class TokenizerError(ValueError):
@@ -14,11 +18,69 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
-        path = Path(model_dir) / "tokenizer.json"
+    """``Tokenizer(path)`` for a model directory or GGUF file (see
+    :func:`~cluster.engine.models.source.resolve_model_source`). ``chat_template`` is None when
+    the model has none."""
+
+    def __init__(self, model: str | Path | ModelSource):
+        given = model.path if isinstance(model, ModelSource) else Path(model).expanduser()
+        if (given / "tokenizer.json").is_file():  # a tokenizer folder needs no config.json
+            self._load_directory(given)
+        else:
+            try:
+                source = resolve_model_source(model)
+            except ModelSourceError:
+                if given.is_dir():
+                    raise TokenizerError(f"{given} has no tokenizer.json; pass prompt_token_ids instead of text") from None
+                raise
+            if source.is_gguf:
+                self._load_gguf(source)
+            else:
+                self._load_directory(source.path)
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        # Whether plain encoding puts BOS first: a chat prompt gets it too (once) when so.
+        self.adds_bos = self.bos_token_id is not None and self._tok.encode("").ids[:1] == [self.bos_token_id]
+
+    def _load_directory(self, directory: Path) -> None:
+        path = directory / "tokenizer.json"
         if not path.is_file():
-            raise TokenizerError(f"{model_dir} has no tokenizer.json; pass prompt_token_ids instead of text")
+            raise TokenizerError(f"{directory} has no tokenizer.json; pass prompt_token_ids instead of text")
         self._tok = _HFTokenizer.from_file(str(path))
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.bos_token, self.eos_token = special["bos_token"], special["eos_token"]
+        jinja_path = directory / "chat_template.jinja"
+        if jinja_path.is_file():
+            text, origin = jinja_path.read_text(), str(jinja_path)
+        else:
+            text, origin = template_source(config.get("chat_template")), str(config_path)
+        self.chat_template = self._template(text, special, origin)
+
+    def _load_gguf(self, source: ModelSource) -> None:
+        from cluster.engine.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
+        from cluster.engine.models.gguf_checkpoint import open_gguf
+
+        spec = open_gguf(source.gguf_file).tokenizer_spec()
+        if spec is None:
+            raise TokenizerError(f"{source.gguf_file} has no vocabulary; pass prompt_token_ids instead of text")
+        try:
+            self._tok = build_gguf_tokenizer(spec)
+        except GGUFTokenizerError as exc:
+            raise TokenizerError(f"{source.gguf_file}: {exc}") from None
+
+        def text_of(token_id: int | None) -> str | None:
+            return spec.tokens[token_id] if token_id is not None and 0 <= token_id < len(spec.tokens) else None
+
+        self.bos_token, self.eos_token = text_of(spec.bos_token_id), text_of(spec.eos_token_id)
+        special = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        self.chat_template = self._template(spec.chat_template, special, str(source.gguf_file))
+
+    @staticmethod
+    def _template(text: str | None, special: dict[str, str | None], origin: str) -> ChatTemplate | None:
+        if not text:
+            return None
+        return ChatTemplate(text, {k: v for k, v in special.items() if v is not None}, origin)
 
     @property
     def vocab_size(self) -> int:
@@ -32,6 +94,26 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
+                            tools: list | None = None) -> list[int]:
+        """The token ids of the templated chat: the text is tokenized as the template wrote it
+        (special tokens in it are matched whole, none added), and BOS is put first only where
+        the tokenizer adds one and the template did not write it. Raises ChatTemplateError."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; send a prompt instead of messages")
+        text = self.chat_template.render(messages, add_generation_prompt, tools)
+        ids = self.encode(text, add_special_tokens=False)
+        if self.adds_bos and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from ``tokenizer_config.json``: a string, or an AddedToken's ``content``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 class IncrementalDetokenizer:

@@ -109,7 +109,7 @@ class TensorParallelRunner(ModelRunner):
         device: str = "cpu",
         ray_address: str | None = None,
         num_threads: int | None = None,
-        progress: Callable[[int, int], None] | None = None,
+        progress: Callable[[int, int, str], None] | None = None,
         cpus_per_rank: float = 0.25,
         gpus_per_rank: int = 0,
         attention_backend: str = "auto",

@@ -117,3 +117,47 @@ def _shapes(model_dir) -> dict[str, list[int]]:
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         return {name: f.get_slice(name).get_shape() for name in f.keys()}
+
+
+def test_gguf_tp2_equals_tp1(checkpoint, tmp_path):
+    """A quantized GGUF split over two ranks gives TP 1's tokens."""
+    from gguf import GGMLQuantizationType
+
+    from gguf_files import write_gguf
+
+    path = write_gguf(checkpoint("qwen2"), tmp_path / "tiny.gguf", GGMLQuantizationType.Q8_0)
+    assert run_batch(path, **tp_args(2)).tokens == run_batch(path).tokens
+
+
+def test_gguf_rank_dequantizes_only_the_rows_it_keeps(checkpoint, tmp_path, monkeypatch):
+    """Rank 1 of 2 dequantizes half the rows of each column-parallel weight (whole rows of a
+    row-parallel one, whose columns it then keeps half of), and keeps half of each."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    from gguf_files import write_gguf
+
+    path = write_gguf(checkpoint("llama"), tmp_path / "tiny.gguf", GGMLQuantizationType.Q4_0)
+    rows: dict[int, int] = {}
+    real = gguf.quants.dequantize
+
+    def counting(data, qtype):
+        out = real(data, qtype)
+        if out.ndim == 2:  # norms are vectors, read whole
+            rows[out.shape[1]] = rows.get(out.shape[1], 0) + out.shape[0]
+        return out
+
+    monkeypatch.setattr(gguf.quants, "dequantize", counting)
+    config = load_model_config(path)
+    model = build_model(config, path, group=ParallelGroup(rank=1, size=2))
+    layers = config.num_layers
+    # Rows of hidden-size width: q, k, v, gate and up (half each), the embedding and the output
+    # head (half each), and o_proj's rows (all of them: its columns are split).
+    q, kv, mlp = config.q_size, config.kv_size, config.intermediate_size
+    assert not config.tie_word_embeddings
+    assert rows[config.hidden_size] == layers * ((q + 2 * kv + 2 * mlp) // 2 + config.hidden_size) + config.vocab_size
+    assert rows[config.intermediate_size] == layers * config.hidden_size  # down_proj: whole rows
+    attention = model.model.layers[0].self_attn
+    assert attention.qkv_proj.weight.shape[0] == (q + 2 * kv) // 2
+    assert attention.o_proj.weight.shape[1] == q // 2
+    assert model.model.embed_tokens.weight.shape[0] == config.vocab_size // 2

@@ -220,13 +220,13 @@ def test_model_dir(tmp_path):
 def test_yaml_anchors_and_merge_keys():
     spec = parse_topology(doc("""
         prefill: &pool
-          tp: 2
+          tp: 3
           max_num_seqs: 16
         decode:
           <<: *pool
           replicas: 3
     """))
-    assert (spec.decode.tp, spec.decode.max_num_seqs, spec.decode.replicas) == (2, 16, 3)
+    assert (spec.decode.tp, spec.decode.max_num_seqs, spec.decode.replicas) == (3, 16, 3)
 
 
 # -- engine arguments -----------------------------------------------------------------------
@@ -359,22 +359,22 @@ def test_registry_url_messages_never_show_the_password():
 def test_tp_does_not_fit_a_node():
     assert only_error("""
         prefill:
-          tp: 4
+          tp: 3
           gpus_per_rank: 1
           node:
             gpus: 2
-    """) == ("prefill.tp", 2, "4 ranks of 1 GPU do not fit on a node of 2 GPUs")
+    """) == ("prefill.tp", 2, "3 ranks of 1 GPU do not fit on a node of 2 GPUs")
     assert only_error("""
         decode:
           gpus_per_rank: 1
           node: {gpus: 0}
     """)[::2] == ("decode.tp", "1 rank of 1 GPU does not fit on a node of 0 GPUs")
-    parse_topology("prefill: {tp: 8, gpus_per_rank: 0, node: {gpus: 2}}")  # CPU ranks need no GPUs
-    parse_topology("prefill: {tp: 8, gpus_per_rank: 1, node: {gpus: 8}}")
+    parse_topology("prefill: {tp: 3, gpus_per_rank: 0, node: {gpus: 2}}")  # CPU ranks need no GPUs
+    parse_topology("prefill: {tp: 3, gpus_per_rank: 1, node: {gpus: 8}}")
 
 
 def test_gpus_per_rank_is_zero_or_one():
-    key, line, message = only_error("decode:\n  tp: 2\n  gpus_per_rank: 2\n  node: {gpus: 2}\n")
+    key, line, message = only_error("decode:\n  tp: 3\n  gpus_per_rank: 2\n  node: {gpus: 3}\n")
     assert (key, line) == ("decode.gpus_per_rank", 3)
     assert message == "must be one of 0 (CPU ranks) or 1 (one GPU per rank); got 2"
 
@@ -437,25 +437,25 @@ def test_missing_model_path_is_a_warning_where_the_model_is_elsewhere(tmp_path, 
 
 
 def test_default_model_heads_are_checked_before_it_is_built(tmp_path, monkeypatch):
-    """The default model (8 attention heads, 4 KV heads, MLP 704, context 1024) is known
-    without building it: TP 3 and a longer context are errors with their lines."""
+    """The default model (SmolLM2-135M: 9 attention heads, 3 KV heads, MLP 1536, context 8192)
+    is known without fetching it: TP 2 and a longer context are errors with their lines."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "empty-cache"))
     assert errors_of("""
         cluster:
           name: t
         prefill:
-          tp: 3
-        decode:
           tp: 2
+        decode:
+          tp: 3
         model:
-          max_model_len: 4096
+          max_model_len: 16384
     """) == [
-        ("prefill.tp", 4, "tensor-parallel size 3 does not divide this model's 8 attention heads, 4 KV heads "
-                          "(neither divides the other), MLP size 704"),
-        ("model.max_model_len", 8, "4096 exceeds the model's max_position_embeddings 1024"),
+        ("prefill.tp", 4, "tensor-parallel size 2 does not divide this model's 9 attention heads, 3 KV heads "
+                          "(neither divides the other)"),
+        ("model.max_model_len", 8, "16384 exceeds the model's max_position_embeddings 8192"),
     ]
-    assert not (tmp_path / "empty-cache").exists()  # nothing was built
-    assert parse_topology("prefill:\n  tp: 4\ndecode:\n  tp: 8\n").decode.tp == 8
+    assert not (tmp_path / "empty-cache").exists()  # nothing was fetched
+    assert parse_topology("prefill:\n  tp: 3\ndecode:\n  tp: 3\n").decode.tp == 3
 
 
 def test_model_path_that_is_not_a_model(tmp_path):
@@ -536,7 +536,7 @@ def test_ports_must_differ():
 
 
 def test_duplicate_keys():
-    assert only_error("prefill:\n  tp: 1\n  tp: 2\n") == ("prefill.tp", 3, "duplicate key (first on line 2)")
+    assert only_error("prefill:\n  tp: 1\n  tp: 3\n") == ("prefill.tp", 3, "duplicate key (first on line 2)")
 
 
 def test_every_error_of_a_file_is_reported_in_line_order():
@@ -545,7 +545,7 @@ def test_every_error_of_a_file_is_reported_in_line_order():
           name: Prod
         prefill:
           replicas: 0
-          tp: 4
+          tp: 3
           gpus_per_rank: 1
           node: {gpus: 2}
         decode:

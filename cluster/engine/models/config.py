@@ -1,7 +1,8 @@
-"""Reads a Hugging Face ``config.json`` into one frozen, architecture-neutral description.
+"""Reads a model's configuration into one frozen, architecture-neutral description.
 
-Both the transformers 4 form (``rope_theta``, ``rope_scaling``, ``torch_dtype``) and the
-transformers 5 form (``rope_parameters``, ``dtype``) are accepted.
+A Hugging Face ``config.json`` is read here, in the transformers 4 form (``rope_theta``,
+``rope_scaling``, ``torch_dtype``) or the transformers 5 form (``rope_parameters``, ``dtype``); a
+GGUF file's metadata is read by :mod:`cluster.engine.models.gguf_checkpoint`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from cluster.engine.models.source import ModelSource, resolve_model_source
 
 
 class ModelConfigError(ValueError):
@@ -52,6 +55,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # Per-frequency divisors of the inverse frequencies (a GGUF's rope_freqs tensor: llama.cpp's
+    # form of llama3 scaling); None when there are none.
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,12 +128,19 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def load_model_config(model_dir: str | Path, dtype: str | torch.dtype | None = None) -> ModelConfig:
-    """Reads ``config.json`` (and ``generation_config.json`` for EOS ids) from a local directory."""
-    path = Path(model_dir)
+def load_model_config(model: str | Path | ModelSource, dtype: str | torch.dtype | None = None) -> ModelConfig:
+    """The configuration of the model at ``model``: a Hugging Face directory's ``config.json``
+    (and ``generation_config.json`` for EOS ids), or a GGUF file's metadata."""
+    source = resolve_model_source(model)
+    if source.is_gguf:
+        from cluster.engine.models.gguf_checkpoint import open_gguf
+
+        return open_gguf(source.gguf_file).model_config(dtype)
+    return _hf_model_config(source.path, dtype)
+
+
+def _hf_model_config(path: Path, dtype: str | torch.dtype | None) -> ModelConfig:
     config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ModelConfigError(f"{path} is not a model directory: no config.json")
     raw = json.loads(config_path.read_text())
     generation_path = path / "generation_config.json"
     generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}

@@ -1,9 +1,11 @@
-"""Loads safetensors weights (one file or a sharded index) into a model, tensor by tensor.
+"""Loads weights into a model, tensor by tensor: safetensors (one file or a sharded index) or
+a GGUF file (dequantized as it is read).
 
-Each checkpoint tensor goes to its parameter's ``weight_loader`` as a safetensors slice, so a
-tensor-parallel rank reads only the rows or columns it keeps. The ``dummy`` load format reads
-no file: weights are small seeded random values, for measuring speed on a model's shape
-(a directory with only ``config.json`` is enough).
+Each checkpoint tensor goes to its parameter's ``weight_loader`` as a slice (a safetensors slice,
+or a :class:`~cluster.engine.models.gguf_checkpoint.GGUFTensorSlice`), so a tensor-parallel rank
+reads (and dequantizes) only the rows or columns it keeps. The ``dummy`` load format reads no
+weights: they are small seeded random values, for measuring speed on a model's shape (a
+directory with only ``config.json``, or a GGUF file, is enough).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.decoder import PACKED_MODULES, CausalLM
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup, default_weight_loader
+from cluster.engine.models.source import ModelSource, resolve_model_source
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 LOAD_FORMATS = ("safetensors", "dummy")
@@ -54,28 +57,42 @@ def _target(name: str) -> tuple[str, object]:
 
 def load_weights(
     model: CausalLM,
-    model_dir: Path,
-    progress: Callable[[int, int], None] | None = None,
+    model_path: str | Path | ModelSource,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> None:
+    """Fills every parameter from the checkpoint; ``progress(done, total, unit)`` reports files
+    (safetensors) or tensors (GGUF) as they are read."""
+    source = resolve_model_source(model_path)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     tied = model.config.tie_word_embeddings
-    files = checkpoint_files(model_dir)
-    for file_index, path in enumerate(files):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-                    continue
-                target, shard_id = _target(name)
-                param = params.get(target)
-                if param is None:
-                    raise WeightLoadError(f"{path.name}: tensor {name!r} does not belong to a {model.config.architecture}")
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, f.get_slice(name), shard_id)
-                loaded.add(target if shard_id is None else f"{target}:{shard_id}")
-        if progress is not None:
-            progress(file_index + 1, len(files))
-    _check_complete(model, loaded, model_dir)
+
+    def visit(name: str, tensor, where: str) -> None:
+        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            return
+        target, shard_id = _target(name)
+        param = params.get(target)
+        if param is None:
+            raise WeightLoadError(f"{where}: tensor {name!r} does not belong to a {model.config.architecture}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor, shard_id)
+        loaded.add(target if shard_id is None else f"{target}:{shard_id}")
+
+    if source.is_gguf:
+        from cluster.engine.models.gguf_checkpoint import load_gguf_tensors
+
+        where = source.gguf_file.name
+        report = (lambda done, total: progress(done, total, "tensors")) if progress else None
+        load_gguf_tensors(source.gguf_file, model.config.dtype, lambda n, t: visit(n, t, where), report)
+    else:
+        files = checkpoint_files(source.path)
+        for file_index, path in enumerate(files):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    visit(name, f.get_slice(name), path.name)
+            if progress is not None:
+                progress(file_index + 1, len(files), "files")
+    _check_complete(model, loaded, source.path)
 
 
 def _expected_keys(model: CausalLM) -> set[str]:
@@ -92,20 +109,20 @@ def _expected_keys(model: CausalLM) -> set[str]:
     return expected
 
 
-def _check_complete(model: CausalLM, loaded: set[str], model_dir: Path) -> None:
+def _check_complete(model: CausalLM, loaded: set[str], model_path: Path) -> None:
     missing = sorted(_expected_keys(model) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise WeightLoadError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+        raise WeightLoadError(f"{model_path}: checkpoint is missing tensors: {shown}")
 
 
 def build_model(
     config: ModelConfig,
-    model_dir: Path,
+    model_path: str | Path | ModelSource,
     max_positions: int | None = None,
     group: ParallelGroup = SINGLE_RANK,
     device: torch.device | str = "cpu",
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
     load_format: str = "safetensors",
 ) -> CausalLM:
     if load_format not in LOAD_FORMATS:
@@ -115,7 +132,7 @@ def build_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
-        load_weights(model, Path(model_dir), progress)
+        load_weights(model, model_path, progress)
     model.eval()
     return model
 

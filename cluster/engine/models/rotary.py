@@ -12,6 +12,10 @@ from cluster.engine.models.config import RopeConfig
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != inv_freq.numel():
+            raise ValueError(f"{len(rope.freq_factors)} rotary frequency factors for {inv_freq.numel()} frequencies")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type != "llama3":
