@@ -143,6 +143,7 @@ class Deployment:
         self.workers: dict[str, object] = {}
         self.configs: dict[str, EngineConfig] = {}
         self.routers: dict[str, object] = {}
+        self._abandoned: list = []  # start-up calls left unread when another failed
         started = time.perf_counter()
         try:
             self._start_workers(model_dir, ray_address, engine_args)
@@ -259,6 +260,7 @@ class Deployment:
             try:
                 results[ready[0]] = ray.get(ready[0])
             except ray.exceptions.RayError as exc:
+                self._abandoned += pending  # read at shutdown, so Ray reports none of them as unhandled
                 config = self.configs[names[ready[0]]]
                 raise worker_failed(names[ready[0]], exc, self.settings, config.kv_cache_memory_fraction,
                                     config.num_kv_blocks) from None
@@ -319,6 +321,12 @@ class Deployment:
                 pass
             ray.kill(worker, no_restart=True)
         self.workers = {}
+        for ref in getattr(self, "_abandoned", []):
+            try:
+                ray.get(ref, timeout=30)
+            except Exception:  # noqa: BLE001 - its worker is gone; the first failure was reported
+                pass
+        self._abandoned = []
         for router in list(getattr(self, "routers", {}).values()):
             ray.kill(router, no_restart=True)
         self.routers = {}

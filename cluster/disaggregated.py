@@ -162,6 +162,7 @@ class DisaggregatedLLM(LLM):
             return RequestOutput(request["request_id"], [], [], [], "", "", True, "error", error["message"],
                                  Usage(0, 0, 0), arrival_time=arrival, finish_time=time.monotonic(),
                                  error_kind=error["kind"])
+        await last["router_told"]  # its goodput record is in before the caller can ask for goodput
         prompt, cached, completion = last["usage"]
         queue_ms, ttft_ms, _, e2e_ms = last["timings"]
         decision, transfer = last.get("decision"), last.get("transfer")

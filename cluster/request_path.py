@@ -18,7 +18,8 @@ left does the caller get ``unavailable``.
 Messages are plain dicts (the API layers turn them into gRPC or HTTP responses): token deltas
 ``{"token_ids", "text", "finished", "logprobs"?}``, the first carrying ``request_id``; the last
 also ``finish_reason``, ``usage`` ``[prompt, cached, completion]``, ``timings`` ``[queue,
-TTFT, TPOT, end to end]`` in ms and ``placement``; or an error ``{"error": {"kind",
+TTFT, TPOT, end to end]`` in ms, ``placement`` and ``router_told`` (the router's receipt of
+its record, for a caller that reads goodput next); or an error ``{"error": {"kind",
 "message"}, "finished": True}`` with kind ``invalid``, ``not_found``, ``rejected`` or
 ``unavailable``. Times count from ``arrival``, when the call reached the API.
 """
@@ -279,9 +280,9 @@ class RequestPath:
         journey.cached_tokens = min(cached, journey.prompt_tokens)
         service_ttft = (journey.first_token_at - placed_at
                         if journey.first_token_at is not None and journey.first_token_at >= placed_at else None)
-        router.finished.remote(attempt_id, journey.ttft_s(), journey.tpot_s(), False, service_ttft)
+        told = router.finished.remote(attempt_id, journey.ttft_s(), journey.tpot_s(), False, service_ttft)
         decision = journey.decision
-        message.update(finish_reason=journey.outcome,
+        message.update(router_told=told, finish_reason=journey.outcome,
                        usage=[journey.prompt_tokens, journey.cached_tokens, len(journey.tokens)],
                        timings=journey.timings_ms(), placement=[decision.prefill or "", decision.decode or ""],
                        decision=decision, transfer=journey.transfer, migrations=journey.attempt)

@@ -30,16 +30,26 @@ def disaggregated(model_dir, **kwargs) -> DisaggregatedLLM:
     return DisaggregatedLLM(str(model_dir), cluster_name=CLUSTER, **kwargs)
 
 
-def assert_nothing_left(ray) -> None:
+def redis_servers() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.name() == "redis-server"}
+
+
+@pytest.fixture(autouse=True)
+def redis_before():
+    """The redis-servers this process ran before the test (another test's session fixture)."""
+    return redis_servers()
+
+
+def assert_nothing_left(ray, redis_before: set[int]) -> None:
     """No placement group of this cluster holds resources, no worker actor lives, and no
-    private redis-server runs under this process."""
+    private redis-server the test started runs under this process."""
     from ray.util.placement_group import placement_group_table
 
     live = [t["name"] for t in placement_group_table().values()
             if t["name"].startswith(CLUSTER) and t["state"] != "REMOVED"]
     assert live == []
     assert [a for a in ray.util.list_named_actors() if a.startswith(("prefill-", "decode-", "router"))] == []
-    assert [p for p in psutil.Process().children(recursive=True) if p.name() == "redis-server"] == []
+    assert redis_servers() - redis_before == set()
 
 
 def test_ranks_on_one_node_share_its_kv_budget(checkpoint, ray_session):
@@ -70,7 +80,7 @@ def test_colocated_tensor_parallel_ranks_share_one_budget(checkpoint, ray_sessio
     assert num_blocks == int(device_memory_bytes(torch.device("cpu")) * fraction / 2) // block_bytes
 
 
-def test_a_placement_no_node_can_hold_fails_at_once_naming_the_worker(checkpoint, ray_session):
+def test_a_placement_no_node_can_hold_fails_at_once_naming_the_worker(checkpoint, ray_session, redis_before):
     model_dir = checkpoint("llama")
     nowhere = PoolResources(resources=(("tandem-test-no-such-node", 1.0),))
     with pytest.raises(ClusterStartError) as info:
@@ -79,10 +89,10 @@ def test_a_placement_no_node_can_hold_fails_at_once_naming_the_worker(checkpoint
     assert "\n" not in message
     assert message.startswith("cannot place decode-0: its rank needs 0.25 CPU, 1 tandem-test-no-such-node")
     assert "no node of the Ray cluster has that" in message and "--decode-tp or --decode-workers" in message
-    assert_nothing_left(ray_session)
+    assert_nothing_left(ray_session, redis_before)
 
 
-def test_a_worker_whose_engine_cannot_allocate_its_kv_cache(checkpoint, ray_session):
+def test_a_worker_whose_engine_cannot_allocate_its_kv_cache(checkpoint, ray_session, redis_before):
     """decode-0 is asked for a KV cache far beyond the machine (a billion blocks): its engine's
     allocation fails at start, and the start fails naming it and the setting, with nothing
     left running."""
@@ -93,10 +103,10 @@ def test_a_worker_whose_engine_cannot_allocate_its_kv_cache(checkpoint, ray_sess
     assert "\n" not in message
     assert message.startswith("decode-0 ran out of memory while starting (")
     assert message.endswith("lower --num-kv-blocks (now 1000000000)")
-    assert_nothing_left(ray_session)
+    assert_nothing_left(ray_session, redis_before)
 
 
-def test_a_worker_whose_engine_raises_at_start(checkpoint, ray_session):
+def test_a_worker_whose_engine_raises_at_start(checkpoint, ray_session, redis_before):
     """A setting the engine refuses (a context longer than the model's) fails the start with
     the engine's own message, for the worker it names."""
     model_dir = checkpoint("llama")
@@ -104,4 +114,4 @@ def test_a_worker_whose_engine_raises_at_start(checkpoint, ray_session):
         disaggregated(model_dir, num_kv_blocks=32, role_args={"prefill": {"max_model_len": 4096}})
     assert str(info.value) == ("prefill-0 failed to start: max_model_len 4096 exceeds the model's "
                                "max_position_embeddings 512")
-    assert_nothing_left(ray_session)
+    assert_nothing_left(ray_session, redis_before)
