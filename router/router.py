@@ -192,9 +192,10 @@ class Router:
     def model(self, load: WorkerLoad) -> StepTimeModel:
         """The worker's step-time model, refitted only when its reported steps changed."""
         cached = self._models.get(load.worker)
-        if cached is None or cached[0] != load.steps:
-            cached = (load.steps, StepTimeModel.fit(load.steps, load.max_num_batched_tokens))
-            self._models[load.worker] = cached
+        if cached is None or cached[0] is not load.steps:  # a report read since (steps compared once)
+            model = (cached[1] if cached is not None and cached[0] == load.steps
+                     else StepTimeModel.fit(load.steps, load.max_num_batched_tokens))
+            cached = self._models[load.worker] = (load.steps, model)
         return cached[1]
 
     # -- placing --------------------------------------------------------------------------

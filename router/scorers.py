@@ -2,7 +2,7 @@
 
 A candidate is a (prefill worker, decode worker) pair, or a decode worker alone when it would
 prefill the prompt itself (``prefill is None``). Scorers see every candidate of the request at
-once, so that relative ones (load) can normalise across them.
+once (a :class:`CandidateSet`), so that relative ones (load) can normalise across them.
 """
 
 from __future__ import annotations
@@ -38,19 +38,28 @@ class Candidate:
         return f"{self.prefill or '(local prefill)'} -> {self.decode}"
 
 
-def round_robin(c: Candidate, _all: Sequence[Candidate], _objectives) -> float:
+class CandidateSet:
+    """The candidates of one request, with what relative scorers need of all of them computed
+    once (scoring every candidate against every other would cost the square of their number)."""
+
+    def __init__(self, candidates: Sequence[Candidate]):
+        self.candidates = candidates
+        self.most_queued = max((x.prefill_queue_tokens for x in candidates), default=0)
+        self.most_loaded = max((x.decode_load for x in candidates), default=0.0)
+
+
+def round_robin(c: Candidate, _every: CandidateSet, _objectives) -> float:
     return 1.0 if c.rotation_slot else 0.0
 
 
-def least_loaded(c: Candidate, every: Sequence[Candidate], _objectives) -> float:
-    most_queued = max(x.prefill_queue_tokens for x in every)
-    most_loaded = max(x.decode_load for x in every)
+def least_loaded(c: Candidate, every: CandidateSet, _objectives) -> float:
+    most_queued, most_loaded = every.most_queued, every.most_loaded
     prefill = c.prefill_queue_tokens / most_queued if most_queued else 0.0
     decode = c.decode_load / most_loaded if most_loaded else 0.0
     return 1.0 - 0.5 * (prefill + decode)
 
 
-def prefix_affinity(c: Candidate, _all: Sequence[Candidate], _objectives) -> float:
+def prefix_affinity(c: Candidate, _every: CandidateSet, _objectives) -> float:
     """Cache reuse: mostly the prefill side's (compute saved), partly the decode side's
     (transfer saved)."""
     if not c.cacheable_blocks:
@@ -58,7 +67,7 @@ def prefix_affinity(c: Candidate, _all: Sequence[Candidate], _objectives) -> flo
     return (0.75 * c.prefill_hit_blocks + 0.25 * c.decode_hit_blocks) / c.cacheable_blocks
 
 
-def slo_headroom(c: Candidate, _all: Sequence[Candidate], objectives: tuple[float | None, float | None]) -> float:
+def slo_headroom(c: Candidate, _every: CandidateSet, objectives: tuple[float | None, float | None]) -> float:
     """1 with all the objectives' time to spare, 0 at or past them; with no objective, a
     predicted second counts as half the room."""
 
@@ -69,7 +78,7 @@ def slo_headroom(c: Candidate, _all: Sequence[Candidate], objectives: tuple[floa
     return 1.0 - 0.5 * (used(c.ttft_s, ttft_objective) + used(c.tpot_s, tpot_objective))
 
 
-SCORER_FUNCTIONS: dict[str, Callable[[Candidate, Sequence[Candidate], tuple], float]] = {
+SCORER_FUNCTIONS: dict[str, Callable[[Candidate, CandidateSet, tuple], float]] = {
     "round_robin": round_robin,
     "least_loaded": least_loaded,
     "prefix_affinity": prefix_affinity,
@@ -80,6 +89,11 @@ SCORER_FUNCTIONS: dict[str, Callable[[Candidate, Sequence[Candidate], tuple], fl
 def score_all(candidates: Sequence[Candidate], weights: dict[str, float],
               objectives: tuple[float | None, float | None]) -> None:
     total = sum(weights.values())
+    every = CandidateSet(candidates)
+    scorers = [(name, weight, SCORER_FUNCTIONS[name]) for name, weight in weights.items() if weight]
     for c in candidates:
-        c.scores = {name: SCORER_FUNCTIONS[name](c, candidates, objectives) for name, w in weights.items() if w}
-        c.score = sum(weights[name] * s for name, s in c.scores.items()) / total
+        scores, score = {}, 0  # summed in the weights' order, as sum() would
+        for name, weight, scorer in scorers:
+            scores[name] = s = scorer(c, every, objectives)
+            score += weight * s
+        c.scores, c.score = scores, score / total

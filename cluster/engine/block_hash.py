@@ -33,6 +33,10 @@ def _encode_extra_key(key: ExtraKey) -> bytes:
     return tag + struct.pack("<I", len(payload)) + payload
 
 
+def _extra_keys_bytes(extra_keys: Sequence[ExtraKey]) -> bytes:
+    return struct.pack("<I", len(extra_keys)) + b"".join(_encode_extra_key(key) for key in extra_keys)
+
+
 def hash_block(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[ExtraKey] = ()
 ) -> BlockHash:
@@ -41,9 +45,7 @@ def hash_block(
     h.update(parent if parent is not None else _ROOT)
     h.update(struct.pack("<I", len(token_ids)))
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    h.update(struct.pack("<I", len(extra_keys)))
-    for key in extra_keys:
-        h.update(_encode_extra_key(key))
+    h.update(_extra_keys_bytes(extra_keys))
     return h.digest()
 
 
@@ -57,13 +59,21 @@ def hash_token_blocks(
     """Chained hashes of the full blocks of ``token_ids`` from ``start_block`` on.
 
     ``parent`` must be the hash of block ``start_block - 1`` when ``start_block > 0``. The
-    partial last block, if any, gets no hash: only full blocks are cached.
+    partial last block, if any, gets no hash: only full blocks are cached. The same bytes as
+    :func:`hash_block` block by block, with the tokens packed and the extra keys encoded once.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    end = len(token_ids) // block_size
+    if start_block >= end:
+        return []
+    packed = struct.pack(f"<{(end - start_block) * block_size}q", *token_ids[start_block * block_size:end * block_size])
+    header, suffix = struct.pack("<I", block_size), _extra_keys_bytes(extra_keys)
+    stride = 8 * block_size
     hashes: list[BlockHash] = []
-    for i in range(start_block, len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+    for offset in range(0, len(packed), stride):
+        parent = hashlib.sha256(b"".join((parent if parent is not None else _ROOT, header,
+                                          packed[offset:offset + stride], suffix))).digest()
         hashes.append(parent)
     return hashes
 

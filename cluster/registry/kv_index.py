@@ -17,7 +17,31 @@ import redis
 from cluster.engine.block_manager import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from cluster.registry.keys import Keys
 
-LOOKUP_CHUNK = 16  # hashes per round trip; a lookup stops after the chunk with the first miss
+LOOKUP_CHUNK = 16  # hashes per round trip of the pipelined lookup; it stops after the chunk with the first miss
+
+# The lookup as one server-side script: KEYS are the chain's block keys in order, ARGV the live
+# workers; it walks the chain until no live worker holds a block and answers [worker, blocks,
+# ...] for those that hold at least one. One round trip and one small reply, however long the
+# prompt: parsing a pipeline's replies cost the router more than Redis's work.
+PREFIX_SCRIPT = """
+local still, left = {}, #ARGV
+for _, w in ipairs(ARGV) do still[w] = true end
+local matched = {}
+for i, key in ipairs(KEYS) do
+  if left == 0 then break end
+  local now, n = {}, 0
+  for _, w in ipairs(redis.call('SMEMBERS', key)) do
+    if still[w] then now[w] = true; n = n + 1 end
+  end
+  for w in pairs(still) do
+    if now[w] then matched[w] = i end
+  end
+  still, left = now, n
+end
+local out = {}
+for w, blocks in pairs(matched) do out[#out + 1] = w; out[#out + 1] = blocks end
+return out
+"""
 
 
 class KVIndexPublisher:
@@ -89,6 +113,8 @@ class KVIndexPublisher:
 class KVIndexReader:
     def __init__(self, client: redis.Redis, cluster: str):
         self.client, self.keys = client, Keys(cluster)
+        self._script = client.register_script(PREFIX_SCRIPT)
+        self.scripting = True  # False once the server refused the script: pipelined lookups from then on
 
     def alive_workers(self) -> set[str]:
         workers = sorted(w.decode() for w in self.client.smembers(self.keys.workers))
@@ -101,9 +127,23 @@ class KVIndexReader:
 
     def prefix_blocks(self, block_hashes: Sequence[bytes], workers: Iterable[str] | None = None) -> dict[str, int]:
         """For each live worker (``workers`` when the caller already knows them), how many
-        leading blocks of the chain it holds. Round trips are pipelined ``LOOKUP_CHUNK`` hashes
-        at a time and end at the first chunk in which no live worker holds a block."""
+        leading blocks of the chain it holds: one script call (``PREFIX_SCRIPT``), or where the
+        server refuses scripts, pipelined round trips of ``LOOKUP_CHUNK`` hashes that end at
+        the first chunk in which no live worker holds a block."""
         alive = set(workers) if workers is not None else self.alive_workers()
+        if self.scripting and alive and block_hashes:
+            try:
+                reply = self._script(keys=[self.keys.block(h.hex()) for h in block_hashes], args=sorted(alive))
+            except redis.ResponseError:
+                self.scripting = False
+            else:
+                matched = dict.fromkeys(alive, 0)
+                for i in range(0, len(reply), 2):
+                    matched[reply[i].decode()] = int(reply[i + 1])
+                return matched
+        return self._prefix_blocks_pipelined(block_hashes, alive)
+
+    def _prefix_blocks_pipelined(self, block_hashes: Sequence[bytes], alive: set[str]) -> dict[str, int]:
         matched = {w: 0 for w in alive}
         still = set(alive)
         for start in range(0, len(block_hashes), LOOKUP_CHUNK):

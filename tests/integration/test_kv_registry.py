@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
 
 from cluster.engine.block_hash import hash_token_blocks
 from cluster.engine.block_manager import AllBlocksCleared, BlockManager, BlockRemoved, BlockStored
@@ -36,23 +37,65 @@ def test_events_from_a_block_manager_are_reflected(redis_client):
     assert reader.prefix_blocks(hashes) == {"decode-0": 0}
 
 
-def test_lookup_gives_each_workers_prefix_and_stops_at_the_first_miss(redis_client):
+def count_round_trips(client) -> list:
+    """Patches ``client`` to note each command it sends alone (a script call too) and each
+    pipeline it executes; returns the list the notes go to."""
+    calls = []
+    send, pipeline = client.execute_command, client.pipeline
+
+    def counted_send(*args, **kwargs):
+        calls.append(args[0])
+        return send(*args, **kwargs)
+
+    def counted_pipeline(*args, **kwargs):
+        pipe = pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        def counted_execute(*a, **k):
+            calls.append("pipeline")
+            return execute(*a, **k)
+
+        pipe.execute = counted_execute
+        return pipe
+
+    client.execute_command, client.pipeline = counted_send, counted_pipeline
+    return calls
+
+
+def two_workers_on_a_long_chain(client, cluster: str) -> list[bytes]:
     hashes = chain(40)
-    a, b = KVIndexPublisher(redis_client, "c2", "a"), KVIndexPublisher(redis_client, "c2", "b")
+    a, b = KVIndexPublisher(client, cluster, "a"), KVIndexPublisher(client, cluster, "b")
     a.publish([BlockStored(tuple(hashes[:5]))])
     b.publish([BlockStored(tuple(hashes[:2] + hashes[3:]))])  # holds block 3 onwards but not block 2
+    return hashes
+
+
+def test_lookup_gives_each_workers_prefix_in_one_round_trip(redis_client):
+    hashes = two_workers_on_a_long_chain(redis_client, "c2")
     reader = KVIndexReader(redis_client, "c2")
     assert reader.prefix_blocks(hashes) == {"a": 5, "b": 2}
-    calls = []
-    original = redis_client.pipeline
-
-    def counting_pipeline(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    redis_client.pipeline = counting_pipeline
+    assert reader.prefix_blocks(hashes, ["b"]) == {"b": 2}
+    assert reader.prefix_blocks(chain(3, seed=1000), ["a", "b"]) == {"a": 0, "b": 0}
+    assert reader.prefix_blocks([], ["a"]) == {"a": 0}
+    calls = count_round_trips(redis_client)
     reader.prefix_blocks(hashes)
-    assert len(calls) == 2, "one round trip for liveness, one chunk of hashes; not 40 / LOOKUP_CHUNK"
+    assert calls == ["SMEMBERS", "pipeline", "EVALSHA"], "two round trips for liveness, one for the whole chain"
+    assert reader.scripting
+
+
+def test_without_scripts_the_lookup_is_pipelined_and_stops_at_the_first_miss(redis_client):
+    hashes = two_workers_on_a_long_chain(redis_client, "c2b")
+    reader = KVIndexReader(redis_client, "c2b")
+
+    def refused(**_):
+        raise redis.ResponseError("unknown command 'EVALSHA'")
+
+    reader._script = refused  # a server (or proxy) that does not run scripts
+    assert reader.prefix_blocks(hashes) == {"a": 5, "b": 2}
+    assert not reader.scripting
+    calls = count_round_trips(redis_client)
+    reader.prefix_blocks(hashes)
+    assert calls == ["SMEMBERS", "pipeline", "pipeline"], "liveness, then one chunk of hashes; not 40 / LOOKUP_CHUNK"
     assert len(hashes) > 2 * LOOKUP_CHUNK
 
 
