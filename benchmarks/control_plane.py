@@ -17,13 +17,12 @@ reparses and refits). Redis commands per placement come from the server's INFO c
 pass, so the counting is not timed).
 
     .venv/bin/python benchmarks/control_plane.py                   # 16, 64, 256 workers, both regimes
-    .venv/bin/python benchmarks/control_plane.py --workers 16 --profile   # where a placement's time goes
+    .venv/bin/python benchmarks/control_plane.py --workers 16 --regimes static --profile   # where the time goes
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import multiprocessing
 import random
 import sys
@@ -207,11 +206,15 @@ def new_router(client, prefill, decode, config: RouterConfig) -> Router:
 
 
 def place_all(router: Router, requests: list[list[int]], inflight: int, workload: Workload,
-              timings: list[float] | None = None, actions: dict[str, int] | None = None) -> None:
-    """Routes every prompt, keeping at most ``inflight`` placements open (the oldest is told
-    finished, with a service TTFT near its prediction, when a new one is placed)."""
+              timings: list[float] | None = None, actions: dict[str, int] | None = None,
+              deadline: float = float("inf")) -> int:
+    """Routes the prompts (until ``deadline``, a ``perf_counter`` time), keeping at most
+    ``inflight`` placements open (the oldest is told finished, with a service TTFT near its
+    prediction, when a new one is placed); returns how many it routed."""
     open_ids: list[str] = []
     for i, prompt in enumerate(requests):
+        if time.perf_counter() > deadline:
+            return i
         request = RouteRequest(f"r{i}", prompt, workload.max_tokens, arrival=time.time())
         started = time.perf_counter()
         decision = router.route(request)
@@ -226,12 +229,14 @@ def place_all(router: Router, requests: list[list[int]], inflight: int, workload
                 placed = router.inflight.get(done)
                 predicted = placed.decision.predicted_ttft_s if placed else None
                 router.finished(done, predicted * 1.1 if predicted else None)
+    return len(requests)
 
 
 def measure(url: str, n_workers: int, regime: str, placements: int, seconds: float, workload: Workload,
-            config: RouterConfig, progress: bool = True, profile: bool = False) -> RunResult:
+            config: RouterConfig, progress: bool = True, profile: str | None = None) -> RunResult:
     """One row: fills the registry for ``n_workers``, counts Redis traffic over a short pass,
-    then times ``placements`` routes (or as many as fit in ``seconds``)."""
+    then times ``placements`` routes (or as many as fit in ``seconds``); ``profile`` (a
+    pstats sort key) prints where the timed pass spent its time."""
     client = connect(url, timeout_s=10.0)
     prefill, decode = worker_names(n_workers)
     systems = populate(client, prefill, decode, workload)
@@ -252,8 +257,9 @@ def measure(url: str, n_workers: int, regime: str, placements: int, seconds: flo
         warm = new_router(counted, prefill, decode, config)
         place_all(warm, count_requests[:20], inflight, workload)
         before, trips_before = command_counts(client), trips.count
-        place_all(warm, count_requests[20:], inflight, workload)
-        after, n = command_counts(client), len(count_requests) - 20
+        n = max(1, place_all(warm, count_requests[20:], inflight, workload,
+                             deadline=time.perf_counter() + seconds / 3))
+        after = command_counts(client)
         commands = {name: (after[name] - before.get(name, 0)) / n for name in after
                     if name != "info" and after[name] - before.get(name, 0)}
         if regime == "live":  # the reporters' writes are theirs, not the router's
@@ -263,7 +269,8 @@ def measure(url: str, n_workers: int, regime: str, placements: int, seconds: flo
         # The timed pass.
         router = new_router(client, prefill, decode, config)
         requests = prompts(systems, placements, workload)
-        place_all(router, requests[:50], inflight, workload)  # warm: models fitted, connections open
+        warm_up = place_all(router, requests[:50], inflight, workload,  # models fitted, connections open
+                            deadline=time.perf_counter() + seconds / 5)
         timings: list[float] = []
         actions: dict[str, int] = {}
         profiler = None
@@ -275,8 +282,8 @@ def measure(url: str, n_workers: int, regime: str, placements: int, seconds: flo
         cpu0, wall0 = time.process_time(), time.perf_counter()
         deadline = wall0 + seconds
         chunk = 200
-        for start in range(50, len(requests), chunk):
-            place_all(router, requests[start:start + chunk], inflight, workload, timings, actions)
+        for start in range(warm_up, len(requests), chunk):
+            place_all(router, requests[start:start + chunk], inflight, workload, timings, actions, deadline)
             if progress:
                 print(f"\r[bench] control plane, {n_workers} workers, {regime} reports: {len(timings)} placements, "
                       f"{len(timings) / sum(timings):.0f}/s   ", end="", file=sys.stderr, flush=True)
@@ -288,7 +295,7 @@ def measure(url: str, n_workers: int, regime: str, placements: int, seconds: flo
 
             profiler.disable()
             print(file=sys.stderr)
-            pstats.Stats(profiler, stream=sys.stdout).sort_stats(os.environ.get("BENCH_PROFILE_SORT", "tottime")).print_stats(25)
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats(profile).print_stats(25)
         if progress:
             print(file=sys.stderr)
     finally:
@@ -304,7 +311,7 @@ def measure(url: str, n_workers: int, regime: str, placements: int, seconds: flo
 
 
 def run_sweep(worker_counts: list[int], regimes: list[str], placements: int, seconds: float,
-              workload: Workload = Workload(), config: RouterConfig | None = None, profile: bool = False
+              workload: Workload = Workload(), config: RouterConfig | None = None, profile: str | None = None
               ) -> list[RunResult]:
     config = config or RouterConfig()
     results = []
@@ -367,7 +374,8 @@ def main() -> int:
     parser.add_argument("--regimes", nargs="+", default=["static", "live"], choices=["static", "live"])
     parser.add_argument("--placements", type=int, default=5000)
     parser.add_argument("--seconds", type=float, default=20.0, help="bound of each row's timed pass")
-    parser.add_argument("--profile", action="store_true", help="cProfile the timed pass, top 25 by own time")
+    parser.add_argument("--profile", nargs="?", const="tottime", choices=["tottime", "cumulative"],
+                        help="cProfile the timed passes: the top 25 functions by own (or cumulative) time")
     args = parser.parse_args()
     results = run_sweep(args.workers, args.regimes, args.placements, args.seconds, profile=args.profile)
     print_table("machine", machine_rows())

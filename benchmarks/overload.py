@@ -19,24 +19,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from common import ensure_checkpoint, machine_rows, print_table
+from local_cluster import LocalCluster, free_port, stop_on_sigterm
 
 import grpc  # noqa: E402
 
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc  # noqa: E402
 
-TANDEM = [str(Path(sys.executable).parent / "tandem")]
 CLUSTER = "bench-overload"
 
 
@@ -50,32 +45,12 @@ class Outcome:
     message: str = ""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_cluster(args, model_dir: Path, cache: Path) -> str:
-    topology = {
-        "cluster": {"name": CLUSTER}, "model": {"path": str(model_dir)}, "server": {"port": free_port()},
+def topology(args, model_dir: Path) -> dict:
+    return {
+        "model": {"path": str(model_dir)}, "server": {"port": free_port()},
         "prefill": {"max_num_seqs": args.serves}, "decode": {"max_num_seqs": args.serves},
         "kv": {"num_blocks": 4096},
     }
-    path = cache / "overload.yaml"
-    path.write_text(json.dumps(topology))
-    env = {**os.environ, "TANDEM_CACHE_DIR": str(cache)}
-    print(f"[bench] starting the cluster ({CLUSTER})", file=sys.stderr, flush=True)
-    result = subprocess.run([*TANDEM, "up", "--topology", str(path), "--detach"], env=env, capture_output=True,
-                            text=True, timeout=900)
-    if result.returncode != 0:
-        sys.exit(f"tandem up failed: {result.stderr.strip()[-2000:]}")
-    return json.loads((cache / "clusters" / f"{CLUSTER}.json").read_text())["api"]
-
-
-def stop_cluster(cache: Path) -> None:
-    subprocess.run([*TANDEM, "down", "--cluster", CLUSTER], env={**os.environ, "TANDEM_CACHE_DIR": str(cache)},
-                   capture_output=True, timeout=300)
 
 
 async def client(stub, slo_class: str, deadline: float, args, rng: random.Random, out: list[Outcome]) -> None:
@@ -146,12 +121,9 @@ def main() -> None:
     args = parser.parse_args()
 
     model_dir, params = ensure_checkpoint()
-    cache = Path(tempfile.mkdtemp(prefix="tandem-overload-"))
-    api = start_cluster(args, model_dir, cache)
-    try:
-        outcomes = asyncio.run(drive(api, args))
-    finally:
-        stop_cluster(cache)
+    stop_on_sigterm()
+    with LocalCluster(CLUSTER, topology(args, model_dir)) as cluster:
+        outcomes = asyncio.run(drive(cluster.api, args))
 
     print_table("machine", machine_rows() + [("model", f"random Llama, {params / 1e6:.0f}M parameters"),
                                              ("streams", f"{args.serves * args.overload} concurrent "

@@ -1,25 +1,36 @@
-"""Routing benchmark: the four placement policies side by side on one multi-turn chat workload.
+"""Routing benchmark: the placement policies side by side on one multi-turn chat workload.
 
 The workload: ``--groups`` groups of conversations, each group sharing a system prompt; every
 conversation opens at a Poisson arrival and sends ``--turns`` turns, each after the previous
 answer plus an exponential think time, each prompt being the system prompt, the history (with
 the answers actually generated) and a new user message. The same seeded workload runs once per
-policy on a fresh local cluster of ``--prefill-workers`` prefill and ``--decode-workers``
-decode workers (Ray actors, KV over gloo, a private Redis registry).
+configuration on a fresh local cluster of ``--prefill-workers`` prefill and ``--decode-workers``
+decode workers (``DisaggregatedLLM``: Ray actors, KV over gloo, a private Redis registry; every
+request goes down the same request path an API ingress drives: the router places it, the decode
+worker fetches its KV from the prefill worker, or prefills it itself, and streams the tokens).
 
-For each policy: prefix-cache hit rate (prompt tokens not recomputed where the prompt was
-prefilled), the oracle's hit rate (at each dispatch, the longest prefix that any worker's cache
-really held, asked of every worker directly: the most any placement could have reused), TTFT
-and TPOT p50/p90, goodput (requests per second that met both objectives) and SLO attainment.
-Goals: ``slo`` reaches 90% of the oracle's hit rate and a p90 TTFT at least 2x better than
-``round_robin``.
+The configurations: ``round_robin``, ``least_loaded``, ``prefix_affinity`` and ``slo`` with every
+prompt prefilled on a prefill worker unless its decode worker already caches 90% of it
+(``router.local_prefill_max_tokens`` 0), and ``slo+local``: ``slo`` with conditional
+disaggregation (``local_prefill_max_tokens`` ``--local-prefill-max-tokens``): a decode worker
+may prefill a prompt itself when at most that many of its tokens are not cached there, if the
+router predicts that is better.
 
-    .venv/bin/python benchmarks/routing.py            # about 6 minutes on a 2-core CPU
+For each: prefix-cache hit rate (prompt tokens not recomputed where the prompt was
+prefilled), the oracle's hit rate (when the router's placement comes back, the longest prefix
+that any worker's cache really holds, asked of every worker directly: the most any placement
+could have reused), TTFT and TPOT p50/p90, goodput (requests per second that met both
+objectives), SLO attainment and how many requests were prefilled on their decode worker.
+Goals: ``slo`` (both rows) reaches 90% of the oracle's hit rate and a p90 TTFT at least 2x
+better than ``round_robin``.
+
+    .venv/bin/python benchmarks/routing.py            # about 8 minutes on a 2-core CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import heapq
 import json
 import random
@@ -31,7 +42,7 @@ from pathlib import Path
 
 from common import REPO_ROOT, ensure_checkpoint, machine_rows, print_table
 
-POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "slo")
+CONFIGS = ("round_robin", "least_loaded", "prefix_affinity", "slo", "slo+local")  # "+local": conditional
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
 
@@ -76,37 +87,60 @@ class Served:
     predicted_ttft_s: float | None = None
 
 
-def run_policy(policy: str, args, model_dir: Path) -> tuple[list[Served], float, dict]:
-    from cluster.disaggregated import DisaggregatedLLM
-    from cluster.engine.sampling_params import SamplingParams
+class OracleRouter:
+    """The router's handle as the request path sees it: when a placement comes back, every
+    worker is asked how many leading blocks of the prompt its cache holds (read when the
+    request is done). Asked before the decode worker starts the request, so its own blocks
+    are not counted."""
+
+    def __init__(self, handle, workers: list, asked: dict[str, list]):
+        self._handle, self._workers, self._asked = handle, workers, asked
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
+
+    @property
+    def place(self):
+        return self
+
+    def remote(self, request_id: str, prompt: list[int], *args):
+        placing = self._handle.place.remote(request_id, prompt, *args)
+
+        async def placed():
+            decision = await placing
+            self._asked.setdefault(request_id, [w.cached_prefix_blocks.remote(prompt) for w in self._workers])
+            return decision
+
+        return asyncio.ensure_future(placed())
+
+
+def router_config(name: str, args):
     from router.config import RouterConfig
 
-    class OracleProbe(DisaggregatedLLM):
-        """Before each placement, asks every worker how much of the prompt its cache holds."""
-
-        oracle: dict[str, list] = {}
-
-        def _dispatch(self, queued, busy_decode=frozenset()):
-            if queued.request_id not in self.oracle:  # asked now, read when the request is done
-                self.oracle[queued.request_id] = [w.cached_prefix_blocks.remote(queued.prompt_token_ids)
-                                                  for w in self.prefill + self.decode]
-            return super()._dispatch(queued, busy_decode)
-
-        def oracle_tokens(self, request_id: str) -> int:
-            return max(self._ray.get(self.oracle[request_id])) * args.block_size
-
-    config = RouterConfig.from_mapping({
+    policy, _, local = name.partition("+")
+    return RouterConfig.from_mapping({
         "policy": policy,
         "slo_classes": {"chat": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "on_overload": "admit"}},
         "default_class": "chat",
+        "local_prefill_max_tokens": args.local_prefill_max_tokens if local else 0,
     })
+
+
+def run_config(name: str, args, model_dir: Path) -> tuple[list[Served], float, dict]:
+    import ray
+
+    from cluster.disaggregated import DisaggregatedLLM
+    from cluster.engine.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=args.answer_tokens, ignore_eos=True)
     conversations = make_workload(args)
     served: list[Served] = []
-    with OracleProbe(str(model_dir), prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                     router_config=config, cluster_name="bench-routing", num_kv_blocks=args.kv_blocks,
-                     block_size=args.block_size, max_model_len=4096, num_threads=1, verbose=False) as llm:
-        OracleProbe.oracle = {}
+    asked: dict[str, list] = {}
+    with DisaggregatedLLM(str(model_dir), prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+                          router_config=router_config(name, args), cluster_name="bench-routing",
+                          num_kv_blocks=args.kv_blocks, block_size=args.block_size, max_model_len=4096,
+                          num_threads=1, verbose=False) as llm:
+        llm.path.routers = [OracleRouter(r, llm.prefill + llm.decode, asked) for r in llm.path.routers]
         t0 = time.monotonic()
         arrivals = [(c.start, i) for i, c in enumerate(conversations)]
         heapq.heapify(arrivals)
@@ -122,35 +156,37 @@ def run_policy(policy: str, args, model_dir: Path) -> tuple[list[Served], float,
                 rid = f"c{i}-t{c.turn}"
                 prompts[rid] = (i, prompt)
                 llm.engine.add_request(rid, prompt, params)
-            for output in llm.step():
-                i, prompt = prompts[output.request_id]
+            for rid in [rid for rid, future in llm.pending.items() if future.done()]:
+                output = llm.pending.pop(rid).result()
+                i, prompt = prompts[rid]
                 c = conversations[i]
-                decision = llm.decisions.get(output.request_id)
+                decision = llm.decisions.get(rid)
                 if decision is not None and decision.prefill is None:
                     hit = output.usage.cached_tokens
                 else:
-                    hit = next((t.prefill_cached_tokens for t in llm.transfers if t.request_id == output.request_id), 0)
+                    hit = next((t.prefill_cached_tokens for t in reversed(llm.transfers) if t.request_id == rid), 0)
+                oracle = max(ray.get(asked.pop(rid, [])), default=0) * args.block_size
                 ttft = output.first_token_time - output.arrival_time if output.first_token_time else None
                 n = output.usage.completion_tokens
                 tpot = (output.finish_time - output.first_token_time) / (n - 1) if n >= 2 and ttft else None
                 met = (output.error is None and ttft is not None and ttft <= args.ttft_ms / 1000
                        and (tpot is None or tpot <= args.tpot_ms / 1000))
                 placement = "-" if decision is None else f"{decision.prefill or 'local'}>{decision.decode}"
-                served.append(Served(output.request_id, len(prompt), hit, llm.oracle_tokens(output.request_id),
-                                     ttft, tpot, met, placement,
+                served.append(Served(rid, len(prompt), hit, oracle, ttft, tpot, met, placement,
                                      decision.predicted_ttft_s if decision is not None else None))
                 if output.error:
-                    print(f"\n[bench] {output.request_id}: {output.error}", file=sys.stderr)
+                    print(f"\n[bench] {rid}: {output.error}", file=sys.stderr)
                 c.history = prompt[len(c.system):] + output.token_ids
                 c.turn += 1
                 if c.turn < args.turns:
                     heapq.heappush(arrivals, (time.monotonic() - t0 + c.thinks[c.turn], i))
             if time.monotonic() - last_report > 5:
                 last_report = time.monotonic()
-                print(f"\r[bench] {policy}: {len(served)}/{total} requests", end="", file=sys.stderr, flush=True)
+                print(f"\r[bench] {name}: {len(served)}/{total} requests", end="", file=sys.stderr, flush=True)
+            time.sleep(0.002)
         elapsed = time.monotonic() - t0
         status = llm.router_status()
-    print(f"\r[bench] {policy}: {total}/{total} requests in {elapsed:.0f}s", file=sys.stderr, flush=True)
+    print(f"\r[bench] {name}: {total}/{total} requests in {elapsed:.0f}s", file=sys.stderr, flush=True)
     return served, elapsed, status
 
 
@@ -185,14 +221,14 @@ def plot(path: Path, results: dict[str, dict], args) -> None:
     import matplotlib.pyplot as plt
 
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for policy, r in results.items():
+    for name, r in results.items():
         values = sorted(r["ttfts"])
-        cdf.plot([v * 1000 for v in values], [(i + 1) / len(values) for i in range(len(values))], label=policy)
+        cdf.plot([v * 1000 for v in values], [(i + 1) / len(values) for i in range(len(values))], label=name)
     cdf.axvline(args.ttft_ms, color="grey", linestyle=":", label="TTFT objective")
     cdf.set_xscale("log")
     cdf.set_xlabel("TTFT (ms, log scale)")
     cdf.set_ylabel("fraction of requests")
-    cdf.set_title("TTFT CDF per policy")
+    cdf.set_title("TTFT CDF per configuration")
     cdf.legend()
     names = list(results)
     x = range(len(names))
@@ -211,7 +247,10 @@ def plot(path: Path, results: dict[str, dict], args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                        help="policies; slo+local is slo with conditional disaggregation")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                        help="slo+local: most uncached prompt tokens a decode worker may prefill itself")
     parser.add_argument("--groups", type=int, default=8, help="conversation groups, each with its system prompt")
     parser.add_argument("--conversations", type=int, default=4, help="conversations per group")
     parser.add_argument("--turns", type=int, default=4)
@@ -234,17 +273,17 @@ def main() -> int:
 
     model_dir, num_params = ensure_checkpoint(args.model_dir)
     results = {}
-    for policy in args.policies:
-        served, elapsed, status = run_policy(policy, args, model_dir)
-        results[policy] = summarise(served, elapsed)
-        results[policy]["router"] = status
+    for name in args.configs:
+        served, elapsed, status = run_config(name, args, model_dir)
+        results[name] = summarise(served, elapsed)
+        results[name]["router"] = status
 
     print_table("machine", machine_rows())
     base = results.get("round_robin")
     rows = []
-    for policy, r in results.items():
+    for name, r in results.items():
         rows.append((
-            policy, r["requests"], f"{r['hit_rate']:.1%}", f"{r['oracle_hit_rate']:.1%}",
+            name, r["requests"], f"{r['hit_rate']:.1%}", f"{r['oracle_hit_rate']:.1%}",
             f"{r['hit_rate'] / r['oracle_hit_rate']:.2f}" if r["oracle_hit_rate"] else "-",
             f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p90'] * 1e3:.0f}",
             f"{base['ttft_p90'] / r['ttft_p90']:.2f}x" if base else "-",
@@ -257,7 +296,7 @@ def main() -> int:
         f"{args.rate}/s openings, think {args.think_s}s; {num_params / 1e6:.0f}M-parameter model; "
         f"SLO TTFT <= {args.ttft_ms:.0f} ms, TPOT <= {args.tpot_ms:.0f} ms",
         rows,
-        ("policy", "requests", "hit rate", "oracle", "of oracle", "TTFT p50 ms", "TTFT p90 ms", "p90 vs rr",
+        ("configuration", "requests", "hit rate", "oracle", "of oracle", "TTFT p50 ms", "TTFT p90 ms", "p90 vs rr",
          "TPOT p50 ms", "TPOT p90 ms", "goodput/s", "attainment", "local prefills"),
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -266,10 +305,11 @@ def main() -> int:
     (RESULTS / "routing.json").write_text(json.dumps(
         {p: {k: v for k, v in r.items() if k != "ttfts"} for p, r in results.items()}, indent=1))
     print(f"\nwrote {png} and {RESULTS / 'routing.json'}")
-    if "slo" in results and base:
-        slo = results["slo"]
-        print(f"goals: slo hit rate {slo['hit_rate'] / slo['oracle_hit_rate']:.0%} of the oracle's (goal 90%); "
-              f"p90 TTFT {base['ttft_p90'] / slo['ttft_p90']:.2f}x better than round_robin (goal 2x)")
+    for name in ("slo", "slo+local"):
+        if name in results and base:
+            r = results[name]
+            print(f"goals, {name}: hit rate {r['hit_rate'] / r['oracle_hit_rate']:.0%} of the oracle's (goal 90%); "
+                  f"p90 TTFT {base['ttft_p90'] / r['ttft_p90']:.2f}x better than round_robin (goal 2x)")
     return 0
 
 
