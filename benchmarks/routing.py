@@ -11,20 +11,22 @@ worker fetches its KV from the prefill worker, or prefills it itself, and stream
 
 The configurations: ``round_robin``, ``least_loaded``, ``prefix_affinity`` and ``slo`` with every
 prompt prefilled on a prefill worker unless its decode worker already caches 90% of it
-(``router.local_prefill_max_tokens`` 0), and ``slo+local``: ``slo`` with conditional
-disaggregation (``local_prefill_max_tokens`` ``--local-prefill-max-tokens``): a decode worker
-may prefill a prompt itself when at most that many of its tokens are not cached there, if the
-router predicts that is better.
+(``router.local_prefill_max_tokens`` 0, ``skip_prefill_fraction`` 0.9); ``slo+local``: ``slo``
+with conditional disaggregation (``local_prefill_max_tokens`` ``--local-prefill-max-tokens``): a
+decode worker may also prefill a prompt itself when at most that many of its tokens are not
+cached there, if the router predicts that is better; and ``slo+remote``: every prompt that is
+not cached whole on its decode worker is prefilled on a prefill worker (``skip_prefill_fraction``
+1), the pure disaggregation the others are measured against.
 
 For each: prefix-cache hit rate (prompt tokens not recomputed where the prompt was
 prefilled), the oracle's hit rate (when the router's placement comes back, the longest prefix
 that any worker's cache really holds, asked of every worker directly: the most any placement
 could have reused), TTFT and TPOT p50/p90, goodput (requests per second that met both
 objectives), SLO attainment and how many requests were prefilled on their decode worker.
-Goals: ``slo`` (both rows) reaches 90% of the oracle's hit rate and a p90 TTFT at least 2x
+Goals: ``slo`` (every row) reaches 90% of the oracle's hit rate and a p90 TTFT at least 2x
 better than ``round_robin``.
 
-    .venv/bin/python benchmarks/routing.py            # about 8 minutes on a 2-core CPU
+    .venv/bin/python benchmarks/routing.py            # about 5 minutes on a 2-core CPU
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from pathlib import Path
 
 from common import REPO_ROOT, ensure_checkpoint, machine_rows, print_table
 
-CONFIGS = ("round_robin", "least_loaded", "prefix_affinity", "slo", "slo+local")  # "+local": conditional
+CONFIGS = ("round_robin", "least_loaded", "prefix_affinity", "slo", "slo+local", "slo+remote")
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
 
@@ -117,12 +119,13 @@ class OracleRouter:
 def router_config(name: str, args):
     from router.config import RouterConfig
 
-    policy, _, local = name.partition("+")
+    policy, _, variant = name.partition("+")
     return RouterConfig.from_mapping({
         "policy": policy,
         "slo_classes": {"chat": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "on_overload": "admit"}},
         "default_class": "chat",
-        "local_prefill_max_tokens": args.local_prefill_max_tokens if local else 0,
+        "local_prefill_max_tokens": args.local_prefill_max_tokens if variant == "local" else 0,
+        "skip_prefill_fraction": 1.0 if variant == "remote" else 0.9,  # remote: only a prompt cached whole stays
     })
 
 
@@ -248,7 +251,7 @@ def plot(path: Path, results: dict[str, dict], args) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
-                        help="policies; slo+local is slo with conditional disaggregation")
+                        help="policies; slo+local: with conditional disaggregation; slo+remote: remote prefill only")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=256,
                         help="slo+local: most uncached prompt tokens a decode worker may prefill itself")
     parser.add_argument("--groups", type=int, default=8, help="conversation groups, each with its system prompt")
@@ -305,7 +308,7 @@ def main() -> int:
     (RESULTS / "routing.json").write_text(json.dumps(
         {p: {k: v for k, v in r.items() if k != "ttfts"} for p, r in results.items()}, indent=1))
     print(f"\nwrote {png} and {RESULTS / 'routing.json'}")
-    for name in ("slo", "slo+local"):
+    for name in ("slo", "slo+local", "slo+remote"):
         if name in results and base:
             r = results[name]
             print(f"goals, {name}: hit rate {r['hit_rate'] / r['oracle_hit_rate']:.0%} of the oracle's (goal 90%); "

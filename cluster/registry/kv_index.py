@@ -33,9 +33,7 @@ for i, key in ipairs(KEYS) do
   for _, w in ipairs(redis.call('SMEMBERS', key)) do
     if still[w] then now[w] = true; n = n + 1 end
   end
-  for w in pairs(still) do
-    if now[w] then matched[w] = i end
-  end
+  for w in pairs(now) do matched[w] = i end
   still, left = now, n
 end
 local out = {}
