@@ -4,23 +4,27 @@ placement, side by side in one run.
 (a) Added latency at concurrency 1: the same prompts (32 tokens) sent one at a time through the
     gRPC API of a local cluster (``tandem up``: 1 prefill + 1 decode worker, the router, one
     ingress replica) and given to the colocated engine (``LLM.generate``) in this process, with
-    the torch thread count the workers get; end-to-end time at the client for 1 and 16 tokens
-    out. Goal: the cluster adds <= 5 ms to a one-token request.
+    the torch thread count each worker gets (and with every core); end-to-end time at the
+    client for 1 and 16 tokens out, and where the cluster's time goes (the ingress's timings).
+    Goal: the cluster adds <= 5 ms to a one-token request.
 (b) Requests per second through the API against the colocated engine on the same prompts and
     cores: short requests (32 tokens in, 4 out) and long ones (64 in, 128 out), each at 32 and
     256 concurrent streams (closed loop: each stream sends its next request when the last ended;
-    the colocated engine keeps as many requests in flight). The client is one asyncio process
-    (grpc.aio); its CPU time is reported, so it can be seen not to be the bottleneck. Goal: the
-    API delivers >= 0.8x the colocated engine's requests/s.
+    the colocated engine keeps as many requests in flight), in the ``batch`` SLO class unless
+    told otherwise (no objectives: admission holds nothing back, as the engine holds nothing).
+    The client is one asyncio process (grpc.aio); its CPU time is reported, so it can be seen
+    not to be the bottleneck. Goal: the API delivers >= 0.8x the colocated engine's requests/s.
 (c) Router placements per second against a real Redis with 16 registered workers (their load
     reports and KV blocks). Goal: >= 2,000/s per router replica.
 (d) The same control plane with fake registry entries for 16, 64 and 256 workers (half prefill,
     half decode): placements/s and Redis operations per placement as the cluster grows, with
     reports that never change and with reports rewritten every 100 ms (``control_plane.py``).
 
-The colocated runs come first, then the cluster's (so neither shares the CPU with the other),
-then the control plane's. Every part is bounded in requests and seconds and shows progress; the
-cluster is stopped (``tandem down``) at the end, also on Ctrl-C or an error.
+The sides take turns while the cluster is up (request by request in (a), cell by cell in (b);
+the cluster idles during the engine's turns), so load from other processes that comes and goes
+falls on every side alike; the control plane's parts run after the cluster is stopped. Every
+part is bounded in requests and seconds and shows progress; the cluster is stopped (``tandem
+down``) at the end, also on Ctrl-C or an error.
 
     .venv/bin/python benchmarks/cluster_overhead.py            # about 15 minutes on a 2-core CPU
     .venv/bin/python benchmarks/cluster_overhead.py --parts a b  # only the cluster-vs-engine parts
@@ -135,20 +139,27 @@ def colocated_side(threads: int) -> str:
 
 
 class Colocated:
-    """The colocated engine in this process, run with a given torch thread count."""
+    """The colocated engine in this process, run with a given torch thread count. Each run
+    starts from an empty prefix cache: every side sees the same prompts, the first time."""
 
     def __init__(self, model_dir: Path):
         from cluster.engine.llm import LLM
 
         self.llm = LLM(str(model_dir), verbose=False, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=KV_BLOCKS)
 
-    def one(self, prompt: list[int], out: int, threads: int) -> float:
-        """``LLM.generate`` of one prompt; its seconds."""
+    def _fresh(self, threads: int) -> None:
         import torch
 
+        torch.set_num_threads(threads)
+        blocks = self.llm.engine.block_manager
+        blocks.reset_prefix_cache()
+        blocks.drain_events()
+
+    def one(self, prompt: list[int], out: int, threads: int) -> float:
+        """``LLM.generate`` of one prompt; its seconds."""
         from cluster.engine.sampling_params import SamplingParams
 
-        torch.set_num_threads(threads)
+        self._fresh(threads)
         started = time.perf_counter()
         self.llm.generate([prompt], SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
         return time.perf_counter() - started
@@ -157,11 +168,9 @@ class Colocated:
              threads: int) -> Cell:
         """Keeps ``concurrency`` requests in the engine until every prompt ran (or ``cap_s``
         passed: then no new ones start, those running finish)."""
-        import torch
-
         from cluster.engine.sampling_params import SamplingParams
 
-        torch.set_num_threads(threads)
+        self._fresh(threads)
         engine = self.llm.engine
         params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
         label = f"{colocated_side(threads)}, {workload}, {concurrency} streams"

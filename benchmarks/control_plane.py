@@ -12,9 +12,11 @@ oldest is told finished as a new one is placed), and every ``route()`` is timed.
 Two report regimes: ``static`` (reports never change: the router reads them every
 ``load_refresh_s`` but never refits a step-time model) and ``live`` (a second process rewrites
 every worker's report every 100 ms with a new step, as busy workers' reporters do, so the router
-reparses and refits). Redis commands per placement come from the server's INFO commandstats
-(those a script runs included), round trips from counting the client's calls (in a separate
-pass, so the counting is not timed).
+reparses and refits). Placements per second count the time inside ``route()``; per
+CPU-second, the benchmark process's CPU time (on a busy machine: what it would do with a core
+of its own, the Redis server's part left out). Redis commands per placement come from the
+server's INFO commandstats (those a script runs included), round trips from counting the
+client's calls (in a separate pass, so the counting is not timed).
 
     .venv/bin/python benchmarks/control_plane.py                   # 16, 64, 256 workers, both regimes
     .venv/bin/python benchmarks/control_plane.py --workers 16 --regimes static --profile   # where the time goes
@@ -327,14 +329,15 @@ def result_rows(results: list[RunResult]) -> list[tuple]:
     rows = []
     for r in results:
         top = sorted(r.commands.items(), key=lambda kv: -kv[1])[:3]
-        rows.append((r.workers, r.regime, r.placements, f"{r.per_second:,.0f}", f"{r.p50_us:,.0f}",
-                     f"{r.p99_us:,.0f}", f"{r.cpu_s / r.wall_s:.0%}", f"{r.commands_per_placement:.1f}",
+        rows.append((r.workers, r.regime, r.placements, f"{r.per_second:,.0f}", f"{r.placements / r.cpu_s:,.0f}",
+                     f"{r.p50_us:,.0f}", f"{r.p99_us:,.0f}", f"{r.cpu_s / r.wall_s:.0%}",
+                     f"{r.commands_per_placement:.1f}",
                      f"{r.round_trips:.2f}", ", ".join(f"{k} {v:.1f}" for k, v in top),
                      " ".join(f"{k} {v}" for k, v in sorted(r.actions.items())), r.local))
     return rows
 
 
-RESULT_HEADERS = ("workers", "reports", "placements", "placements/s", "p50 us", "p99 us", "CPU of wall",
+RESULT_HEADERS = ("workers", "reports", "placements", "placements/s", "per CPU-s", "p50 us", "p99 us", "CPU of wall",
                   "Redis cmds/placement", "round trips", "top commands", "decisions", "local prefills")
 
 
