@@ -237,10 +237,10 @@ def plot(path: Path, results: dict[str, dict], args) -> None:
     x = range(len(names))
     bars.bar([i - 0.2 for i in x], [results[n]["hit_rate"] for n in names], 0.4, label="prefix-cache hit rate")
     bars.bar([i + 0.2 for i in x], [results[n]["attainment"] for n in names], 0.4, label="SLO attainment")
-    bars.set_xticks(list(x), names)
-    bars.set_ylim(0, 1)
+    bars.set_xticks(list(x), names, rotation=20)
+    bars.set_ylim(0, 1.15)
     bars.set_title("hit rate and SLO attainment")
-    bars.legend()
+    bars.legend(loc="upper center", ncol=2, fontsize=8)
     fig.suptitle(f"{args.groups} groups x {args.conversations} conversations x {args.turns} turns, "
                  f"{args.prefill_workers} prefill + {args.decode_workers} decode workers", fontsize=10)
     fig.tight_layout()
