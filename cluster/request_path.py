@@ -174,14 +174,15 @@ class RequestPath:
         engine_priority = priority + self.info.router_config.slo_class(slo_class).priority
         router = random.choice(self.routers)
         first = True
+        run = self._run(journey, router, prompt, params, priority, engine_priority, ttft_s, tpot_s)
         try:
-            async for message in self._run(journey, router, prompt, params, priority, engine_priority, ttft_s,
-                                           tpot_s):
+            async for message in run:
                 if first:
                     message["request_id"] = request_id
                     first = False
                 yield message
         finally:
+            await run.aclose()  # closed now, not when collected: its cleanup frees the request everywhere
             del self.active[request_id]
             if not journey.outcome:
                 journey.outcome = "abort"  # the caller went away: _run's own cleanup released the request
@@ -193,9 +194,12 @@ class RequestPath:
                    engine_priority: int, ttft_s: float | None, tpot_s: float | None) -> AsyncIterator[dict]:
         ray = self.ray
         limit = self.info.router_config.migration_limit
-        no_room = 0
+        no_room = placements = 0
         while True:
-            attempt_id = journey.request_id if not journey.attempt else f"{journey.request_id}.{journey.attempt}"
+            # Each placement has an id of its own: a word about an earlier one (forget, finished)
+            # may reach the router after a later placement was asked for.
+            attempt_id = journey.request_id if not placements else f"{journey.request_id}.{placements}"
+            placements += 1
             # After a failure mid-stream the tokens already sent become part of the prompt.
             sent = journey.tokens
             now_prompt = prompt + sent
@@ -204,8 +208,11 @@ class RequestPath:
                                           ttft_s, tpot_s, priority, journey.arrival)
             try:
                 decision: Decision = await placing
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # the caller went away while the router decided
                 ray.cancel(placing)
+                # Whatever the router did meanwhile is undone: a cancelled call may still have
+                # placed it, and forget (after place, in order) drops such a placement.
+                router.forget.remote(attempt_id)
                 raise
             except ray.exceptions.RayActorError:
                 journey.outcome = "unavailable"

@@ -42,6 +42,7 @@ from router.waiting import WaitingQueue
 
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
 MIN_TTFT_S = 0.001  # the least TTFT any prediction gives
+GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
 HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
 
 
@@ -145,6 +146,7 @@ class Router:
         self._loads_read_at = -math.inf
         self._last_hits: dict[str, int] | None = None
         self._changes = 0  # finished or forgotten placements, failed workers: reasons to offer the queue again
+        self._gone: dict[str, float] = {}  # forgotten before they were placed (oldest first, bounded)
         self._offered_state: tuple | None = None
         self._registry_down_since: float | None = None
         self._registry_error = ""
@@ -229,8 +231,13 @@ class Router:
 
     def submit(self, request: RouteRequest, now: float | None = None) -> Decision:
         """``route``, holding a request that must wait: it is answered by a later
-        ``retry_waiting`` (or dropped by ``cancel``). A full queue rejects instead."""
+        ``retry_waiting`` (or dropped by ``cancel``). A full queue rejects instead. A request
+        already forgotten (its caller left, and the word came before the request itself: an
+        asyncio actor runs calls out of order) is not placed."""
         now = time.time() if now is None else now
+        if self._gone.pop(request.request_id, None) is not None:
+            return Decision("reject", request.request_id, slo_class=self._class_of(request).name,
+                            reason="its caller went away before it was placed")
         decision = self.route(request, now)
         if decision.action != "queue":
             return decision
@@ -475,9 +482,14 @@ class Router:
     # -- what happened afterwards ---------------------------------------------------------
 
     def forget(self, request_id: str) -> Decision | None:
-        """The request was not started after all (e.g. its decode worker had no room)."""
+        """The request was not started after all (its decode worker had no room, its caller
+        went away). Forgetting one not placed yet keeps it from being placed later."""
         placed = self.inflight.pop(request_id, None)
         if placed is None:
+            if not self.waiting.remove(request_id):
+                self._gone[request_id] = time.time()
+                while len(self._gone) > GONE_KEPT:
+                    self._gone.pop(next(iter(self._gone)))
             return None
         self._changed()
         return placed.decision

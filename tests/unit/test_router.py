@@ -441,3 +441,17 @@ def test_a_negative_correction_never_predicts_a_request_as_free():
     fresh = Router(TOPOLOGY, FakeRegistry(), config())
     fresh._residual["remote"] = (-0.5, NOW)
     assert route(fresh, "x", slo_class="interactive", ttft_s=0.000001).action == "reject"
+
+
+def test_a_request_forgotten_before_it_arrives_is_never_placed():
+    """An asyncio actor may run a caller's forget before the place it sent first."""
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    assert router.forget("early") is None
+    late = router.submit(RouteRequest("early", PROMPT, 8, "standard"), now=NOW)
+    assert (late.action, late.reason) == ("reject", "its caller went away before it was placed")
+    assert router.inflight == {}
+    assert router.submit(RouteRequest("early", PROMPT, 8, "standard"), now=NOW).action == "place"  # remembered once
+    busy = Router(TOPOLOGY, FakeRegistry({w: load(w, queued=9000) for w in ("p0", "p1")}), config())
+    assert busy.submit(RouteRequest("w", PROMPT, 8, "standard"), now=NOW).action == "queue"
+    busy.forget("w")  # a waiting request forgotten leaves the queue
+    assert len(busy.waiting) == 0 and "w" not in busy._gone
