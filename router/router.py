@@ -43,7 +43,8 @@ from router.waiting import WaitingQueue
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
 MIN_TTFT_S = 0.001  # the least TTFT any prediction gives
 GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
-HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
+HITS_TTL_S = 0.5
+REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)  # how long a waiting request's prefix hits are reused before they are looked up again
 
 
 class RegistryUnavailable(RuntimeError):
@@ -151,6 +152,7 @@ class Router:
         self._registry_down_since: float | None = None
         self._registry_error = ""
         self._reported: set[str] = set()  # workers whose load report has ever been read
+        self._last_seen: dict[str, tuple[WorkerLoad, float]] = {}  # each worker's last report, and when read
         self.waiting = WaitingQueue(self.config.queue_limit)
         self._residual = {"remote": (0.0, -math.inf), "local": (0.0, -math.inf)}  # (value, when last learned)
 
@@ -171,17 +173,24 @@ class Router:
 
     def _read_loads(self, now: float) -> dict[str, WorkerLoad] | None:
         """Live workers' reports (refreshed at most every ``load_refresh_s``), or None while the
-        registry is unreachable."""
+        registry is unreachable. A worker whose report lapsed (its heartbeat expired: a worker
+        starved of CPU can miss a few) keeps its last report for ``REPORT_GRACE_S``: a worker
+        is dead when the actor system says so (a call to it fails, and the caller tells the
+        router), not when it is slow to report."""
         if self._registry_down_since is not None and now - self._registry_down_since < self.config.registry_retry_s:
             return None
         if now - self._loads_read_at >= self.config.load_refresh_s or self._registry_down_since is not None:
             try:
-                self._loads = self.registry.loads(self.topology.workers)
+                fresh = self.registry.loads(self.topology.workers)
             except RegistryUnavailable as exc:
                 self._mark_down(now, exc)
                 return None
+            for worker, load in fresh.items():
+                self._last_seen[worker] = (load, now)
+            self._loads = {w: load for w, (load, seen) in self._last_seen.items()
+                           if w in fresh or now - seen <= REPORT_GRACE_S}
             self._loads_read_at = now
-            self._reported.update(self._loads)
+            self._reported.update(fresh)
             self._registry_down_since = None
         return self._loads
 

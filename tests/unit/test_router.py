@@ -342,11 +342,13 @@ def test_before_the_first_reports_requests_wait_and_then_face_admission():
     registry.state.update(reports)
     resolved = {d.request_id: d.action for d in router.retry_waiting(NOW + 0.1)}
     assert resolved == {"x": "reject", "y": "place"}
-    registry.state.clear()  # every worker reported once and is gone now: nothing can serve
-    gone = router.submit(RouteRequest("z", PROMPT, 8, "standard"), now=NOW + 0.2)
+    registry.state.clear()  # every worker reported once, and none has for a while now
+    lapsed = router.submit(RouteRequest("z", PROMPT, 8, "standard"), now=NOW + 5)  # slow to report, not dead
+    assert lapsed.action == "place"
+    gone = router.submit(RouteRequest("z2", PROMPT, 8, "standard"), now=NOW + 11)  # past REPORT_GRACE_S: gone
     assert (gone.action, gone.reason) == ("reject", "no live decode worker")
     registry.state.update({w: reports[w] for w in ("d0", "d1")})  # decode workers back, prefill workers gone
-    remote = router.submit(RouteRequest("r", PROMPT, 8, "standard"), now=NOW + 0.3)
+    remote = router.submit(RouteRequest("r", PROMPT, 8, "standard"), now=NOW + 11.1)
     assert (remote.action, remote.reason) == ("reject", "no live prefill worker")
 
 
