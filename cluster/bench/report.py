@@ -76,6 +76,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_cdfs(path: str | Path, runs: Mapping[str, Sequence[RequestResult]]) -> Path:
     """TTFT, TPOT and end-to-end latency CDFs of one or more runs, side by side."""
     plt = _pyplot()
@@ -91,12 +100,7 @@ def plot_cdfs(path: str | Path, runs: Mapping[str, Sequence[RequestResult]]) -> 
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_sweep(path: str | Path, measured: Mapping[str, Sequence[tuple[float, float, float]]],
@@ -129,9 +133,4 @@ def plot_sweep(path: str | Path, measured: Mapping[str, Sequence[tuple[float, fl
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

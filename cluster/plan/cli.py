@@ -69,12 +69,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from cluster.plan.roofline import RooflineError
-    from cluster.plan.step_models import ProfileError
+    from cluster.plan.errors import PlanError
 
     try:
         return _plan(args)
-    except (UsageError, ProfileError, RooflineError) as exc:
+    except (UsageError, PlanError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     except ConnectionError as exc:
@@ -105,14 +104,7 @@ def _profile_from_cluster(args, state: dict, spec):
     except Exception as exc:  # noqa: BLE001 - redis errors and bad URLs alike: one line
         raise ConnectionError(f"cannot read the registry of {args.from_cluster!r} ({url}): "
                               f"{str(exc).splitlines()[0][:200]}") from None
-    hop = 0.0
-    try:
-        from cluster.launcher import cluster_status
-
-        hop = hop_from_corrections(cluster_status(args.from_cluster)["router"].get("ttft_correction_s") or {})
-    except Exception as exc:  # noqa: BLE001 - without the router's correction, no control-plane cost
-        print(f"[plan] the router's TTFT correction could not be read ({str(exc).splitlines()[0][:120]}); "
-              "control-plane cost 0", file=sys.stderr)
+    hop = hop_from_corrections(state.get("ttft_correction_s") or {})
     tps = {}
     if spec is not None:
         for name in state.get("workers", []):
@@ -123,6 +115,22 @@ def _profile_from_cluster(args, state: dict, spec):
     print(f"[plan] {len(collector.reports)} worker(s) of {args.from_cluster!r}: {steps} steps read", file=sys.stderr)
     return pool_steps(collector.reports.values(), collector.steps, tps, _max_model_len(spec),
                       f"cluster {args.from_cluster}", hop)
+
+
+def _cluster_state(name: str) -> dict:
+    """The cluster's state file, with the TTFT correction its router learned (read through Ray
+    before anything else here imports Ray, which reads the cluster's auth mode on import)."""
+    from cluster.launcher import cluster_status, read_state
+
+    state = read_state(name)
+    if not state:
+        raise ConnectionError(f"--from-cluster: cluster {name!r} is not up here (no state file)")
+    try:
+        state["ttft_correction_s"] = cluster_status(name)["router"].get("ttft_correction_s") or {}
+    except Exception as exc:  # noqa: BLE001 - without the router's correction, no control-plane cost
+        print(f"[plan] the router's TTFT correction could not be read ({str(exc).splitlines()[0][:120]}); "
+              "control-plane cost 0", file=sys.stderr)
+    return state
 
 
 def _max_model_len(spec) -> int:
@@ -182,20 +190,16 @@ def _spec_source(args, spec, state):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from cluster.plan import ledger
-    from cluster.plan.search import candidates, evaluate, pools_of, search, topology_for
-    from cluster.plan.simulator import SimConfig
-
     check_counts(args)
     objectives = objectives_of(args)
     rates = rates_of(args)
     state = None
     if args.from_cluster:
-        from cluster.launcher import read_state
+        state = _cluster_state(args.from_cluster)
+    from cluster.plan import ledger
+    from cluster.plan.search import candidates, evaluate, pools_of, search, topology_for
+    from cluster.plan.simulator import SimConfig
 
-        state = read_state(args.from_cluster)
-        if not state:
-            raise ConnectionError(f"--from-cluster: cluster {args.from_cluster!r} is not up here (no state file)")
     spec = _base_topology(args, state)
     spec_for, profiled_tps, hop_s, gpus, profile = _spec_source(args, spec, state)
     if args.save_profile:
@@ -226,11 +230,14 @@ def _plan(args: argparse.Namespace) -> int:
         if not pool_list:
             raise UsageError("--tp: no topology to search with these TP degrees and --max-ranks")
 
+        tty = sys.stderr.isatty()
+
         def show(done: int, total: int, evaluation) -> None:
             if not args.quiet:
-                print(f"\r[plan] simulated {done}/{total} topologies ({evaluation.pools.label()}: goodput "
-                      f"{evaluation.goodput_rps:.2f} req/s, attainment {evaluation.attainment:.0%})   ",
-                      end="" if done < total else "\n", file=sys.stderr, flush=True)
+                line = (f"[plan] simulated {done}/{total} topologies ({evaluation.pools.label()}: goodput "
+                        f"{evaluation.goodput_rps:.2f} req/s, attainment {evaluation.attainment:.0%})")
+                print(("\r" + line + "   ") if tty else line, end="" if tty and done < total else "\n",
+                      file=sys.stderr, flush=True)
 
         best, ranked = search(pool_list, workload, arrivals, objectives, config, args.per, ATTAINMENT_GOAL, classes,
                               show)

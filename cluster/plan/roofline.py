@@ -20,12 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.plan.errors import RooflineError
 from cluster.plan.simulator import WorkerSpec
 from router.cost_model import StepTimeModel
-
-
-class RooflineError(ValueError):
-    """An unknown hardware or model name; the message names the flag and the known ones."""
 
 
 @dataclass(frozen=True)

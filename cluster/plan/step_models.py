@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from cluster.plan.errors import ProfileError
 from cluster.plan.simulator import WorkerSpec
 from cluster.registry.load import StepSample, WorkerLoad, read_loads
 from router.cost_model import StepTimeModel
@@ -30,10 +31,6 @@ ROLES = ("prefill", "decode", "colocated")
 STAND_INS = {"prefill": ("prefill", "colocated", "decode"), "decode": ("decode", "colocated"),
              "colocated": ("colocated", "decode")}
 HOPS_ON_SERVICE_PATH = {"remote": 4, "local": 2}  # messages between placement and the first token at the ingress
-
-
-class ProfileError(ValueError):
-    """A profile that cannot be read or used; the message names the file or the role."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +59,19 @@ class Profile:
     hop_s: float = 0.0
 
     def spec(self, role: str) -> WorkerSpec:
+        """A worker of ``role`` as measured (or as a stand-in role was); a side of its step-time
+        model that its own steps could not fit (a decode worker whose recent steps were all
+        decodes has no prefill fit) is taken from the other roles' fits."""
         for name in STAND_INS[role]:
             if name in self.roles:
-                return self.roles[name].spec()
+                spec = self.roles[name].spec()
+                model = spec.model
+                others = [self.roles[r].model() for r in self.roles if r != name]
+                for side in ("prefill", "decode"):
+                    if getattr(model, side) is None:
+                        fitted = next((getattr(o, side) for o in others if getattr(o, side) is not None), None)
+                        model = replace(model, **{side: fitted})
+                return replace(spec, model=model)
         raise ProfileError(f"the profile ({self.source}) has no worker that can stand for a {role} worker")
 
     def save(self, path: str | Path) -> Path:
