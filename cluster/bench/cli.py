@@ -232,6 +232,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--cluster", metavar="NAME", help="a cluster `tandem up` started here (its gRPC API)")
     t.add_argument("--addr", metavar="HOST:PORT", help="a Tandem gRPC API")
     t.add_argument("--openai-url", metavar="URL", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    t.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                   help="with --cluster: its gRPC API or its OpenAI-compatible HTTP API (default: grpc)")
     t.add_argument("--model", help="OpenAI: the model name to send (default: the first of /v1/models)")
     t.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="OpenAI: /v1/completions (token-id prompts) or /v1/chat/completions (default: completions)")
@@ -272,20 +274,7 @@ def _target(args: argparse.Namespace):
         token = os.environ.get(args.token_env)
         if not token:
             raise UsageError(f"--token-env: environment variable {args.token_env} is not set or empty")
-    if args.openai_url:
-        from cluster.bench.clients import OpenAIBackend
-
-        _, decode = local_tokenizer(args.tokenizer)
-        try:
-            backend = OpenAIBackend(args.openai_url, args.model, token, chat=args.endpoint == "chat",
-                                    detokenize=decode)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        return backend, args.label or args.openai_url, None
-    from cluster.bench.clients import GrpcBackend
-
     state = None
-    address = args.addr
     if args.cluster:
         from cluster.launcher import read_state
 
@@ -293,7 +282,26 @@ def _target(args: argparse.Namespace):
         if not state or not state.get("api"):
             raise ConnectionError(f"--cluster: cluster {args.cluster!r} is not up here (no state file); "
                                   "give --addr")
-        address = state["api"]
+    elif args.api != "grpc":
+        raise UsageError("--api: only with --cluster (give --openai-url for another server)")
+    url = args.openai_url
+    if state is not None and args.api == "openai":
+        url = state.get("http")
+        if not url:
+            raise UsageError(f"--api openai: cluster {args.cluster!r} serves no HTTP API (server.http_port)")
+    if url:
+        from cluster.bench.clients import OpenAIBackend
+
+        _, decode = local_tokenizer(args.tokenizer)
+        try:
+            backend = OpenAIBackend(url, args.model or (state or {}).get("model"), token,
+                                    chat=args.endpoint == "chat", detokenize=decode)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return backend, args.label or (f"{args.cluster} (OpenAI API)" if args.cluster else url), state
+    from cluster.bench.clients import GrpcBackend
+
+    address = state["api"] if state is not None else args.addr
     return GrpcBackend(address, token, args.tls_ca), args.label or args.cluster or address, state
 
 

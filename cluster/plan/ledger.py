@@ -86,8 +86,8 @@ def describe_checks(checks: list[tuple[dict, dict]]) -> list[str]:
             e = error(p, m)
             if p is None or m is None:
                 continue
-            unit = " req/s" if key == "goodput_rps" else " ms" if key.endswith("_ms") else ""
-            fmt = (lambda v: f"{v:.0%}") if key == "attainment" else (lambda v: f"{v:.2f}{unit}")
+            fmt = {"goodput_rps": lambda v: f"{v:.2f} req/s", "attainment": lambda v: f"{v:.0%}"}.get(
+                key, lambda v: f"{v:.0f} ms")
             parts.append(f"{name} {fmt(p)} predicted, {fmt(m)} measured" + (f" ({e:+.0%})" if e is not None else ""))
         rate = f" at {prediction['rate']:g} req/s" if prediction["rate"] else ""
         lines.append(f"last time{rate} ({when}): " + "; ".join(parts))

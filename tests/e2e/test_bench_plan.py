@@ -1,5 +1,5 @@
 """``tandem bench`` and ``tandem plan`` against a real cluster: a handful of requests measured
-through the gRPC API (bounded), the registry's steps fitted into a profile, a plan searched
+through the gRPC API and through the OpenAI-compatible HTTP API (bounded), the registry's steps fitted into a profile, a plan searched
 from it whose topology ``tandem validate`` accepts, and the plan's record of how far its last
 prediction was from what was measured."""
 
@@ -32,7 +32,8 @@ def tandem(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedP
 def cluster(checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench-plan")
     env = {"TANDEM_CACHE_DIR": str(tmp / "cache")}
-    topology = {"cluster": {"name": NAME}, "model": {"path": str(checkpoint("llama"))}, "server": {"port": 0},
+    topology = {"cluster": {"name": NAME}, "model": {"path": str(checkpoint("llama"))},
+                "server": {"port": 0, "http_port": 0},
                 "kv": {"num_blocks": 256}, "prefill": {"max_num_seqs": 8}, "decode": {"max_num_seqs": 8},
                 "ray": {"num_cpus": 2}}
     path = tmp / "topology.yaml"
@@ -60,6 +61,18 @@ def test_bench_measures_a_running_cluster(cluster):
     requests = run["requests"]
     assert all(4 <= r["completion_tokens"] <= 8 and r["placement"][1] == "decode-0" for r in requests)
     assert (tmp / "plots" / "latency_cdf.png").stat().st_size > 0
+
+
+def test_bench_measures_the_clusters_openai_api(cluster):
+    tmp, env = cluster
+    out = tmp / "bench-openai.json"
+    result = tandem("bench", "--cluster", NAME, "--api", "openai", "--vocab-size", "500", "--rate", "4",
+                    "--json", str(out), *WORKLOAD, env=env)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(out.read_text())["rates"][0]["summary"]
+    assert summary["completed"] == 6, summary["errors"]
+    assert summary["tpot"]["count"] == 6 and summary["prefix_cache_hit_rate"] is not None  # usage from the last chunk
+    assert summary["output_token_throughput"] > 0
 
 
 def test_plan_from_the_cluster_writes_a_topology_that_validates(cluster):
