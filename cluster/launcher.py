@@ -5,8 +5,9 @@ placement groups, the registry and the routers: ``cluster/deployment.py``) and t
 replicas through Ray Serve. The ``up`` process owns the deployment: it stays in the foreground
 until interrupted, or with ``--detach`` re-runs itself in the background and returns once the
 API answers. Its state file (``<cache>/clusters/<name>.json``: pid, Ray address, API,
-dashboard, the actors' names) is how ``down`` (SIGTERM to that pid; it stops everything it
-started) and ``status`` find it.
+dashboard, the actors' names, the registry's URL without its password, the topology) is how
+``down`` (SIGTERM to that pid; it stops everything it started), ``status``, ``bench`` and
+``plan`` find it.
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
                  "dashboard": dashboard,
                  "tls": bool(spec.server.tls and spec.server.tls.cert_file),
                  "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token"), "model": info.model_name,
-                 "workers": list(info.workers), "routers": list(info.routers)}
+                 "workers": list(info.workers), "routers": list(info.routers),
+                 "registry_url": _without_password(deployment.registry_url), "topology": spec_yaml}
         path = state_file(spec.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state))
@@ -214,6 +216,13 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         if state and state.get("pid") == os.getpid():
             state_file(spec.name).unlink(missing_ok=True)
         ray.shutdown()
+
+
+def _without_password(url: str) -> str:
+    """The registry's URL as the state file keeps it: a password (``registry.password_env``)
+    stays in the environment, not on disk."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
 def free_port(host: str) -> int:
