@@ -204,7 +204,8 @@ class Colocated:
 
 def topology(model_dir: Path, threads: int) -> dict:
     pool = {"threads": threads, "max_num_seqs": MAX_NUM_SEQS}
-    return {"model": {"path": str(model_dir)}, "server": {"port": free_port()}, "prefill": pool, "decode": pool,
+    return {"model": {"path": str(model_dir)}, "server": {"port": free_port(), "http_port": 0}, "prefill": pool,
+            "decode": pool,
             "kv": {"num_blocks": KV_BLOCKS}}
 
 

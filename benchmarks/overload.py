@@ -47,7 +47,7 @@ class Outcome:
 
 def topology(args, model_dir: Path) -> dict:
     return {
-        "model": {"path": str(model_dir)}, "server": {"port": free_port()},
+        "model": {"path": str(model_dir)}, "server": {"port": free_port(), "http_port": 0},
         "prefill": {"max_num_seqs": args.serves}, "decode": {"max_num_seqs": args.serves},
         "kv": {"num_blocks": 4096},
     }

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.engine.chat_template import ChatPrompt
 from cluster.topology import ClusterSpec
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
@@ -49,10 +50,15 @@ def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
     """The request path's request mapping; RequestError names the field that is wrong."""
     kind = request.WhichOneof("prompt")
     if kind is None:
-        raise RequestError("prompt: give text or token_ids")
-    prompt = request.text if kind == "text" else list(request.token_ids.ids)
-    if not prompt:
-        raise RequestError(f"{'text' if kind == 'text' else 'token_ids.ids'}: the prompt is empty")
+        raise RequestError("prompt: give text, token_ids or chat")
+    if kind == "chat":
+        if not request.chat.messages:
+            raise RequestError("chat.messages: the chat is empty")
+        prompt = ChatPrompt([{"role": m.role, "content": m.content} for m in request.chat.messages])
+    else:
+        prompt = request.text if kind == "text" else list(request.token_ids.ids)
+        if not prompt:
+            raise RequestError(f"{'text' if kind == 'text' else 'token_ids.ids'}: the prompt is empty")
     sampling = {name: getattr(request.sampling, name) for name in SAMPLING_FIELDS
                 if request.sampling.HasField(name)}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -99,13 +105,15 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         payload["arrival"] = arrival
+        # Written with context.write, not yielded: a cancelled call then cancels this coroutine at
+        # once (a handler that yields is only dropped, and its cleanup waits for the collector).
         messages = self.path.generate(payload)
         try:
             async for message in messages:
                 if "error" in message:
                     error = message["error"]
                     await context.abort(CODES.get(error["kind"], grpc.StatusCode.UNAVAILABLE), error["message"])
-                yield response_message(message)
+                await context.write(response_message(message))
                 if message["finished"]:
                     return
         finally:
@@ -197,8 +205,9 @@ def build_server(spec: ClusterSpec, path) -> tuple[grpc.aio.Server, int, health.
 
 
 class ApiServer:
-    """The gRPC server on an event loop of its own thread, so it serves the same whoever
-    hosts it (a Ray Serve replica, a test, a plain process)."""
+    """The APIs of one ingress replica, on an event loop of its own thread, so they serve the
+    same whoever hosts them (a Ray Serve replica, a test, a plain process): gRPC on
+    ``server.port`` and, unless ``server.http_port`` is null, the OpenAI-compatible HTTP API."""
 
     def __init__(self, spec: ClusterSpec, path):
         self._started = threading.Event()
@@ -215,6 +224,7 @@ class ApiServer:
         asyncio.set_event_loop(self._loop)
         try:
             self.server, self.port, self.health = self._loop.run_until_complete(self._start(spec, path))
+            self.http_runner, self.http_port, self.http = self._loop.run_until_complete(self._start_http(spec, path))
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
             self._error = exc
             self._started.set()
@@ -230,8 +240,18 @@ class ApiServer:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         return server, port, health_servicer
 
+    @staticmethod
+    async def _start_http(spec: ClusterSpec, path):
+        if spec.server.http_port is None:
+            return None, None, None
+        from cluster.http_server import start_http
+
+        return await start_http(path, spec.server.host, spec.server.http_port, api_token(spec), spec.server.tls)
+
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        if self.http is not None:
+            self.http.serving = serving
 
         async def set_all():
             for name in ("", SERVICE):
@@ -243,5 +263,7 @@ class ApiServer:
         if not self._thread.is_alive():
             return
         asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result(timeout=grace_s + 10)
+        if self.http_runner is not None:
+            asyncio.run_coroutine_threadsafe(self.http_runner.cleanup(), self._loop).result(timeout=grace_s + 10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

@@ -5,8 +5,9 @@ placement groups, the registry and the routers: ``cluster/deployment.py``) and t
 replicas through Ray Serve. The ``up`` process owns the deployment: it stays in the foreground
 until interrupted, or with ``--detach`` re-runs itself in the background and returns once the
 API answers. Its state file (``<cache>/clusters/<name>.json``: pid, Ray address, API,
-dashboard, the actors' names) is how ``down`` (SIGTERM to that pid; it stops everything it
-started) and ``status`` find it.
+dashboard, the actors' names, the registry's URL without its password, the topology) is how
+``down`` (SIGTERM to that pid; it stops everything it started), ``status``, ``bench`` and
+``plan`` find it.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def port_problem(spec: ClusterSpec) -> str | None:
     wanted = []
     if spec.server.port and ray_here:
         wanted.append(("server.port", spec.server.host, spec.server.port))
+        if spec.server.http_port:
+            wanted.append(("server.http_port", spec.server.host, spec.server.http_port))
     obs = spec.observability
     if spec.ray.address is None and obs.dashboard:
         wanted.append(("observability.dashboard_port", obs.dashboard_host, obs.dashboard_port))
@@ -140,8 +143,11 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     if detach:
         return _detach(spec, argv)
     spec.model_dir()  # fetches the default model here, with its progress, when none is cached yet
-    if spec.server.port == 0:  # every ingress replica must share one port: choose it now
-        spec = replace(spec, server=replace(spec.server, port=free_port(spec.server.host)))
+    if spec.server.port == 0 or spec.server.http_port == 0:  # every ingress replica shares the ports: choose now
+        server = spec.server
+        spec = replace(spec, server=replace(server, port=server.port or free_port(server.host),
+                                            http_port=free_port(server.host) if server.http_port == 0
+                                            else server.http_port))
         spec_yaml = spec.to_yaml()
     ray, dashboard = start_ray(spec)
     from ray import serve
@@ -172,14 +178,23 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
                  f"(server.host, server.port) did not come up: {exception_line(exc)}")
             return 1
         context = ray.get_runtime_context()
-        state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "dashboard": dashboard,
+        http = None
+        if spec.server.http_port:
+            scheme = "https" if spec.server.tls and spec.server.tls.cert_file else "http"
+            host = f"[{spec.server.host}]" if ":" in spec.server.host else spec.server.host
+            http = f"{scheme}://{host}:{spec.server.http_port}/v1"
+        state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "http": http,
+                 "dashboard": dashboard,
                  "tls": bool(spec.server.tls and spec.server.tls.cert_file),
                  "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token"), "model": info.model_name,
-                 "workers": list(info.workers), "routers": list(info.routers)}
+                 "workers": list(info.workers), "routers": list(info.routers),
+                 "registry_url": _without_password(deployment.registry_url), "topology": spec_yaml}
         path = state_file(spec.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state))
         _log(f"cluster {spec.name!r} up in {time.perf_counter() - started:.0f}s")
+        if http:
+            _log(f"OpenAI API: {http} (model {info.model_name!r}); try `curl {http}/models`")
         _log(f"API: {api} (gRPC tandem.v1.Tandem{', TLS' if state['tls'] else ''}, {spec.server.replicas} "
              f"ingress replica(s)); try `tandem generate --addr {api} \"Hello\"`")
         _log(f"dashboard: {dashboard}" if dashboard else "dashboard: off (observability.dashboard: true starts it)")
@@ -201,6 +216,13 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         if state and state.get("pid") == os.getpid():
             state_file(spec.name).unlink(missing_ok=True)
         ray.shutdown()
+
+
+def _without_password(url: str) -> str:
+    """The registry's URL as the state file keeps it: a password (``registry.password_env``)
+    stays in the environment, not on disk."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
 def free_port(host: str) -> int:
@@ -225,7 +247,8 @@ def _detach(spec: ClusterSpec, argv: list[str]) -> int:
         state = read_state(spec.name)
         if state and state.get("pid") == child.pid:
             _log(f"cluster {spec.name!r} up in the background (pid {child.pid}, log {log})")
-            _log(f"API: {state['api']}; dashboard: {state['dashboard'] or 'off'}")
+            _log(f"API: {state['api']}; OpenAI API: {state.get('http') or 'off'}; dashboard: "
+                 f"{state['dashboard'] or 'off'}")
             return 0
         if child.poll() is not None:
             said = _last_said(log)

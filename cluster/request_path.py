@@ -16,7 +16,8 @@ or a transfer that fails, is retried on another placement. Only when no worker o
 left does the caller get ``unavailable``.
 
 Messages are plain dicts (the API layers turn them into gRPC or HTTP responses): token deltas
-``{"token_ids", "text", "finished", "logprobs"?}``, the first carrying ``request_id``; the last
+``{"token_ids", "text", "finished", "logprobs"?}``, the first carrying ``request_id`` and the first
+of each placement ``placement`` ``[prefill worker, decode worker]``; the last
 also ``finish_reason``, ``usage`` ``[prompt, cached, completion]``, ``timings`` ``[queue,
 TTFT, TPOT, end to end]`` in ms, ``placement`` and ``router_told`` (the router's receipt of
 its record, for a caller that reads goodput next); or an error ``{"error": {"kind",
@@ -129,10 +130,15 @@ class RequestPath:
         if request_id in self.active:
             raise InvalidRequestError(f"request_id {quote(request_id)} is already in flight")
         check_slo_class(request.get("slo_class") or None)
-        sampling = request.get("sampling")
-        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_mapping(sampling or {})
-        check_stop_token_ids(params.stop_token_ids, self.info.vocab_size)
         token_ids = prompt_token_ids(request["prompt"], self.tokenizer, self.info.vocab_size)
+        sampling = request.get("sampling")
+        if not isinstance(sampling, SamplingParams):
+            sampling = dict(sampling or {})
+            if "max_tokens" not in sampling and request.get("max_tokens_default") == "context":
+                sampling["max_tokens"] = max(1, self.room_for(len(token_ids)))  # OpenAI chat: as long as it fits
+            sampling = SamplingParams.from_mapping(sampling)
+        params = sampling
+        check_stop_token_ids(params.stop_token_ids, self.info.vocab_size)
         self.limits.check(Request(request_id, token_ids, params))
         try:
             cls = self.info.router_config.slo_class(request.get("slo_class") or None)
@@ -144,10 +150,17 @@ class RequestPath:
                 raise InvalidRequestError(f"objectives.{name}_ms must be positive, got {value * 1000:g}")
         return request_id, token_ids, params, int(request.get("priority") or 0), cls.name, *objectives
 
+    def room_for(self, prompt_tokens: int) -> int:
+        """Most tokens a prompt this long may generate: to the end of the context, and no more
+        than the smallest generating worker's KV cache holds."""
+        info = self.info
+        return min(info.max_model_len, info.num_blocks * info.block_size) - prompt_tokens
+
     # -- one request --------------------------------------------------------------------------
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """Streams one request's messages (see the module's docstring)."""
+        """Streams one request's messages (see the module's docstring). ``request["api"]`` names
+        the API it came through, for metrics (default: this path's)."""
         arrival = min(request.get("arrival") or time.time(), time.time())
         try:
             request_id, prompt, params, priority, slo_class, ttft_s, tpot_s = self.check(request)
@@ -161,28 +174,32 @@ class RequestPath:
         engine_priority = priority + self.info.router_config.slo_class(slo_class).priority
         router = random.choice(self.routers)
         first = True
+        run = self._run(journey, router, prompt, params, priority, engine_priority, ttft_s, tpot_s)
         try:
-            async for message in self._run(journey, router, prompt, params, priority, engine_priority, ttft_s,
-                                           tpot_s):
+            async for message in run:
                 if first:
                     message["request_id"] = request_id
                     first = False
                 yield message
         finally:
+            await run.aclose()  # closed now, not when collected: its cleanup frees the request everywhere
             del self.active[request_id]
             if not journey.outcome:
                 journey.outcome = "abort"  # the caller went away: _run's own cleanup released the request
             if self.metrics is not None:
                 self.metrics.finished(journey.outcome, journey.slo_class, journey.ttft_s(), journey.tpot_s(),
-                                      self.api)
+                                      request.get("api", self.api))
 
     async def _run(self, journey: Journey, router, prompt: list[int], params: SamplingParams, priority: int,
                    engine_priority: int, ttft_s: float | None, tpot_s: float | None) -> AsyncIterator[dict]:
         ray = self.ray
         limit = self.info.router_config.migration_limit
-        no_room = 0
+        no_room = placements = 0
         while True:
-            attempt_id = journey.request_id if not journey.attempt else f"{journey.request_id}.{journey.attempt}"
+            # Each placement has an id of its own: a word about an earlier one (forget, finished)
+            # may reach the router after a later placement was asked for.
+            attempt_id = journey.request_id if not placements else f"{journey.request_id}.{placements}"
+            placements += 1
             # After a failure mid-stream the tokens already sent become part of the prompt.
             sent = journey.tokens
             now_prompt = prompt + sent
@@ -191,8 +208,11 @@ class RequestPath:
                                           ttft_s, tpot_s, priority, journey.arrival)
             try:
                 decision: Decision = await placing
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # the caller went away while the router decided
                 ray.cancel(placing)
+                # Whatever the router did meanwhile is undone: a cancelled call may still have
+                # placed it, and forget (after place, in order) drops such a placement.
+                router.forget.remote(attempt_id)
                 raise
             except ray.exceptions.RayActorError:
                 journey.outcome = "unavailable"
@@ -215,7 +235,7 @@ class RequestPath:
             if journey.placed_at is None:
                 journey.placed_at = placed_at
             failure: tuple[str, str | None] | None = None  # (why, the worker that failed)
-            out_of_room = ended = False
+            out_of_room = ended = placement_sent = False
             stream = None
             try:
                 stream = self.worker(decision.decode).generate.options(num_returns="streaming").remote(
@@ -243,12 +263,15 @@ class RequestPath:
                     message = {"token_ids": item["token_ids"], "text": item["text"], "finished": item["finished"]}
                     if "logprobs" in item:
                         message["logprobs"] = item["logprobs"]
+                    if not placement_sent:  # the caller learns where its request runs with its first tokens
+                        message["placement"] = [decision.prefill or "", decision.decode or ""]
+                        placement_sent = True
                     if item["finished"]:
                         ended = True
                         self._finish(journey, router, attempt_id, item, placed_at, message)
                         yield message
                         return
-                    if message["token_ids"] or message["text"]:
+                    if message["token_ids"] or message["text"] or "placement" in message:
                         yield message
             except (ray.exceptions.RayActorError, LookupError):
                 failure = (f"decode worker {decision.decode} died", decision.decode)
@@ -293,7 +316,9 @@ class RequestPath:
         info, config = self.info, self.info.router_config
         return {"name": info.model_name, "architecture": info.architecture, "max_model_len": info.max_model_len,
                 "vocab_size": info.vocab_size, "block_size": info.block_size,
-                "has_tokenizer": self.tokenizer is not None, "slo_classes": [c.name for c in config.slo_classes],
+                "has_tokenizer": self.tokenizer is not None,
+                "has_chat_template": self.tokenizer is not None and self.tokenizer.chat_template is not None,
+                "slo_classes": [c.name for c in config.slo_classes],
                 "default_slo_class": config.default_class}
 
     def tokenize(self, text: str) -> list[int]:

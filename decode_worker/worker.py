@@ -49,6 +49,7 @@ class _Stream:
     def __init__(self):
         self.parts: list[dict] = []
         self.ready = asyncio.Event()
+        self.busy: list[asyncio.Future] = []  # calls into the engine (a reserve, a KV receive) still running
 
     def push(self, part: dict) -> None:
         self.parts.append(part)
@@ -147,18 +148,20 @@ class DecodeWorker(EngineWorker):
         self._loop = asyncio.get_running_loop()
         stream = self._streams[request_id] = _Stream()
         ended = False
-        receiving: asyncio.Future | None = None
         try:
             if prefill is None:
+                adding = asyncio.get_running_loop().run_in_executor(
+                    self._calls, self._add_local, request_id, prompt_token_ids, params, priority)
+                stream.busy.append(adding)
                 try:
-                    await self._call(self._add_local, request_id, prompt_token_ids, params, priority)
+                    await asyncio.shield(adding)
                 except InvalidRequestError as exc:
                     ended = True
                     yield {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}
                     return
             else:
-                outcome, receiving = await self._prefill_remote(request_id, prompt_token_ids, params, priority,
-                                                                prefill, transfer_timeout_s, stream_layers)
+                outcome = await self._prefill_remote(stream, request_id, prompt_token_ids, params, priority, prefill,
+                                                     transfer_timeout_s, stream_layers)
                 if "error" in outcome:
                     ended = True
                     yield outcome
@@ -172,55 +175,64 @@ class DecodeWorker(EngineWorker):
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not ended:  # the caller went away: free the request's blocks, once no receive can write them
-                if receiving is not None and not receiving.done():
-                    receiving.add_done_callback(lambda _: self._calls.submit(self._release, request_id))
-                else:
-                    self._calls.submit(self._release, request_id)
+            if not ended:  # the caller went away: free the request's blocks once nothing can still write them
+                asyncio.ensure_future(self._release_after(request_id, list(stream.busy)))
 
-    async def _prefill_remote(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-                              prefill: str, timeout_s: float, stream_layers: bool) -> tuple[dict, asyncio.Future]:
+    async def _release_after(self, request_id: str, busy: list[asyncio.Future]) -> None:
+        """Releases a request once its reserve and KV receive (if any) have ended: a reserve
+        that completes after a release would leak its blocks, and a receive still posted may
+        write into blocks handed to another request."""
+        await asyncio.gather(*busy, return_exceptions=True)
+        await self._call(self._release, request_id)
+
+    async def _prefill_remote(self, stream: _Stream, request_id: str, prompt: list[int], params: SamplingParams,
+                              priority: int, prefill: str, timeout_s: float, stream_layers: bool) -> dict:
         """Reserves blocks, then runs the prefill worker's prefill and this worker's receive
-        together; admits the request once both ended well. Returns what the hand-off did (or an
-        error item) and the receive's future."""
+        together; admits the request once both ended well. Returns what the hand-off did, or an
+        error item. Its engine calls go on ``stream.busy`` for a cancelled caller's cleanup."""
         import ray
 
+        loop = asyncio.get_running_loop()
+        reserving = loop.run_in_executor(self._calls, self._reserve, request_id, prompt, params, priority)
+        stream.busy.append(reserving)
         try:
-            reserved = await self._call(self._reserve, request_id, prompt, params, priority)
+            reserved = await asyncio.shield(reserving)
         except InvalidRequestError as exc:
-            return {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}, None
+            return {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}
         if reserved is None:
-            return _retry(f"{self.name} has no free KV blocks for this prompt now", no_room=True), None
+            return _retry(f"{self.name} has no free KV blocks for this prompt now", no_room=True)
         first_block, dst_blocks = reserved
         pair = self._peers.get(prefill)
         if pair is None:
             await self._call(self._release, request_id)
-            return _retry(f"{self.name} has no KV transfer group with {prefill}"), None
+            return _retry(f"{self.name} has no KV transfer group with {prefill}")
         tag_base = next(self._tags[pair]) * self.engine.model_config.num_layers * TAG_STRIDE % TAG_LIMIT
         target = TransferTarget(pair, tag_base, first_block, timeout_s, stream_layers)
-        loop = asyncio.get_running_loop()
         started = time.perf_counter()
         receiving = loop.run_in_executor(self._receives, self.engine.receive_transfer, pair, request_id, dst_blocks,
                                          tag_base, timeout_s)
+        stream.busy.append(receiving)
         try:
             worker = ray.get_actor(prefill, namespace=self._namespace)
             result = await worker.prefill.remote(request_id, prompt, params, target)
         except (ray.exceptions.RayActorError, ValueError):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
-            receiving.add_done_callback(lambda _: self._calls.submit(self._release, request_id))
-            return _retry(f"prefill worker {prefill} died", failed=prefill), receiving
-        receive_error = await receiving
+            asyncio.ensure_future(self._release_after(request_id, [receiving]))
+            return _retry(f"prefill worker {prefill} died", failed=prefill)
+        receive_error = await asyncio.shield(receiving)
         received_s = time.perf_counter() - started
         if result.error or receive_error:
             await self._call(self._release, request_id)
             why = "; ".join(e for e in (result.error and f"prefill: {result.error}",
                                         receive_error and f"receive: {receive_error}") if e)
-            return _retry(f"KV transfer failed: {why}"), receiving
-        await self._call(self._admit, request_id, result.first_token, result.first_logprob,
-                         result.first_top_logprobs)
+            return _retry(f"KV transfer failed: {why}")
+        admitting = loop.run_in_executor(self._calls, self._admit, request_id, result.first_token,
+                                         result.first_logprob, result.first_top_logprobs)
+        stream.busy.append(admitting)
+        await asyncio.shield(admitting)
         self.metrics.received(len(dst_blocks) * self.engine.runner.block_bytes, received_s)
         return {"prefill": prefill, "blocks_cached_on_decode": first_block, "blocks_sent": result.blocks_sent,
-                "prefill_cached_tokens": result.cached_tokens}, receiving
+                "prefill_cached_tokens": result.cached_tokens}
 
     # -- on the call threads (the engine under its lock) ---------------------------------------
 

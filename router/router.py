@@ -41,7 +41,10 @@ from router.waiting import WaitingQueue
 
 
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
-HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
+MIN_TTFT_S = 0.001  # the least TTFT any prediction gives
+GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
+HITS_TTL_S = 0.5
+REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)  # how long a waiting request's prefix hits are reused before they are looked up again
 
 
 class RegistryUnavailable(RuntimeError):
@@ -144,10 +147,12 @@ class Router:
         self._loads_read_at = -math.inf
         self._last_hits: dict[str, int] | None = None
         self._changes = 0  # finished or forgotten placements, failed workers: reasons to offer the queue again
+        self._gone: dict[str, float] = {}  # forgotten before they were placed (oldest first, bounded)
         self._offered_state: tuple | None = None
         self._registry_down_since: float | None = None
         self._registry_error = ""
         self._reported: set[str] = set()  # workers whose load report has ever been read
+        self._last_seen: dict[str, tuple[WorkerLoad, float]] = {}  # each worker's last report, and when read
         self.waiting = WaitingQueue(self.config.queue_limit)
         self._residual = {"remote": (0.0, -math.inf), "local": (0.0, -math.inf)}  # (value, when last learned)
 
@@ -168,17 +173,24 @@ class Router:
 
     def _read_loads(self, now: float) -> dict[str, WorkerLoad] | None:
         """Live workers' reports (refreshed at most every ``load_refresh_s``), or None while the
-        registry is unreachable."""
+        registry is unreachable. A worker whose report lapsed (its heartbeat expired: a worker
+        starved of CPU can miss a few) keeps its last report for ``REPORT_GRACE_S``: a worker
+        is dead when the actor system says so (a call to it fails, and the caller tells the
+        router), not when it is slow to report."""
         if self._registry_down_since is not None and now - self._registry_down_since < self.config.registry_retry_s:
             return None
         if now - self._loads_read_at >= self.config.load_refresh_s or self._registry_down_since is not None:
             try:
-                self._loads = self.registry.loads(self.topology.workers)
+                fresh = self.registry.loads(self.topology.workers)
             except RegistryUnavailable as exc:
                 self._mark_down(now, exc)
                 return None
+            for worker, load in fresh.items():
+                self._last_seen[worker] = (load, now)
+            self._loads = {w: load for w, (load, seen) in self._last_seen.items()
+                           if w in fresh or now - seen <= REPORT_GRACE_S}
             self._loads_read_at = now
-            self._reported.update(self._loads)
+            self._reported.update(fresh)
             self._registry_down_since = None
         return self._loads
 
@@ -190,12 +202,19 @@ class Router:
         self._registry_error = str(exc)
 
     def model(self, load: WorkerLoad) -> StepTimeModel:
-        """The worker's step-time model, refitted only when its reported steps changed."""
+        """The worker's step-time model, refitted only when its reported steps changed. A phase
+        the latest steps have no samples of (a decode worker's report after a run of decode
+        steps holds no prefill) keeps its last fit rather than being predicted as free."""
         cached = self._models.get(load.worker)
         if cached is None or cached[0] is not load.steps:  # a report read since (steps compared once)
-            model = (cached[1] if cached is not None and cached[0] == load.steps
-                     else StepTimeModel.fit(load.steps, load.max_num_batched_tokens))
-            cached = self._models[load.worker] = (load.steps, model)
+            if cached is not None and cached[0] == load.steps:
+                fitted = cached[1]
+            else:
+                fitted = StepTimeModel.fit(load.steps, load.max_num_batched_tokens)
+                if cached is not None:
+                    fitted = replace(fitted, prefill=fitted.prefill or cached[1].prefill,
+                                     decode=fitted.decode or cached[1].decode)
+            cached = self._models[load.worker] = (load.steps, fitted)
         return cached[1]
 
     # -- placing --------------------------------------------------------------------------
@@ -223,8 +242,13 @@ class Router:
 
     def submit(self, request: RouteRequest, now: float | None = None) -> Decision:
         """``route``, holding a request that must wait: it is answered by a later
-        ``retry_waiting`` (or dropped by ``cancel``). A full queue rejects instead."""
+        ``retry_waiting`` (or dropped by ``cancel``). A full queue rejects instead. A request
+        already forgotten (its caller left, and the word came before the request itself: an
+        asyncio actor runs calls out of order) is not placed."""
         now = time.time() if now is None else now
+        if self._gone.pop(request.request_id, None) is not None:
+            return Decision("reject", request.request_id, slo_class=self._class_of(request).name,
+                            reason="its caller went away before it was placed")
         decision = self.route(request, now)
         if decision.action != "queue":
             return decision
@@ -377,9 +401,9 @@ class Router:
                               tpot_s=tpot, decode_has_room=has_room,
                               rotation_slot=(p, d) == (turn_p, turn_d))
                 c.correction_s = remote_correction
-                c.ttft_s = c.queue_s + c.prefill_s + c.transfer_s + reserve_wait + c.correction_s
+                c.ttft_s = _corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_wait, c.correction_s)
                 c.ttft_s = max(c.ttft_s, slot_wait + c.correction_s)  # the KV may land before a slot frees
-                c.idle_ttft_s, c.idle_tpot_s = c.prefill_s + c.transfer_s + c.correction_s, idle_tpot
+                c.idle_ttft_s, c.idle_tpot_s = _corrected(c.prefill_s + c.transfer_s, c.correction_s), idle_tpot
                 candidates.append(c)
             mostly_cached = cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable
             if d in colocated or mostly_cached or n - hit_d * bs <= self.config.local_prefill_max_tokens:
@@ -391,8 +415,8 @@ class Router:
                               tpot_s=tpot, decode_has_room=has_room,
                               rotation_slot=d == turn_d and (turn_p is None or d in colocated))
                 c.correction_s = local_correction
-                c.ttft_s = c.queue_s + c.prefill_s + c.correction_s
-                c.idle_ttft_s, c.idle_tpot_s = local_prefill + c.correction_s, idle_tpot
+                c.ttft_s = _corrected(c.queue_s + c.prefill_s, c.correction_s)
+                c.idle_ttft_s, c.idle_tpot_s = _corrected(local_prefill, c.correction_s), idle_tpot
                 candidates.append(c)
         return candidates
 
@@ -469,9 +493,14 @@ class Router:
     # -- what happened afterwards ---------------------------------------------------------
 
     def forget(self, request_id: str) -> Decision | None:
-        """The request was not started after all (e.g. its decode worker had no room)."""
+        """The request was not started after all (its decode worker had no room, its caller
+        went away). Forgetting one not placed yet keeps it from being placed later."""
         placed = self.inflight.pop(request_id, None)
         if placed is None:
+            if not self.waiting.remove(request_id):
+                self._gone[request_id] = time.time()
+                while len(self._gone) > GONE_KEPT:
+                    self._gone.pop(next(iter(self._gone)))
             return None
         self._changed()
         return placed.decision
@@ -522,6 +551,13 @@ class Router:
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
             "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},
         }
+
+
+def _corrected(predicted_s: float, correction_s: float) -> float:
+    """A TTFT prediction with the learned correction: a correction that the model over-predicts
+    may take off at most half of the prediction, and no prediction is under MIN_TTFT_S (no
+    request crosses two hops and a model step faster)."""
+    return max(predicted_s + correction_s, predicted_s / 2, MIN_TTFT_S)
 
 
 def _meets(ttft_s: float, tpot_s: float, cls: SloClass) -> bool:

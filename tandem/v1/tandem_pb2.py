@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\xd8\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"P\n\nObjectives\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x02H\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\tslo_class\x18\x06 \x01(\t\x12)\n\nobjectives\x18\x07 \x01(\x0b\x32\x15.tandem.v1.Objectives\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x02\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x02\"\x91\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x15\n\rdecode_worker\x18\n \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xb5\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x13\n\x0bslo_classes\x18\x07 \x03(\t\x12\x19\n\x11\x64\x65\x66\x61ult_slo_class\x18\x08 \x01(\t\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xa5\x02\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponseB4\n\rdev.tandem.v1P\x01Z!tandem.dev/api/tandem/v1;tandemv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\xd8\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobs\"P\n\nObjectives\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x02H\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"\x96\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\t \x01(\x0b\x32\x0f.tandem.v1.ChatH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x11\n\tslo_class\x18\x06 \x01(\t\x12)\n\nobjectives\x18\x07 \x01(\x0b\x32\x15.tandem.v1.Objectives\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x02\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x02\x12\x0e\n\x06\x65\x32\x65_ms\x18\x04 \x01(\x02\"\x91\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x15\n\rdecode_worker\x18\n \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xd0\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x13\n\x0bslo_classes\x18\x07 \x03(\t\x12\x19\n\x11\x64\x65\x66\x61ult_slo_class\x18\x08 \x01(\t\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xa5\x02\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponseB4\n\rdev.tandem.v1P\x01Z!tandem.dev/api/tandem/v1;tandemv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,31 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OBJECTIVES']._serialized_start=512
   _globals['_OBJECTIVES']._serialized_end=592
   _globals['_GENERATEREQUEST']._serialized_start=595
-  _globals['_GENERATEREQUEST']._serialized_end=840
-  _globals['_TOKENIDS']._serialized_start=842
-  _globals['_TOKENIDS']._serialized_end=865
-  _globals['_TOPLOGPROB']._serialized_start=867
-  _globals['_TOPLOGPROB']._serialized_end=914
-  _globals['_TOKENLOGPROBS']._serialized_start=916
-  _globals['_TOKENLOGPROBS']._serialized_end=984
-  _globals['_USAGE']._serialized_start=986
-  _globals['_USAGE']._serialized_end=1066
-  _globals['_TIMINGS']._serialized_start=1068
-  _globals['_TIMINGS']._serialized_end=1145
-  _globals['_GENERATERESPONSE']._serialized_start=1148
-  _globals['_GENERATERESPONSE']._serialized_end=1421
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1423
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1444
-  _globals['_MODELINFO']._serialized_start=1447
-  _globals['_MODELINFO']._serialized_end=1628
-  _globals['_TOKENIZEREQUEST']._serialized_start=1630
-  _globals['_TOKENIZEREQUEST']._serialized_end=1661
-  _globals['_TOKENIZERESPONSE']._serialized_start=1663
-  _globals['_TOKENIZERESPONSE']._serialized_end=1700
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1702
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1740
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1742
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1776
-  _globals['_TANDEM']._serialized_start=1779
-  _globals['_TANDEM']._serialized_end=2072
+  _globals['_GENERATEREQUEST']._serialized_end=873
+  _globals['_TOKENIDS']._serialized_start=875
+  _globals['_TOKENIDS']._serialized_end=898
+  _globals['_CHATMESSAGE']._serialized_start=900
+  _globals['_CHATMESSAGE']._serialized_end=944
+  _globals['_CHAT']._serialized_start=946
+  _globals['_CHAT']._serialized_end=994
+  _globals['_TOPLOGPROB']._serialized_start=996
+  _globals['_TOPLOGPROB']._serialized_end=1043
+  _globals['_TOKENLOGPROBS']._serialized_start=1045
+  _globals['_TOKENLOGPROBS']._serialized_end=1113
+  _globals['_USAGE']._serialized_start=1115
+  _globals['_USAGE']._serialized_end=1195
+  _globals['_TIMINGS']._serialized_start=1197
+  _globals['_TIMINGS']._serialized_end=1274
+  _globals['_GENERATERESPONSE']._serialized_start=1277
+  _globals['_GENERATERESPONSE']._serialized_end=1550
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1552
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1573
+  _globals['_MODELINFO']._serialized_start=1576
+  _globals['_MODELINFO']._serialized_end=1784
+  _globals['_TOKENIZEREQUEST']._serialized_start=1786
+  _globals['_TOKENIZEREQUEST']._serialized_end=1817
+  _globals['_TOKENIZERESPONSE']._serialized_start=1819
+  _globals['_TOKENIZERESPONSE']._serialized_end=1856
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1858
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1896
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1898
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1932
+  _globals['_TANDEM']._serialized_start=1935
+  _globals['_TANDEM']._serialized_end=2228
 # @@protoc_insertion_point(module_scope)
