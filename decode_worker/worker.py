@@ -200,11 +200,16 @@ class DecodeWorker(EngineWorker):
         target = TransferTarget(pair, tag_base, first_block, timeout_s, stream_layers)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        times: dict[str, float] = {}  # wall clock, for the request's trace
+        receive_started = time.time()
         receiving = loop.run_in_executor(self._receives, self.engine.receive_transfer, pair, request_id, dst_blocks,
                                          tag_base, timeout_s)
+        receiving.add_done_callback(lambda _: times.setdefault("received", time.time()))
         try:
             worker = ray.get_actor(prefill, namespace=self._namespace)
+            prefill_started = time.time()
             result = await worker.prefill.remote(request_id, prompt, params, target)
+            prefill_ended = time.time()
         except (ray.exceptions.RayActorError, ValueError):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
             receiving.add_done_callback(lambda _: self._calls.submit(self._release, request_id))
@@ -218,9 +223,13 @@ class DecodeWorker(EngineWorker):
             return _retry(f"KV transfer failed: {why}"), receiving
         await self._call(self._admit, request_id, result.first_token, result.first_logprob,
                          result.first_top_logprobs)
-        self.metrics.received(len(dst_blocks) * self.engine.runner.block_bytes, received_s)
+        nbytes = len(dst_blocks) * self.engine.runner.block_bytes
+        self.metrics.received(nbytes, received_s)
         return {"prefill": prefill, "blocks_cached_on_decode": first_block, "blocks_sent": result.blocks_sent,
-                "prefill_cached_tokens": result.cached_tokens}, receiving
+                "prefill_cached_tokens": result.cached_tokens, "bytes": nbytes,
+                "times": {"prefill": [prefill_started, prefill_ended],
+                          "receive": [receive_started, times.get("received", prefill_ended)],
+                          "admitted": time.time()}}, receiving
 
     # -- on the call threads (the engine under its lock) ---------------------------------------
 
