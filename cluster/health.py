@@ -78,10 +78,11 @@ class HealthMonitor:
 
     async def router_statuses(self) -> dict[str, dict]:
         """The routers' statuses by name; a router that does not answer is looked up again."""
-        statuses = await self._gather({name: handle for name, handle in self._router_handles().items()}, "status")
+        handles = self._router_handles()
+        statuses = await self._gather(handles, "status")
         answering = {name: s for name, s in statuses.items() if s is not None}
-        if len(answering) < len(self.info.routers):
-            self.path.routers = self.path.find_routers()
+        if len(answering) != len(self.path.routers):  # one was lost, or is back: requests use those that answer
+            self.path.routers = [handles[name] for name in answering]
         return answering
 
     def _router_handles(self) -> dict[str, object]:

@@ -21,7 +21,7 @@ CLEAR = "\x1b[H\x1b[2J"
 
 
 def _bar(used: int, total: int, width: int = 10) -> str:
-    filled = round(width * used / total) if total else 0
+    filled = min(width, max(1 if used else 0, round(width * used / total))) if total else 0
     return "#" * filled + "." * (width - filled)
 
 
