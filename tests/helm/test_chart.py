@@ -612,7 +612,7 @@ def test_notes_tell_how_to_reach_the_api(helm, case):
     assert done.returncode == 0, done.stderr
     notes = done.stdout.partition("NOTES:")[2]
     values = values_of(case)
-    assert "tandem generate --addr" in notes
+    assert "tandem generate --addr" in notes and "tandem top --addr" in notes
     if values["server"]["service"]["type"] == "LoadBalancer":
         assert "loadBalancer.ingress" in notes
     else:
