@@ -58,7 +58,7 @@ def free_port() -> int:
 
 def start_cluster(args, model_dir: Path, cache: Path) -> str:
     topology = {
-        "cluster": {"name": CLUSTER}, "model": {"path": str(model_dir)}, "server": {"port": free_port()},
+        "cluster": {"name": CLUSTER}, "model": {"path": str(model_dir)}, "server": {"port": free_port(), "http_port": 0},
         "prefill": {"max_num_seqs": args.serves}, "decode": {"max_num_seqs": args.serves},
         "kv": {"num_blocks": 4096},
     }

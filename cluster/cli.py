@@ -46,6 +46,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                      help="KV transport by name (default: torch_distributed: gloo on CPUs, NCCL on GPUs)")
     dis.add_argument("--policy", default="slo", choices=["slo", "prefix_affinity", "least_loaded", "round_robin"],
                      help="router placement policy (default: slo)")
+    dis.add_argument("--local-prefill-max-tokens", type=int, metavar="N",
+                     help="a decode worker may prefill a prompt with at most N tokens left to compute itself, "
+                          "when predicted better (default: 256; 0: every prompt's KV travels)")
     dis.add_argument("--redis-url",
                      help="registry Redis, e.g. redis://:PASSWORD@host:6379/0 or rediss:// for TLS "
                           "(default: a private redis-server on 127.0.0.1, stopped with the cluster)")
@@ -109,7 +112,7 @@ def _make_llm(args: argparse.Namespace):
         for flag in ("prefill_tp", "decode_tp", "prefill_workers", "decode_workers"):
             if getattr(args, flag) != 1:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --disaggregated")
-        for flag, default in (("policy", "slo"), ("redis_url", None)):
+        for flag, default in (("policy", "slo"), ("redis_url", None), ("local_prefill_max_tokens", None)):
             if getattr(args, flag) != default:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --disaggregated")
         return LLM(args.model, **engine_args)
@@ -121,7 +124,8 @@ def _make_llm(args: argparse.Namespace):
     return DisaggregatedLLM(
         args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, transfer_timeout_s=args.transfer_timeout, kv_transport=args.kv_transport,
-        policy=args.policy, registry_url=args.redis_url, **engine_args,
+        policy=args.policy, registry_url=args.redis_url, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        **engine_args,
     )
 
 

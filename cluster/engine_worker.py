@@ -12,6 +12,7 @@ heartbeat and its load from a background thread (``cluster/registry/reporter.py`
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -144,6 +145,7 @@ class EngineWorker:
         with self._lock:
             scheduler, blocks, stats = engine.scheduler, engine.block_manager, engine.stats
             return {"name": self.name, "role": self.role, "tp": engine.config.tensor_parallel_size, "state": state,
+                    "pid": os.getpid(),
                     "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks, "kv_blocks": blocks.num_blocks,
                     "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                     "receiving": len(scheduler.receiving), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,

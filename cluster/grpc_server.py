@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.engine.chat_template import ChatPrompt
 from cluster.topology import ClusterSpec
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
@@ -51,10 +52,15 @@ def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
     """The request path's request mapping; RequestError names the field that is wrong."""
     kind = request.WhichOneof("prompt")
     if kind is None:
-        raise RequestError("prompt: give text or token_ids")
-    prompt = request.text if kind == "text" else list(request.token_ids.ids)
-    if not prompt:
-        raise RequestError(f"{'text' if kind == 'text' else 'token_ids.ids'}: the prompt is empty")
+        raise RequestError("prompt: give text, token_ids or chat")
+    if kind == "chat":
+        if not request.chat.messages:
+            raise RequestError("chat.messages: the chat is empty")
+        prompt = ChatPrompt([{"role": m.role, "content": m.content} for m in request.chat.messages])
+    else:
+        prompt = request.text if kind == "text" else list(request.token_ids.ids)
+        if not prompt:
+            raise RequestError(f"{'text' if kind == 'text' else 'token_ids.ids'}: the prompt is empty")
     sampling = {name: getattr(request.sampling, name) for name in SAMPLING_FIELDS
                 if request.sampling.HasField(name)}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -206,8 +212,9 @@ def build_server(spec: ClusterSpec, path, status=None) -> tuple[grpc.aio.Server,
 
 
 class ApiServer:
-    """The gRPC server on an event loop of its own thread, so it serves the same whoever
-    hosts it (a Ray Serve replica, a test, a plain process)."""
+    """The APIs of one ingress replica, on an event loop of its own thread, so they serve the
+    same whoever hosts them (a Ray Serve replica, a test, a plain process): gRPC on
+    ``server.port`` and, unless ``server.http_port`` is null, the OpenAI-compatible HTTP API."""
 
     def __init__(self, spec: ClusterSpec, path, status=None):
         self._started = threading.Event()
@@ -224,6 +231,7 @@ class ApiServer:
         asyncio.set_event_loop(self._loop)
         try:
             self.server, self.port, self.health = self._loop.run_until_complete(self._start(spec, path, status))
+            self.http_runner, self.http_port, self.http = self._loop.run_until_complete(self._start_http(spec, path))
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
             self._error = exc
             self._started.set()
@@ -239,6 +247,14 @@ class ApiServer:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         return server, port, health_servicer
 
+    @staticmethod
+    async def _start_http(spec: ClusterSpec, path):
+        if spec.server.http_port is None:
+            return None, None, None
+        from cluster.http_server import start_http
+
+        return await start_http(path, spec.server.host, spec.server.http_port, api_token(spec), spec.server.tls)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -248,8 +264,10 @@ class ApiServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     async def serving_changed(self, serving: bool) -> None:
-        """Sets the health service's status (on the server's loop)."""
+        """Sets the health service's status, and the HTTP API's (on the server's loop)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        if self.http is not None:
+            self.http.serving = serving
         for name in ("", SERVICE):
             await self.health.set(name, status)
 
@@ -260,5 +278,7 @@ class ApiServer:
         if not self._thread.is_alive():
             return
         asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result(timeout=grace_s + 10)
+        if self.http_runner is not None:
+            asyncio.run_coroutine_threadsafe(self.http_runner.cleanup(), self._loop).result(timeout=grace_s + 10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

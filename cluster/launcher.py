@@ -156,6 +156,8 @@ def port_problem(spec: ClusterSpec) -> str | None:
     wanted = []
     if spec.server.port and ray_here:
         wanted.append(("server.port", spec.server.host, spec.server.port))
+        if spec.server.http_port:
+            wanted.append(("server.http_port", spec.server.host, spec.server.http_port))
     obs = spec.observability
     if spec.ray.address is None and obs.dashboard:
         wanted.append(("observability.dashboard_port", obs.dashboard_host, obs.dashboard_port))
@@ -181,8 +183,11 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     if detach:
         return _detach(spec, argv)
     spec.model_dir()  # fetches the default model here, with its progress, when none is cached yet
-    if spec.server.port == 0:  # every ingress replica must share one port: choose it now
-        spec = replace(spec, server=replace(spec.server, port=free_port(spec.server.host)))
+    if spec.server.port == 0 or spec.server.http_port == 0:  # every ingress replica shares the ports: choose now
+        server = spec.server
+        spec = replace(spec, server=replace(server, port=server.port or free_port(server.host),
+                                            http_port=free_port(server.host) if server.http_port == 0
+                                            else server.http_port))
         spec_yaml = spec.to_yaml()
     ray, dashboard = start_ray(spec)
     from ray import serve
@@ -213,9 +218,14 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
                  f"(server.host, server.port) did not come up: {exception_line(exc)}")
             return 1
         context = ray.get_runtime_context()
+        http = None
         tls = spec.server.tls
-        state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "dashboard": dashboard,
-                 "tls": bool(tls and tls.cert_file),
+        if spec.server.http_port:
+            scheme = "https" if tls and tls.cert_file else "http"
+            host = f"[{spec.server.host}]" if ":" in spec.server.host else spec.server.host
+            http = f"{scheme}://{host}:{spec.server.http_port}/v1"
+        state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "http": http,
+                 "dashboard": dashboard, "tls": bool(tls and tls.cert_file),
                  "tls_cert": str(Path(tls.cert_file).expanduser().resolve()) if tls and tls.cert_file else None,
                  "auth_token_env": spec.server.auth_token_env,
                  "auth_token_file": (str(Path(spec.server.auth_token_file).expanduser().resolve())
@@ -226,6 +236,8 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state))
         _log(f"cluster {spec.name!r} up in {time.perf_counter() - started:.0f}s")
+        if http:
+            _log(f"OpenAI API: {http} (model {info.model_name!r}); try `curl {http}/models`")
         _log(f"API: {api} (gRPC tandem.v1.Tandem{', TLS' if state['tls'] else ''}, {spec.server.replicas} "
              f"ingress replica(s)); try `tandem generate --addr {api} \"Hello\"`")
         _log(f"dashboard: {dashboard}" if dashboard else "dashboard: off (observability.dashboard: true starts it)")
@@ -271,7 +283,8 @@ def _detach(spec: ClusterSpec, argv: list[str]) -> int:
         state = read_state(spec.name)
         if state and state.get("pid") == child.pid:
             _log(f"cluster {spec.name!r} up in the background (pid {child.pid}, log {log})")
-            _log(f"API: {state['api']}; dashboard: {state['dashboard'] or 'off'}")
+            _log(f"API: {state['api']}; OpenAI API: {state.get('http') or 'off'}; dashboard: "
+                 f"{state['dashboard'] or 'off'}")
             return 0
         if child.poll() is not None:
             said = _last_said(log)

@@ -16,7 +16,8 @@ or a transfer that fails, is retried on another placement. Only when no worker o
 left does the caller get ``unavailable``.
 
 Messages are plain dicts (the API layers turn them into gRPC or HTTP responses): token deltas
-``{"token_ids", "text", "finished", "logprobs"?}``, the first carrying ``request_id``; the last
+``{"token_ids", "text", "finished", "logprobs"?}``, the first carrying ``request_id`` and the first
+of each placement ``placement`` ``[prefill worker, decode worker]``; the last
 also ``finish_reason``, ``usage`` ``[prompt, cached, completion]``, ``timings`` ``[queue,
 TTFT, TPOT, end to end]`` in ms, ``placement`` and ``router_told`` (the router's receipt of
 its record, for a caller that reads goodput next); or an error ``{"error": {"kind",
@@ -160,10 +161,15 @@ class RequestPath:
         if request_id in self.active:
             raise InvalidRequestError(f"request_id {quote(request_id)} is already in flight")
         check_slo_class(request.get("slo_class") or None)
-        sampling = request.get("sampling")
-        params = sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_mapping(sampling or {})
-        check_stop_token_ids(params.stop_token_ids, self.info.vocab_size)
         token_ids = prompt_token_ids(request["prompt"], self.tokenizer, self.info.vocab_size)
+        sampling = request.get("sampling")
+        if not isinstance(sampling, SamplingParams):
+            sampling = dict(sampling or {})
+            if "max_tokens" not in sampling and request.get("max_tokens_default") == "context":
+                sampling["max_tokens"] = max(1, self.room_for(len(token_ids)))  # OpenAI chat: as long as it fits
+            sampling = SamplingParams.from_mapping(sampling)
+        params = sampling
+        check_stop_token_ids(params.stop_token_ids, self.info.vocab_size)
         self.limits.check(Request(request_id, token_ids, params))
         try:
             cls = self.info.router_config.slo_class(request.get("slo_class") or None)
@@ -175,10 +181,17 @@ class RequestPath:
                 raise InvalidRequestError(f"objectives.{name}_ms must be positive, got {value * 1000:g}")
         return request_id, token_ids, params, int(request.get("priority") or 0), cls.name, *objectives
 
+    def room_for(self, prompt_tokens: int) -> int:
+        """Most tokens a prompt this long may generate: to the end of the context, and no more
+        than the smallest generating worker's KV cache holds."""
+        info = self.info
+        return min(info.max_model_len, info.num_blocks * info.block_size) - prompt_tokens
+
     # -- one request --------------------------------------------------------------------------
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """Streams one request's messages (see the module's docstring)."""
+        """Streams one request's messages (see the module's docstring). ``request["api"]`` names
+        the API it came through, for metrics (default: this path's)."""
         arrival = min(request.get("arrival") or time.time(), time.time())
         try:
             request_id, prompt, params, priority, slo_class, ttft_s, tpot_s = self.check(request)
@@ -211,9 +224,9 @@ class RequestPath:
                 journey.outcome = "abort"  # the caller went away: _run's own cleanup released the request
             if self.metrics is not None:
                 self.metrics.finished(journey.outcome, journey.slo_class, journey.ttft_s(), journey.tpot_s(),
-                                      self.api)
+                                      request.get("api", self.api))
             if self.tracer is not None:
-                self.tracer.record(journey, self.api, request.get("traceparent"), time.time())
+                self.tracer.record(journey, request.get("api", self.api), request.get("traceparent"), time.time())
 
     async def _run(self, journey: Journey, router, prompt: list[int], params: SamplingParams, priority: int,
                    engine_priority: int, ttft_s: float | None, tpot_s: float | None) -> AsyncIterator[dict]:
@@ -257,7 +270,7 @@ class RequestPath:
             if journey.placed_at is None:
                 journey.placed_at = placed_at
             failure: tuple[str, str | None] | None = None  # (why, the worker that failed)
-            out_of_room = ended = False
+            out_of_room = ended = placement_sent = False
             stream = None
             try:
                 stream = self.worker(decision.decode).generate.options(num_returns="streaming").remote(
@@ -289,13 +302,16 @@ class RequestPath:
                     message = {"token_ids": item["token_ids"], "text": item["text"], "finished": item["finished"]}
                     if "logprobs" in item:
                         message["logprobs"] = item["logprobs"]
+                    if not placement_sent:  # the caller learns where its request runs with its first tokens
+                        message["placement"] = [decision.prefill or "", decision.decode or ""]
+                        placement_sent = True
                     if item["finished"]:
                         ended = True
                         self._finish(journey, router, attempt_id, item, placed_at, message)
                         attempt.ended_at = journey.finished_at
                         yield message
                         return
-                    if message["token_ids"] or message["text"]:
+                    if message["token_ids"] or message["text"] or "placement" in message:
                         yield message
             except (ray.exceptions.RayActorError, LookupError):
                 failure = (f"decode worker {decision.decode} died", decision.decode)
@@ -348,7 +364,9 @@ class RequestPath:
         info, config = self.info, self.info.router_config
         return {"name": info.model_name, "architecture": info.architecture, "max_model_len": info.max_model_len,
                 "vocab_size": info.vocab_size, "block_size": info.block_size,
-                "has_tokenizer": self.tokenizer is not None, "slo_classes": [c.name for c in config.slo_classes],
+                "has_tokenizer": self.tokenizer is not None,
+                "has_chat_template": self.tokenizer is not None and self.tokenizer.chat_template is not None,
+                "slo_classes": [c.name for c in config.slo_classes],
                 "default_slo_class": config.default_class}
 
     def tokenize(self, text: str) -> list[int]:

@@ -69,7 +69,8 @@ def _goodput_view(view: tandem_pb2.GoodputView, scopes: dict) -> None:
 
 def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashboard: str | None = None) -> dict:
     """``tandem status --json``: the workers, the routers summed (``router``, as with one
-    router) and each, goodput (None while the registry is unreachable), and health."""
+    router; ``routers`` counts them, ``each_router`` lists them), goodput (None while the
+    registry is unreachable), and health."""
     raw = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     routers = raw.get("routers", [])
     for router in routers:
@@ -85,7 +86,8 @@ def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashb
     if message.HasField("last_minute"):
         goodput = {window: _windows(raw[window]) for window in ("last_minute", "last_hour")}
     return {"cluster": message.cluster, "model": message.model, "serving": message.serving, "health": message.health,
-            "workers": raw.get("workers", []), "router": router, "routers": routers, "goodput": goodput,
+            "workers": raw.get("workers", []), "router": router, "routers": len(routers), "each_router": routers,
+            "goodput": goodput,
             "queued": router["waiting"], "in_flight": router["in_flight"], "api": api, "dashboard": dashboard}
 
 

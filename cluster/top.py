@@ -41,7 +41,7 @@ def render(status: dict, previous: dict | None, elapsed_s: float | None, now: fl
             return ""
         return f" ({(router[key] - previous['router'][key]) / elapsed_s:.1f}/s)"
 
-    lines += ["", f"routers: {len(status['routers'])}, policy {router['policy']}, registry {router['registry']}",
+    lines += ["", f"routers: {status['routers']}, policy {router['policy']}, registry {router['registry']}",
               f"  placed {router['placed']}{rate('placed')}, prefilled on decode {router['local_prefills']}, "
               f"rejected {router['rejected']}{rate('rejected')}, waiting {router['waiting']}, in flight "
               f"{router['in_flight']}"]

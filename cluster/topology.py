@@ -139,6 +139,10 @@ server
         The gRPC API's bind address. Anything but loopback exposes the API to the network.
     port (50051)
         0..65535; 0 takes any free port.
+    http_port (8000)
+        The OpenAI-compatible HTTP API (``/v1/models``, ``/v1/completions``,
+        ``/v1/chat/completions``) on ``host``, with the same TLS and token as gRPC; 0..65535,
+        0 takes any free port, null turns it off.
     replicas (1)
         Ingress replicas (a Ray Serve deployment), at least 1. Each is a stateless asyncio
         server on the same address (the kernel spreads connections over them, SO_REUSEPORT);
@@ -326,6 +330,7 @@ class ServerSpec:
     auth_token_env: str | None = None
     auth_token_file: str | None = None
     replicas: int = 1
+    http_port: int | None = 8000
 
 
 @dataclass(frozen=True)
@@ -699,6 +704,7 @@ _SERVER = {
     "host": _string(),
     "port": _integer(0, 65535),
     "replicas": _integer(1),
+    "http_port": _integer(0, 65535, null=True),
     "auth_token_env": _ENV,
     "auth_token_file": _string(null=True),
 }
@@ -915,6 +921,10 @@ def _ray(top: _Section) -> RaySpec:
 
 def _check_ports(ctx: _Context, spec: ClusterSpec) -> None:
     taken = {spec.server.port: "server.port"} if spec.server.port else {}
+    if spec.server.http_port:
+        if spec.server.http_port in taken:
+            ctx.error("server.http_port", f"port {spec.server.http_port} is taken by server.port")
+        taken.setdefault(spec.server.http_port, "server.http_port")
     obs = spec.observability
     wanted = [("observability.dashboard_port", obs.dashboard_port if obs.dashboard else None),
               ("observability.metrics_export_port", obs.metrics_export_port)]

@@ -41,6 +41,7 @@ from router.waiting import WaitingQueue
 
 
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
+MIN_TTFT_S = 0.001  # the least TTFT any prediction gives
 HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
 
 
@@ -190,10 +191,16 @@ class Router:
         self._registry_error = str(exc)
 
     def model(self, load: WorkerLoad) -> StepTimeModel:
-        """The worker's step-time model, refitted only when its reported steps changed."""
+        """The worker's step-time model, refitted only when its reported steps changed. A phase
+        the latest steps have no samples of (a decode worker's report after a run of decode
+        steps holds no prefill) keeps its last fit rather than being predicted as free."""
         cached = self._models.get(load.worker)
         if cached is None or cached[0] != load.steps:
-            cached = (load.steps, StepTimeModel.fit(load.steps, load.max_num_batched_tokens))
+            fitted = StepTimeModel.fit(load.steps, load.max_num_batched_tokens)
+            if cached is not None:
+                fitted = replace(fitted, prefill=fitted.prefill or cached[1].prefill,
+                                 decode=fitted.decode or cached[1].decode)
+            cached = (load.steps, fitted)
             self._models[load.worker] = cached
         return cached[1]
 
@@ -376,9 +383,9 @@ class Router:
                               tpot_s=tpot, decode_has_room=has_room,
                               rotation_slot=(p, d) == (turn_p, turn_d))
                 c.correction_s = remote_correction
-                c.ttft_s = c.queue_s + c.prefill_s + c.transfer_s + reserve_wait + c.correction_s
+                c.ttft_s = _corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_wait, c.correction_s)
                 c.ttft_s = max(c.ttft_s, slot_wait + c.correction_s)  # the KV may land before a slot frees
-                c.idle_ttft_s, c.idle_tpot_s = c.prefill_s + c.transfer_s + c.correction_s, idle_tpot
+                c.idle_ttft_s, c.idle_tpot_s = _corrected(c.prefill_s + c.transfer_s, c.correction_s), idle_tpot
                 candidates.append(c)
             mostly_cached = cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable
             if d in colocated or mostly_cached or n - hit_d * bs <= self.config.local_prefill_max_tokens:
@@ -390,8 +397,8 @@ class Router:
                               tpot_s=tpot, decode_has_room=has_room,
                               rotation_slot=d == turn_d and (turn_p is None or d in colocated))
                 c.correction_s = local_correction
-                c.ttft_s = c.queue_s + c.prefill_s + c.correction_s
-                c.idle_ttft_s, c.idle_tpot_s = local_prefill + c.correction_s, idle_tpot
+                c.ttft_s = _corrected(c.queue_s + c.prefill_s, c.correction_s)
+                c.idle_ttft_s, c.idle_tpot_s = _corrected(local_prefill, c.correction_s), idle_tpot
                 candidates.append(c)
         return candidates
 
@@ -526,6 +533,13 @@ class Router:
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
             "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},
         }
+
+
+def _corrected(predicted_s: float, correction_s: float) -> float:
+    """A TTFT prediction with the learned correction: a correction that the model over-predicts
+    may take off at most half of the prediction, and no prediction is under MIN_TTFT_S (no
+    request crosses two hops and a model step faster)."""
+    return max(predicted_s + correction_s, predicted_s / 2, MIN_TTFT_S)
 
 
 def _meets(ttft_s: float, tpot_s: float, cls: SloClass) -> bool:

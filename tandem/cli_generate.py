@@ -34,6 +34,10 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--token-env", metavar="NAME",
                         help="name of the environment variable holding the bearer token")
     parser.add_argument("--tls-ca", metavar="FILE", help="PEM CA certificates: connect with TLS verified by them")
+    parser.add_argument("--raw", action="store_true",
+                        help="send PROMPT as plain text to continue, even where the model has a chat template "
+                             "(otherwise it is one user message of a chat)")
+    parser.add_argument("--system", metavar="TEXT", help="a system message before PROMPT (chat models)")
     parser.add_argument("--json", action="store_true",
                         help="print each response message as one JSON object per line instead of the text")
     parser.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate (server default: 16)")
@@ -88,6 +92,14 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"{PROG}: cannot read --tls-ca {args.tls_ca}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     with client:
+        if not args.raw:
+            try:
+                chat = client.model_info().has_chat_template
+            except TandemError as exc:
+                return _failed(exc, address)
+            if chat:
+                prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                         [{"role": "user", "content": prompt}]
         try:
             stream = client.generate(
                 prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
@@ -97,6 +109,14 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"{PROG}: {exc}", file=sys.stderr)
             return 2
         return _stream(stream, address, as_json=args.json)
+
+
+def _failed(exc: TandemError, address: str) -> int:
+    message = exc.message
+    if _is_unreachable(exc):
+        message = f"cannot reach a Tandem server at {address}: {message}"
+    print(f"{PROG}: {exc.code.name}: {message}", file=sys.stderr)
+    return 1
 
 
 def _stream(stream, address: str, *, as_json: bool) -> int:
@@ -124,11 +144,7 @@ def _stream(stream, address: str, *, as_json: bool) -> int:
             if wrote_text:
                 out.write("\n")
                 out.flush()
-            message = exc.message
-            if _is_unreachable(exc):
-                message = f"cannot reach a Tandem server at {address}: {message}"
-            print(f"{PROG}: {exc.code.name}: {message}", file=sys.stderr)
-            return 1
+            return _failed(exc, address)
         except KeyboardInterrupt:
             stream.cancel()
             print(f"\n{PROG}: interrupted; the request was cancelled", file=sys.stderr)

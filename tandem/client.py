@@ -145,7 +145,8 @@ class TandemClient:
                  **options: Any) -> GenerateStream:
         """Starts a ``Generate`` call; returns its stream of ``GenerateResponse`` messages.
 
-        ``prompt`` is text or a list of token ids; ``options`` are those of
+        ``prompt`` is text, a list of token ids, or a chat (a list of ``{"role", "content"}``
+        dicts, rendered with the model's chat template); ``options`` are those of
         :func:`build_generate_request` (sampling fields, ``slo_class``, ``ttft_ms``/``tpot_ms``
         objectives, ``priority``, ``request_id``, ``model``); sampling options left out take the
         server's defaults. The call starts at once; errors surface while iterating."""
@@ -200,7 +201,7 @@ def _token_ids(ids: Iterable[int], what: str) -> list[int]:
 
 
 def build_generate_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[dict],
     *,
     max_tokens: int | None = None,
     temperature: float | None = None,
@@ -228,6 +229,9 @@ def build_generate_request(
     request = tandem_pb2.GenerateRequest(request_id=request_id, model=model, slo_class=slo_class, priority=priority)
     if isinstance(prompt, str):
         request.text = prompt
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        request.chat.messages.extend(tandem_pb2.ChatMessage(role=str(m.get("role", "")),
+                                                            content=str(m.get("content", ""))) for m in prompt)
     elif isinstance(prompt, (bytes, bytearray)):
         raise TypeError("prompt must be text (str) or a list of token ids, not bytes")
     else:

@@ -13,79 +13,33 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 import yaml
 
 from conftest import random_prompts, wait_for
+from e2e_cluster import Cluster, free_port, tandem, topology
 from node_client import run_node_generate
 from tandem.client import TandemClient, TandemError
 
 pytestmark = pytest.mark.e2e
 
-_SCRIPT = Path(sys.executable).parent / "tandem"
-TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli"]
 PROMPTS = random_prompts([12, 40, 70], seed=21)
 TEXT = "The quick brown fox jumps over the lazy dog."
 MAX_TOKENS = 12
-
-
-def tandem(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    def __init__(self, name: str, topology: dict, tmp: Path, env: dict | None = None):
-        self.name, self.env = name, env or {}
-        self.path = tmp / f"{name}.yaml"
-        self.path.write_text(yaml.safe_dump(topology))
-        self.cache = tmp / "cache"
-        self.env["TANDEM_CACHE_DIR"] = str(self.cache)
-        result = tandem("up", "--topology", str(self.path), "--detach", env=self.env, timeout=600)
-        assert result.returncode == 0, result.stderr
-        self.state = json.loads((self.cache / "clusters" / f"{name}.json").read_text())
-        self.api = self.state["api"]
-
-    def status(self) -> dict:
-        result = tandem("status", "--cluster", self.name, "--json", env=self.env)
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout)
-
-    def ray(self, code: str) -> str:
-        """Runs Python with Ray connected to the cluster (to kill a worker, say); its stdout."""
-        script = (f"import os; os.environ.setdefault('RAY_AUTH_MODE', {self.state['ray_auth_mode']!r}); "
-                  "os.environ.setdefault('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', '0'); import ray; "
-                  f"ray.init(address={self.state['ray_address']!r}, namespace={self.name!r}); {code}")
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr
-        return result.stdout
-
-    def down(self) -> None:
-        result = tandem("down", "--cluster", self.name, env=self.env)
-        assert result.returncode == 0, result.stderr
-
-
-def topology(name: str, model_dir: Path, **overrides) -> dict:
-    spec = {"cluster": {"name": name}, "model": {"path": str(model_dir)}, "server": {"port": 0},
-            "kv": {"num_blocks": 64}, "prefill": {"threads": 1}, "decode": {"threads": 1}}
-    for key, value in overrides.items():
-        spec.setdefault(key, {}).update(value)
-    return spec
+REMOTE_PROMPT = random_prompts([300], seed=22)[0]  # past router.local_prefill_max_tokens: its KV travels
+LONG_PROMPT = random_prompts([40], seed=23)[0]
+LONG_TOKENS = 470  # streams long enough to kill their decode worker in the middle ...
+STREAMS = 12  # ... and enough of them to make each step slower than the kill
 
 
 def reference_tokens(model_dir: Path, tmp: Path) -> dict[str, list[int]]:
@@ -93,6 +47,10 @@ def reference_tokens(model_dir: Path, tmp: Path) -> dict[str, list[int]]:
     lines = [{"id": f"ids{i}", "prompt_token_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
              for i, p in enumerate(PROMPTS)]
     lines.append({"id": "text", "prompt": TEXT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    lines.append({"id": "remote", "prompt_token_ids": REMOTE_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+                  "ignore_eos": True})
+    lines.append({"id": "long", "prompt_token_ids": LONG_PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0,
+                  "ignore_eos": True})
     source, out = tmp / "in.jsonl", tmp / "out.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     result = tandem("run", "--model", str(model_dir), "--input", str(source), "--output", str(out), "--quiet",
@@ -142,6 +100,8 @@ def test_streamed_tokens_equal_tandem_run(default_cluster, reference):
             assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), MAX_TOKENS)
             assert last.timings.ttft_ms > 0 and last.timings.e2e_ms >= last.timings.ttft_ms
             assert messages[0].request_id and last.decode_worker == "decode-0"
+        tokens, messages = stream_tokens(client, REMOTE_PROMPT)
+        assert tokens == reference["remote"] and messages[-1].prefill_worker == "prefill-0"
         tokens, messages = stream_tokens(client, TEXT)
         assert tokens == reference["text"]
         assert "".join(m.text for m in messages) == client.detokenize(tokens)
@@ -241,6 +201,50 @@ def test_drill_an_impossible_objective_and_a_burst_never_wedge_the_cluster(defau
     assert all(abs(c) <= 0.5 for c in router["ttft_correction_s"].values())
 
 
+def test_a_thousand_requests_with_a_third_cancelled_leave_no_block_in_use(default_cluster):
+    """1,000 requests, 64 at a time, 30% of them cancelled at a random moment (before their
+    placement, while streaming, or just after their first token): afterwards no worker holds a
+    block, the router holds nothing, and every request that was not cancelled finished."""
+    import asyncio
+    import random
+
+    from tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+    rng = random.Random(5)
+    prompts = random_prompts([8 + rng.randrange(120) for _ in range(1000)], seed=6)
+    plan = [rng.random() < 0.3 for _ in range(1000)]
+    delays = [rng.choice([0.0, 0.002, 0.01, 0.05, 0.2]) for _ in range(1000)]
+
+    async def one(stub, i: int, gate: asyncio.Semaphore) -> str:
+        request = tandem_pb2.GenerateRequest(token_ids=tandem_pb2.TokenIds(ids=prompts[i]), slo_class="batch")
+        request.sampling.max_tokens = 24
+        request.sampling.ignore_eos = True
+        async with gate:
+            call = stub.Generate(request, timeout=300)
+            if plan[i]:
+                await asyncio.sleep(delays[i])
+                call.cancel()
+                return "cancelled"
+            async for response in call:
+                if response.finished:
+                    return response.finish_reason
+            return "no end"
+
+    async def run() -> list[str]:
+        gate = asyncio.Semaphore(64)
+        async with grpc.aio.insecure_channel(default_cluster.api) as channel:
+            stub = tandem_pb2_grpc.TandemStub(channel)
+            return await asyncio.gather(*(one(stub, i, gate) for i in range(1000)))
+
+    outcomes = asyncio.run(run())
+    assert sum(o == "cancelled" for o in outcomes) == sum(plan)
+    assert all(o == "length" for o, cancelled in zip(outcomes, plan) if not cancelled)
+    status = wait_for(lambda: (s := default_cluster.status()) and all(
+        w["kv_blocks_used"] == 0 and w["running"] == 0 and w["waiting"] == 0 for w in s["workers"]) and
+        s["in_flight"] == 0 and s["queued"] == 0 and s, 120, "every block to be free", every_s=0.5)
+    assert status["router"]["in_flight"] == 0
+
+
 def test_deadline_and_cancellation_free_every_block(default_cluster):
     """Calls ended by their deadline (server side) or cancelled by the client leave no block in
     use. Whether a given call beats its 0.3 s deadline is the machine's business: both endings
@@ -295,7 +299,7 @@ def test_status_and_metrics(default_cluster):
 
     with TandemClient(default_cluster.api, timeout_s=120) as client:
         stream_tokens(client, PROMPTS[0])
-        stream_tokens(client, random_prompts([300], seed=43)[0])  # longer than a decode worker may prefill: KV travels
+        stream_tokens(client, REMOTE_PROMPT)  # longer than a decode worker may prefill: its KV travels
     result = tandem("status", "--cluster", default_cluster.name, env=default_cluster.env)
     assert result.returncode == 0, result.stderr
     assert "prefill-0  prefill  1   alive" in result.stdout and "decode-0" in result.stdout
@@ -394,25 +398,79 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
 
 def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(model_dir, reference,
                                                                               tmp_path):
+    """Prefill TP 2 to decode TP 1 over gloo (every prompt's KV travels), behind TLS and a token,
+    with two ingress replicas and two routers: tokens equal `tandem run`'s; a decode worker
+    killed mid-stream moves its request without losing or repeating a token; an ingress replica
+    killed leaves the other serving new calls at once."""
     if not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(os.pathsep)):
         pytest.skip("openssl is needed to make the test certificate")
     key, cert = self_signed(tmp_path)
     spec = topology("e2e-tp2", model_dir, prefill={"replicas": 2, "tp": 2}, decode={"replicas": 2},
+                    kv={"num_blocks": 96}, router={"local_prefill_max_tokens": 0, "replicas": 2},
                     server={"tls": {"cert_file": str(cert), "key_file": str(key)},
-                            "auth_token_env": "E2E_TANDEM_TOKEN"})
+                            "auth_token_env": "E2E_TANDEM_TOKEN", "replicas": 2})
     cluster = Cluster("e2e-tp2", spec, tmp_path, env={"E2E_TANDEM_TOKEN": "s3cret"})
+    address = cluster.api.replace("127.0.0.1", "localhost")
+
+    def client(**kwargs) -> TandemClient:
+        return TandemClient(address, token="s3cret", tls_ca_file=str(cert), timeout_s=120, **kwargs)
+
     try:
-        address = cluster.api.replace("127.0.0.1", "localhost")
-        with TandemClient(address, token="s3cret", tls_ca_file=str(cert), timeout_s=120) as client:
+        with client() as c:
             for i, prompt in enumerate(PROMPTS):
-                assert stream_tokens(client, prompt)[0] == reference[f"ids{i}"]
-        with TandemClient(address, tls_ca_file=str(cert), timeout_s=30) as client:
+                tokens, messages = stream_tokens(c, prompt)
+                assert tokens == reference[f"ids{i}"] and messages[-1].prefill_worker.startswith("prefill-")
+        with TandemClient(address, tls_ca_file=str(cert), timeout_s=30) as c:
             with pytest.raises(TandemError) as caught:
-                list(client.generate(PROMPTS[0], max_tokens=2))
+                list(c.generate(PROMPTS[0], max_tokens=2))
             assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
         status = cluster.status()
         assert sorted((w["name"], w["tp"]) for w in status["workers"]) == [
             ("decode-0", 1), ("decode-1", 1), ("prefill-0", 2), ("prefill-1", 2)]
+        assert status["routers"] == 2
+        with cluster.driver() as ask:
+            # A decode worker dies mid-stream: its streams resume on the other one, token-exact.
+            pids = {w["name"]: w["pid"] for w in status["workers"]}
+            with client() as c, ThreadPoolExecutor(max_workers=STREAMS) as pool:
+                streams = [iter(c.generate(LONG_PROMPT, max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True))
+                           for _ in range(STREAMS)]
+                firsts = list(pool.map(next, streams))  # each first message says where its request runs
+                victim = firsts[0].decode_worker
+                os.kill(pids[victim], signal.SIGSTOP)  # frozen at once, mid-stream, however fast it decodes
+                ask(f"ray.kill(ray.get_actor({victim!r}))")
+                rests = list(pool.map(list, streams))
+            for first, rest in zip(firsts, rests):
+                assert [t for m in [first, *rest] for t in m.token_ids] == reference["long"]
+            moved = [rest[-1].decode_worker for first, rest in zip(firsts, rests) if first.decode_worker == victim]
+            assert moved and all(worker not in ("", victim) for worker in moved)
+            # An ingress replica dies: new calls are served at once by the other.
+            replicas = [p for p in psutil.process_iter(["cmdline"])
+                        if "ServeReplica:e2e-tp2:grpc-ingress" in " ".join(p.info["cmdline"] or [])]
+            assert len(replicas) == 2
+            replicas[0].kill()
+            replicas[0].wait(timeout=60)  # gone, its sockets closed: no call can land on it any more
+            for _ in range(3):  # no retry: the replica left serves every call
+                with client() as c:
+                    tokens, _ = stream_tokens(c, PROMPTS[0])
+                assert tokens == reference["ids0"]
+    finally:
+        cluster.down()
+
+
+def test_a_colocated_pool_serves_the_same_tokens(model_dir, reference, tmp_path):
+    """A topology of colocated workers only (each prefills and decodes): the same tokens."""
+    spec = topology("e2e-colocated", model_dir, prefill={"replicas": 0}, decode={"replicas": 0},
+                    colocated={"replicas": 2, "threads": 1})
+    cluster = Cluster("e2e-colocated", spec, tmp_path)
+    try:
+        with TandemClient(cluster.api, timeout_s=120) as c:
+            for i, prompt in enumerate(PROMPTS):
+                tokens, messages = stream_tokens(c, prompt)
+                assert tokens == reference[f"ids{i}"]
+                assert messages[-1].prefill_worker == "" and messages[-1].decode_worker.startswith("colocated-")
+            tokens, _ = stream_tokens(c, REMOTE_PROMPT)
+            assert tokens == reference["remote"]
+        assert sorted(w["role"] for w in cluster.status()["workers"]) == ["colocated", "colocated"]
     finally:
         cluster.down()
 

@@ -414,3 +414,30 @@ def test_a_decode_worker_without_a_free_slot_makes_requests_wait_in_the_router()
     assert third.action == "reject"
     assert "no decode worker has a free slot and KV blocks now for slo_class 'interactive'" in third.reason
     assert route(router, "b", slo_class="batch").action == "place"
+
+
+def test_a_phase_without_fresh_samples_keeps_its_last_fit():
+    """After a run of decode steps a decode worker's report holds no prefill step: its local
+    prefill keeps the last fit instead of being predicted as free."""
+    registry = FakeRegistry()
+    router = Router(TOPOLOGY, registry, config(local_prefill_max_tokens=64))
+    assert route(router, "a").predicted_ttft_s == pytest.approx(0.043)  # local prefill on d0
+    registry.state["d0"] = load("d0", steps=DECODE_STEPS, updated_at=NOW + 0.1)
+    registry.state["d1"] = load("d1", steps=DECODE_STEPS, updated_at=NOW + 0.1)
+    decision = route(router, "b", now=NOW + 0.2)
+    assert decision.prefill is None and decision.predicted_ttft_s == pytest.approx(0.043)
+
+
+def test_a_negative_correction_never_predicts_a_request_as_free():
+    router = Router(TOPOLOGY, FakeRegistry(), config("round_robin", correction_limit_ms=500))
+    route(router, "a")
+    router.finished("a", service_ttft_s=0.001, now=NOW)  # much faster than the 43 ms predicted
+    for i in range(100):
+        route(router, f"r{i}")
+        router.finished(f"r{i}", service_ttft_s=0.001, now=NOW)
+    assert router.correction("remote", NOW) < -0.03
+    decision = route(router, "b")
+    assert decision.predicted_ttft_s == pytest.approx(0.043 / 2)  # at most half the prediction taken off
+    fresh = Router(TOPOLOGY, FakeRegistry(), config())
+    fresh._residual["remote"] = (-0.5, NOW)
+    assert route(fresh, "x", slo_class="interactive", ttft_s=0.000001).action == "reject"

@@ -39,7 +39,7 @@ def test_status_dict_sums_the_routers_and_keeps_the_shape_of_status_json():
     status = status_dict(message(), api="127.0.0.1:1", dashboard=None)
     json.dumps(status)  # plain JSON
     assert status["router"]["placed"] == 14 and status["router"]["waiting"] == 2 and status["queued"] == 2
-    assert status["in_flight"] == 4 and len(status["routers"]) == 2
+    assert status["in_flight"] == 4 and status["routers"] == 2 and len(status["each_router"]) == 2
     assert status["router"]["ttft_correction_s"] == {"remote": 0.01}
     assert status["router"]["ttft_prediction_error"] is None
     workers = {w["name"]: w for w in status["workers"]}

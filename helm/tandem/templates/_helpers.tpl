@@ -202,11 +202,15 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
 {{- if not (kindIs "invalid" $r.skipPrefillFraction) -}}{{- $_ := set $router "skip_prefill_fraction" $r.skipPrefillFraction -}}{{- end -}}
 {{- if not (kindIs "invalid" $r.loadRefreshS) -}}{{- $_ := set $router "load_refresh_s" $r.loadRefreshS -}}{{- end -}}
 {{- if not (kindIs "invalid" $r.registryRetryS) -}}{{- $_ := set $router "registry_retry_s" $r.registryRetryS -}}{{- end -}}
+{{- $_ := set $router "replicas" (int $r.replicas) -}}
+{{- if not (kindIs "invalid" $r.localPrefillMaxTokens) -}}{{- $_ := set $router "local_prefill_max_tokens" (int $r.localPrefillMaxTokens) -}}{{- end -}}
+{{- if not (kindIs "invalid" $r.migrationLimit) -}}{{- $_ := set $router "migration_limit" (int $r.migrationLimit) -}}{{- end -}}
+{{- if not (kindIs "invalid" $r.queueLimit) -}}{{- $_ := set $router "queue_limit" (int $r.queueLimit) -}}{{- end -}}
 {{- $_ := set $t "router" $router -}}
 {{- $registry := dict "url" (include "tandem.registryUrl" .) "password_env" nil -}}
 {{- if include "tandem.redisHasPassword" . -}}{{- $_ := set $registry "password_env" (include "tandem.redisPasswordEnv" .) -}}{{- end -}}
 {{- $_ := set $t "registry" $registry -}}
-{{- $server := dict "host" "0.0.0.0" "port" $v.server.port "tls" nil "auth_token_env" nil "auth_token_file" nil -}}
+{{- $server := dict "host" "0.0.0.0" "port" $v.server.port "tls" nil "auth_token_env" nil "auth_token_file" nil "replicas" (int $v.server.replicas) "http_port" (ternary nil $v.server.httpPort (kindIs "invalid" $v.server.httpPort)) -}}
 {{- if $v.server.tls.enabled -}}
 {{- $_ := set $server "tls" (dict "cert_file" (printf "%s/tls.crt" $v.server.tls.mountPath) "key_file" (printf "%s/tls.key" $v.server.tls.mountPath)) -}}
 {{- end -}}

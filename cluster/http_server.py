@@ -1,0 +1,218 @@
+"""The OpenAI-compatible HTTP API of an ingress replica (aiohttp), beside its gRPC API.
+
+``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed as
+server-sent events (``data: {...}`` chunks, then ``data: [DONE]``) or answered whole. Each
+choice is one request down the request path (``cluster/request_path.py``), so HTTP requests
+are placed, streamed, timed and recorded exactly like gRPC ones (metrics say ``api="http"``).
+Request and response shapes are in ``cluster/openai_api.py``.
+
+The server binds ``server.host``:``server.http_port`` with ``SO_REUSEPORT`` (every ingress
+replica shares the port), serves TLS with the gRPC API's certificate and asks for the same
+bearer token (``Authorization: Bearer <token>``) on every route but ``/health``. A client that
+disconnects aborts its request on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from cluster import openai_api
+from cluster.openai_api import ApiError, Choice, OpenAIRequest
+from cluster.request_limits import MAX_ECHO_CHARS
+
+MAX_BODY_BYTES = 8 * 2**20
+
+
+class OpenAIServer:
+    def __init__(self, path, token: str | None = None):
+        self.path = path
+        self.token = token
+        self.started = int(time.time())
+        self.serving = True  # flipped by the ingress's health checks (503 from /health when not)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._auth])
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        return app
+
+    # -- middlewares ---------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            error = ApiError(exc.status, f"{request.method} {request.path[:MAX_ECHO_CHARS]}: {exc.reason}")
+            return web.json_response(error.body(), status=exc.status)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.token and request.path != "/health" and \
+                request.headers.get("Authorization") != f"Bearer {self.token}":
+            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                           code="invalid_api_key")
+        return await handler(request)
+
+    # -- routes ---------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "serving" if self.serving else "not serving"},
+                                 status=200 if self.serving else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        info = self.path.info
+        return web.json_response(openai_api.models(info.model_name, info.max_model_len, self.started))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, openai_api.parse_completion)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, openai_api.parse_chat)
+
+    async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
+        arrival = time.time()
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        req = parse(body, self.path.info.model_name)
+        requests = [{**r, "arrival": arrival, "api": "http"} for r in req.choice_requests()]
+        if req.stream:
+            return await self._stream(request, req, requests)
+        return await self._whole(req, requests)
+
+    async def _whole(self, req: OpenAIRequest, requests: list[dict]) -> web.Response:
+        choices = [Choice(i) for i in range(req.n)]
+        streams = [self.path.generate(r) for r in requests]
+        try:
+            await asyncio.gather(*(self._collect(s, c) for s, c in zip(streams, choices)))
+        finally:
+            for stream in streams:  # a caller gone (cancelled): abort every choice
+                await stream.aclose()
+        return web.json_response(openai_api.response(req, choices, self._decode))
+
+    @staticmethod
+    async def _collect(stream, choice: Choice) -> None:
+        async for message in stream:
+            if "error" in message:
+                raise openai_api.error_for(message)
+            choice.text += message["text"]
+            choice.token_ids += message["token_ids"]
+            choice.logprobs += message.get("logprobs", [])
+            if message["finished"]:
+                choice.finish_reason = message["finish_reason"]
+                choice.usage = message["usage"]
+
+    async def _stream(self, request: web.Request, req: OpenAIRequest, requests: list[dict]) -> web.StreamResponse:
+        streams = [self.path.generate(r) for r in requests]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for message in stream:
+                    await queue.put((index, message))
+            finally:
+                await queue.put((index, None))
+
+        first = await self._first_messages(streams)  # errors before any token are answered as statuses
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        for index, message in enumerate(first):
+            queue.put_nowait((index, message))
+        choices = [Choice(i) for i in range(req.n)]
+        try:
+            for choice in choices:
+                if req.kind == "chat":
+                    await _send(response, openai_api.chunk(req, choice.index, "", role=True))
+            open_streams = req.n
+            while open_streams:
+                index, message = await queue.get()
+                if message is None:
+                    open_streams -= 1
+                    continue
+                await self._stream_message(response, req, choices[index], message)
+            if req.include_usage:
+                completion = sum(c.usage[2] if c.usage else len(c.token_ids) for c in choices)
+                prompt, cached = (choices[0].usage[0], choices[0].usage[1]) if choices[0].usage else (0, 0)
+                await _send(response, openai_api.usage_chunk(req, openai_api.usage(prompt, completion, cached)))
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            for task in pumps:
+                task.cancel()
+            for stream in streams:
+                await stream.aclose()
+        return response
+
+    async def _first_messages(self, streams) -> list[dict]:
+        """Each choice's first message, so that a request refused before any token (bad field,
+        admission control, no worker) is answered with its status, not an event stream."""
+        firsts = await asyncio.gather(*(anext(s, None) for s in streams), return_exceptions=True)
+        for message in firsts:
+            if isinstance(message, BaseException):
+                raise message
+            if message is not None and "error" in message:
+                for stream in streams:
+                    await stream.aclose()
+                raise openai_api.error_for(message)
+        return [m for m in firsts if m is not None]
+
+    async def _stream_message(self, response, req: OpenAIRequest, choice: Choice, message: dict) -> None:
+        if "error" in message:  # failed after its first token: say so in the stream, then end it
+            error = openai_api.error_for(message)
+            await _send(response, error.body())
+            choice.finish_reason = "error"
+            return
+        logprobs = None
+        if req.logprobs is not None and message.get("logprobs"):
+            logprobs = openai_api.logprobs_block(req.kind, message["logprobs"], message["token_ids"], self._decode,
+                                                 len(choice.text))
+        choice.text += message["text"]
+        choice.token_ids += message["token_ids"]
+        if message["token_ids"] or message["text"]:
+            await _send(response, openai_api.chunk(req, choice.index, message["text"], None, logprobs))
+        if message["finished"]:
+            choice.finish_reason, choice.usage = message["finish_reason"], message["usage"]
+            await _send(response, openai_api.chunk(req, choice.index, "" if req.kind == "completion" else None,
+                                                   choice.finish_reason))
+
+    def _decode(self, token_id: int) -> str:
+        tokenizer = self.path.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+
+async def _send(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def start_http(path, host: str, port: int, token: str | None, tls=None) -> tuple[web.AppRunner, int, OpenAIServer]:
+    """Starts the HTTP API on the running event loop; returns its runner, the port it got and
+    the server (whose ``serving`` the health checks set)."""
+    server = OpenAIServer(path, token)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    context = None
+    if tls is not None and tls.cert_file:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(Path(tls.cert_file), Path(tls.key_file))
+    site = web.TCPSite(runner, host, port, ssl_context=context, reuse_port=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"server.http_port: cannot listen on {host}:{port} ({exc.strerror})") from None
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, bound, server

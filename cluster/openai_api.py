@@ -1,0 +1,360 @@
+"""The OpenAI API's request and response shapes: ``/v1/completions`` and
+``/v1/chat/completions`` bodies become the request path's request mappings, and the path's
+messages become OpenAI responses, stream chunks and error bodies.
+
+Pure functions over dicts (no server here: ``cluster/http_server.py`` serves them), so every
+field's handling is tested alone. Tandem's own sampling and scheduling fields (``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``priority``, ``slo_class``, ``ttft_ms``,
+``tpot_ms``) are accepted as extra body fields, as vLLM accepts its own.
+
+An error a caller can fix is an :class:`ApiError` with OpenAI's body ``{"error": {"message",
+"type", "param", "code"}}`` and its status: 400 naming the field, 401, 404 for another model,
+429 when admission control refuses, 503 when no worker can serve.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from cluster.engine.chat_template import ChatPrompt
+from cluster.request_limits import quote
+
+MAX_CHOICES = 16
+# Fields OpenAI defines that Tandem accepts only at their neutral value.
+_NEUTRAL = {
+    "logit_bias": lambda v: not v,
+    "echo": lambda v: not v,
+    "best_of": lambda v: v in (None, 1),
+    "suffix": lambda v: v in (None, ""),
+    "response_format": lambda v: v is None or (isinstance(v, Mapping) and v.get("type") in (None, "text")),
+    "parallel_tool_calls": lambda v: True,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    "store": lambda v: not v,
+    "metadata": lambda v: True,
+    "modalities": lambda v: v in (None, ["text"]),
+    "reasoning_effort": lambda v: v is None,
+}
+_EXTRA = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "slo_class", "ttft_ms", "tpot_ms",
+          "stop_token_ids", "request_id")
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+           "frequency_penalty", "stream", "stream_options", "user", "logprobs") + _EXTRA
+COMPLETION_FIELDS = frozenset(_COMMON + ("prompt",)) | set(_NEUTRAL)
+CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "top_logprobs", "tools")) | set(_NEUTRAL)
+
+STATUS = {"invalid": 400, "not_found": 404, "rejected": 429, "unavailable": 503}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable_error", 500: "internal_error"}
+CODES = {404: "model_not_found", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or CODES.get(status)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param)
+
+
+@dataclass
+class OpenAIRequest:
+    """One API call: the request mapping for each of its ``n`` choices, and how to answer."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    request: dict  # the request path's mapping (without request_id and arrival)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top logprobs wanted (0: only the sampled token's), or None
+    seed: int | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def choice_requests(self) -> list[dict]:
+        """The request mapping of each choice; with a seed, choice i samples with seed + i so
+        that choices differ yet each is reproducible."""
+        out = []
+        for i in range(self.n):
+            request = {**self.request, "sampling": dict(self.request["sampling"])}
+            if self.seed is not None:
+                request["sampling"]["seed"] = self.seed + i
+            if request.get("request_id") and self.n > 1:
+                request["request_id"] = f"{request['request_id']}-{i}"
+            out.append(request)
+        return out
+
+
+# -- reading requests ---------------------------------------------------------------------------
+
+def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
+    body = _object(body)
+    _known(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "the prompt is empty")
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise invalid("prompt", "give one prompt per request (a string or a list of token ids)")
+    else:
+        raise invalid("prompt", "must be a non-empty string or a list of token ids")
+    logprobs = _optional_int(body, "logprobs", 0, 20)
+    request = _common(body, model_name, default_max_tokens=16)
+    request["prompt"] = prompt
+    if logprobs is not None:
+        request["sampling"]["logprobs"] = logprobs
+    return _finish(body, "completion", model_name, request, logprobs)
+
+
+def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
+    body = _object(body)
+    _known(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("tools", "must be a list of tool definitions")
+    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    request = _common(body, model_name, default_max_tokens=None)
+    request["prompt"] = ChatPrompt(messages, True, tools)
+    request["max_tokens_default"] = "context"  # without max_tokens: until the context (or the KV cache) ends
+    wants = body.get("logprobs")
+    if wants is not None and not isinstance(wants, bool):
+        raise invalid("logprobs", f"must be true or false, got {quote(wants)}")
+    top = _optional_int(body, "top_logprobs", 0, 20)
+    if top is not None and not wants:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    logprobs = (top or 0) if wants else None
+    if logprobs is not None:
+        request["sampling"]["logprobs"] = logprobs
+    return _finish(body, "chat", model_name, request, logprobs)
+
+
+def _finish(body: Mapping, kind: str, model_name: str, request: dict, logprobs: int | None) -> OpenAIRequest:
+    n = _optional_int(body, "n", 1, MAX_CHOICES) or 1
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise invalid("stream", f"must be true or false, got {quote(stream)}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise invalid("stream_options", "may hold only include_usage")
+    if options and not stream:
+        raise invalid("stream_options", "needs stream: true")
+    include_usage = bool(options.get("include_usage"))
+    seed = request["sampling"].pop("seed", None)
+    return OpenAIRequest(kind, model_name, request, n, stream, include_usage, logprobs, seed)
+
+
+def _common(body: Mapping, model_name: str, default_max_tokens: int | None) -> dict:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "the model's name is required (GET /v1/models lists it)")
+    if model != model_name:
+        raise ApiError(404, f"model {quote(model)} is not served here; this cluster serves {quote(model_name)}",
+                       "model")
+    for name, neutral in _NEUTRAL.items():
+        if name in body and not neutral(body[name]):
+            raise invalid(name, f"{quote(body[name])} is not supported by this server")
+    sampling: dict[str, Any] = {}
+    max_tokens = _optional_int(body, "max_tokens", 1, None)
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    elif default_max_tokens is not None:
+        sampling["max_tokens"] = default_max_tokens
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty"):
+        if body.get(name) is not None:
+            sampling[name] = _number(body, name)
+    for name in ("top_k", "seed"):
+        value = _optional_int(body, name, 0, None)
+        if value is not None:
+            sampling[name] = value
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise invalid("stop", "must be a string or a list of non-empty strings")
+        if stops:
+            sampling["stop"] = stops
+    if body.get("stop_token_ids"):
+        ids = body["stop_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise invalid("stop_token_ids", "must be a list of token ids")
+        sampling["stop_token_ids"] = ids
+    if body.get("ignore_eos") is not None:
+        if not isinstance(body["ignore_eos"], bool):
+            raise invalid("ignore_eos", "must be true or false")
+        sampling["ignore_eos"] = body["ignore_eos"]
+    request: dict[str, Any] = {"model": model, "sampling": sampling}
+    slo_class = body.get("slo_class")
+    if slo_class is not None:
+        if not isinstance(slo_class, str):
+            raise invalid("slo_class", "must be a string")
+        request["slo_class"] = slo_class
+    priority = _optional_int(body, "priority", None, None)
+    if priority is not None:
+        request["priority"] = priority
+    for name in ("ttft_ms", "tpot_ms"):
+        if body.get(name) is not None:
+            value = _number(body, name)
+            if not value > 0:
+                raise invalid(name, f"must be positive, got {value:g}")
+            request[name.replace("_ms", "_s")] = value / 1000.0
+    request_id = body.get("request_id")
+    if request_id is not None:
+        if not isinstance(request_id, str) or not request_id:
+            raise invalid("request_id", "must be a non-empty string")
+        request["request_id"] = request_id
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("user", "must be a string")
+    return request
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+def _known(body: Mapping, fields: frozenset) -> None:
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise invalid(unknown[0], "unknown field")
+
+
+def _number(body: Mapping, name: str) -> float:
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(name, f"must be a number, got {quote(value)}")
+    return float(value)
+
+
+def _optional_int(body: Mapping, name: str, minimum: int | None, maximum: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, f"must be an integer, got {quote(value)}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise invalid(name, f"must be {bounds}, got {value}")
+    return value
+
+
+# -- writing responses ----------------------------------------------------------------------------
+
+def error_for(message: dict) -> ApiError:
+    """The request path's error message as an API error with its status."""
+    error = message["error"]
+    status = STATUS.get(error["kind"], 503)
+    param = None
+    text = error["message"]
+    if status == 400:
+        param = text.split(":", 1)[0] if ":" in text.split(" ", 1)[0] else None
+    return ApiError(status, text, param)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+@dataclass
+class Choice:
+    """What one choice produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # (logprob, [(token id, logprob)]) per token
+    finish_reason: str | None = None
+    usage: list[int] | None = None  # [prompt, cached, completion] at the end
+
+
+def logprobs_block(kind: str, entries: list, token_ids: list[int], decode: Callable[[int], str],
+                   text_offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object for the tokens of ``entries``: chat's ``{"content": [...]}`` or
+    completions' ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``."""
+    if not entries:
+        return None
+    if kind == "chat":
+        content = []
+        for token_id, (logprob, top) in zip(token_ids, entries):
+            text = decode(token_id)
+            content.append({"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
+                            "top_logprobs": [{"token": decode(t), "logprob": lp,
+                                              "bytes": list(decode(t).encode("utf-8"))} for t, lp in top]})
+        return {"content": content}
+    tokens = [decode(t) for t in token_ids]
+    offsets, at = [], text_offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [{decode(t): lp for t, lp in top} for _, top in entries], "text_offset": offsets}
+
+
+def response(req: OpenAIRequest, choices: list[Choice], decode: Callable[[int], str]) -> dict:
+    """The whole (not streamed) response."""
+    prompt_tokens = choices[0].usage[0] if choices[0].usage else 0
+    cached = choices[0].usage[1] if choices[0].usage else 0
+    completion = sum(c.usage[2] if c.usage else len(c.token_ids) for c in choices)
+    body_choices = []
+    for c in choices:
+        lp = logprobs_block(req.kind, c.logprobs, c.token_ids, decode) if req.logprobs is not None else None
+        if req.kind == "chat":
+            body_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                 "logprobs": lp, "finish_reason": c.finish_reason})
+        else:
+            body_choices.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+    return {"id": _id(req), "object": "chat.completion" if req.kind == "chat" else "text_completion",
+            "created": req.created, "model": req.model, "choices": body_choices,
+            "usage": usage(prompt_tokens, completion, cached)}
+
+
+def chunk(req: OpenAIRequest, index: int, text: str | None, finish_reason: str | None = None,
+          logprobs: dict | None = None, role: bool = False) -> dict:
+    """One streamed chunk of one choice."""
+    if req.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        kind = "text_completion"
+    return {"id": _id(req), "object": kind, "created": req.created, "model": req.model, "choices": [choice]}
+
+
+def usage_chunk(req: OpenAIRequest, usage_body: dict) -> dict:
+    return {"id": _id(req), "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
+            "created": req.created, "model": req.model, "choices": [], "usage": usage_body}
+
+
+def _id(req: OpenAIRequest) -> str:
+    return ("chatcmpl-" if req.kind == "chat" else "cmpl-") + req.id
+
+
+def models(model_name: str, max_model_len: int, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                        "owned_by": "tandem", "max_model_len": max_model_len}]}

@@ -1,0 +1,92 @@
+"""A Tandem cluster for end-to-end tests: `tandem up --detach` on a topology, its state file,
+`tandem status`, a Ray driver in a process of its own, and `tandem down`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+_SCRIPT = Path(sys.executable).parent / "tandem"
+TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli"]
+
+
+def tandem(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, name: str, topology: dict, tmp: Path, env: dict | None = None):
+        self.name, self.env = name, env or {}
+        self.path = tmp / f"{name}.yaml"
+        self.path.write_text(yaml.safe_dump(topology))
+        self.cache = tmp / "cache"
+        self.env["TANDEM_CACHE_DIR"] = str(self.cache)
+        result = tandem("up", "--topology", str(self.path), "--detach", env=self.env, timeout=600)
+        assert result.returncode == 0, result.stderr
+        self.state = json.loads((self.cache / "clusters" / f"{name}.json").read_text())
+        self.api = self.state["api"]
+
+    def status(self) -> dict:
+        result = tandem("status", "--cluster", self.name, "--json", env=self.env)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def ray(self, code: str) -> str:
+        """Runs Python with Ray connected to the cluster (to kill a worker, say); its stdout."""
+        script = (f"import os; os.environ.setdefault('RAY_AUTH_MODE', {self.state['ray_auth_mode']!r}); "
+                  "os.environ.setdefault('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', '0'); import ray; "
+                  f"ray.init(address={self.state['ray_address']!r}, namespace={self.name!r}); {code}")
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    @contextlib.contextmanager
+    def driver(self):
+        """A Ray driver of the cluster in a process of its own (Ray, once imported in this
+        process, would not join another cluster's auth), answering one Python expression per
+        line at once: to watch and kill actors while a stream is running."""
+        script = (f"import os, sys, json; os.environ.setdefault('RAY_AUTH_MODE', {self.state['ray_auth_mode']!r}); "
+                  "os.environ.setdefault('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', '0'); import ray; "
+                  f"ray.init(address={self.state['ray_address']!r}, namespace={self.name!r}, log_to_driver=False, "
+                  "logging_level='ERROR'); print('ready', flush=True)\n"
+                  "for line in sys.stdin: print(json.dumps(eval(line)), flush=True)")
+        process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   text=True)
+        try:
+            assert process.stdout.readline().strip() == "ready"
+
+            def ask(expression: str):
+                process.stdin.write(expression + "\n")
+                process.stdin.flush()
+                return json.loads(process.stdout.readline())
+
+            yield ask
+        finally:
+            process.stdin.close()
+            process.wait(timeout=60)
+
+    def down(self) -> None:
+        result = tandem("down", "--cluster", self.name, env=self.env)
+        assert result.returncode == 0, result.stderr
+
+
+def topology(name: str, model_dir: Path, **overrides) -> dict:
+    spec = {"cluster": {"name": name}, "model": {"path": str(model_dir)}, "server": {"port": 0, "http_port": 0},
+            "kv": {"num_blocks": 64}, "prefill": {"threads": 1}, "decode": {"threads": 1}}
+    for key, value in overrides.items():
+        spec.setdefault(key, {}).update(value)
+    return spec

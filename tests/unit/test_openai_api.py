@@ -1,0 +1,137 @@
+"""The OpenAI API's shapes: request bodies in, the request path's mappings out; responses,
+stream chunks and error bodies from hand-made messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine.chat_template import ChatPrompt
+from cluster.openai_api import (
+    ApiError, Choice, chunk, error_for, logprobs_block, models, parse_chat, parse_completion, response, usage,
+    usage_chunk,
+)
+
+pytestmark = pytest.mark.unit
+
+MODEL = "tiny"
+
+
+def test_a_completion_body_becomes_a_request_mapping():
+    req = parse_completion({"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "top_p": 0.5,
+                            "stop": "\n", "seed": 7, "presence_penalty": 0.1, "frequency_penalty": 0.2,
+                            "top_k": 3, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True,
+                            "priority": 2, "slo_class": "interactive", "ttft_ms": 250, "tpot_ms": 50,
+                            "user": "u1", "logprobs": 2}, MODEL)
+    assert req.kind == "completion" and req.n == 1 and not req.stream and req.seed == 7 and req.logprobs == 2
+    assert req.request == {
+        "model": MODEL, "prompt": "Hello", "slo_class": "interactive", "priority": 2, "ttft_s": 0.25, "tpot_s": 0.05,
+        "sampling": {"max_tokens": 5, "temperature": 0.0, "top_p": 0.5, "presence_penalty": 0.1,
+                     "frequency_penalty": 0.2, "min_p": 0.05, "repetition_penalty": 1.1, "top_k": 3,
+                     "stop": ["\n"], "ignore_eos": True, "logprobs": 2}}
+    assert [r["sampling"]["seed"] for r in req.choice_requests()] == [7]
+
+
+def test_completion_defaults_and_token_id_prompts():
+    req = parse_completion({"model": MODEL, "prompt": [5, 6, 7]}, MODEL)
+    assert req.request["prompt"] == [5, 6, 7] and req.request["sampling"] == {"max_tokens": 16}
+    assert parse_completion({"model": MODEL, "prompt": ["one"]}, MODEL).request["prompt"] == "one"
+
+
+def test_a_chat_body_renders_through_the_template_and_maps_logprobs():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    req = parse_chat({"model": MODEL, "messages": messages, "max_completion_tokens": 9, "logprobs": True,
+                      "top_logprobs": 3, "n": 2, "seed": 10, "stream": True,
+                      "stream_options": {"include_usage": True}}, MODEL)
+    assert req.request["prompt"] == ChatPrompt(messages, True, None) and req.request["max_tokens_default"] == "context"
+    assert req.request["sampling"] == {"max_tokens": 9, "logprobs": 3}  # no max: the rest of the context
+    assert (req.kind, req.n, req.stream, req.include_usage, req.logprobs) == ("chat", 2, True, True, 3)
+    assert [r["sampling"]["seed"] for r in req.choice_requests()] == [10, 11]  # choices differ, each reproducible
+    assert parse_chat({"model": MODEL, "messages": messages}, MODEL).request["sampling"] == {}
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature", "must be a number"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "must be in [1, 16], got 0"),
+    ({"model": MODEL, "prompt": "x", "colour": "blue"}, 400, "colour", "unknown field"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "is not supported"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "needs stream: true"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt", "the prompt is empty"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ({"prompt": "x"}, 400, "model", "the model's name is required"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "model", "model 'gpt-9' is not served here"),
+    ({"model": MODEL, "prompt": "x", "ttft_ms": 0}, 400, "ttft_ms", "must be positive"),
+])
+def test_bad_completion_bodies_name_the_field(body, status, param, words):
+    with pytest.raises(ApiError) as caught:
+        parse_completion(body, MODEL)
+    assert (caught.value.status, caught.value.param) == (status, param)
+    assert words in caught.value.message
+    error = caught.value.body()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == ("model_not_found" if status == 404 else None)
+
+
+def test_bad_chat_bodies_name_the_field():
+    with pytest.raises(ApiError, match="messages: must be a non-empty list"):
+        parse_chat({"model": MODEL, "messages": []}, MODEL)
+    with pytest.raises(ApiError, match="top_logprobs: needs logprobs: true"):
+        parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, MODEL)
+    with pytest.raises(ApiError, match="the body must be a JSON object"):
+        parse_chat([1, 2], MODEL)
+
+
+def test_path_errors_get_their_status():
+    assert error_for({"error": {"kind": "invalid", "message": "temperature: must be >= 0"}}).status == 400
+    rejected = error_for({"error": {"kind": "rejected", "message": "rejected by admission control: ..."}})
+    assert (rejected.status, rejected.body()["error"]["type"], rejected.code) == (429, "rate_limit_error",
+                                                                                  "rate_limit_exceeded")
+    assert error_for({"error": {"kind": "unavailable", "message": "no live decode worker"}}).status == 503
+    assert error_for({"error": {"kind": "not_found", "message": "model 'x' ..."}}).status == 404
+
+
+def test_whole_responses_and_usage_with_cached_tokens():
+    req = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, MODEL)
+    choices = [Choice(0, "ab", [1, 2], finish_reason="length", usage=[7, 4, 2]),
+               Choice(1, "c", [3], finish_reason="stop", usage=[7, 4, 1])]
+    body = response(req, choices, decode=str)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-") and body["model"] == MODEL
+    assert body["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": "ab"}, "logprobs": None, "finish_reason": "length"},
+        {"index": 1, "message": {"role": "assistant", "content": "c"}, "logprobs": None, "finish_reason": "stop"}]
+    assert body["usage"] == usage(7, 3, 4) == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                                               "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_stream_chunks():
+    chat = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}, MODEL)
+    assert chunk(chat, 0, "", role=True)["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+    assert chunk(chat, 0, None, "stop")["choices"][0]["delta"] == {}
+    assert chunk(chat, 0, "hi")["object"] == "chat.completion.chunk"
+    done = usage_chunk(chat, usage(1, 2, 0))
+    assert done["choices"] == [] and done["usage"]["total_tokens"] == 3
+    completion = parse_completion({"model": MODEL, "prompt": "x", "stream": True}, MODEL)
+    assert chunk(completion, 0, "hi")["choices"] == [{"index": 0, "text": "hi", "logprobs": None,
+                                                      "finish_reason": None}]
+
+
+def test_logprobs_in_both_shapes():
+    entries = [(-0.5, [(65, -0.5), (66, -1.5)]), (-0.25, [(67, -0.25)])]
+    decode = {65: "A", 66: "B", 67: "C"}.get
+    chat = logprobs_block("chat", entries, [65, 67], decode)
+    assert chat == {"content": [
+        {"token": "A", "logprob": -0.5, "bytes": [65],
+         "top_logprobs": [{"token": "A", "logprob": -0.5, "bytes": [65]}, {"token": "B", "logprob": -1.5,
+                                                                            "bytes": [66]}]},
+        {"token": "C", "logprob": -0.25, "bytes": [67], "top_logprobs": [{"token": "C", "logprob": -0.25,
+                                                                          "bytes": [67]}]}]}
+    completion = logprobs_block("completion", entries, [65, 67], decode, text_offset=3)
+    assert completion == {"tokens": ["A", "C"], "token_logprobs": [-0.5, -0.25],
+                          "top_logprobs": [{"A": -0.5, "B": -1.5}, {"C": -0.25}], "text_offset": [3, 4]}
+    assert logprobs_block("chat", [], [], decode) is None
+
+
+def test_models_list():
+    assert models(MODEL, 512, 1000) == {"object": "list", "data": [
+        {"id": MODEL, "object": "model", "created": 1000, "owned_by": "tandem", "max_model_len": 512}]}
