@@ -212,12 +212,15 @@ class RequestPath:
                 yield _error("unavailable", "no router is running")
                 return
             router = random.choice(routers)
-            async for message in self._run(journey, router, prompt, params, priority, engine_priority, ttft_s,
-                                           tpot_s):
-                if first:
-                    message["request_id"] = request_id
-                    first = False
-                yield message
+            run = self._run(journey, router, prompt, params, priority, engine_priority, ttft_s, tpot_s)
+            try:
+                async for message in run:
+                    if first:
+                        message["request_id"] = request_id
+                        first = False
+                    yield message
+            finally:
+                await run.aclose()  # a caller gone mid-stream: its cleanup (cancel, tell the router) now, not at GC
         finally:
             del self.active[request_id]
             if not journey.outcome:
@@ -246,6 +249,7 @@ class RequestPath:
                 decision: Decision = await placing
             except asyncio.CancelledError:
                 ray.cancel(placing)
+                router.cancel.remote(attempt_id, journey.arrival)  # placed or not, it is not in flight
                 raise
             except ray.exceptions.RayActorError:
                 journey.outcome = "unavailable"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -33,6 +33,7 @@ from router.router import Decision, RouteRequest, Router, Topology
 
 SWEEP_EVERY_S = 2.0
 GOODPUT_BUFFER = 10_000
+GONE_KEPT = 10_000  # requests cancelled before their place call ran (see cancel)
 GAUGES_EVERY_S = 2.0  # goodput, attainment and queue gauges: refreshed on a timer, busy or idle
 
 
@@ -59,12 +60,16 @@ class RouterActor:
         self._waiters: dict[str, asyncio.Future] = {}
         self._changed: asyncio.Event | None = None
         self._retrier: asyncio.Task | None = None
+        self._gone: OrderedDict[tuple[str, float | None], None] = OrderedDict()
 
     async def place(self, request_id: str, prompt: str | Sequence[int], max_tokens: int = 16,
                     slo_class: str | None = None, cache_salt: str | None = None, ttft_s: float | None = None,
                     tpot_s: float | None = None, priority: int = 0, arrival: float | None = None) -> Decision:
         """``place`` or ``reject``, answered once the request can be placed. ``arrival`` is the
         wall-clock time the call reached the API, from which its TTFT objective counts."""
+        if (request_id, arrival) in self._gone:  # its caller went away before this call ran
+            del self._gone[(request_id, arrival)]
+            return Decision("reject", request_id, reason="its caller went away")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return Decision("reject", request_id, reason="this model has no tokenizer; send token ids")
@@ -86,6 +91,8 @@ class RouterActor:
             return await waiter
         except asyncio.CancelledError:
             self.router.cancel(request_id)
+            if waiter.done() and not waiter.cancelled() and waiter.result().action == "place":
+                self.router.forget(request_id)  # placed just as its caller went away: not in flight after all
             raise
         finally:
             self._waiters.pop(request_id, None)
@@ -131,12 +138,20 @@ class RouterActor:
                 elif decision.action == "place":  # its caller is gone
                     self.router.forget(decision.request_id)
 
-    def cancel(self, request_id: str) -> None:
-        """Drops a waiting request (its caller went away)."""
-        self.router.cancel(request_id)
+    def cancel(self, request_id: str, arrival: float | None = None) -> None:
+        """Drops a request whose caller went away while it was being placed: waiting, placed
+        just now (its caller never learnt where, so nothing else would end it), or not seen yet
+        (calls may run out of order): then its ``place`` call (the same ``arrival``) places nothing."""
+        waiting = self.router.cancel(request_id)
         waiter = self._waiters.get(request_id)
         if waiter is not None and not waiter.done():
             waiter.cancel()
+        if request_id in self.router.inflight:
+            self.forget(request_id)
+        elif not waiting and waiter is None:
+            self._gone[(request_id, arrival)] = None
+            while len(self._gone) > GONE_KEPT:
+                self._gone.popitem(last=False)
 
     def forget(self, request_id: str) -> None:
         self.router.forget(request_id)

@@ -1,0 +1,169 @@
+"""The OpenAI-compatible HTTP API end to end, with the official ``openai`` package as the client:
+chat and completions, streamed and not, usage with cached tokens on a second turn, ``n``,
+seeds, stop strings, logprobs, every error status, and a disconnect that frees every block.
+
+One cluster (1 prefill + 1 decode worker, the small test checkpoint with a ChatML template),
+behind a bearer token. Greedy answers are compared with `tandem run` on the same messages.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import random_prompts, wait_for
+from e2e_cluster import Cluster, tandem, topology
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "sk-tandem-test"
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT = [{"role": "system", "content": "You answer in one line."}, {"role": "user", "content": "The quick brown fox"}]
+PROMPT = "The quick brown fox jumps over the lazy dog. A"
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("chat-model") / "tiny-chat"
+    shutil.copytree(checkpoint("llama"), directory)
+    (directory / "chat_template.jinja").write_text(CHATML)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("openai")
+    spec = topology("e2e-h16oai", model_dir, server={"auth_token_env": "E2E_OPENAI_TOKEN"})
+    cluster = Cluster("e2e-h16oai", spec, tmp, env={"E2E_OPENAI_TOKEN": TOKEN})
+    yield cluster
+    if (cluster.cache / "clusters" / "e2e-h16oai.json").exists():
+        cluster.down()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.state["http"], api_key=TOKEN, max_retries=0, timeout=120)
+
+
+def tandem_run(model_dir: Path, tmp: Path, lines: list[dict]) -> dict:
+    source, out = tmp / "in.jsonl", tmp / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = tandem("run", "--model", str(model_dir), "--input", str(source), "--output", str(out), "--quiet",
+                    "--num-kv-blocks", "64")
+    assert result.returncode == 0, result.stderr
+    return {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+
+
+def test_models_and_greedy_chat_and_completions_equal_tandem_run(client, model_dir, tmp_path):
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    reference = tandem_run(model_dir, tmp_path, [
+        {"id": "chat", "messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        {"id": "text", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}])
+    chat = client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == reference["chat"]["text"]
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 12
+    assert chat.usage.prompt_tokens == reference["chat"]["usage"]["prompt_tokens"]
+    streamed = client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference["chat"]["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    text = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert text.choices[0].text == reference["text"]["text"]
+    pieces = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=12, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == reference["text"]["text"]
+
+
+def test_a_second_turn_reports_its_cached_tokens(client):
+    first = client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=20, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    turn = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
+                   {"role": "user", "content": "and then?"}]
+    second = client.chat.completions.create(model="tiny-chat", messages=turn, max_tokens=4, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens  # the first turn's full blocks
+    assert cached % 16 == 0
+
+
+def test_n_choices_seeds_stop_strings_and_logprobs(client):
+    sampled = dict(model="tiny-chat", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=123,
+                   extra_body={"ignore_eos": True})
+    three = client.completions.create(n=3, **sampled)
+    assert sorted(c.index for c in three.choices) == [0, 1, 2]
+    assert three.usage.completion_tokens == 24
+    again = client.completions.create(n=3, **sampled)
+    assert [c.text for c in again.choices] == [c.text for c in three.choices]  # a seed gives the same answers
+    greedy = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    stop = greedy[len(greedy) // 2:len(greedy) // 2 + 2]
+    stopped = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True}).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == greedy[:greedy.index(stop)]
+    with_logprobs = client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=5, temperature=0,
+                                                   logprobs=True, top_logprobs=2)
+    content = with_logprobs.choices[0].logprobs.content
+    assert len(content) == with_logprobs.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the top token
+    assert "".join(t.token for t in content) == with_logprobs.choices[0].message.content
+
+
+def test_every_error_status(client, cluster):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny-chat", messages=CHAT, temperature=-1)
+    assert "temperature" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.completions.create(model="tiny-chat", prompt=PROMPT, extra_body={"colour": "blue"})
+    assert unknown.value.body["param"] == "colour"
+    with pytest.raises(openai.BadRequestError, match="messages\\[0\\].role"):
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "wizard", "content": "x"}])
+    wrong = openai.OpenAI(base_url=cluster.state["http"], api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-9", prompt=PROMPT)
+    assert missing.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(model="tiny-chat", prompt=PROMPT, extra_body={"slo_class": "interactive",
+                                                                                "ttft_ms": 0.001})
+    assert "rejected by admission control" in refused.value.message
+
+
+def test_a_disconnected_stream_frees_every_block(cluster):
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"model": "tiny-chat", "prompt": random_prompts([40], seed=3)[0], "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        for _ in range(3):
+            with http.stream("POST", f"{cluster.state['http']}/completions", json=body, headers=headers) as events:
+                lines = events.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))  # streaming: then hang up
+    status = wait_for(lambda: (s := cluster.status()) and all(
+        w["kv_blocks_used"] == 0 and w["running"] == 0 for w in s["workers"]) and s, 60, "every block to be free",
+        every_s=0.5)
+    assert status["in_flight"] == 0
+
+
+def test_no_worker_left_is_503(client, cluster):
+    cluster.ray("ray.kill(ray.get_actor('decode-0'))")
+    deadline = time.monotonic() + 60
+    while True:  # the first call finds the worker dead; after it, every call knows
+        try:
+            client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=2)
+        except openai.InternalServerError as exc:
+            assert exc.status_code == 503 and "decode" in exc.message
+            break
+        assert time.monotonic() < deadline, "decode-0 was never found dead"
