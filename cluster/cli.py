@@ -253,12 +253,16 @@ def _add_service_commands(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    from cluster.bench.cli import add_bench_parser
     from cluster.cli_validate import add_validate_parser
+    from cluster.plan.cli import add_plan_parser
     from tandem.cli_generate import add_generate_parser
 
     _add_service_commands(sub)
     add_validate_parser(sub)
     add_generate_parser(sub)
+    add_bench_parser(sub)
+    add_plan_parser(sub)
     run = sub.add_parser("run", help="offline generation: JSONL requests in, JSONL results out")
     run.add_argument("--input", required=True, help="JSONL file of requests ('-' for stdin)")
     run.add_argument("--output", required=True, help="JSONL file for results ('-' for stdout)")

@@ -109,13 +109,15 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         payload["arrival"] = arrival
         payload["traceparent"] = dict(context.invocation_metadata() or ()).get("traceparent")  # joins the caller's trace
+        # Written with context.write, not yielded: a cancelled call then cancels this coroutine at
+        # once (a handler that yields is only dropped, and its cleanup waits for the collector).
         messages = self.path.generate(payload)
         try:
             async for message in messages:
                 if "error" in message:
                     error = message["error"]
                     await context.abort(CODES.get(error["kind"], grpc.StatusCode.UNAVAILABLE), error["message"])
-                yield response_message(message)
+                await context.write(response_message(message))
                 if message["finished"]:
                     return
         finally:

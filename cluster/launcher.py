@@ -5,9 +5,10 @@ placement groups, the registry and the routers: ``cluster/deployment.py``) and t
 replicas through Ray Serve. The ``up`` process owns the deployment: it stays in the foreground
 until interrupted, or with ``--detach`` re-runs itself in the background and returns once the
 API answers. Its state file (``<cache>/clusters/<name>.json``: pid, Ray address, API,
-dashboard, the actors' names, and how to reach the API: its certificate and where its token
-is, never the token) is how ``down`` (SIGTERM to that pid; it stops everything it started),
-``status`` and ``top`` (through the API: ``cluster/status.py``) find it.
+dashboard, the actors' names, the registry's URL without its password, the topology, and how
+to reach the API: its certificate and where its token is, never the token) is how ``down``
+(SIGTERM to that pid; it stops everything it started), ``status`` and ``top`` (through the
+API: ``cluster/status.py``), ``bench`` and ``plan`` find it.
 
 For the Ray dashboard, ``up`` passes the topology's Prometheus and Grafana addresses to Ray
 (``RAY_PROMETHEUS_HOST``, ``RAY_GRAFANA_HOST``, ``RAY_GRAFANA_IFRAME_HOST``), and writes
@@ -231,7 +232,8 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
                  "auth_token_file": (str(Path(spec.server.auth_token_file).expanduser().resolve())
                                      if spec.server.auth_token_file else None),
                  "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token"), "model": info.model_name,
-                 "workers": list(info.workers), "routers": list(info.routers)}
+                 "workers": list(info.workers), "routers": list(info.routers),
+                 "registry_url": _without_password(deployment.registry_url), "topology": spec_yaml}
         path = state_file(spec.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state))
@@ -259,6 +261,13 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         if state and state.get("pid") == os.getpid():
             state_file(spec.name).unlink(missing_ok=True)
         ray.shutdown()
+
+
+def _without_password(url: str) -> str:
+    """The registry's URL as the state file keeps it: a password (``registry.password_env``)
+    stays in the environment, not on disk."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
 def free_port(host: str) -> int:

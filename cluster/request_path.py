@@ -204,24 +204,17 @@ class RequestPath:
         journey = self.active[request_id] = Journey(request_id, arrival, len(prompt), slo_class,
                                                     checked_at=time.time())
         engine_priority = priority + self.info.router_config.slo_class(slo_class).priority
-        routers = self.routers
         first = True
+        router = random.choice(self.routers) if self.routers else None
+        run = self._run(journey, router, prompt, params, priority, engine_priority, ttft_s, tpot_s)
         try:
-            if not routers:
-                journey.outcome = "unavailable"
-                yield _error("unavailable", "no router is running")
-                return
-            router = random.choice(routers)
-            run = self._run(journey, router, prompt, params, priority, engine_priority, ttft_s, tpot_s)
-            try:
-                async for message in run:
-                    if first:
-                        message["request_id"] = request_id
-                        first = False
-                    yield message
-            finally:
-                await run.aclose()  # a caller gone mid-stream: its cleanup (cancel, tell the router) now, not at GC
+            async for message in run:
+                if first:
+                    message["request_id"] = request_id
+                    first = False
+                yield message
         finally:
+            await run.aclose()  # closed now, not when collected: its cleanup frees the request everywhere
             del self.active[request_id]
             if not journey.outcome:
                 journey.outcome = "abort"  # the caller went away: _run's own cleanup released the request
@@ -235,9 +228,16 @@ class RequestPath:
                    engine_priority: int, ttft_s: float | None, tpot_s: float | None) -> AsyncIterator[dict]:
         ray = self.ray
         limit = self.info.router_config.migration_limit
-        no_room = 0
+        no_room = placements = 0
+        if router is None:
+            journey.outcome = "unavailable"
+            yield _error("unavailable", "no router is running")
+            return
         while True:
-            attempt_id = journey.request_id if not journey.attempt else f"{journey.request_id}.{journey.attempt}"
+            # Each placement has an id of its own: a word about an earlier one (forget, finished)
+            # may reach the router after a later placement was asked for.
+            attempt_id = journey.request_id if not placements else f"{journey.request_id}.{placements}"
+            placements += 1
             # After a failure mid-stream the tokens already sent become part of the prompt.
             sent = journey.tokens
             now_prompt = prompt + sent
@@ -247,9 +247,11 @@ class RequestPath:
                                           ttft_s, tpot_s, priority, journey.arrival)
             try:
                 decision: Decision = await placing
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # the caller went away while the router decided
                 ray.cancel(placing)
-                router.cancel.remote(attempt_id, journey.arrival)  # placed or not, it is not in flight
+                # Whatever the router did meanwhile is undone: a cancelled call may still have
+                # placed it, and forget (after place, in order) drops such a placement.
+                router.forget.remote(attempt_id)
                 raise
             except ray.exceptions.RayActorError:
                 journey.outcome = "unavailable"

@@ -14,9 +14,8 @@ router's choice of prefill worker. The worker does the rest itself:
    caller read the last one (one per step while it keeps up, several when it lags).
 
 With no prefill worker (``prefill=None``) it prefills the prompt itself. A caller that goes
-away cancels the generator, which releases the request's blocks once nothing of it is under way
-(after its KV receive ends, if one is posted: a receive may still write into them; after an add
-or a reserve already running, which would otherwise hold blocks for ever). A prefill worker that dies, or a transfer
+away cancels the generator, which releases the request's blocks (after its KV receive ends, if
+one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
 that fails, ends the stream with an error item the caller can retry elsewhere.
 
 The engine is stepped by its own thread (``EngineWorker``); calls touch it from a small thread
@@ -50,6 +49,7 @@ class _Stream:
     def __init__(self):
         self.parts: list[dict] = []
         self.ready = asyncio.Event()
+        self.busy: list[asyncio.Future] = []  # calls into the engine (a reserve, a KV receive) still running
 
     def push(self, part: dict) -> None:
         self.parts.append(part)
@@ -148,18 +148,20 @@ class DecodeWorker(EngineWorker):
         self._loop = asyncio.get_running_loop()
         stream = self._streams[request_id] = _Stream()
         ended = False
-        pending: list = []  # this request's engine calls and KV receive, in order: a release must follow them
         try:
             if prefill is None:
+                adding = asyncio.get_running_loop().run_in_executor(
+                    self._calls, self._add_local, request_id, prompt_token_ids, params, priority)
+                stream.busy.append(adding)
                 try:
-                    await self._tracked(pending, self._add_local, request_id, prompt_token_ids, params, priority)
+                    await asyncio.shield(adding)
                 except InvalidRequestError as exc:
                     ended = True
                     yield {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}
                     return
             else:
-                outcome = await self._prefill_remote(request_id, prompt_token_ids, params, priority, prefill,
-                                                     transfer_timeout_s, stream_layers, pending)
+                outcome = await self._prefill_remote(stream, request_id, prompt_token_ids, params, priority, prefill,
+                                                     transfer_timeout_s, stream_layers)
                 if "error" in outcome:
                     ended = True
                     yield outcome
@@ -173,34 +175,28 @@ class DecodeWorker(EngineWorker):
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not ended:  # the caller went away: free the request's blocks
-                self._release_after(pending, request_id)
+            if not ended:  # the caller went away: free the request's blocks once nothing can still write them
+                asyncio.ensure_future(self._release_after(request_id, list(stream.busy)))
 
-    def _tracked(self, pending: list, fn, *args) -> asyncio.Future:
-        """``fn(*args)`` on a call thread, remembered in the request's ``pending``."""
-        future = self._calls.submit(fn, *args)
-        pending.append(future)
-        return asyncio.wrap_future(future)
+    async def _release_after(self, request_id: str, busy: list[asyncio.Future]) -> None:
+        """Releases a request once its reserve and KV receive (if any) have ended: a reserve
+        that completes after a release would leak its blocks, and a receive still posted may
+        write into blocks handed to another request."""
+        await asyncio.gather(*busy, return_exceptions=True)
+        await self._call(self._release, request_id)
 
-    def _release_after(self, pending: list, request_id: str) -> None:
-        """Frees a request whose caller went away once nothing of it is under way: an add or a
-        reserve that ran after the release would hold its blocks for ever, and a KV receive
-        would write into blocks given to another request."""
-        last = next((f for f in reversed(pending) if not f.done()), None)
-        if last is None:
-            self._calls.submit(self._release, request_id)
-        else:
-            last.add_done_callback(lambda _: self._calls.submit(self._release, request_id))
-
-    async def _prefill_remote(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-                              prefill: str, timeout_s: float, stream_layers: bool, pending: list) -> dict:
+    async def _prefill_remote(self, stream: _Stream, request_id: str, prompt: list[int], params: SamplingParams,
+                              priority: int, prefill: str, timeout_s: float, stream_layers: bool) -> dict:
         """Reserves blocks, then runs the prefill worker's prefill and this worker's receive
-        together; admits the request once both ended well. Returns what the hand-off did (or an
-        error item); ``pending`` gets its calls and its receive as they start."""
+        together; admits the request once both ended well. Returns what the hand-off did, or an
+        error item. Its engine calls go on ``stream.busy`` for a cancelled caller's cleanup."""
         import ray
 
+        loop = asyncio.get_running_loop()
+        reserving = loop.run_in_executor(self._calls, self._reserve, request_id, prompt, params, priority)
+        stream.busy.append(reserving)
         try:
-            reserved = await self._tracked(pending, self._reserve, request_id, prompt, params, priority)
+            reserved = await asyncio.shield(reserving)
         except InvalidRequestError as exc:
             return {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}
         if reserved is None:
@@ -212,13 +208,12 @@ class DecodeWorker(EngineWorker):
             return _retry(f"{self.name} has no KV transfer group with {prefill}")
         tag_base = next(self._tags[pair]) * self.engine.model_config.num_layers * TAG_STRIDE % TAG_LIMIT
         target = TransferTarget(pair, tag_base, first_block, timeout_s, stream_layers)
-        loop = asyncio.get_running_loop()
         started = time.perf_counter()
         times: dict[str, float] = {}  # wall clock, for the request's trace
         receive_started = time.time()
         receiving = loop.run_in_executor(self._receives, self.engine.receive_transfer, pair, request_id, dst_blocks,
                                          tag_base, timeout_s)
-        pending.append(receiving)
+        stream.busy.append(receiving)
         receiving.add_done_callback(lambda _: times.setdefault("received", time.time()))
         try:
             worker = ray.get_actor(prefill, namespace=self._namespace)
@@ -227,17 +222,19 @@ class DecodeWorker(EngineWorker):
             prefill_ended = time.time()
         except (ray.exceptions.RayActorError, ValueError):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
-            receiving.add_done_callback(lambda _: self._calls.submit(self._release, request_id))
+            asyncio.ensure_future(self._release_after(request_id, [receiving]))
             return _retry(f"prefill worker {prefill} died", failed=prefill)
-        receive_error = await receiving
+        receive_error = await asyncio.shield(receiving)
         received_s = time.perf_counter() - started
         if result.error or receive_error:
             await self._call(self._release, request_id)
             why = "; ".join(e for e in (result.error and f"prefill: {result.error}",
                                         receive_error and f"receive: {receive_error}") if e)
             return _retry(f"KV transfer failed: {why}")
-        await self._tracked(pending, self._admit, request_id, result.first_token, result.first_logprob,
-                            result.first_top_logprobs)
+        admitting = loop.run_in_executor(self._calls, self._admit, request_id, result.first_token,
+                                         result.first_logprob, result.first_top_logprobs)
+        stream.busy.append(admitting)
+        await asyncio.shield(admitting)
         nbytes = len(dst_blocks) * self.engine.runner.block_bytes
         self.metrics.received(nbytes, received_s)
         return {"prefill": prefill, "blocks_cached_on_decode": first_block, "blocks_sent": result.blocks_sent,

@@ -15,8 +15,9 @@ which drops the request from the queue.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -33,7 +34,6 @@ from router.router import Decision, RouteRequest, Router, Topology
 
 SWEEP_EVERY_S = 2.0
 GOODPUT_BUFFER = 10_000
-GONE_KEPT = 10_000  # requests cancelled before their place call ran (see cancel)
 GAUGES_EVERY_S = 2.0  # goodput, attainment and queue gauges: refreshed on a timer, busy or idle
 
 
@@ -57,27 +57,23 @@ class RouterActor:
         self.metrics = RouterMetrics(cluster, self.router.config.policy)
         self.slo_metrics = SloMetrics(cluster, name, tuple(c.name for c in self.router.config.slo_classes))
         self._gauges: asyncio.Task | None = None
+        self._housekeeping: asyncio.Task | None = None
+        self._records_waiting: asyncio.Event | None = None
+        self._flushing = threading.Lock()  # the housekeeping thread and a goodput() call may both flush
         self._waiters: dict[str, asyncio.Future] = {}
         self._changed: asyncio.Event | None = None
         self._retrier: asyncio.Task | None = None
-        self._gone: OrderedDict[tuple[str, float | None], None] = OrderedDict()
 
     async def place(self, request_id: str, prompt: str | Sequence[int], max_tokens: int = 16,
                     slo_class: str | None = None, cache_salt: str | None = None, ttft_s: float | None = None,
                     tpot_s: float | None = None, priority: int = 0, arrival: float | None = None) -> Decision:
         """``place`` or ``reject``, answered once the request can be placed. ``arrival`` is the
         wall-clock time the call reached the API, from which its TTFT objective counts."""
-        if (request_id, arrival) in self._gone:  # its caller went away before this call ran
-            del self._gone[(request_id, arrival)]
-            return Decision("reject", request_id, reason="its caller went away")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return Decision("reject", request_id, reason="this model has no tokenizer; send token ids")
             prompt = self.tokenizer.encode(prompt)
         now = time.time()
-        if now - self._last_sweep > SWEEP_EVERY_S:
-            self._last_sweep = now
-            self.view.sweep()
         request = RouteRequest(request_id, prompt, max_tokens, slo_class, cache_salt, ttft_s, tpot_s, priority,
                                arrival)
         decision = self.router.submit(request, now)
@@ -92,16 +88,36 @@ class RouterActor:
         except asyncio.CancelledError:
             self.router.cancel(request_id)
             if waiter.done() and not waiter.cancelled() and waiter.result().action == "place":
-                self.router.forget(request_id)  # placed just as its caller went away: not in flight after all
+                self.router.forget(request_id)  # placed just as its caller went away
             raise
         finally:
             self._waiters.pop(request_id, None)
 
     async def ready(self) -> bool:
-        """True once the router runs (and keeps its gauges fresh from then on)."""
+        """True once the router runs (and from then on keeps its gauges fresh, writes goodput
+        records and sweeps dead workers' blocks off the critical path)."""
+        loop = asyncio.get_running_loop()
         if self._gauges is None or self._gauges.done():
-            self._gauges = asyncio.get_running_loop().create_task(self._export_gauges())
+            self._gauges = loop.create_task(self._export_gauges())
+        if self._housekeeping is None or self._housekeeping.done():
+            self._records_waiting = asyncio.Event()
+            self._housekeeping = loop.create_task(self._keep_house())
         return True
+
+    async def _keep_house(self) -> None:
+        """Writes goodput records soon after they are made (never while a caller waits for a
+        placement) and sweeps expired workers' blocks out of the registry every few seconds."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await asyncio.wait_for(self._records_waiting.wait(), SWEEP_EVERY_S)
+            except asyncio.TimeoutError:
+                pass
+            self._records_waiting.clear()
+            await loop.run_in_executor(None, self._flush_records)
+            if time.time() - self._last_sweep > SWEEP_EVERY_S:
+                self._last_sweep = time.time()
+                await loop.run_in_executor(None, self.view.sweep)
 
     async def _export_gauges(self) -> None:
         while True:
@@ -138,20 +154,12 @@ class RouterActor:
                 elif decision.action == "place":  # its caller is gone
                     self.router.forget(decision.request_id)
 
-    def cancel(self, request_id: str, arrival: float | None = None) -> None:
-        """Drops a request whose caller went away while it was being placed: waiting, placed
-        just now (its caller never learnt where, so nothing else would end it), or not seen yet
-        (calls may run out of order): then its ``place`` call (the same ``arrival``) places nothing."""
-        waiting = self.router.cancel(request_id)
+    def cancel(self, request_id: str) -> None:
+        """Drops a waiting request (its caller went away)."""
+        self.router.cancel(request_id)
         waiter = self._waiters.get(request_id)
         if waiter is not None and not waiter.done():
             waiter.cancel()
-        if request_id in self.router.inflight:
-            self.forget(request_id)
-        elif not waiting and waiter is None:
-            self._gone[(request_id, arrival)] = None
-            while len(self._gone) > GONE_KEPT:
-                self._gone.popitem(last=False)
 
     def forget(self, request_id: str) -> None:
         self.router.forget(request_id)
@@ -183,15 +191,25 @@ class RouterActor:
         if not record.finished_at:
             record = replace(record, finished_at=time.time())
         self.pending_records.append(record)
-        try:
-            while self.pending_records:
-                self.recorder.record(self.pending_records[0])
-                self.pending_records.popleft()
-        except redis.RedisError:
-            pass
+        if self._records_waiting is not None:
+            self._records_waiting.set()  # written by the housekeeping task
+        else:
+            self._flush_records()
+
+    def _flush_records(self) -> None:
+        """Writes the waiting goodput records (they keep waiting while Redis is away)."""
+        with self._flushing:
+            try:
+                while self.pending_records:
+                    self.recorder.record(self.pending_records[0])
+                    self.pending_records.popleft()
+            except redis.RedisError:
+                pass
 
     def goodput(self) -> dict | None:
-        """Goodput and SLO attainment per cluster, worker and class, last minute and last hour."""
+        """Goodput and SLO attainment per cluster, worker and class, last minute and last hour
+        (the records still waiting to be written go first)."""
+        self._flush_records()
         try:
             return GoodputReader(self.client, self.cluster).summary()
         except redis.RedisError:

@@ -42,7 +42,9 @@ from router.waiting import WaitingQueue
 
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
 MIN_TTFT_S = 0.001  # the least TTFT any prediction gives
-HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
+GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
+HITS_TTL_S = 0.5
+REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)  # how long a waiting request's prefix hits are reused before they are looked up again
 
 
 class RegistryUnavailable(RuntimeError):
@@ -145,10 +147,12 @@ class Router:
         self._loads_read_at = -math.inf
         self._last_hits: dict[str, int] | None = None
         self._changes = 0  # finished or forgotten placements, failed workers: reasons to offer the queue again
+        self._gone: dict[str, float] = {}  # forgotten before they were placed (oldest first, bounded)
         self._offered_state: tuple | None = None
         self._registry_down_since: float | None = None
         self._registry_error = ""
         self._reported: set[str] = set()  # workers whose load report has ever been read
+        self._last_seen: dict[str, tuple[WorkerLoad, float]] = {}  # each worker's last report, and when read
         self.waiting = WaitingQueue(self.config.queue_limit)
         self._residual = {"remote": (0.0, -math.inf), "local": (0.0, -math.inf)}  # (value, when last learned)
 
@@ -169,17 +173,24 @@ class Router:
 
     def _read_loads(self, now: float) -> dict[str, WorkerLoad] | None:
         """Live workers' reports (refreshed at most every ``load_refresh_s``), or None while the
-        registry is unreachable."""
+        registry is unreachable. A worker whose report lapsed (its heartbeat expired: a worker
+        starved of CPU can miss a few) keeps its last report for ``REPORT_GRACE_S``: a worker
+        is dead when the actor system says so (a call to it fails, and the caller tells the
+        router), not when it is slow to report."""
         if self._registry_down_since is not None and now - self._registry_down_since < self.config.registry_retry_s:
             return None
         if now - self._loads_read_at >= self.config.load_refresh_s or self._registry_down_since is not None:
             try:
-                self._loads = self.registry.loads(self.topology.workers)
+                fresh = self.registry.loads(self.topology.workers)
             except RegistryUnavailable as exc:
                 self._mark_down(now, exc)
                 return None
+            for worker, load in fresh.items():
+                self._last_seen[worker] = (load, now)
+            self._loads = {w: load for w, (load, seen) in self._last_seen.items()
+                           if w in fresh or now - seen <= REPORT_GRACE_S}
             self._loads_read_at = now
-            self._reported.update(self._loads)
+            self._reported.update(fresh)
             self._registry_down_since = None
         return self._loads
 
@@ -229,8 +240,13 @@ class Router:
 
     def submit(self, request: RouteRequest, now: float | None = None) -> Decision:
         """``route``, holding a request that must wait: it is answered by a later
-        ``retry_waiting`` (or dropped by ``cancel``). A full queue rejects instead."""
+        ``retry_waiting`` (or dropped by ``cancel``). A full queue rejects instead. A request
+        already forgotten (its caller left, and the word came before the request itself: an
+        asyncio actor runs calls out of order) is not placed."""
         now = time.time() if now is None else now
+        if self._gone.pop(request.request_id, None) is not None:
+            return Decision("reject", request.request_id, slo_class=self._class_of(request).name,
+                            reason="its caller went away before it was placed")
         decision = self.route(request, now)
         if decision.action != "queue":
             return decision
@@ -475,9 +491,14 @@ class Router:
     # -- what happened afterwards ---------------------------------------------------------
 
     def forget(self, request_id: str) -> Decision | None:
-        """The request was not started after all (e.g. its decode worker had no room)."""
+        """The request was not started after all (its decode worker had no room, its caller
+        went away). Forgetting one not placed yet keeps it from being placed later."""
         placed = self.inflight.pop(request_id, None)
         if placed is None:
+            if not self.waiting.remove(request_id):
+                self._gone[request_id] = time.time()
+                while len(self._gone) > GONE_KEPT:
+                    self._gone.pop(next(iter(self._gone)))
             return None
         self._changed()
         return placed.decision

@@ -41,7 +41,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true",
                         help="print each response message as one JSON object per line instead of the text")
     parser.add_argument("--max-tokens", type=int, metavar="N", help="most tokens to generate (server default: 16)")
-    parser.add_argument("--temperature", type=float, metavar="T", help="sampling temperature; 0 is greedy")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="sampling temperature (default: 0, greedy: the model's most likely answer)")
     parser.add_argument("--seed", type=int, metavar="S", help="per-request seed")
     parser.add_argument("--slo-class", default="", metavar="C",
                         help="SLO class, e.g. interactive, standard or batch (default: the cluster's)")

@@ -113,11 +113,14 @@ class FakeTandem(tandem_pb2_grpc.TandemServicer):
             usage=tandem_pb2.Usage(prompt_tokens=prompt_tokens, cached_tokens=0, completion_tokens=completion_tokens),
             timings=tandem_pb2.Timings(queue_ms=1.0, ttft_ms=5.0, tpot_ms=2.0, e2e_ms=11.0))
 
+    chat = False  # whether the fake model has a chat template
+
     def GetModelInfo(self, request, context):
         self._authorize(context)
         return tandem_pb2.ModelInfo(
             name="fake-llama", architecture="LlamaForCausalLM", max_model_len=512, vocab_size=512, block_size=16,
-            has_tokenizer=True, slo_classes=["interactive", "standard", "batch"], default_slo_class="standard")
+            has_tokenizer=True, slo_classes=["interactive", "standard", "batch"], default_slo_class="standard",
+            has_chat_template=self.chat)
 
     def Tokenize(self, request, context):
         self._authorize(context)
@@ -427,6 +430,22 @@ def test_cli_json_prints_one_object_per_message(fake, stdout, token_env):
     assert lines[0]["prefill_worker"] == "prefill-0"  # proto field names, not lowerCamelCase
     assert lines[-1]["finished"] is True and lines[-1]["finish_reason"] == "stop"
     assert lines[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_cli_sends_a_chat_to_a_chat_model_and_raw_text_on_request(fake, stdout, token_env):
+    fake.servicer.chat = True
+    try:
+        assert _tandem_generate("--addr", fake.address, *token_env, "--system", "Be brief.", "Capital of France?",
+                                stdout=stdout) == 0
+        request = fake.servicer.requests[-1]
+        assert request.WhichOneof("prompt") == "chat"
+        assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Be brief."),
+                                                                       ("user", "Capital of France?")]
+        assert request.sampling.HasField("temperature") and request.sampling.temperature == 0.0  # greedy by default
+        assert _tandem_generate("--addr", fake.address, *token_env, "--raw", "def f(", stdout=stdout) == 0
+        assert fake.servicer.requests[-1].text == "def f("
+    finally:
+        fake.servicer.chat = False
 
 
 def test_cli_flags_reach_the_request(fake, stdout, token_env):

@@ -342,11 +342,13 @@ def test_before_the_first_reports_requests_wait_and_then_face_admission():
     registry.state.update(reports)
     resolved = {d.request_id: d.action for d in router.retry_waiting(NOW + 0.1)}
     assert resolved == {"x": "reject", "y": "place"}
-    registry.state.clear()  # every worker reported once and is gone now: nothing can serve
-    gone = router.submit(RouteRequest("z", PROMPT, 8, "standard"), now=NOW + 0.2)
+    registry.state.clear()  # every worker reported once, and none has for a while now
+    lapsed = router.submit(RouteRequest("z", PROMPT, 8, "standard"), now=NOW + 5)  # slow to report, not dead
+    assert lapsed.action == "place"
+    gone = router.submit(RouteRequest("z2", PROMPT, 8, "standard"), now=NOW + 11)  # past REPORT_GRACE_S: gone
     assert (gone.action, gone.reason) == ("reject", "no live decode worker")
     registry.state.update({w: reports[w] for w in ("d0", "d1")})  # decode workers back, prefill workers gone
-    remote = router.submit(RouteRequest("r", PROMPT, 8, "standard"), now=NOW + 0.3)
+    remote = router.submit(RouteRequest("r", PROMPT, 8, "standard"), now=NOW + 11.1)
     assert (remote.action, remote.reason) == ("reject", "no live prefill worker")
 
 
@@ -441,3 +443,17 @@ def test_a_negative_correction_never_predicts_a_request_as_free():
     fresh = Router(TOPOLOGY, FakeRegistry(), config())
     fresh._residual["remote"] = (-0.5, NOW)
     assert route(fresh, "x", slo_class="interactive", ttft_s=0.000001).action == "reject"
+
+
+def test_a_request_forgotten_before_it_arrives_is_never_placed():
+    """An asyncio actor may run a caller's forget before the place it sent first."""
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    assert router.forget("early") is None
+    late = router.submit(RouteRequest("early", PROMPT, 8, "standard"), now=NOW)
+    assert (late.action, late.reason) == ("reject", "its caller went away before it was placed")
+    assert router.inflight == {}
+    assert router.submit(RouteRequest("early", PROMPT, 8, "standard"), now=NOW).action == "place"  # remembered once
+    busy = Router(TOPOLOGY, FakeRegistry({w: load(w, queued=9000) for w in ("p0", "p1")}), config())
+    assert busy.submit(RouteRequest("w", PROMPT, 8, "standard"), now=NOW).action == "queue"
+    busy.forget("w")  # a waiting request forgotten leaves the queue
+    assert len(busy.waiting) == 0 and "w" not in busy._gone

@@ -1,0 +1,162 @@
+"""The simulator against hand-computed cases: fixed step times, one worker (or one pair), every
+time worked out by hand from the step-time model and the request path's messages."""
+
+import pytest
+
+from cluster.bench.arrivals import Arrivals
+from cluster.bench.workloads import Session, Turn, Workload
+from cluster.plan.roofline import MODELS, hardware, step_model
+from cluster.plan.search import candidates, search, topology_for
+from cluster.plan.simulator import Pools, SimConfig, WorkerSpec, simulate, step_seconds
+from cluster.plan.step_models import Profile, RoleProfile, StepCollector, hop_from_corrections
+from cluster.registry.load import StepSample, WorkerLoad
+from cluster.topology import default_topology, parse_topology
+from router.config import RouterConfig
+from router.cost_model import StepTimeModel
+
+pytestmark = pytest.mark.unit
+
+# prefill step: 10 ms + 1 ms per token; decode step: 20 ms whatever the batch
+FIXED = StepTimeModel(prefill=(0.01, 0.001, 0.0), decode=(0.02, 0.0, 0.0), transfer_s_per_block=0.0,
+                      max_num_batched_tokens=2048)
+
+
+def workload(*prompts, max_tokens=5, at=None) -> Workload:
+    sessions = tuple(Session(f"r{i}", (Turn(tuple(p), max_tokens),), at_s=None if at is None else at[i])
+                     for i, p in enumerate(prompts))
+    return Workload(sessions, "hand-made", has_timestamps=at is not None)
+
+
+def tokens(n, start=20):
+    return list(range(start, start + n))
+
+
+def run(pools, w, arrivals=None, **config):
+    return simulate(pools, w, arrivals or Arrivals("constant", rate=1.0), SimConfig(**config))
+
+
+def test_one_colocated_worker_one_request():
+    result = run(Pools(colocated=(1, WorkerSpec(FIXED, 1000))), workload(tokens(100)))
+    [r] = result.results
+    assert r.ttft_s == pytest.approx(0.010 + 0.100)  # one prefill step of 100 tokens
+    assert r.tpot_s == pytest.approx(0.020)  # four decode steps
+    assert r.e2e_s == pytest.approx(0.110 + 4 * 0.020)
+    assert r.completion_tokens == 5 and r.placement == ("", "colocated-0")
+
+
+def test_a_request_arriving_mid_step_waits_for_it_then_shares_a_mixed_step():
+    both = workload(tokens(100), tokens(100, 500), max_tokens=3, at=[0.0, 0.0])
+    a, b = run(Pools(colocated=(1, WorkerSpec(FIXED, 1000))), both, Arrivals("trace")).results
+    # step 1: a's prefill (0.11); step 2: b's prefill with a's decode (0.02 + 0.1 = 0.12);
+    # step 3: both decode (0.02); step 4: b's last decode (0.02)
+    assert a.ttft_s == pytest.approx(0.110) and b.ttft_s == pytest.approx(0.230)
+    assert a.e2e_s == pytest.approx(0.250) and b.e2e_s == pytest.approx(0.270)
+
+
+def test_chunked_prefill_splits_the_prompt_by_the_token_budget():
+    spec = WorkerSpec(FIXED, 1000, max_num_batched_tokens=64)
+    [r] = run(Pools(colocated=(1, spec)), workload(tokens(100))).results
+    assert r.ttft_s == pytest.approx((0.010 + 0.064) + (0.010 + 0.036))
+
+
+def test_disaggregated_pair_pays_the_transfer_tail_and_six_messages():
+    model = StepTimeModel(FIXED.prefill, FIXED.decode, transfer_s_per_block=0.001, max_num_batched_tokens=2048)
+    spec = WorkerSpec(model, 1000)
+    config = {"hop_s": 0.001, "router": RouterConfig(local_prefill_max_tokens=0)}  # always a prefill worker
+    [r] = run(Pools(prefill=(1, spec), decode=(1, spec)), workload(tokens(100)), **config).results
+    # place (2 messages), dispatch, prefill call, prefill (100 tokens, 7 blocks' tail), result back, token to client
+    assert r.ttft_s == pytest.approx(6 * 0.001 + 0.110 + 7 * 0.001)
+    assert r.tpot_s == pytest.approx(0.020)
+    assert r.placement == ("prefill-0", "decode-0")
+
+
+def test_short_prompts_may_be_prefilled_on_the_decode_worker():
+    slow_prefill = WorkerSpec(StepTimeModel((0.01, 0.002, 0.0), None, 0.0, 2048), 1000)
+    [r] = run(Pools(prefill=(1, slow_prefill), decode=(1, WorkerSpec(FIXED, 1000))), workload(tokens(40))).results
+    # 40 <= local_prefill_max_tokens and faster here: conditional disaggregation, no prefill worker
+    assert r.placement == ("", "decode-0")
+    assert r.ttft_s == pytest.approx(0.010 + 0.040)
+    long = workload(tokens(400))
+    [r] = run(Pools(prefill=(1, slow_prefill), decode=(1, WorkerSpec(FIXED, 1000))), long).results
+    assert r.placement == ("prefill-0", "decode-0")  # too long to prefill locally
+    assert r.ttft_s == pytest.approx(0.010 + 0.800)
+
+
+def test_a_shared_prefix_hits_the_worker_cache():
+    shared = tokens(96)
+    w = workload(shared + tokens(4, 900), shared + tokens(4, 950))
+    first, second = run(Pools(colocated=(1, WorkerSpec(FIXED, 1000))), w).results
+    assert first.cached_tokens == 0 and second.cached_tokens == 96  # six full blocks of 16
+    assert second.ttft_s == pytest.approx(0.010 + 0.004)
+
+
+def test_admission_rejects_what_no_idle_worker_can_meet():
+    slow = StepTimeModel((0.01, 0.02, 0.0), FIXED.decode, 0.0, 2048)  # 100 tokens: 2 s of prefill
+    w = Workload((Session("r0", (Turn(tuple(tokens(100)), 5),), slo_class="interactive"),), "hand-made")
+    [r] = run(Pools(colocated=(1, WorkerSpec(slow, 1000))), w).results
+    assert r.error.startswith("RESOURCE_EXHAUSTED") and "even an idle cluster cannot meet" in r.error
+
+
+def test_a_later_turn_carries_the_answer_and_hits_the_cache():
+    session = Session("c", (Turn(tuple(tokens(64)), 17), Turn(tuple(tokens(8, 700)), 2)), think_s=0.5)
+    first, second = run(Pools(colocated=(1, WorkerSpec(FIXED, 1000))), Workload((session,), "chat")).results
+    assert second.prompt_tokens == 64 + 17 + 8
+    assert second.cached_tokens == 80  # the prompt and 16 of the answer: five full blocks
+    assert second.sent_at == pytest.approx(first.finished_at + 0.5)
+
+
+def test_step_seconds_adds_both_sides_of_a_mixed_step():
+    assert step_seconds(FIXED, 10, 0, 3, 100) == pytest.approx(0.02 + 0.010)
+    assert step_seconds(FIXED, 0, 0, 3, 100) == pytest.approx(0.02)
+
+
+def test_search_sizes_the_smallest_topology_meeting_attainment_and_writes_a_valid_topology():
+    spec = WorkerSpec(FIXED, 1000)
+    w = workload(*[tokens(100, 20 + i) for i in range(20)], max_tokens=8)
+    pools = candidates(lambda role, tp: spec, max_ranks=3)
+    assert {p.label() for p in pools} == {"1P+1D", "1P+2D", "2P+1D", "1C", "2C", "3C"}
+    best, ranked = search(pools, w, Arrivals("poisson", rate=2.0), None, SimConfig())
+    assert best.pools.label() == "1C" and best.attainment == 1.0
+    topology = topology_for(default_topology(), best.pools)
+    parsed = parse_topology(topology.to_yaml(), model_elsewhere=True)
+    assert (parsed.colocated.replicas, parsed.prefill.replicas, parsed.decode.replicas) == (1, 0, 0)
+
+
+def test_profiles_fit_the_routers_model_and_round_trip(tmp_path):
+    steps = tuple(StepSample(n, n * n, 0, 0, 0.01 + 0.001 * n) for n in (16, 64, 256, 512)) + \
+        tuple(StepSample(0, 0, b, ctx, 0.02 + 0.002 * b + 0.00001 * ctx) for b, ctx in ((1, 50), (2, 400), (4, 100),
+                                                                                      (8, 900)))
+    profile = Profile("test", {"decode": RoleProfile("decode", 1, 500, 16, 2048, 32, 4096, steps)}, hop_s=0.002)
+    loaded = Profile.load(profile.save(tmp_path / "p.json"))
+    assert loaded == profile
+    spec = loaded.spec("colocated")  # a decode worker's engine stands for a colocated one
+    assert spec.model.prefill_seconds(100) == pytest.approx(0.01 + 0.1, rel=1e-6)
+    assert spec.model.decode_step_seconds(3, 100) == pytest.approx(0.02 + 0.006 + 0.001, rel=1e-6)
+    assert spec.num_blocks == 500 and spec.max_num_seqs == 32
+
+
+def test_step_collector_keeps_only_new_steps_of_overlapping_reports():
+    def load(steps):
+        return WorkerLoad("d", "decode", 0, 0, 0, 0, 0, 10, 10, 16, 2048, 8, tuple(steps))
+
+    s = [StepSample(0, 0, i, i, 0.01) for i in range(6)]
+    collector = StepCollector()
+    collector.add({"d": load(s[:4])})
+    collector.add({"d": load(s[2:6])})
+    assert collector.steps["d"] == s
+
+
+def test_hop_from_the_routers_corrections():
+    assert hop_from_corrections({"remote": 0.008, "local": 0.004}) == pytest.approx(0.002)
+    assert hop_from_corrections({"remote": -0.01, "local": 0.0}) == 0.0
+
+
+def test_roofline_decode_reads_weights_and_kv():
+    shape = MODELS["llama-3-8b"]
+    model = step_model(hardware("h100"), shape, tp=1)
+    idle = model.decode_step_seconds(1, 0)
+    assert idle == pytest.approx(0.004 + 8.03e9 * 2 / (3.35e12 * 0.8), rel=0.01)
+    # the KV of 100k context tokens adds its bytes over the bandwidth
+    extra = model.decode_step_seconds(1, 100_000) - idle
+    assert extra == pytest.approx(100_000 * shape.kv_bytes_per_token / (3.35e12 * 0.8), rel=1e-6)
+    assert step_model(hardware("h100"), shape, tp=2).decode_step_seconds(1, 0) < idle
