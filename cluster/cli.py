@@ -186,18 +186,48 @@ def _cmd_down(args: argparse.Namespace) -> int:
     return down(args.cluster)
 
 
+def _api_target(args: argparse.Namespace):
+    from cluster.status import api_target
+
+    return api_target(args.cluster, args.addr, args.token_env, args.tls_ca)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from cluster.launcher import cluster_status, format_status
+    from cluster.status import fetch_status, format_status
 
     try:
-        status = cluster_status(args.cluster, args.address)
-    except (LookupError, ValueError, ConnectionError) as exc:
+        status = fetch_status(_api_target(args))
+    except LookupError as exc:
         print(f"tandem status: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(status, indent=1) if args.json else format_status(status))
     return 0
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    from cluster.top import run_top
+
+    if not args.interval > 0:
+        print(f"tandem top: --interval must be positive, got {args.interval:g}", file=sys.stderr)
+        return 2
+    try:
+        target = _api_target(args)
+    except LookupError as exc:
+        print(f"tandem top: {exc}", file=sys.stderr)
+        return 1
+    return run_top(target, args.interval, args.iterations)
+
+
+def _add_api_flags(parser: argparse.ArgumentParser) -> None:
+    """Where a cluster's API is: the state `tandem up` wrote here, or --addr (a remote cluster)."""
+    parser.add_argument("--cluster", default="tandem", help="cluster name, to find its API here (default: tandem)")
+    parser.add_argument("--addr", metavar="HOST:PORT", help="the cluster's gRPC API (default: from the state "
+                                                            "`tandem up` wrote for --cluster)")
+    parser.add_argument("--token-env", metavar="NAME", help="environment variable holding the API's bearer token "
+                                                            "(default: the cluster's own setting, locally)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="PEM CA certificates: connect with TLS verified by them")
 
 
 def _add_service_commands(sub) -> None:
@@ -210,10 +240,14 @@ def _add_service_commands(sub) -> None:
     down.add_argument("--cluster", default="tandem", help="cluster name (default: tandem)")
     down.set_defaults(func=_cmd_down)
     status = sub.add_parser("status", help="workers, KV usage, queues, hit rates and goodput of a running cluster")
-    status.add_argument("--cluster", default="tandem", help="cluster name (default: tandem)")
-    status.add_argument("--address", help="its Ray address (default: from the state `tandem up` wrote)")
+    _add_api_flags(status)
     status.add_argument("--json", action="store_true", help="the raw status as JSON")
     status.set_defaults(func=_cmd_status)
+    top = sub.add_parser("top", help="a live view of a running cluster: workers, placements, goodput per class")
+    _add_api_flags(top)
+    top.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between frames (default: 1)")
+    top.add_argument("--iterations", type=int, metavar="N", help="stop after N frames (default: until Ctrl-C)")
+    top.set_defaults(func=_cmd_top)
 
 
 def build_parser() -> argparse.ArgumentParser:

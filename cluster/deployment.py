@@ -166,7 +166,7 @@ class Deployment:
 
             for name in self.info.routers:
                 self.routers[name] = ray.remote(RouterActor).options(name=name, num_cpus=0.1).remote(
-                    cluster_name, self.registry_url, topology, self.router_config, str(model_dir))
+                    cluster_name, self.registry_url, topology, self.router_config, str(model_dir), name)
             self._wait_for_registry()
         except BaseException:
             self.shutdown()

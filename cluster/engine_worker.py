@@ -72,11 +72,11 @@ class EngineWorker:
         self._stop = threading.Event()
         if profile:
             self._profile()
+        self.metrics = WorkerMetrics(config.cluster_name, self.name, self.role)  # before the reporter sets it
         self.reporter = (WorkerReporter(registry_url, config.cluster_name, self.name, self._snapshot)
                          if registry_url else None)
-        self.metrics = WorkerMetrics(config.cluster_name, self.name, self.role)
-        self._loop = threading.Thread(target=self._run, name=f"{type(self).__name__}-loop", daemon=True)
-        self._loop.start()
+        self._stepper = threading.Thread(target=self._run, name=f"{type(self).__name__}-loop", daemon=True)
+        self._stepper.start()
 
     def _profile(self) -> None:
         engine, rng = self.engine, random.Random(0)
@@ -120,7 +120,8 @@ class EngineWorker:
                             for s in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
             )
             stats = engine.stats
-            self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate)
+            self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
+                                load.waiting, load.running, load.receiving)
             return engine.block_manager.drain_events(), load
 
     def describe(self) -> dict:
@@ -136,11 +137,14 @@ class EngineWorker:
         self.engine.runner.join_transfer(layout, spec, self.prefill_side)
 
     def status(self) -> dict:
-        """What ``tandem status`` shows of this worker."""
+        """What ``tandem status`` shows of this worker. Its state is ``alive`` while the thread
+        that steps its engine runs, ``stopped`` once it ended (a step raised): such a worker
+        answers calls but cannot generate, and the ingress's health check counts it out."""
         engine = self.engine
+        state = "alive" if self._stepper.is_alive() else "stopped"
         with self._lock:
             scheduler, blocks, stats = engine.scheduler, engine.block_manager, engine.stats
-            return {"name": self.name, "role": self.role, "tp": engine.config.tensor_parallel_size, "state": "alive",
+            return {"name": self.name, "role": self.role, "tp": engine.config.tensor_parallel_size, "state": state,
                     "pid": os.getpid(),
                     "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks, "kv_blocks": blocks.num_blocks,
                     "waiting": len(scheduler.waiting), "running": len(scheduler.running),
@@ -165,7 +169,7 @@ class EngineWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._loop.join(timeout=10)
+        self._stepper.join(timeout=10)
         if self.reporter is not None:
             self.reporter.stop()
         self.engine.shutdown()

@@ -9,8 +9,10 @@ status codes (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE; DEAD
 and CANCELLED come from gRPC itself). When the call ends early (the client cancels, disconnects
 or passes its deadline) the path is closed, which aborts the request on every worker.
 
+``GetStatus`` answers what ``tandem status`` and ``tandem top`` show (``cluster/status.py``).
 Also served: the standard health service (``grpc.health.v1``, exempt from the token so probes
-work), server reflection, TLS when the topology names a certificate and key, and a bearer
+work; SERVING only while a router and a generating worker answer: ``cluster/health.py``), server
+reflection, TLS when the topology names a certificate and key, and a bearer
 token (``authorization: Bearer <token>``) checked on every other call when one is configured.
 """
 
@@ -95,8 +97,9 @@ def response_message(message: dict) -> tandem_pb2.GenerateResponse:
 
 
 class TandemServicer(tandem_pb2_grpc.TandemServicer):
-    def __init__(self, path):
+    def __init__(self, path, status=None):
         self.path = path
+        self.status = status  # async () -> tandem_pb2.ClusterStatus
 
     async def Generate(self, request, context):
         arrival = time.time()
@@ -105,6 +108,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         payload["arrival"] = arrival
+        payload["traceparent"] = dict(context.invocation_metadata() or ()).get("traceparent")  # joins the caller's trace
         # Written with context.write, not yielded: a cancelled call then cancels this coroutine at
         # once (a handler that yields is only dropped, and its cleanup waits for the collector).
         messages = self.path.generate(payload)
@@ -118,6 +122,11 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
                     return
         finally:
             await messages.aclose()  # a call that ended early aborts its request on every worker
+
+    async def GetStatus(self, request, context):
+        if self.status is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server has no cluster status to show")
+        return await self.status()
 
     async def GetModelInfo(self, request, context):
         return tandem_pb2.ModelInfo(**self.path.model_info())
@@ -178,12 +187,12 @@ def api_token(spec: ClusterSpec) -> str | None:
     return None
 
 
-def build_server(spec: ClusterSpec, path) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+def build_server(spec: ClusterSpec, path, status=None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """The asyncio server, bound (not started) to the topology's host and port; the port it
     got. Call it on the event loop that will run the server."""
     token = api_token(spec)
     server = grpc.aio.server(interceptors=[TokenCheck(token)] if token else [])
-    tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(path), server)
+    tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(path, status), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -209,21 +218,21 @@ class ApiServer:
     same whoever hosts them (a Ray Serve replica, a test, a plain process): gRPC on
     ``server.port`` and, unless ``server.http_port`` is null, the OpenAI-compatible HTTP API."""
 
-    def __init__(self, spec: ClusterSpec, path):
+    def __init__(self, spec: ClusterSpec, path, status=None):
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, args=(spec, path), name="grpc-api", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(spec, path, status), name="grpc-api", daemon=True)
         self._thread.start()
         if not self._started.wait(START_TIMEOUT_S):
             raise RuntimeError("the gRPC server did not start")
         if self._error is not None:
             raise self._error
 
-    def _run(self, spec: ClusterSpec, path) -> None:
+    def _run(self, spec: ClusterSpec, path, status) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self.server, self.port, self.health = self._loop.run_until_complete(self._start(spec, path))
+            self.server, self.port, self.health = self._loop.run_until_complete(self._start(spec, path, status))
             self.http_runner, self.http_port, self.http = self._loop.run_until_complete(self._start_http(spec, path))
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
             self._error = exc
@@ -233,8 +242,8 @@ class ApiServer:
         self._loop.run_forever()
 
     @staticmethod
-    async def _start(spec: ClusterSpec, path):
-        server, port, health_servicer = build_server(spec, path)
+    async def _start(spec: ClusterSpec, path, status):
+        server, port, health_servicer = build_server(spec, path, status)
         await server.start()
         for name in ("", SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -248,16 +257,24 @@ class ApiServer:
 
         return await start_http(path, spec.server.host, spec.server.http_port, api_token(spec), spec.server.tls)
 
-    def set_serving(self, serving: bool) -> None:
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, coroutine):
+        """Runs a coroutine on the server's event loop (beside the calls); its concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    async def serving_changed(self, serving: bool) -> None:
+        """Sets the health service's status, and the HTTP API's (on the server's loop)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         if self.http is not None:
             self.http.serving = serving
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
 
-        async def set_all():
-            for name in ("", SERVICE):
-                await self.health.set(name, status)
-
-        asyncio.run_coroutine_threadsafe(set_all(), self._loop).result(timeout=10)
+    def set_serving(self, serving: bool) -> None:
+        self.submit(self.serving_changed(serving)).result(timeout=10)
 
     def stop(self, grace_s: float = 2.0) -> None:
         if not self._thread.is_alive():

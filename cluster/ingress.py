@@ -4,20 +4,27 @@ the kernel spreads connections over them) running requests' paths itself
 (``cluster/request_path.py``). Serve health-checks each replica and restarts one that dies,
 while the others keep serving.
 
+Health means serving: each replica checks its routers and workers every few seconds
+(``cluster/health.py``); while no router answers or no worker can generate, its gRPC health
+service says NOT_SERVING and Serve's health check fails (Serve shows the deployment UNHEALTHY
+and starts the replica again), and both recover by themselves once they answer again.
+
 Serve's own gRPC proxy is not used: it has no TLS, binds every interface, and does not offer
 the standard health service; each replica binds exactly the topology's address.
 """
 
 from __future__ import annotations
 
-import ray
 from ray import serve
 
 from cluster.deployment import ServingInfo
 from cluster.grpc_server import ApiServer
+from cluster.health import HealthMonitor
 from cluster.metrics import IngressMetrics
 from cluster.request_path import RequestPath
+from cluster.status import read_status
 from cluster.topology import parse_topology
+from cluster.tracing import request_tracer
 
 INGRESS = "grpc-ingress"
 
@@ -30,8 +37,13 @@ HEAD_NODE = {"node:__internal_head__": 0.001}  # the API's address is the head n
 class GrpcIngress:
     def __init__(self, spec_yaml: str, info: ServingInfo):
         spec = parse_topology(spec_yaml)
-        self.path = RequestPath(info, IngressMetrics(spec.name), api="grpc")
-        self.server = ApiServer(spec, self.path)
+        metrics = IngressMetrics(spec.name, info.workers)
+        self.path = RequestPath(info, metrics, api="grpc", tracer=request_tracer(spec.observability.tracing, spec.name))
+        self.monitor = HealthMonitor(self.path, metrics=metrics)
+        self.server = ApiServer(spec, self.path, status=lambda: read_status(self.monitor))
+        self.monitor.on_change = self.server.serving_changed
+        self.server.submit(self.monitor.check_now()).result(timeout=60)  # the health service is right from the start
+        self._checks = self.server.submit(self.monitor.run())
         host = spec.server.host
         self.address_text = f"[{host}]:{self.server.port}" if ":" in host else f"{host}:{self.server.port}"
 
@@ -39,9 +51,16 @@ class GrpcIngress:
         return self.address_text
 
     def check_health(self) -> None:
-        ray.get([router.ready.remote() for router in self.path.routers], timeout=20)
+        """Serve's check: fails while this replica cannot serve (see the module's docstring)."""
+        if not self.server.alive:
+            raise RuntimeError("the gRPC server's thread ended")
+        if not self.monitor.serving:
+            raise RuntimeError(f"not serving: {self.monitor.reason}")
 
     def __del__(self) -> None:
+        checks = getattr(self, "_checks", None)
+        if checks is not None:
+            checks.cancel()
         server = getattr(self, "server", None)
         if server is not None:
             server.stop(grace_s=2)

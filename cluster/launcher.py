@@ -1,13 +1,20 @@
-"""``tandem up``, ``down`` and ``status``: a deployment's life on Ray.
+"""``tandem up`` and ``down``: a deployment's life on Ray.
 
 ``up`` starts (or, with an address, joins) Ray, then the deployment (the workers in their
 placement groups, the registry and the routers: ``cluster/deployment.py``) and the ingress
 replicas through Ray Serve. The ``up`` process owns the deployment: it stays in the foreground
 until interrupted, or with ``--detach`` re-runs itself in the background and returns once the
 API answers. Its state file (``<cache>/clusters/<name>.json``: pid, Ray address, API,
-dashboard, the actors' names, the registry's URL without its password, the topology) is how
-``down`` (SIGTERM to that pid; it stops everything it started), ``status``, ``bench`` and
-``plan`` find it.
+dashboard, the actors' names, the registry's URL without its password, the topology, and how
+to reach the API: its certificate and where its token is, never the token) is how ``down``
+(SIGTERM to that pid; it stops everything it started), ``status`` and ``top`` (through the
+API: ``cluster/status.py``), ``bench`` and ``plan`` find it.
+
+For the Ray dashboard, ``up`` passes the topology's Prometheus and Grafana addresses to Ray
+(``RAY_PROMETHEUS_HOST``, ``RAY_GRAFANA_HOST``, ``RAY_GRAFANA_IFRAME_HOST``), and writes
+Tandem's Grafana dashboard beside the ones Ray generates for this session
+(``<session>/metrics/grafana/dashboards``), so a Grafana started with Ray's provisioning
+(``<session>/metrics/grafana/grafana.ini``) shows it.
 """
 
 from __future__ import annotations
@@ -69,15 +76,49 @@ def start_ray(spec: ClusterSpec):
         context = ray.init(address=spec.ray.address, namespace=spec.name, log_to_driver=True)
     else:
         quiet_auth_notice()
+        for variable, value in (("RAY_PROMETHEUS_HOST", obs.prometheus_host), ("RAY_GRAFANA_HOST", obs.grafana_host),
+                                ("RAY_GRAFANA_IFRAME_HOST", obs.grafana_iframe_host)):
+            if value:
+                os.environ[variable] = value  # read by the dashboard Ray starts now
         kwargs = {}
         if obs.metrics_export_port:
             kwargs["_metrics_export_port"] = obs.metrics_export_port
+        if obs.metrics_report_interval_s:
+            kwargs["_system_config"] = {"metrics_report_interval_ms": int(obs.metrics_report_interval_s * 1000)}
         context = ray.init(namespace=spec.name, num_cpus=spec.ray.num_cpus or os.cpu_count(),
                            include_dashboard=obs.dashboard,
                            dashboard_host=obs.dashboard_host, dashboard_port=obs.dashboard_port,
                            _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False, **kwargs)
     url = context.dashboard_url if obs.dashboard or spec.ray.address else None
+    if obs.dashboard and not spec.ray.address:
+        write_grafana_dashboard(ray, spec.name)
     return ray, (f"http://{url}" if url and not url.startswith("http") else url)
+
+
+def write_grafana_dashboard(ray, cluster: str, wait_s: float = 120.0) -> threading.Thread:
+    """Tandem's Grafana dashboard beside Ray's for this session (see the module's docstring).
+    Ray's dashboard clears that folder when it writes its own dashboards, shortly after it
+    starts: a background thread waits for them, then writes Tandem's."""
+    from cluster.grafana import dashboard_json
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    folder = Path(os.environ.get("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR") or session / "metrics" / "grafana" /
+                  "dashboards")
+    path = folder / "tandem_grafana_dashboard.json"
+
+    def write() -> None:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not any(p != path for p in folder.glob("*_grafana_dashboard.json")):
+            time.sleep(0.5)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(dashboard_json(default_cluster=cluster))
+        except OSError as exc:
+            _log(f"could not write Tandem's Grafana dashboard into {folder}: {exc.strerror or exc}")
+
+    writer = threading.Thread(target=write, name="grafana-dashboard", daemon=True)
+    writer.start()
+    return writer
 
 
 def _is_loopback(host: str) -> bool:
@@ -179,13 +220,17 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
             return 1
         context = ray.get_runtime_context()
         http = None
+        tls = spec.server.tls
         if spec.server.http_port:
-            scheme = "https" if spec.server.tls and spec.server.tls.cert_file else "http"
+            scheme = "https" if tls and tls.cert_file else "http"
             host = f"[{spec.server.host}]" if ":" in spec.server.host else spec.server.host
             http = f"{scheme}://{host}:{spec.server.http_port}/v1"
         state = {"pid": os.getpid(), "ray_address": context.gcs_address, "api": api, "http": http,
-                 "dashboard": dashboard,
-                 "tls": bool(spec.server.tls and spec.server.tls.cert_file),
+                 "dashboard": dashboard, "tls": bool(tls and tls.cert_file),
+                 "tls_cert": str(Path(tls.cert_file).expanduser().resolve()) if tls and tls.cert_file else None,
+                 "auth_token_env": spec.server.auth_token_env,
+                 "auth_token_file": (str(Path(spec.server.auth_token_file).expanduser().resolve())
+                                     if spec.server.auth_token_file else None),
                  "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token"), "model": info.model_name,
                  "workers": list(info.workers), "routers": list(info.routers),
                  "registry_url": _without_password(deployment.registry_url), "topology": spec_yaml}
@@ -199,7 +244,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
              f"ingress replica(s)); try `tandem generate --addr {api} \"Hello\"`")
         _log(f"dashboard: {dashboard}" if dashboard else "dashboard: off (observability.dashboard: true starts it)")
         _log(f"Ray: {context.gcs_address}, {auth_summary()}; `tandem status --cluster {spec.name}`, "
-             f"`tandem down --cluster {spec.name}`")
+             f"`tandem top --cluster {spec.name}`, `tandem down --cluster {spec.name}`")
         while not stop.wait(1.0):
             pass
         _log("stopping")
@@ -293,70 +338,3 @@ def down(cluster: str, timeout_s: float = 120.0) -> int:
     state_file(cluster).unlink(missing_ok=True)
     _log(f"cluster {cluster!r} is down")
     return 0
-
-
-def cluster_status(cluster: str, address: str | None = None) -> dict:
-    """A running cluster's status, read from its routers and workers."""
-    state = read_state(cluster)
-    address = address or (state or {}).get("ray_address")
-    if not address:
-        raise LookupError(f"cluster {cluster!r} is not up here (no {state_file(cluster)}); give --address")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    if state and state.get("ray_auth_mode"):
-        os.environ.setdefault("RAY_AUTH_MODE", state["ray_auth_mode"])  # as the cluster was started; read on import
-    import ray
-
-    from cluster.deployment import worker_status
-
-    ray.init(address=address, namespace=cluster, log_to_driver=False, logging_level="ERROR")
-    try:
-        routers = [ray.get_actor(name, namespace=cluster) for name in (state or {}).get("routers", ["router-0"])]
-        router_rows = ray.get([r.status.remote() for r in routers], timeout=30)
-        names = (state or {}).get("workers") or router_rows[0]["workers"]
-        workers = worker_status(ray, {name: ray.get_actor(name, namespace=cluster) for name in names})
-        goodput = ray.get(routers[0].goodput.remote(), timeout=30)
-    finally:
-        ray.shutdown()
-    router = dict(router_rows[0])
-    for other in router_rows[1:]:
-        for key in ("in_flight", "waiting", "placed", "rejected", "queued_decisions"):
-            router[key] += other[key]
-    return {"cluster": cluster, "model": (state or {}).get("model", ""), "workers": workers, "router": router,
-            "routers": len(router_rows), "goodput": goodput, "queued": router["waiting"],
-            "in_flight": router["in_flight"], "api": (state or {}).get("api"),
-            "dashboard": (state or {}).get("dashboard")}
-
-
-def format_status(status: dict) -> str:
-    lines = [f"cluster {status['cluster']}: model {status['model']}; API {status.get('api')}; dashboard "
-             f"{status.get('dashboard') or 'off'}; router {status['router']['policy']} (registry "
-             f"{status['router']['registry']}); {status['queued']} waiting for placement, {status['in_flight']} placed "
-             "and not finished"]
-    header = ("worker", "role", "TP", "state", "KV used", "waiting", "running", "receiving", "hit rate")
-    rows = [header]
-    for w in status["workers"]:
-        if w.get("state") != "alive":
-            rows.append((w["name"], w["role"], "-", w.get("state", "dead"), "-", "-", "-", "-", "-"))
-            continue
-        rows.append((w["name"], w["role"], str(w["tp"]), w["state"], f"{w['kv_blocks_used']}/{w['kv_blocks']}",
-                     str(w["waiting"]), str(w["running"]), str(w["receiving"]), f"{w['prefix_cache_hit_rate']:.0%}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines += ["  ".join(c.ljust(wd) for c, wd in zip(row, widths)) for row in rows]
-    goodput = status.get("goodput")
-    if goodput:
-        for window in ("last_minute", "last_hour"):
-            view = goodput[window]
-            cluster = view["cluster"]
-            lines.append(f"{window.replace('_', ' ')}: {cluster['requests']} requests, goodput "
-                         f"{cluster['goodput_rps']:.2f}/s, SLO attainment {cluster['attainment']:.0%}")
-            for name, c in sorted(view["classes"].items()):
-                lines.append(f"  {name}: {c['requests']} requests, goodput {c['goodput_rps']:.2f}/s, attainment "
-                             f"{c['attainment']:.0%}, mean TTFT {_ms(c['mean_ttft_s'])}, mean TPOT "
-                             f"{_ms(c['mean_tpot_s'])}")
-    else:
-        lines.append("goodput: registry unreachable")
-    return "\n".join(lines)
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"

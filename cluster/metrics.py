@@ -1,16 +1,24 @@
 """Prometheus metrics through Ray's metrics API (exported by each node's metrics agent).
 
-Names start with ``tandem_``; every metric carries the ``cluster`` tag. Each ingress replica
-records requests (by outcome, SLO class and API) and TTFT and TPOT histograms; the router counts
-its decisions by policy, action and path, and keeps the queue length and goodput and SLO
-attainment per class (read from the registry every few seconds); each worker records its KV
-blocks and prefix-cache hit rate, and decode workers the KV bytes and seconds they receive.
+Names start with ``tandem_`` (Prometheus sees them as ``ray_tandem_...``); every metric carries
+the ``cluster`` tag. Each ingress replica records requests (by outcome, SLO class and API), TTFT
+and TPOT histograms, the migrations and worker failures its requests met, and whether it is
+serving; the router counts its decisions by policy, action and path, and keeps the queue length,
+requests in flight, and goodput and SLO attainment per class; each worker records its KV
+blocks, prefix-cache hit rate and requests, and decode workers the KV bytes and seconds they
+receive.
+
+Ray exports a gauge only while it is set again within two report intervals: every gauge here is
+set on a timer, busy or idle (the router's every ``GAUGES_EVERY_S``, the workers' with each
+registry report, the ingress's with each health check), never only as a side effect of serving.
+The dashboard that reads these metrics is ``helm/tandem/dashboards/tandem.json``.
 """
 
 from __future__ import annotations
 
 from ray.util import metrics
 
+MIGRATION_REASONS = ("worker_failed", "retry")
 LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 TOKEN_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
@@ -19,7 +27,7 @@ class IngressMetrics:
     """Each ingress replica's: requests by outcome, SLO class and API, TTFT and TPOT as the
     caller saw them (from the call's arrival)."""
 
-    def __init__(self, cluster: str):
+    def __init__(self, cluster: str, workers: tuple[str, ...] = ()):
         self.tags = {"cluster": cluster}
         self.requests = metrics.Counter("tandem_requests", "finished requests by outcome, SLO class and API",
                                         tag_keys=("cluster", "outcome", "slo_class", "api"))
@@ -27,6 +35,17 @@ class IngressMetrics:
                                       tag_keys=("cluster", "slo_class", "api"))
         self.tpot = metrics.Histogram("tandem_tpot_seconds", "time per output token after the first",
                                       TOKEN_BOUNDARIES_S, tag_keys=("cluster", "slo_class", "api"))
+
+        self.migrations = metrics.Counter("tandem_migrations", "placements after the first (a worker failed "
+                                          "under the request, or its KV transfer did)", tag_keys=("cluster", "reason"))
+        self.failures = metrics.Counter("tandem_worker_failures", "requests that found a worker dead under them",
+                                        tag_keys=("cluster", "worker", "role"))
+        self.serving_gauge = metrics.Gauge("tandem_serving", "1 while this ingress replica can serve (a router "
+                                           "and a generating worker answer), else 0", tag_keys=("cluster",))
+        for reason in MIGRATION_REASONS:
+            _start_at_zero(self.migrations, {**self.tags, "reason": reason})
+        for worker in workers:
+            _start_at_zero(self.failures, {**self.tags, "worker": worker, "role": worker.rpartition("-")[0]})
 
     def finished(self, outcome: str, slo_class: str, ttft_s: float | None, tpot_s: float | None, api: str) -> None:
         tags = {**self.tags, "slo_class": slo_class, "api": api}
@@ -36,29 +55,52 @@ class IngressMetrics:
         if tpot_s is not None:
             self.tpot.observe(tpot_s, tags)
 
+    def worker_failed(self, worker: str) -> None:
+        self.failures.inc(1, {**self.tags, "worker": worker, "role": worker.rpartition("-")[0]})
+
+    def migrated(self, reason: str) -> None:
+        self.migrations.inc(1, {**self.tags, "reason": reason})
+
+    def serving(self, serving: bool) -> None:
+        self.serving_gauge.set(1.0 if serving else 0.0, self.tags)
+
 
 class SloMetrics:
-    """The router's gauges: requests waiting for placement, and goodput and attainment per
-    class over the last minute (as the registry computes them)."""
+    """A router's gauges: requests waiting for placement and in flight, and per SLO class the
+    last minute's goodput, attainment and requests, as the registry computes them (the values
+    ``tandem status`` shows). Every class the router knows is set, with or without requests;
+    each router sets them (tag ``router``), so dashboards take the max over routers."""
 
-    def __init__(self, cluster: str):
-        self.tags = {"cluster": cluster}
-        self.queue = metrics.Gauge("tandem_queue_length", "requests waiting for placement", tag_keys=("cluster",))
+    def __init__(self, cluster: str, router: str, classes: tuple[str, ...] = ()):
+        self.tags = {"cluster": cluster, "router": router}
+        self.classes = classes
+        keys, class_keys = ("cluster", "router"), ("cluster", "router", "slo_class")
+        self.queue = metrics.Gauge("tandem_queue_length", "requests waiting for placement", tag_keys=keys)
+        self.in_flight = metrics.Gauge("tandem_in_flight", "requests placed and not finished", tag_keys=keys)
         self.goodput = metrics.Gauge("tandem_goodput_rps", "requests per second that met both objectives, last "
-                                     "minute", tag_keys=("cluster", "slo_class"))
+                                     "minute", tag_keys=class_keys)
         self.attainment = metrics.Gauge("tandem_slo_attainment", "share of requests that met both objectives, "
-                                        "last minute", tag_keys=("cluster", "slo_class"))
+                                        "last minute (0 without requests: see tandem_slo_requests)",
+                                        tag_keys=class_keys)
+        self.requests = metrics.Gauge("tandem_slo_requests", "requests finished in the last minute",
+                                      tag_keys=class_keys)
 
-    def queue_length(self, n: int) -> None:
-        self.queue.set(n, self.tags)
+    def queue_length(self, waiting: int, in_flight: int) -> None:
+        self.queue.set(waiting, self.tags)
+        self.in_flight.set(in_flight, self.tags)
 
     def slo(self, summary: dict | None) -> None:
+        """Sets every class's gauges from a registry summary; None (the registry unreachable)
+        sets nothing, so the gauges age out rather than show stale numbers."""
         if not summary:
             return
-        for name, window in summary["last_minute"]["classes"].items():
+        seen = summary["last_minute"]["classes"]
+        for name in sorted(set(self.classes) | set(seen)):
+            window = seen.get(name, {"goodput_rps": 0.0, "attainment": 0.0, "requests": 0})
             tags = {**self.tags, "slo_class": name}
             self.goodput.set(window["goodput_rps"], tags)
             self.attainment.set(window["attainment"], tags)
+            self.requests.set(window["requests"], tags)
 
 
 class WorkerMetrics:
@@ -72,15 +114,25 @@ class WorkerMetrics:
                                       tag_keys=keys)
         self.kv_bytes = metrics.Counter("tandem_kv_transfer_bytes", "KV bytes received", tag_keys=keys)
         self.kv_seconds = metrics.Counter("tandem_kv_transfer_seconds", "seconds spent receiving KV", tag_keys=keys)
+        self.kv_transfers = metrics.Counter("tandem_kv_transfers", "KV transfers received", tag_keys=keys)
+        self.requests = metrics.Gauge("tandem_worker_requests", "requests on the worker by state: waiting (its "
+                                      "queue), running (its batch), receiving (KV landing)",
+                                      tag_keys=(*keys, "state"))
 
-    def blocks(self, used: int, free: int, hit_rate: float) -> None:
+    def blocks(self, used: int, free: int, hit_rate: float, waiting: int = 0, running: int = 0,
+               receiving: int = 0) -> None:
         self.used.set(used, self.tags)
         self.free.set(free, self.tags)
         self.hit_rate.set(hit_rate, self.tags)
+        for state, n in (("waiting", waiting), ("running", running), ("receiving", receiving)):
+            self.requests.set(n, {**self.tags, "state": state})
 
     def received(self, nbytes: int, seconds: float) -> None:
-        self.kv_bytes.inc(nbytes, self.tags)
-        self.kv_seconds.inc(seconds, self.tags)
+        self.kv_transfers.inc(1, self.tags)
+        if nbytes:
+            self.kv_bytes.inc(nbytes, self.tags)
+        if seconds > 0:
+            self.kv_seconds.inc(seconds, self.tags)
 
 
 class RouterMetrics:
@@ -93,3 +145,10 @@ class RouterMetrics:
         path = "load_only" if decision.load_only else ("local" if decision.prefill is None and decision.decode
                                                       else "remote")
         self.decisions.inc(1, {**self.tags, "action": decision.action, "path": path})
+
+
+def _start_at_zero(counter: metrics.Counter, tags: dict[str, str]) -> None:
+    """Exports a counter's series at 0 before its first event (Ray's ``inc`` takes only
+    positive values), so that it is on the scrape from the start and a first failure shows as
+    an increase rather than as a series appearing."""
+    counter._record(0.0, tags=tags)

@@ -49,6 +49,20 @@ NO_ROOM_RETRIES = 50  # a decode worker that had no blocks after all: placements
 
 
 @dataclass
+class Attempt:
+    """One placement of a request and what came of it (a request that moved has several)."""
+
+    requested_at: float
+    decided_at: float
+    decision: Decision
+    transfer: dict | None = None  # the decode worker's report of the KV hand-off, with its times
+    first_token_at: float | None = None
+    tokens: int = 0
+    ended_at: float | None = None
+    failure: str | None = None
+
+
+@dataclass
 class Journey:
     """What happened to one request, for its last message, its metrics and the router."""
 
@@ -65,6 +79,8 @@ class Journey:
     decision: Decision | None = None
     transfer: dict | None = None
     outcome: str = ""
+    checked_at: float | None = None
+    attempts: list[Attempt] = field(default_factory=list)
 
     def ttft_s(self) -> float | None:
         return self.first_token_at - self.arrival if self.first_token_at is not None else None
@@ -85,19 +101,20 @@ class Journey:
 
 
 class RequestPath:
-    def __init__(self, info: ServingInfo, metrics=None, api: str = "grpc"):
+    def __init__(self, info: ServingInfo, metrics=None, api: str = "grpc", tracer=None):
         import ray
 
         self.ray = ray
         self.info = info
         self.metrics = metrics
         self.api = api
+        self.tracer = tracer  # cluster.tracing.RequestTracer: each request's trace, when tracing is on
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(info.model_dir)
         except TokenizerError:
             self.tokenizer = None
         self.limits = Scheduler(BlockManager(info.num_blocks, info.block_size), 1, 1, info.max_model_len)
-        self.routers = [ray.get_actor(name, namespace=info.cluster) for name in info.routers]
+        self.routers = self.find_routers()
         self._workers: dict[str, object] = {}
         for name in info.decode + info.colocated:
             try:
@@ -105,6 +122,20 @@ class RequestPath:
             except LookupError:
                 pass  # gone already: a placement on it fails like one on a worker that died later
         self.active: dict[str, Journey] = {}
+
+    def find_routers(self) -> list:
+        """The routers running now, by name (the health check calls it again after one is lost)."""
+        found = []
+        for name in self.info.routers:
+            try:
+                found.append(self.ray.get_actor(name, namespace=self.info.cluster))
+            except ValueError:
+                pass
+        return found
+
+    def forget_worker(self, name: str) -> None:
+        """Drops a worker's handle (it died): the next lookup finds whatever runs under its name."""
+        self._workers.pop(name, None)
 
     def worker(self, name: str):
         """The named worker's handle (LookupError when no such actor lives)."""
@@ -170,10 +201,11 @@ class RequestPath:
         except InvalidRequestError as exc:
             yield _error("invalid", str(exc))
             return
-        journey = self.active[request_id] = Journey(request_id, arrival, len(prompt), slo_class)
+        journey = self.active[request_id] = Journey(request_id, arrival, len(prompt), slo_class,
+                                                    checked_at=time.time())
         engine_priority = priority + self.info.router_config.slo_class(slo_class).priority
-        router = random.choice(self.routers)
         first = True
+        router = random.choice(self.routers) if self.routers else None
         run = self._run(journey, router, prompt, params, priority, engine_priority, ttft_s, tpot_s)
         try:
             async for message in run:
@@ -189,12 +221,18 @@ class RequestPath:
             if self.metrics is not None:
                 self.metrics.finished(journey.outcome, journey.slo_class, journey.ttft_s(), journey.tpot_s(),
                                       request.get("api", self.api))
+            if self.tracer is not None:
+                self.tracer.record(journey, request.get("api", self.api), request.get("traceparent"), time.time())
 
     async def _run(self, journey: Journey, router, prompt: list[int], params: SamplingParams, priority: int,
                    engine_priority: int, ttft_s: float | None, tpot_s: float | None) -> AsyncIterator[dict]:
         ray = self.ray
         limit = self.info.router_config.migration_limit
         no_room = placements = 0
+        if router is None:
+            journey.outcome = "unavailable"
+            yield _error("unavailable", "no router is running")
+            return
         while True:
             # Each placement has an id of its own: a word about an earlier one (forget, finished)
             # may reach the router after a later placement was asked for.
@@ -204,6 +242,7 @@ class RequestPath:
             sent = journey.tokens
             now_prompt = prompt + sent
             now_params = replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params
+            requested_at = time.time()
             placing = router.place.remote(attempt_id, now_prompt, now_params.max_tokens, journey.slo_class, None,
                                           ttft_s, tpot_s, priority, journey.arrival)
             try:
@@ -222,6 +261,8 @@ class RequestPath:
                 journey.outcome = "unavailable"
                 yield _error("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")
                 return
+            attempt = Attempt(requested_at, time.time(), decision)
+            journey.attempts.append(attempt)
             if decision.action == "reject":
                 journey.outcome = "rejected"
                 if decision.decode is None and decision.reason.startswith("no live"):
@@ -245,6 +286,7 @@ class RequestPath:
                     item = await ref
                     error = item.get("error")
                     if error is not None:
+                        attempt.ended_at, attempt.failure = time.time(), error["message"]
                         if error["kind"] != "retry":
                             ended = True
                             router.finished.remote(attempt_id, None, None, True)
@@ -256,10 +298,13 @@ class RequestPath:
                         ended = True
                         break
                     if "transfer" in item:
-                        journey.transfer = item["transfer"]
-                    if item["token_ids"] and journey.first_token_at is None:
-                        journey.first_token_at = time.time()
+                        journey.transfer = attempt.transfer = item["transfer"]
+                    if item["token_ids"] and attempt.first_token_at is None:
+                        attempt.first_token_at = time.time()
+                        if journey.first_token_at is None:
+                            journey.first_token_at = attempt.first_token_at
                     journey.tokens.extend(item["token_ids"])
+                    attempt.tokens += len(item["token_ids"])
                     message = {"token_ids": item["token_ids"], "text": item["text"], "finished": item["finished"]}
                     if "logprobs" in item:
                         message["logprobs"] = item["logprobs"]
@@ -269,26 +314,35 @@ class RequestPath:
                     if item["finished"]:
                         ended = True
                         self._finish(journey, router, attempt_id, item, placed_at, message)
+                        attempt.ended_at = journey.finished_at
                         yield message
                         return
                     if message["token_ids"] or message["text"] or "placement" in message:
                         yield message
             except (ray.exceptions.RayActorError, LookupError):
                 failure = (f"decode worker {decision.decode} died", decision.decode)
+                self.forget_worker(decision.decode)
                 ended = True
             finally:
+                if attempt.ended_at is None:
+                    attempt.ended_at = time.time()
+                    attempt.failure = failure[0] if failure else (None if ended else "the caller went away")
                 if not ended and stream is not None:  # cancelled, disconnected, past its deadline: release it
                     ray.cancel(stream)
                     router.finished.remote(attempt_id, None, None, False)
             why, failed_worker = failure or (f"decode worker {decision.decode} ended the stream early", None)
             router.forget.remote(attempt_id)
             if failed_worker is not None:
+                if self.metrics is not None:
+                    self.metrics.worker_failed(failed_worker)
                 for r in self.routers:
                     r.worker_failed.remote(failed_worker)
             elif out_of_room and no_room < NO_ROOM_RETRIES:
                 no_room += 1
                 await asyncio.sleep(0.01 * no_room)
                 continue
+            if self.metrics is not None and journey.attempt < limit:
+                self.metrics.migrated("worker_failed" if failed_worker else "retry")
             journey.attempt += 1
             if journey.attempt > limit:
                 journey.outcome = "unavailable"

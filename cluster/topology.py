@@ -158,13 +158,44 @@ server
 
 observability
     dashboard (false)
-        Start the Ray dashboard (about 1 GB of memory). It has no authentication of its own.
+        Start the Ray dashboard (about 1 GB of memory). With Ray's token authentication on (the
+        default for a local Ray), it asks for the token (``~/.ray/auth_token``) and keeps it in
+        a cookie; with ``RAY_AUTH_MODE=disabled``, whoever reaches it can run code on the cluster.
     dashboard_host (``127.0.0.1``)
         Its bind address.
     dashboard_port (8265)
         1..65535.
     metrics_export_port (null)
         Port of Ray's metrics agent, which Prometheus scrapes, 1..65535. Null: Ray's default.
+    metrics_report_interval_s (null)
+        Seconds between two exports of every Ray process's metrics to the agent, a number >=
+        1; only for a local Ray. Lower makes Prometheus's numbers fresher. Null: Ray's (10).
+    prometheus_host (null)
+        URL of a Prometheus that scrapes the cluster (``http://host:9090``): the Ray
+        dashboard's charts query it (Ray's ``RAY_PROMETHEUS_HOST``). Only for a local Ray;
+        on Kubernetes the chart sets it. Null: Ray's default, ``http://localhost:9090``.
+    grafana_host (null)
+        URL of a Grafana reading that Prometheus (``RAY_GRAFANA_HOST``): the Ray dashboard's
+        Metrics page embeds its panels. Null: Ray's default, ``http://localhost:3000``.
+    grafana_iframe_host (null)
+        The Grafana URL as the browser reaches it, when it differs (``RAY_GRAFANA_IFRAME_HOST``).
+    tracing
+        Request traces with OpenTelemetry (``cluster/tracing.py``): one trace per request,
+        with spans for admission, placement, prefill, KV transfer and decode.
+
+        exporter (``none``)
+            ``none``, ``console`` (JSON lines on each ingress replica's stdout), ``otlp``
+            (OTLP over gRPC; ``pip install 'tandem[tracing]'``) or ``memory`` (kept in the
+            process; for tests).
+        endpoint (null)
+            The OTLP collector, e.g. ``http://otel-collector:4317``; only with ``otlp``.
+            Null: OpenTelemetry's default (``OTEL_EXPORTER_OTLP_ENDPOINT``, else
+            ``localhost:4317``).
+        service_name (``tandem``)
+            The traces' ``service.name``.
+        sample_ratio (1.0)
+            Share of requests traced, in (0, 1] (a caller's sampled ``traceparent`` is
+            always followed).
 
 ray
     address (null)
@@ -303,11 +334,24 @@ class ServerSpec:
 
 
 @dataclass(frozen=True)
+class TracingSpec:
+    exporter: str = "none"
+    endpoint: str | None = None
+    service_name: str = "tandem"
+    sample_ratio: float = 1.0
+
+
+@dataclass(frozen=True)
 class ObservabilitySpec:
     dashboard: bool = False
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8265
     metrics_export_port: int | None = None
+    metrics_report_interval_s: float | None = None
+    prometheus_host: str | None = None
+    grafana_host: str | None = None
+    grafana_iframe_host: str | None = None
+    tracing: TracingSpec = field(default_factory=TracingSpec)
 
 
 @dataclass(frozen=True)
@@ -522,16 +566,29 @@ def _integer(low: int, high: int | None = None, null: bool = False) -> Callable[
     return check
 
 
-def _number(low: float, high: float | None = None) -> Callable[[Any], float]:
-    wanted = f"a number > {low:g}" if high is None else f"a number in ({low:g}, {high:g}]"
+def _number(low: float, high: float | None = None, null: bool = False,
+            inclusive: bool = False) -> Callable[[Any], float | None]:
+    wanted = (f"a number {'>=' if inclusive else '>'} {low:g}" if high is None
+              else f"a number in {'[' if inclusive else '('}{low:g}, {high:g}]")
 
-    def check(value: Any) -> float:
+    def check(value: Any) -> float | None:
+        if value is None and null:
+            return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or value <= low or (high is not None and value > high):
-            raise _Bad(f"must be {wanted}; got {_describe(value)}")
+                or value < low or (value == low and not inclusive) or (high is not None and value > high):
+            raise _Bad(f"must be {wanted}{' or null' if null else ''}; got {_describe(value)}")
         return float(value)
 
     return check
+
+
+def _url(value: Any) -> str | None:
+    url = _string(null=True)(value)
+    if url is not None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise _Bad(f"must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:9090; got {quote(url)}")
+    return url
 
 
 def _boolean(value: Any) -> bool:
@@ -657,6 +714,16 @@ _OBSERVABILITY = {
     "dashboard_host": _string(),
     "dashboard_port": _integer(1, 65535),
     "metrics_export_port": _integer(1, 65535, null=True),
+    "metrics_report_interval_s": _number(1, null=True, inclusive=True),
+    "prometheus_host": _url,
+    "grafana_host": _url,
+    "grafana_iframe_host": _url,
+}
+_TRACING = {
+    "exporter": _choice(("none", "console", "otlp", "memory")),
+    "endpoint": _string(null=True),
+    "service_name": _string(),
+    "sample_ratio": _number(0, 1),
 }
 _RAY = {"address": _string(null=True), "num_cpus": _integer(1, null=True)}
 _SECTIONS = ("cluster", "model", "prefill", "decode", "colocated", "kv", "router", "registry", "server", "observability", "ray")
@@ -720,7 +787,7 @@ def _check(text: str, source: str, model_elsewhere: bool = False
         router=_router(ctx, top.data.get("router")),
         registry=_registry(top),
         server=_server(top),
-        observability=ObservabilitySpec(**top.section("observability", _OBSERVABILITY).values()),
+        observability=_observability(top),
         ray=_ray(top),
     )
     _check_pools(ctx, spec)
@@ -836,6 +903,15 @@ def _server(top: _Section) -> ServerSpec:
     return ServerSpec(tls=tls, **values)
 
 
+def _observability(top: _Section) -> ObservabilitySpec:
+    section = top.section("observability", _OBSERVABILITY, ("tracing",))
+    values = section.values()
+    tracing = TracingSpec(**section.section("tracing", _TRACING).values())
+    if tracing.endpoint and tracing.exporter != "otlp":
+        top.ctx.warn("observability.tracing.endpoint", f"is used only with exporter otlp (now {tracing.exporter})")
+    return ObservabilitySpec(tracing=tracing, **values)
+
+
 def _ray(top: _Section) -> RaySpec:
     ray = RaySpec(**top.section("ray", _RAY).values())
     if ray.address and ray.num_cpus is not None:
@@ -878,8 +954,9 @@ def _check_exposure(ctx: _Context, spec: ClusterSpec) -> None:
             ctx.warn("server.host", f"the API on {server.host} is open to the network without TLS")
     obs = spec.observability
     if obs.dashboard and not _is_loopback(obs.dashboard_host):
-        ctx.warn("observability.dashboard_host", "the Ray dashboard has no authentication: whoever reaches "
-                 f"{obs.dashboard_host}:{obs.dashboard_port} can run code on the cluster")
+        ctx.warn("observability.dashboard_host", f"the Ray dashboard on {obs.dashboard_host}:{obs.dashboard_port} "
+                 "is open to the network: keep Ray's token authentication on (RAY_AUTH_MODE=token), or whoever "
+                 "reaches it can run code on the cluster")
     if spec.ray.address is None:
         for role in ROLES:
             if spec.pool(role).node.resources:

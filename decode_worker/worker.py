@@ -209,12 +209,17 @@ class DecodeWorker(EngineWorker):
         tag_base = next(self._tags[pair]) * self.engine.model_config.num_layers * TAG_STRIDE % TAG_LIMIT
         target = TransferTarget(pair, tag_base, first_block, timeout_s, stream_layers)
         started = time.perf_counter()
+        times: dict[str, float] = {}  # wall clock, for the request's trace
+        receive_started = time.time()
         receiving = loop.run_in_executor(self._receives, self.engine.receive_transfer, pair, request_id, dst_blocks,
                                          tag_base, timeout_s)
         stream.busy.append(receiving)
+        receiving.add_done_callback(lambda _: times.setdefault("received", time.time()))
         try:
             worker = ray.get_actor(prefill, namespace=self._namespace)
+            prefill_started = time.time()
             result = await worker.prefill.remote(request_id, prompt, params, target)
+            prefill_ended = time.time()
         except (ray.exceptions.RayActorError, ValueError):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
             asyncio.ensure_future(self._release_after(request_id, [receiving]))
@@ -230,9 +235,13 @@ class DecodeWorker(EngineWorker):
                                          result.first_logprob, result.first_top_logprobs)
         stream.busy.append(admitting)
         await asyncio.shield(admitting)
-        self.metrics.received(len(dst_blocks) * self.engine.runner.block_bytes, received_s)
+        nbytes = len(dst_blocks) * self.engine.runner.block_bytes
+        self.metrics.received(nbytes, received_s)
         return {"prefill": prefill, "blocks_cached_on_decode": first_block, "blocks_sent": result.blocks_sent,
-                "prefill_cached_tokens": result.cached_tokens}
+                "prefill_cached_tokens": result.cached_tokens, "bytes": nbytes,
+                "times": {"prefill": [prefill_started, prefill_ended],
+                          "receive": [receive_started, times.get("received", prefill_ended)],
+                          "admitted": time.time()}}
 
     # -- on the call threads (the engine under its lock) ---------------------------------------
 

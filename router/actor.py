@@ -34,13 +34,14 @@ from router.router import Decision, RouteRequest, Router, Topology
 
 SWEEP_EVERY_S = 2.0
 GOODPUT_BUFFER = 10_000
-GAUGES_EVERY_S = 5.0  # goodput, attainment and queue gauges: refreshed on a timer, busy or idle
+GAUGES_EVERY_S = 2.0  # goodput, attainment and queue gauges: refreshed on a timer, busy or idle
 
 
 class RouterActor:
     def __init__(self, cluster: str, registry_url: str, topology: Topology, config: RouterConfig | None = None,
-                 model_dir: str | None = None):
+                 model_dir: str | None = None, name: str = "router-0"):
         self.cluster = cluster
+        self.name = name
         self.client = connect(registry_url)
         self.view = RedisRegistryView(self.client, cluster)
         self.router = Router(topology, self.view, config or RouterConfig())
@@ -54,7 +55,7 @@ class RouterActor:
                 pass
         self._last_sweep = 0.0
         self.metrics = RouterMetrics(cluster, self.router.config.policy)
-        self.slo_metrics = SloMetrics(cluster)
+        self.slo_metrics = SloMetrics(cluster, name, tuple(c.name for c in self.router.config.slo_classes))
         self._gauges: asyncio.Task | None = None
         self._housekeeping: asyncio.Task | None = None
         self._records_waiting: asyncio.Event | None = None
@@ -120,7 +121,7 @@ class RouterActor:
 
     async def _export_gauges(self) -> None:
         while True:
-            self.slo_metrics.queue_length(len(self.router.waiting))
+            self.slo_metrics.queue_length(len(self.router.waiting), len(self.router.inflight))
             self.slo_metrics.slo(await asyncio.get_running_loop().run_in_executor(None, self.goodput))
             await asyncio.sleep(GAUGES_EVERY_S)
 
@@ -182,6 +183,10 @@ class RouterActor:
     def worker_failed(self, worker: str) -> None:
         self.router.worker_failed(worker)
 
+    def worker_returned(self, worker: str) -> None:
+        """A worker marked failed answers again (started anew under its name): place on it again."""
+        self.router.worker_returned(worker)
+
     def _record(self, record: RequestRecord) -> None:
         if not record.finished_at:
             record = replace(record, finished_at=time.time())
@@ -212,5 +217,6 @@ class RouterActor:
 
     def status(self) -> dict:
         status = self.router.status()
+        status["name"] = self.name
         status["goodput_records_waiting"] = len(self.pending_records)
         return status

@@ -531,6 +531,11 @@ class Router:
         self.failed.add(worker)
         self._changed()
 
+    def worker_returned(self, worker: str) -> None:
+        if worker in self.failed:
+            self.failed.discard(worker)
+            self._changed()
+
     def status(self, now: float | None = None) -> dict:
         now = time.time() if now is None else now
         c = self.counters

@@ -174,6 +174,10 @@ class TandemClient:
         request = tandem_pb2.DetokenizeRequest(token_ids=_token_ids(ids, "ids"))
         return self._unary(self._stub.Detokenize, request, timeout_s).text
 
+    def status(self, *, timeout_s: float | None = None) -> tandem_pb2.ClusterStatus:
+        """The cluster's workers, routers, goodput per SLO class and health (``GetStatus``)."""
+        return self._unary(self._stub.GetStatus, tandem_pb2.GetStatusRequest(), timeout_s)
+
     def health(self, *, timeout_s: float | None = None) -> str:
         """The standard ``grpc.health.v1`` check of the whole server (service ``""``): ``"SERVING"``,
         ``"NOT_SERVING"``, ``"UNKNOWN"`` or ``"SERVICE_UNKNOWN"``."""

@@ -45,13 +45,14 @@ class Cluster:
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
 
-    def ray(self, code: str) -> None:
-        """Runs Python with Ray connected to the cluster (to kill a worker, say)."""
+    def ray(self, code: str) -> str:
+        """Runs Python with Ray connected to the cluster (to kill a worker, say); its stdout."""
         script = (f"import os; os.environ.setdefault('RAY_AUTH_MODE', {self.state['ray_auth_mode']!r}); "
                   "os.environ.setdefault('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', '0'); import ray; "
                   f"ray.init(address={self.state['ray_address']!r}, namespace={self.name!r}); {code}")
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
+        return result.stdout
 
     @contextlib.contextmanager
     def driver(self):

@@ -118,15 +118,17 @@ def _profile_from_cluster(args, state: dict, spec):
 
 
 def _cluster_state(name: str) -> dict:
-    """The cluster's state file, with the TTFT correction its router learned (read through Ray
-    before anything else here imports Ray, which reads the cluster's auth mode on import)."""
-    from cluster.launcher import cluster_status, read_state
+    """The cluster's state file, with the TTFT correction its router learned (read through the
+    cluster's API, as `tandem status` reads it)."""
+    from cluster.launcher import read_state
+    from cluster.status import api_target, fetch_status
 
     state = read_state(name)
     if not state:
         raise ConnectionError(f"--from-cluster: cluster {name!r} is not up here (no state file)")
     try:
-        state["ttft_correction_s"] = cluster_status(name)["router"].get("ttft_correction_s") or {}
+        status = fetch_status(api_target(name, None, None, None))
+        state["ttft_correction_s"] = status["router"].get("ttft_correction_s") or {}
     except Exception as exc:  # noqa: BLE001 - without the router's correction, no control-plane cost
         print(f"[plan] the router's TTFT correction could not be read ({str(exc).splitlines()[0][:120]}); "
               "control-plane cost 0", file=sys.stderr)

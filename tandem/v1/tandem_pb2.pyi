@@ -197,3 +197,157 @@ class DetokenizeResponse(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    RECEIVING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    state: str
+    tp: int
+    kv_blocks_used: int
+    kv_blocks: int
+    waiting: int
+    running: int
+    receiving: int
+    prefix_cache_hit_rate: float
+    registry: str
+    pid: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class RouterStatus(_message.Message):
+    __slots__ = ("name", "policy", "registry", "waiting", "in_flight", "placed", "local_prefills", "rejected", "queued_decisions", "placed_by_load_only", "placed_after_waiting", "last_rejection", "live_workers", "failed_workers", "waiting_by_class", "ttft_correction_s", "ttft_prediction_error", "goodput_records_waiting")
+    class WaitingByClassEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TtftCorrectionSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    PLACED_BY_LOAD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PLACED_AFTER_WAITING_FIELD_NUMBER: _ClassVar[int]
+    LAST_REJECTION_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_BY_CLASS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_CORRECTION_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_PREDICTION_ERROR_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_RECORDS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    policy: str
+    registry: str
+    waiting: int
+    in_flight: int
+    placed: int
+    local_prefills: int
+    rejected: int
+    queued_decisions: int
+    placed_by_load_only: int
+    placed_after_waiting: int
+    last_rejection: str
+    live_workers: _containers.RepeatedScalarFieldContainer[str]
+    failed_workers: _containers.RepeatedScalarFieldContainer[str]
+    waiting_by_class: _containers.ScalarMap[str, int]
+    ttft_correction_s: _containers.ScalarMap[str, float]
+    ttft_prediction_error: float
+    goodput_records_waiting: int
+    def __init__(self, name: _Optional[str] = ..., policy: _Optional[str] = ..., registry: _Optional[str] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., placed: _Optional[int] = ..., local_prefills: _Optional[int] = ..., rejected: _Optional[int] = ..., queued_decisions: _Optional[int] = ..., placed_by_load_only: _Optional[int] = ..., placed_after_waiting: _Optional[int] = ..., last_rejection: _Optional[str] = ..., live_workers: _Optional[_Iterable[str]] = ..., failed_workers: _Optional[_Iterable[str]] = ..., waiting_by_class: _Optional[_Mapping[str, int]] = ..., ttft_correction_s: _Optional[_Mapping[str, float]] = ..., ttft_prediction_error: _Optional[float] = ..., goodput_records_waiting: _Optional[int] = ...) -> None: ...
+
+class SloWindow(_message.Message):
+    __slots__ = ("window_s", "requests", "met", "ttft_met", "tpot_met", "failed", "mean_ttft_s", "mean_tpot_s", "goodput_rps", "attainment")
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MET_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MET_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MET_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    MEAN_TPOT_S_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_RPS_FIELD_NUMBER: _ClassVar[int]
+    ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    requests: int
+    met: int
+    ttft_met: int
+    tpot_met: int
+    failed: int
+    mean_ttft_s: float
+    mean_tpot_s: float
+    goodput_rps: float
+    attainment: float
+    def __init__(self, window_s: _Optional[float] = ..., requests: _Optional[int] = ..., met: _Optional[int] = ..., ttft_met: _Optional[int] = ..., tpot_met: _Optional[int] = ..., failed: _Optional[int] = ..., mean_ttft_s: _Optional[float] = ..., mean_tpot_s: _Optional[float] = ..., goodput_rps: _Optional[float] = ..., attainment: _Optional[float] = ...) -> None: ...
+
+class GoodputView(_message.Message):
+    __slots__ = ("cluster", "classes", "workers")
+    class ClassesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SloWindow
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SloWindow, _Mapping]] = ...) -> None: ...
+    class WorkersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SloWindow
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SloWindow, _Mapping]] = ...) -> None: ...
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    cluster: SloWindow
+    classes: _containers.MessageMap[str, SloWindow]
+    workers: _containers.MessageMap[str, SloWindow]
+    def __init__(self, cluster: _Optional[_Union[SloWindow, _Mapping]] = ..., classes: _Optional[_Mapping[str, SloWindow]] = ..., workers: _Optional[_Mapping[str, SloWindow]] = ...) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("cluster", "model", "workers", "routers", "last_minute", "last_hour", "serving", "health")
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HOUR_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    cluster: str
+    model: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    routers: _containers.RepeatedCompositeFieldContainer[RouterStatus]
+    last_minute: GoodputView
+    last_hour: GoodputView
+    serving: bool
+    health: str
+    def __init__(self, cluster: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., last_minute: _Optional[_Union[GoodputView, _Mapping]] = ..., last_hour: _Optional[_Union[GoodputView, _Mapping]] = ..., serving: _Optional[bool] = ..., health: _Optional[str] = ...) -> None: ...

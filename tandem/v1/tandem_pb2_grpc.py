@@ -54,6 +54,11 @@ class TandemStub:
                 request_serializer=tandem_dot_v1_dot_tandem__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_tandem__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/tandem.v1.Tandem/GetStatus',
+                request_serializer=tandem_dot_v1_dot_tandem__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_tandem__pb2.ClusterStatus.FromString,
+                _registered_method=True)
 
 
 class TandemServicer:
@@ -83,6 +88,15 @@ class TandemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """The cluster as `tandem status` and `tandem top` show it: every worker, every router, and
+        goodput and SLO attainment per class (last minute and last hour). Read by the ingress
+        replica that answers, from the routers and workers; no Ray client is needed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +119,11 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=tandem_dot_v1_dot_tandem__pb2.DetokenizeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_tandem__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=tandem_dot_v1_dot_tandem__pb2.GetStatusRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_tandem__pb2.ClusterStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +234,33 @@ class Tandem:
             '/tandem.v1.Tandem/Detokenize',
             tandem_dot_v1_dot_tandem__pb2.DetokenizeRequest.SerializeToString,
             tandem_dot_v1_dot_tandem__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/GetStatus',
+            tandem_dot_v1_dot_tandem__pb2.GetStatusRequest.SerializeToString,
+            tandem_dot_v1_dot_tandem__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,8 @@
 """The cluster as a service, end to end: `tandem up` in the background, the gRPC API (our Python
 client, `tandem generate`, and a Node client written without our code), every status code,
-cancellation freeing every KV block, `tandem status`, metrics, and `tandem down`.
+cancellation freeing every KV block, `tandem status` and `tandem top` (through the API, no Ray
+job), metrics (every one the Grafana dashboard reads, gauges kept while idle), health that
+flips when the decode worker dies, and `tandem down`.
 
 Two deployments: the embedded default topology (1 prefill + 1 decode worker, embedded Redis,
 127.0.0.1) with only the model swapped for the small test checkpoint, and 2 prefill workers
@@ -267,26 +269,83 @@ def test_deadline_and_cancellation_free_every_block(default_cluster):
     assert status["in_flight"] == 0 and status["queued"] == 0
 
 
+def scrape(port: int) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+    except OSError:
+        return None
+
+
+def series(text: str, name: str) -> dict[str, float]:
+    """The samples of one metric on a scrape, by their Tandem labels (Ray's own left out)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, _, value = line[len(name) + 1:].rpartition("} ")
+            mine = ",".join(sorted(p for p in labels.split(",") if p.split("=")[0] in (
+                "cluster", "worker", "role", "state", "slo_class", "router", "outcome")))
+            out[mine] = float(value)
+    return out
+
+
+GAUGES = ("ray_tandem_goodput_rps", "ray_tandem_slo_attainment", "ray_tandem_slo_requests", "ray_tandem_queue_length",
+          "ray_tandem_in_flight", "ray_tandem_kv_blocks_used", "ray_tandem_kv_blocks_free",
+          "ray_tandem_prefix_cache_hit_rate", "ray_tandem_worker_requests", "ray_tandem_serving")
+
+
 def test_status_and_metrics(default_cluster):
-    with TandemClient(default_cluster.api, timeout_s=60) as client:
+    from cluster.grafana import dashboard, metric_names
+
+    with TandemClient(default_cluster.api, timeout_s=120) as client:
         stream_tokens(client, PROMPTS[0])
+        stream_tokens(client, REMOTE_PROMPT)  # longer than a decode worker may prefill: its KV travels
     result = tandem("status", "--cluster", default_cluster.name, env=default_cluster.env)
     assert result.returncode == 0, result.stderr
     assert "prefill-0  prefill  1   alive" in result.stdout and "decode-0" in result.stdout
-    assert "last minute:" in result.stdout and "standard:" in result.stdout
+    assert "last minute:" in result.stdout and "standard:" in result.stdout and "; serving" in result.stdout
 
-    def scrape() -> str | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{default_cluster.metrics_port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-        except OSError:
-            return None
-        wanted = ("tandem_requests", "tandem_kv_blocks_free", "tandem_ttft_seconds_bucket")
-        return text if all(name in text for name in wanted) else None
-
-    text = wait_for(scrape, 60, "tandem metrics on the Prometheus endpoint", every_s=0.5)
+    # Every metric the Grafana dashboard queries is on the real scrape.
+    wanted = metric_names(dashboard())
+    text = wait_for(lambda: (t := scrape(default_cluster.metrics_port)) and all(n in t for n in wanted) and t, 90,
+                    "every metric of the Grafana dashboard on the Prometheus endpoint", every_s=1)
     assert 'cluster="e2e-default"' in text and 'outcome="length"' in text
-    assert "tandem_router_decisions" in text and "tandem_prefix_cache_hit_rate" in text
+
+
+def test_gauges_stay_while_idle_with_the_values_status_shows(default_cluster):
+    """Ray drops a gauge that is not set again within two report intervals (20 s): Tandem's are
+    set on timers, so after 30 s without a request every one is still exported, and those that
+    do not move while idle equal what `tandem status` shows."""
+    time.sleep(30)
+    text = scrape(default_cluster.metrics_port)
+    assert text is not None
+    missing = [name for name in GAUGES if not series(text, name)]
+    assert not missing, missing
+    status = default_cluster.status()
+    for w in status["workers"]:
+        key = f'cluster="e2e-default",role="{w["role"]}",worker="{w["name"]}"'
+        assert series(text, "ray_tandem_kv_blocks_used")[key] == w["kv_blocks_used"]
+        assert series(text, "ray_tandem_kv_blocks_free")[key] == w["kv_blocks"] - w["kv_blocks_used"]
+    assert series(text, "ray_tandem_queue_length") == {'cluster="e2e-default",router="router-0"': status["queued"]}
+    assert set(series(text, "ray_tandem_goodput_rps")) >= {
+        f'cluster="e2e-default",router="router-0",slo_class="{c}"' for c in ("interactive", "standard", "batch")}
+    assert list(series(text, "ray_tandem_serving").values()) == [1.0]
+
+
+def test_status_and_top_register_no_ray_job(default_cluster):
+    """They read the API: the only new Ray job is this test's own second look at the job table."""
+    count = "from ray._private import state; print('JOBS', len(state.jobs()))"
+
+    def jobs() -> int:
+        out = default_cluster.ray(count)
+        return int(out.split("JOBS ")[1].split()[0])
+
+    before = jobs()
+    assert tandem("status", "--cluster", default_cluster.name, env=default_cluster.env).returncode == 0
+    top = tandem("top", "--cluster", default_cluster.name, "--iterations", "2", env=default_cluster.env)
+    assert top.returncode == 0, top.stderr
+    assert top.stdout.count("tandem top - ") == 2 and "decode-0" in top.stdout
+    assert jobs() == before + 1
 
 
 def test_a_dead_worker_is_unavailable_then_down_stops_everything(default_cluster):
@@ -307,6 +366,19 @@ def test_a_dead_worker_is_unavailable_then_down_stops_everything(default_cluster
         list(client.generate(PROMPTS[0], max_tokens=4))
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
     assert "decode" in caught.value.message
+
+    # Health means serving: the gRPC health service and Serve's check both say so.
+    def health() -> str | None:
+        with TandemClient(default_cluster.api, timeout_s=5) as client:
+            try:
+                return client.health()
+            except TandemError:  # Serve is starting the replica again
+                return None
+
+    wait_for(lambda: health() == "NOT_SERVING", 60, "gRPC health NOT_SERVING", every_s=0.5)
+    serve_status = "from ray import serve; print('STATUS', serve.status().applications['e2e-default'].status.value)"
+    wait_for(lambda: "STATUS UNHEALTHY" in default_cluster.ray(serve_status), 120, "Serve to show the API unhealthy",
+             every_s=2)
     pid = default_cluster.state["pid"]
     default_cluster.down()
     with pytest.raises(ProcessLookupError):

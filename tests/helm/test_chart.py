@@ -96,7 +96,7 @@ def kinds(docs: list[dict]) -> set[tuple[str, str]]:
 
 
 def topology_of(docs: list[dict]) -> str:
-    return one(docs, "ConfigMap")["data"]["topology.yaml"]
+    return one(docs, "ConfigMap", f"{RELEASE}-tandem")["data"]["topology.yaml"]
 
 
 def head_of(docs: list[dict]) -> dict:
@@ -573,6 +573,38 @@ def test_load_balancer_ingress_and_service_monitor(helm, tmp_path):
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
+def test_grafana_dashboard_configmap_and_the_ray_dashboards_metrics_page(helm, tmp_path):
+    """The dashboard as a ConfigMap a Grafana sidecar loads (its label, namespace and folder),
+    holding the repository's tandem.json; the head pod pointing the Ray dashboard at Prometheus
+    and Grafana; tracing in the topology. None of it by default."""
+    docs = template(helm, *values_args("default", tmp_path, {
+        "metrics": {"grafanaDashboard": {"enabled": True, "namespace": "monitoring", "folder": "LLM serving"}},
+        "dashboard": {"prometheusHost": "http://prometheus-operated.monitoring.svc:9090",
+                      "grafanaHost": "http://grafana.monitoring.svc", "grafanaIframeHost": "https://grafana.example.com",
+                      "prometheusName": "Prometheus"},
+        "tracing": {"exporter": "otlp", "endpoint": "http://otel.monitoring.svc:4317", "sampleRatio": 0.5}}))
+    board_map = one(docs, "ConfigMap", f"{FULLNAME}-grafana-dashboard")
+    meta = board_map["metadata"]
+    assert meta["namespace"] == "monitoring" and meta["labels"]["grafana_dashboard"] == "1"
+    assert meta["annotations"] == {"grafana_folder": "LLM serving"}
+    board = json.loads(board_map["data"]["tandem.json"])
+    assert board == json.loads((CHART / "dashboards" / "tandem.json").read_text())
+    assert board["uid"] == "tandem-overview" and board["panels"]
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate.validate(board_map, K8S_VERSION, strict=True)
+    env = env_of(container(head_of(docs)["template"]))
+    assert {name: env[name]["value"] for name in env if name.startswith(("RAY_PROMETHEUS", "RAY_GRAFANA"))} == {
+        "RAY_PROMETHEUS_HOST": "http://prometheus-operated.monitoring.svc:9090", "RAY_PROMETHEUS_NAME": "Prometheus",
+        "RAY_GRAFANA_HOST": "http://grafana.monitoring.svc", "RAY_GRAFANA_IFRAME_HOST": "https://grafana.example.com"}
+    tracing = parse_topology(topology_of(docs)).observability.tracing
+    assert (tracing.exporter, tracing.endpoint, tracing.sample_ratio) == ("otlp", "http://otel.monitoring.svc:4317",
+                                                                          0.5)
+    plain = template(helm)
+    assert ("ConfigMap", f"{FULLNAME}-grafana-dashboard") not in kinds(plain)
+    assert not [n for n in env_of(container(head_of(plain)["template"])) if n.startswith(("RAY_GRAFANA", "RAY_PROM"))]
+    assert parse_topology(topology_of(plain)).observability.tracing.exporter == "none"
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_notes_tell_how_to_reach_the_api(helm, case):
     done = run_helm(helm, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
@@ -580,7 +612,7 @@ def test_notes_tell_how_to_reach_the_api(helm, case):
     assert done.returncode == 0, done.stderr
     notes = done.stdout.partition("NOTES:")[2]
     values = values_of(case)
-    assert "tandem generate --addr" in notes
+    assert "tandem generate --addr" in notes and "tandem top --addr" in notes
     if values["server"]["service"]["type"] == "LoadBalancer":
         assert "loadBalancer.ingress" in notes
     else:

@@ -81,12 +81,12 @@ def test_generate_is_unary_request_server_streaming():
 
     service = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"]
     assert service.full_name == "tandem.v1.Tandem"
-    assert sorted(service.methods_by_name) == ["Detokenize", "Generate", "GetModelInfo", "Tokenize"]
+    assert sorted(service.methods_by_name) == ["Detokenize", "Generate", "GetModelInfo", "GetStatus", "Tokenize"]
     generate = service.methods_by_name["Generate"]
     assert (generate.client_streaming, generate.server_streaming) == (False, True)
     assert generate.input_type.full_name == "tandem.v1.GenerateRequest"
     assert generate.output_type.full_name == "tandem.v1.GenerateResponse"
-    for name in ("GetModelInfo", "Tokenize", "Detokenize"):
+    for name in ("GetModelInfo", "Tokenize", "Detokenize", "GetStatus"):
         method = service.methods_by_name[name]
         assert (method.client_streaming, method.server_streaming) == (False, False), name
 
@@ -113,4 +113,5 @@ def test_generate_is_unary_request_server_streaming():
         "/tandem.v1.Tandem/GetModelInfo": "unary_unary",
         "/tandem.v1.Tandem/Tokenize": "unary_unary",
         "/tandem.v1.Tandem/Detokenize": "unary_unary",
+        "/tandem.v1.Tandem/GetStatus": "unary_unary",
     }

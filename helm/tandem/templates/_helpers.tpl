@@ -216,7 +216,8 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
 {{- end -}}
 {{- if $v.server.auth.enabled -}}{{- $_ := set $server "auth_token_env" (include "tandem.apiTokenEnv" .) -}}{{- end -}}
 {{- $_ := set $t "server" $server -}}
-{{- $_ := set $t "observability" (dict "dashboard" true "dashboard_host" "0.0.0.0" "dashboard_port" $v.dashboard.port "metrics_export_port" $v.metrics.port) -}}
+{{- $tracing := dict "exporter" $v.tracing.exporter "endpoint" (default nil $v.tracing.endpoint) "service_name" $v.tracing.serviceName "sample_ratio" $v.tracing.sampleRatio -}}
+{{- $_ := set $t "observability" (dict "dashboard" true "dashboard_host" "0.0.0.0" "dashboard_port" $v.dashboard.port "metrics_export_port" $v.metrics.port "tracing" $tracing) -}}
 {{- $_ := set $t "ray" (dict "address" "127.0.0.1:6379") -}}
 {{- toYaml $t -}}
 {{- end -}}

@@ -1,0 +1,227 @@
+"""A cluster's status: read by an ingress replica (the ``GetStatus`` call of the gRPC API)
+from its routers and workers, and shown by ``tandem status`` and ``tandem top``.
+
+The command line reads it through the API, not through Ray: no Ray client connects, so no
+Ray job is registered per look (the dashboard's "Recent jobs" stays the cluster's own), and a
+remote cluster needs only its API address (with its TLS and token, as ``tandem generate``).
+Locally the state file that ``tandem up`` wrote names the address, the certificate and where
+the token is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+from google.protobuf.json_format import MessageToDict
+
+from tandem.v1 import tandem_pb2
+
+ROUTER_SUMS = ("in_flight", "waiting", "placed", "local_prefills", "rejected", "queued_decisions",
+               "placed_by_load_only", "placed_after_waiting", "goodput_records_waiting")
+
+
+# -- on the ingress: reading the cluster --------------------------------------------------------
+
+async def read_status(monitor, timeout_s: float = 10.0) -> tandem_pb2.ClusterStatus:
+    """The cluster as this replica sees it now (``monitor``: its :class:`~cluster.health.HealthMonitor`)."""
+    info = monitor.info
+    routers, workers = await asyncio.gather(monitor.router_statuses(), monitor.worker_statuses(info.workers))
+    goodput = None
+    for handle in monitor.path.routers[:1]:
+        try:
+            goodput = await asyncio.wait_for(handle.goodput.remote(), timeout_s)
+        except Exception:  # noqa: BLE001 - the router went away: goodput unknown this time
+            goodput = None
+    message = tandem_pb2.ClusterStatus(cluster=info.cluster, model=info.model_name,
+                                       serving=bool(monitor.serving), health=monitor.reason)
+    for name in info.workers:
+        message.workers.add(**_fields(tandem_pb2.WorkerStatus, workers[name]))
+    for name, status in sorted(routers.items()):
+        router = message.routers.add(**_fields(tandem_pb2.RouterStatus, {**status, "name": name}))
+        if status.get("ttft_prediction_error") is None:
+            router.ClearField("ttft_prediction_error")
+    if goodput:
+        for window in ("last_minute", "last_hour"):
+            _goodput_view(getattr(message, window), goodput[window])
+    return message
+
+
+def _fields(message_type, values: dict) -> dict:
+    """The entries of ``values`` that ``message_type`` has fields for (None left out)."""
+    names = message_type.DESCRIPTOR.fields_by_name
+    return {k: v for k, v in values.items() if k in names and v is not None}
+
+
+def _goodput_view(view: tandem_pb2.GoodputView, scopes: dict) -> None:
+    def fill(window: tandem_pb2.SloWindow, values: dict) -> None:
+        window.CopyFrom(tandem_pb2.SloWindow(**_fields(tandem_pb2.SloWindow, values)))
+
+    fill(view.cluster, scopes["cluster"])
+    for name, values in scopes["classes"].items():
+        fill(view.classes[name], values)
+    for name, values in scopes["workers"].items():
+        fill(view.workers[name], values)
+
+
+# -- on the command line: the status as a mapping, and as text ----------------------------------
+
+def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashboard: str | None = None) -> dict:
+    """``tandem status --json``: the workers, the routers summed (``router``, as with one
+    router; ``routers`` counts them, ``each_router`` lists them), goodput (None while the
+    registry is unreachable), and health."""
+    raw = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    routers = raw.get("routers", [])
+    for router in routers:
+        for key in ROUTER_SUMS:
+            router[key] = int(router.get(key, 0))
+        router.setdefault("ttft_prediction_error", None)
+    router = dict(routers[0]) if routers else {"policy": "-", "registry": "no router answers",
+                                              **{k: 0 for k in ROUTER_SUMS}}
+    for other in routers[1:]:
+        for key in ROUTER_SUMS:
+            router[key] += other[key]
+    goodput = None
+    if message.HasField("last_minute"):
+        goodput = {window: _windows(raw[window]) for window in ("last_minute", "last_hour")}
+    return {"cluster": message.cluster, "model": message.model, "serving": message.serving, "health": message.health,
+            "workers": raw.get("workers", []), "router": router, "routers": len(routers), "each_router": routers,
+            "goodput": goodput,
+            "queued": router["waiting"], "in_flight": router["in_flight"], "api": api, "dashboard": dashboard}
+
+
+def _windows(view: dict) -> dict:
+    def window(values: dict) -> dict:
+        values = dict(values)
+        for key in ("requests", "met", "ttft_met", "tpot_met", "failed"):
+            values[key] = int(values.get(key, 0))
+        for key in ("mean_ttft_s", "mean_tpot_s"):
+            values.setdefault(key, None)
+        return values
+
+    return {"cluster": window(view.get("cluster", {})),
+            "classes": {name: window(v) for name, v in sorted(view.get("classes", {}).items())},
+            "workers": {name: window(v) for name, v in sorted(view.get("workers", {}).items())}}
+
+
+def worker_rows(status: dict) -> list[tuple[str, ...]]:
+    """The workers table (header first) that ``tandem status`` and ``tandem top`` print."""
+    rows = [("worker", "role", "TP", "state", "KV used", "waiting", "running", "receiving", "hit rate")]
+    for w in status["workers"]:
+        if w.get("state") != "alive":
+            rows.append((w["name"], w["role"], "-", w.get("state") or "dead", "-", "-", "-", "-", "-"))
+            continue
+        rows.append((w["name"], w["role"], str(w["tp"]), w["state"], f"{w['kv_blocks_used']}/{w['kv_blocks']}",
+                     str(w["waiting"]), str(w["running"]), str(w["receiving"]), f"{w['prefix_cache_hit_rate']:.0%}"))
+    return rows
+
+
+def table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip() for row in rows]
+
+
+def health_line(status: dict) -> str:
+    return "serving" if status["serving"] else f"NOT SERVING: {status['health']}"
+
+
+def format_status(status: dict) -> str:
+    router = status["router"]
+    lines = [f"cluster {status['cluster']}: model {status['model']}; API {status.get('api')}; dashboard "
+             f"{status.get('dashboard') or 'off'}; {health_line(status)}",
+             f"router {router['policy']} (registry {router['registry']}): {status['queued']} waiting for placement, "
+             f"{status['in_flight']} placed and not finished"]
+    lines += table(worker_rows(status))
+    goodput = status.get("goodput")
+    if goodput:
+        for window in ("last_minute", "last_hour"):
+            lines += goodput_lines(window.replace("_", " "), goodput[window])
+    else:
+        lines.append("goodput: registry unreachable")
+    return "\n".join(lines)
+
+
+def goodput_lines(title: str, view: dict) -> list[str]:
+    cluster = view["cluster"]
+    lines = [f"{title}: {cluster['requests']} requests, goodput {cluster['goodput_rps']:.2f}/s, SLO attainment "
+             f"{cluster['attainment']:.0%}"]
+    for name, c in view["classes"].items():
+        lines.append(f"  {name}: {c['requests']} requests, goodput {c['goodput_rps']:.2f}/s, attainment "
+                     f"{c['attainment']:.0%}, mean TTFT {_ms(c['mean_ttft_s'])}, mean TPOT {_ms(c['mean_tpot_s'])}")
+    return lines
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+# -- on the command line: where the API is ------------------------------------------------------
+
+@dataclass(frozen=True)
+class ApiTarget:
+    """How to reach a cluster's API: address, token and CA file (None: plain TCP)."""
+
+    address: str
+    token: str | None = None
+    tls_ca: str | None = None
+    dashboard: str | None = None
+
+
+def api_target(cluster: str, addr: str | None, token_env: str | None, tls_ca: str | None) -> ApiTarget:
+    """From ``--addr`` (with ``--token-env`` and ``--tls-ca``), else from the state file that
+    ``tandem up`` wrote for ``cluster`` here. LookupError (one line) when neither says where."""
+    from cluster.launcher import read_state, state_file
+
+    token = None
+    if token_env:
+        token = os.environ.get(token_env)
+        if not token:
+            raise LookupError(f"environment variable {token_env} (--token-env) is not set or empty")
+    if addr:
+        return ApiTarget(addr, token, tls_ca)
+    state = read_state(cluster)
+    if not state or not state.get("api"):
+        raise LookupError(f"cluster {cluster!r} is not up here (no {state_file(cluster)}); give its API address "
+                          "with --addr HOST:PORT")
+    if token is None:
+        token = _state_token(state)
+    address = state["api"]
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", "[::]"):  # bound to every interface: reach it here through loopback
+        address = f"localhost:{port}"
+    ca = tls_ca or (state.get("tls_cert") if state.get("tls") else None)
+    return ApiTarget(address, token, ca, state.get("dashboard"))
+
+
+def _state_token(state: dict) -> str | None:
+    env, path = state.get("auth_token_env"), state.get("auth_token_file")
+    if env:
+        token = os.environ.get(env)
+        if not token:
+            raise LookupError(f"the cluster's API wants a token from environment variable {env} (server.auth_token_env), "
+                              "which is not set here; set it, or give --token-env")
+        return token
+    if path:
+        try:
+            return open(os.path.expanduser(path), encoding="utf-8").read().strip()
+        except OSError as exc:
+            raise LookupError(f"cannot read the API token file {path} (server.auth_token_file): "
+                              f"{exc.strerror or exc}") from None
+    return None
+
+
+def fetch_status(target: ApiTarget, timeout_s: float = 30.0) -> dict:
+    """The cluster's status through its API; LookupError (one line) when it cannot be read."""
+    from tandem.client import TandemClient, TandemError
+
+    try:
+        client = TandemClient(target.address, token=target.token, tls_ca_file=target.tls_ca, timeout_s=timeout_s)
+    except OSError as exc:
+        raise LookupError(f"cannot read the CA file {target.tls_ca}: {exc.strerror or exc}") from None
+    with client:
+        try:
+            message = client.status()
+        except TandemError as exc:
+            raise LookupError(f"cannot read the status from {target.address}: {exc}") from None
+    return status_dict(message, target.address, target.dashboard)

@@ -1,0 +1,158 @@
+"""The ingress's health check over stand-in routers and workers: serving while a router answers
+and a decode worker can generate; not serving (saying why) when the decode workers are gone,
+stopped, or all failed, or no router answers; serving again by itself when one returns, with
+the returned worker handed back to the routers."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from cluster.deployment import ServingInfo
+from cluster.health import HealthMonitor
+from router.config import RouterConfig
+
+pytestmark = pytest.mark.unit
+
+
+class Call:
+    """``.remote()`` runs at once (as a fire-and-forget Ray call would, eventually) and returns
+    an awaitable of the answer."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        try:
+            return Answer(self.fn(*args))
+        except Exception as exc:  # noqa: BLE001 - handed to whoever awaits it
+            return Answer(None, exc)
+
+
+class Answer:
+    """An awaitable result, like an ObjectRef (awaiting it is optional)."""
+
+    def __init__(self, result, error: Exception | None = None):
+        self.result, self.error = result, error
+
+    def __await__(self):
+        if self.error is not None:
+            raise self.error
+        return self.result
+        yield  # a generator: the protocol of __await__
+
+
+class Actor:
+    """A stand-in actor: ``.status.remote()`` (and the rest) return awaitables, as Ray's do."""
+
+    def __init__(self, status: dict, returned: list | None = None):
+        self.status = Call(lambda: status)
+        self.worker_returned = Call(lambda name: returned.append(name))
+
+
+class Dead:
+    """An actor handle whose actor died: every call fails."""
+
+    def __init__(self):
+        def fail(*_):
+            raise RuntimeError("the actor died")
+
+        self.status = Call(fail)
+
+
+@dataclass
+class FakeRay:
+    actors: dict = field(default_factory=dict)
+
+    def get_actor(self, name, namespace=None):
+        if name not in self.actors:
+            raise ValueError(f"no actor {name}")
+        return self.actors[name]
+
+
+class FakePath:
+    def __init__(self, info, ray):
+        self.info, self.ray = info, ray
+        self.routers = self.find_routers()
+        self.forgotten = []
+
+    def find_routers(self):
+        return [self.ray.actors[n] for n in self.info.routers if n in self.ray.actors]
+
+    def worker(self, name):
+        try:
+            return self.ray.get_actor(name)
+        except ValueError:
+            raise LookupError(name) from None
+
+    def forget_worker(self, name):
+        self.forgotten.append(name)
+
+
+INFO = ServingInfo("c1", "/m", "m", "LlamaForCausalLM", 512, 512, 16, 64, ("prefill-0",), ("decode-0", "decode-1"),
+                   (), ("router-0",), RouterConfig())
+
+
+def alive(name: str, state: str = "alive") -> dict:
+    return {"name": name, "role": name.rpartition("-")[0], "state": state}
+
+
+@pytest.fixture
+def cluster():
+    returned = []
+    ray = FakeRay({"router-0": Actor({"failed_workers": []}, returned)})
+    for name in INFO.workers:
+        ray.actors[name] = Actor(alive(name))
+    changes = []
+
+    async def on_change(serving):
+        changes.append(serving)
+
+    monitor = HealthMonitor(FakePath(INFO, ray), on_change=on_change, timeout_s=1)
+    return ray, monitor, changes, returned
+
+
+def check(monitor) -> bool:
+    return asyncio.run(monitor.check_now())
+
+
+def test_serving_then_not_when_the_decode_workers_go_then_back(cluster):
+    ray, monitor, changes, _ = cluster
+    assert check(monitor) and monitor.reason == ""
+    del ray.actors["decode-0"]
+    assert check(monitor)  # decode-1 still generates
+    ray.actors["decode-1"] = Dead()
+    assert not check(monitor)
+    assert monitor.reason == "no decode worker can generate (decode-0 dead, decode-1 dead)"
+    assert "decode-1" in monitor.path.forgotten  # looked up afresh next time
+    ray.actors["decode-1"] = Actor(alive("decode-1"))
+    assert check(monitor)
+    assert changes == [True, False, True]
+
+
+def test_a_stopped_engine_or_a_failed_worker_cannot_generate(cluster):
+    ray, monitor, _, _ = cluster
+    ray.actors["decode-0"] = Actor(alive("decode-0", "stopped"))
+    ray.actors["router-0"] = Actor({"failed_workers": ["decode-1"]})
+    ray.actors["decode-1"] = Dead()
+    assert not check(monitor)
+    assert monitor.reason == "no decode worker can generate (decode-0 stopped, decode-1 failed)"
+
+
+def test_a_failed_worker_that_answers_again_is_handed_back(cluster):
+    ray, monitor, _, returned = cluster
+    ray.actors["router-0"] = Actor({"failed_workers": ["decode-0", "decode-1"]}, returned)
+    monitor.path.routers = monitor.path.find_routers()
+    assert check(monitor)  # both answer again: restarted under their names
+    assert sorted(returned) == ["decode-0", "decode-1"]
+
+
+def test_no_router_is_not_serving_until_one_is_back(cluster):
+    ray, monitor, _, returned = cluster
+    router = ray.actors.pop("router-0")
+    assert not check(monitor) and monitor.reason == "no router answers (router-0)"
+    assert monitor.path.routers == []
+    ray.actors["router-0"] = router
+    assert check(monitor) and monitor.path.routers == [router]

@@ -1,0 +1,123 @@
+"""``tandem status`` and ``tandem top`` from a ``ClusterStatus`` message: the mapping of
+``--json`` (routers summed as one, goodput or None), the text, a frame of ``top`` with rates
+between frames, and where the API is (``--addr``, or the state `tandem up` wrote, with its
+certificate and token source)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from cluster.status import api_target, format_status, status_dict
+from cluster.top import render, run_top
+from tandem.v1 import tandem_pb2
+
+pytestmark = pytest.mark.unit
+
+
+def message(placed: int = 7, goodput: bool = True) -> tandem_pb2.ClusterStatus:
+    m = tandem_pb2.ClusterStatus(cluster="c1", model="m", serving=True)
+    m.workers.add(name="prefill-0", role="prefill", state="alive", tp=2, kv_blocks_used=3, kv_blocks=64, waiting=1,
+                  running=0, receiving=0, prefix_cache_hit_rate=0.5, registry="ok")
+    m.workers.add(name="decode-0", role="decode", state="dead")
+    for i in range(2):
+        r = m.routers.add(name=f"router-{i}", policy="slo", registry="ok", waiting=1, in_flight=2, placed=placed,
+                          rejected=1, failed_workers=["decode-0"])
+        r.ttft_correction_s["remote"] = 0.01
+    if goodput:
+        for window in (m.last_minute, m.last_hour):
+            window.cluster.CopyFrom(tandem_pb2.SloWindow(window_s=60, requests=4, met=3, goodput_rps=0.05,
+                                                         attainment=0.75))
+            window.classes["standard"].CopyFrom(tandem_pb2.SloWindow(window_s=60, requests=4, met=3, goodput_rps=0.05,
+                                                                     attainment=0.75, mean_ttft_s=0.2))
+    return m
+
+
+def test_status_dict_sums_the_routers_and_keeps_the_shape_of_status_json():
+    status = status_dict(message(), api="127.0.0.1:1", dashboard=None)
+    json.dumps(status)  # plain JSON
+    assert status["router"]["placed"] == 14 and status["router"]["waiting"] == 2 and status["queued"] == 2
+    assert status["in_flight"] == 4 and status["routers"] == 2 and len(status["each_router"]) == 2
+    assert status["router"]["ttft_correction_s"] == {"remote": 0.01}
+    assert status["router"]["ttft_prediction_error"] is None
+    workers = {w["name"]: w for w in status["workers"]}
+    assert workers["prefill-0"]["kv_blocks_used"] == 3 and workers["prefill-0"]["tp"] == 2
+    assert workers["decode-0"]["state"] == "dead"
+    minute = status["goodput"]["last_minute"]
+    assert minute["cluster"]["requests"] == 4 and minute["classes"]["standard"]["mean_ttft_s"] == 0.2
+    assert minute["classes"]["standard"]["mean_tpot_s"] is None
+    assert status_dict(message(goodput=False))["goodput"] is None
+
+
+def test_format_status_lists_workers_health_and_goodput():
+    text = format_status(status_dict(message(), api="127.0.0.1:1"))
+    assert "cluster c1: model m; API 127.0.0.1:1; dashboard off; serving" in text
+    assert "prefill-0  prefill  2   alive  3/64" in text
+    assert "decode-0   decode   -   dead" in text
+    assert "last minute: 4 requests, goodput 0.05/s, SLO attainment 75%" in text
+    assert "  standard: 4 requests, goodput 0.05/s, attainment 75%, mean TTFT 200 ms, mean TPOT -" in text
+    down = message(goodput=False)
+    down.serving, down.health = False, "no decode worker can generate (decode-0 dead)"
+    text = format_status(status_dict(down))
+    assert "NOT SERVING: no decode worker can generate (decode-0 dead)" in text
+    assert "goodput: registry unreachable" in text
+
+
+def test_a_top_frame_shows_rates_since_the_last_frame():
+    first, second = status_dict(message(placed=7), api="a"), status_dict(message(placed=12), api="a")
+    frame = render(second, first, 2.0, 0.0)
+    assert "placed 24 (5.0/s)" in frame and "rejected 2 (0.0/s)" in frame
+    assert "failed workers: decode-0" in frame
+    assert "prefill-0" in frame and "#" in frame.split("prefill-0")[1].splitlines()[0]  # the KV bar
+    assert "goodput, last minute: 4 requests" in frame
+    assert "placed 14," in render(first, None, None, 0.0)
+
+
+def test_top_draws_frames_until_its_iterations(monkeypatch):
+    frames = iter([message(placed=1), message(placed=3)])
+    monkeypatch.setattr("cluster.top.fetch_status", lambda target, timeout_s: status_dict(next(frames), target.address))
+    out = io.StringIO()
+    from cluster.status import ApiTarget
+
+    assert run_top(ApiTarget("x:1"), interval_s=0.01, iterations=2, out=out) == 0
+    text = out.getvalue()
+    assert text.count("tandem top - ") == 2 and "\x1b[" not in text  # not a terminal: frames one after another
+
+
+@pytest.fixture
+def state(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+
+    def write(**fields):
+        path = tmp_path / "clusters" / "c1.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"pid": 1, "api": "0.0.0.0:5000", "dashboard": None, **fields}))
+
+    return write
+
+
+def test_the_api_from_the_state_file(state, tmp_path, monkeypatch):
+    state(tls=True, tls_cert="/etc/cert.pem", auth_token_env="MY_TOKEN")
+    monkeypatch.setenv("MY_TOKEN", "s3cret")
+    target = api_target("c1", None, None, None)
+    assert (target.address, target.token, target.tls_ca) == ("localhost:5000", "s3cret", "/etc/cert.pem")
+    monkeypatch.delenv("MY_TOKEN")
+    with pytest.raises(LookupError, match="MY_TOKEN"):
+        api_target("c1", None, None, None)
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    state(tls=False, auth_token_file=str(token_file))
+    target = api_target("c1", None, None, None)
+    assert (target.token, target.tls_ca) == ("from-file", None)
+
+
+def test_addr_needs_no_state_and_a_missing_cluster_says_what_to_give(state, monkeypatch):
+    monkeypatch.setenv("T", "tok")
+    target = api_target("nowhere", "10.0.0.5:50051", "T", "/ca.pem")
+    assert (target.address, target.token, target.tls_ca) == ("10.0.0.5:50051", "tok", "/ca.pem")
+    with pytest.raises(LookupError, match="cluster 'nowhere' is not up here .* give its API address with --addr"):
+        api_target("nowhere", None, None, None)
+    with pytest.raises(LookupError, match="environment variable UNSET_TOKEN_VAR"):
+        api_target("nowhere", "h:1", "UNSET_TOKEN_VAR", None)

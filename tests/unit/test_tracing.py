@@ -1,0 +1,105 @@
+"""A request's journey becomes one trace: the request span and, under it, admission, placement
+(with the decision and its predictions), prefill, KV transfer and decode, at the times the
+journey recorded; a migrated request has a set per attempt, the failed one marked as an error;
+a caller's traceparent makes the request a child of the caller's trace; tracing off costs nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk.trace")
+
+from cluster.request_path import Attempt, Journey  # noqa: E402
+from cluster.topology import TracingSpec  # noqa: E402
+from cluster.tracing import memory_exporter, request_tracer  # noqa: E402
+from router.router import Decision  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def spans():
+    exporter = memory_exporter()
+    exporter.clear()
+    tracer = request_tracer(TracingSpec(exporter="memory"), "c1")
+
+    def record(journey: Journey, traceparent: str | None = None):
+        tracer.record(journey, "grpc", traceparent, journey.finished_at + 0.001)
+        return {s.name: s for s in exporter.get_finished_spans()}, list(exporter.get_finished_spans())
+
+    yield record
+    exporter.clear()
+
+
+def decision(prefill: str | None, decode: str = "decode-0") -> Decision:
+    return Decision("place", "r1", prefill, decode, "standard", 5.0, 0.25, predicted_ttft_s=0.12,
+                    predicted_tpot_s=0.02, prefill_hit_blocks=1, decode_hit_blocks=0, waited_s=0.003)
+
+
+def served_journey() -> Journey:
+    journey = Journey("r1", T0, 40, "standard", checked_at=T0 + 0.001, first_token_at=T0 + 0.2,
+                      finished_at=T0 + 0.5, tokens=list(range(8)), outcome="length")
+    transfer = {"prefill": "prefill-0", "blocks_sent": 3, "bytes": 4096, "blocks_cached_on_decode": 0,
+                "prefill_cached_tokens": 16, "times": {"prefill": [T0 + 0.02, T0 + 0.15],
+                                                       "receive": [T0 + 0.02, T0 + 0.16], "admitted": T0 + 0.17}}
+    journey.attempts.append(Attempt(T0 + 0.002, T0 + 0.01, decision("prefill-0"), transfer, T0 + 0.2, 8, T0 + 0.5))
+    return journey
+
+
+def test_one_trace_with_every_phase(spans):
+    by_name, every = spans(served_journey())
+    assert set(by_name) == {"tandem.request", "admission", "placement", "prefill", "kv_transfer", "decode"}
+    root = by_name["tandem.request"]
+    assert root.parent is None and len({s.context.trace_id for s in every}) == 1
+    assert all(s.parent.span_id == root.context.span_id for s in every if s is not root)
+    assert root.attributes["tandem.request_id"] == "r1" and root.attributes["tandem.outcome"] == "length"
+    assert root.attributes["tandem.completion_tokens"] == 8 and root.attributes["tandem.ttft_ms"] == pytest.approx(200)
+    placement = by_name["placement"].attributes
+    assert (placement["tandem.placement.prefill"], placement["tandem.placement.decode"]) == ("prefill-0", "decode-0")
+    assert placement["tandem.placement.predicted_ttft_ms"] == pytest.approx(120)
+    assert placement["tandem.placement.path"] == "remote" and placement["tandem.placement.waited_ms"] == pytest.approx(3)
+    assert by_name["kv_transfer"].attributes["tandem.kv.bytes"] == 4096
+    assert by_name["prefill"].attributes["tandem.prefill.cached_tokens"] == 16
+    ns = 1e9
+    assert by_name["prefill"].start_time == pytest.approx((T0 + 0.02) * ns, abs=1e3)
+    assert by_name["decode"].start_time == pytest.approx((T0 + 0.17) * ns, abs=1e3)
+    assert by_name["decode"].end_time == pytest.approx((T0 + 0.5) * ns, abs=1e3)
+    assert by_name["admission"].end_time <= by_name["placement"].start_time
+    assert all(s.status.is_ok for s in every)
+
+
+def test_a_local_prefill_and_a_migration(spans):
+    journey = Journey("r2", T0, 40, "standard", checked_at=T0 + 0.001, first_token_at=T0 + 0.3, finished_at=T0 + 1,
+                      tokens=list(range(4)), outcome="length", attempt=1)
+    journey.attempts = [
+        Attempt(T0 + 0.01, T0 + 0.02, decision(None, "decode-0"), None, T0 + 0.3, 2, T0 + 0.4,
+                "decode worker decode-0 died"),
+        Attempt(T0 + 0.41, T0 + 0.42, decision(None, "decode-1"), None, T0 + 0.6, 2, T0 + 1),
+    ]
+    _, every = spans(journey)
+    names = [(s.name, s.attributes.get("tandem.attempt"), s.status.is_ok) for s in every if s.name != "admission"]
+    assert ("decode", 0, False) in names and ("decode", 1, True) in names
+    assert ("prefill", 0, True) in names and ("prefill", 1, True) in names
+    assert not any(name == "kv_transfer" for name, _, _ in names)
+    locals_ = [s for s in every if s.name == "prefill"]
+    assert all(s.attributes["tandem.prefill.local"] for s in locals_)
+    root = next(s for s in every if s.name == "tandem.request")
+    assert root.attributes["tandem.migrations"] == 1
+
+
+def test_a_rejected_request_and_the_callers_trace(spans):
+    journey = Journey("r3", T0, 10, "interactive", checked_at=T0 + 0.001, finished_at=T0 + 0.01, outcome="rejected")
+    journey.attempts = [Attempt(T0 + 0.002, T0 + 0.004, Decision("reject", "r3", reason="too slow"))]
+    caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    by_name, every = spans(journey, caller)
+    assert set(by_name) == {"tandem.request", "admission", "placement"}
+    root = by_name["tandem.request"]
+    assert format(root.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+    assert format(root.parent.span_id, "016x") == "b7ad6b7169203331"
+    assert not root.status.is_ok and not by_name["placement"].status.is_ok
+
+
+def test_tracing_off_is_no_tracer():
+    assert request_tracer(TracingSpec(), "c1") is None
