@@ -1,6 +1,6 @@
 """What one request may carry, and how much of a user's input an error message repeats.
 
-Every way in (the gRPC API through the frontend, ``tandem run``, the Python API) checks a
+Every way in (the gRPC and HTTP APIs through the ingress, ``tandem run``, the Python API) checks a
 request with these functions, so a limit is the same wherever a request enters and is
 documented once: here, in ``proto/tandem/v1/tandem.proto`` and in the README.
 

@@ -646,7 +646,7 @@ def test_validate_not_yaml(tmp_path, capsys):
 
 
 def test_topology_error_crosses_processes_whole():
-    """A frontend actor's TopologyError reaches `tandem up` through pickling with its issues."""
+    """A TopologyError raised in an actor reaches `tandem up` through pickling with its issues."""
     import pickle
 
     with pytest.raises(TopologyError) as info:

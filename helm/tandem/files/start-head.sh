@@ -8,7 +8,7 @@
 #    joined (each declares its pool's custom resource), so that `tandem up` can place every
 #    worker's placement group at once.
 # 3. `tandem up` runs in the foreground: it places the workers, starts the registry client,
-#    the router and the frontend, and serves the gRPC API from this pod.
+#    the routers, and serves the gRPC and HTTP APIs from this pod.
 #
 # The container lives as long as the deployment: SIGTERM (pod deletion) stops `tandem up`
 # (which stops the workers) and then Ray; if `tandem up` or Ray exits by itself, the container
