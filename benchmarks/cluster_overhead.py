@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common import REPO_ROOT, ensure_checkpoint, machine_rows, num_cores, print_table
+from common import REPO_ROOT, ensure_checkpoint, machine_rows, num_cores, percentile, print_table
 from local_cluster import LocalCluster, free_port, stop_on_sigterm
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -69,8 +69,7 @@ class Latencies:
 
     @property
     def p90(self) -> float:
-        ordered = sorted(self.seconds)
-        return ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+        return percentile(self.seconds, 0.9)
 
 
 @dataclass

@@ -141,5 +141,13 @@ def median(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def percentile(values, q: float) -> float:
+    """The nearest-rank q-quantile (q in [0, 1]) of the values that are not None; NaN for none."""
+    ordered = sorted(v for v in values if v is not None)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"

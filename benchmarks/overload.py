@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import ensure_checkpoint, machine_rows, print_table
+from common import ensure_checkpoint, machine_rows, percentile, print_table
 from local_cluster import LocalCluster, free_port, stop_on_sigterm
 
 import grpc  # noqa: E402
@@ -102,13 +102,6 @@ async def report_progress(out: list[Outcome], deadline: float) -> None:
               flush=True)
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serves", type=int, default=16, help="decode batch size (sequences the cluster serves)")
@@ -137,9 +130,9 @@ def main() -> None:
         ttft = [o.first - o.sent for o in ok if o.first is not None]
         met = sum(t <= 1.0 for t in ttft) / len(ttft) if ttft else float("nan")
         reject_s = [o.end - o.sent for o in rejected]
-        rows.append((cls, len(mine), len(ok), len(rejected), other, f"{pct(ttft, 0.5) * 1e3:.0f}",
-                     f"{pct(ttft, 0.9) * 1e3:.0f}", f"{met:.0%}", f"{pct(reject_s, 0.5) * 1e3:.1f}",
-                     f"{pct(reject_s, 0.9) * 1e3:.1f}", f"{max(reject_s, default=float('nan')) * 1e3:.1f}"))
+        rows.append((cls, len(mine), len(ok), len(rejected), other, f"{percentile(ttft, 0.5) * 1e3:.0f}",
+                     f"{percentile(ttft, 0.9) * 1e3:.0f}", f"{met:.0%}", f"{percentile(reject_s, 0.5) * 1e3:.1f}",
+                     f"{percentile(reject_s, 0.9) * 1e3:.1f}", f"{max(reject_s, default=float('nan')) * 1e3:.1f}"))
     print_table("overload drill (client-side times)", rows,
                 ("class", "sent", "completed", "rejected", "failed", "TTFT p50 ms", "TTFT p90 ms", "met 1 s",
                  "reject p50 ms", "reject p90 ms", "reject max ms"))

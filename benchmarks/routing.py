@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import REPO_ROOT, ensure_checkpoint, machine_rows, print_table
+from common import REPO_ROOT, ensure_checkpoint, machine_rows, percentile, print_table
 
 CONFIGS = ("round_robin", "least_loaded", "prefix_affinity", "slo", "slo+local", "slo+remote")
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -191,13 +191,6 @@ def run_config(name: str, args, model_dir: Path) -> tuple[list[Served], float, d
         status = llm.router_status()
     print(f"\r[bench] {name}: {total}/{total} requests in {elapsed:.0f}s", file=sys.stderr, flush=True)
     return served, elapsed, status
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 def summarise(served: list[Served], elapsed: float) -> dict:
