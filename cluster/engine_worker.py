@@ -2,7 +2,8 @@
 
 Calls into a worker run on Ray's threads (the actors are threaded); every use of the engine's
 scheduler goes through ``_lock``. The loop steps whenever ``_has_work()`` says so and hands
-each step's outputs to ``_on_outputs``; it naps briefly when idle.
+each step's outputs to ``_on_outputs``; when idle it sleeps until a call has used the engine
+(every change to the engine's work goes through ``_lock``, whose release wakes it).
 
 On start a worker profiles itself (a few prompts of growing length, then a shrinking decode
 batch), so the router's cost model has measured step times before the first request; the
@@ -30,6 +31,7 @@ from cluster.registry.reporter import WorkerReporter
 
 PROFILE_PROMPT_TOKENS = (16, 64, 256, 512)
 PROFILE_DECODE_BATCH = ((32, 4), (64, 8), (96, 12), (128, 16))  # (prompt tokens, output tokens)
+IDLE_WAKE_S = 0.05
 
 
 class StepLock:
@@ -41,6 +43,7 @@ class StepLock:
         self._lock = threading.Lock()
         self._count = threading.Lock()
         self._waiting = 0
+        self.released = threading.Event()  # set when a call lets go: it may have given the loop work
 
     def __enter__(self) -> "StepLock":
         with self._count:
@@ -52,6 +55,7 @@ class StepLock:
 
     def __exit__(self, *exc) -> None:
         self._lock.release()
+        self.released.set()
 
     def step_turn(self):
         """For the loop: the lock, once no call waits for it."""
@@ -186,5 +190,6 @@ class EngineWorker:
                 busy = self._has_work()
                 if busy:
                     self._on_outputs(self.engine.step())
-            if not busy:
-                time.sleep(0.001)
+            if not busy:  # idle: asleep until a call has used the engine (the timeout is only a backstop)
+                self._lock.released.wait(IDLE_WAKE_S)
+                self._lock.released.clear()

@@ -19,8 +19,9 @@ Messages are plain dicts (the API layers turn them into gRPC or HTTP responses):
 ``{"token_ids", "text", "finished", "logprobs"?}``, the first carrying ``request_id`` and the first
 of each placement ``placement`` ``[prefill worker, decode worker]``; the last
 also ``finish_reason``, ``usage`` ``[prompt, cached, completion]``, ``timings`` ``[queue,
-TTFT, TPOT, end to end]`` in ms, ``placement`` and ``router_told`` (the router's receipt of
-its record, for a caller that reads goodput next); or an error ``{"error": {"kind",
+TTFT, TPOT, end to end]`` in ms, ``placement`` and ``router_told`` (a future settled once the
+router has its record, for a caller that reads goodput next: the router is told after the last
+message is handed over, off the caller's critical path); or an error ``{"error": {"kind",
 "message"}, "finished": True}`` with kind ``invalid``, ``not_found``, ``rejected`` or
 ``unavailable``. Times count from ``arrival``, when the call reached the API.
 """
@@ -313,9 +314,13 @@ class RequestPath:
                         placement_sent = True
                     if item["finished"]:
                         ended = True
-                        self._finish(journey, router, attempt_id, item, placed_at, message)
+                        told = self._finish(journey, item, message)
                         attempt.ended_at = journey.finished_at
-                        yield message
+                        try:
+                            yield message
+                        finally:  # after the last message is on its way: the caller does not wait for this
+                            _settle(told, router.finished.remote(attempt_id, journey.ttft_s(), journey.tpot_s(),
+                                                                 False, _service_ttft(journey, placed_at)))
                         return
                     if message["token_ids"] or message["text"] or "placement" in message:
                         yield message
@@ -349,20 +354,20 @@ class RequestPath:
                 yield _error("unavailable", f"{why}; gave up after {limit} retries (router.migration_limit)")
                 return
 
-    def _finish(self, journey: Journey, router, attempt_id: str, item: dict, placed_at: float,
-                message: dict) -> None:
+    def _finish(self, journey: Journey, item: dict, message: dict) -> asyncio.Future:
+        """Completes the last message; returns its ``router_told``, settled once the router has
+        the request's record (it is told after the message is handed to the caller)."""
         journey.finished_at = time.time()
         journey.outcome = item.get("finish_reason") or "stop"
         prompt_tokens, cached, _ = item["usage"]
         journey.cached_tokens = min(cached, journey.prompt_tokens)
-        service_ttft = (journey.first_token_at - placed_at
-                        if journey.first_token_at is not None and journey.first_token_at >= placed_at else None)
-        told = router.finished.remote(attempt_id, journey.ttft_s(), journey.tpot_s(), False, service_ttft)
+        told = asyncio.get_running_loop().create_future()
         decision = journey.decision
         message.update(router_told=told, finish_reason=journey.outcome,
                        usage=[journey.prompt_tokens, journey.cached_tokens, len(journey.tokens)],
                        timings=journey.timings_ms(), placement=[decision.prefill or "", decision.decode or ""],
                        decision=decision, transfer=journey.transfer, migrations=journey.attempt)
+        return told
 
     # -- the other calls ----------------------------------------------------------------------
 
@@ -387,6 +392,27 @@ class RequestPath:
         if bad:
             raise InvalidRequestError(f"token_ids must be in [0, {self.info.vocab_size}); got {quote(bad[:5])}")
         return self.tokenizer.decode(list(token_ids))
+
+
+def _service_ttft(journey: Journey, placed_at: float) -> float | None:
+    """TTFT counted from the request's placement: what the router learns its correction from."""
+    first = journey.first_token_at
+    return first - placed_at if first is not None and first >= placed_at else None
+
+
+def _settle(told: asyncio.Future, receipt) -> None:
+    """Settles ``told`` with the outcome of the router's receipt (a Ray ObjectRef)."""
+    def copy(done: asyncio.Future) -> None:
+        if told.done():
+            return
+        if done.cancelled():
+            told.cancel()
+        elif done.exception() is not None:
+            told.set_exception(done.exception())
+        else:
+            told.set_result(done.result())
+
+    asyncio.wrap_future(receipt.future()).add_done_callback(copy)
 
 
 def _error(kind: str, message: str) -> dict:
