@@ -125,6 +125,10 @@ router
         (what its step-time models leave out: control-plane hops, contention), >= 0.
     correction_half_life_s (30)
         Seconds after which an unrefreshed correction has halved, > 0.
+    prefill_shortlist (16)
+        Prefill workers a placement pairs with every decode worker: those predicted to have
+        the prompt prefilled soonest (queue, then prefill with their cached prefix). Pairs grow
+        as prefill x decode workers, so a large pool is cut to this many first. An integer >= 1.
 
 registry
     url (null)
@@ -855,6 +859,7 @@ def _router_dict(config: RouterConfig) -> dict[str, Any]:
         "local_prefill_max_tokens": config.local_prefill_max_tokens,
         "migration_limit": config.migration_limit,
         "replicas": config.replicas,
+        "prefill_shortlist": config.prefill_shortlist,
     }
 
 

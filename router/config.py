@@ -79,6 +79,7 @@ class RouterConfig:
     queue_limit: int = 4096  # requests the router may hold waiting; past it, one that would wait is rejected
     correction_limit_s: float = 0.5  # bound of the learned TTFT correction, either way
     correction_half_life_s: float = 30.0  # the correction halves after this long without a finished request
+    prefill_shortlist: int = 16  # prefill workers a placement pairs with decode workers: those soonest done
 
     def slo_class(self, name: str | None) -> SloClass:
         name = name or self.default_class
@@ -100,7 +101,7 @@ class RouterConfig:
                 raise RouterConfigError(f"{where}.{key}: must be {wanted}; got {quote(data[key])}")
         known = {"policy", "weights", "admission_control", "slo_classes", "default_class", "skip_prefill_fraction",
                  "load_refresh_s", "registry_retry_s", "queue_limit", "correction_limit_ms", "correction_half_life_s",
-                 "local_prefill_max_tokens", "migration_limit", "replicas"}
+                 "local_prefill_max_tokens", "migration_limit", "replicas", "prefill_shortlist"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise RouterConfigError(f"{where}.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
@@ -133,6 +134,7 @@ class RouterConfig:
                                             f"{where}.local_prefill_max_tokens", minimum=0),
             migration_limit=_count(data.get("migration_limit", 3), f"{where}.migration_limit", minimum=0),
             replicas=_count(data.get("replicas", 1), f"{where}.replicas"),
+            prefill_shortlist=_count(data.get("prefill_shortlist", 16), f"{where}.prefill_shortlist"),
         )
         try:
             config.slo_class(config.default_class)

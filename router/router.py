@@ -371,6 +371,7 @@ class Router:
                                model_p.prefill_seconds(n - hit_p * bs, hit_p * bs))
         remote_correction, local_correction = self.correction("remote", now), self.correction("local", now)
         turn_p = prefill[self._rotation % len(prefill)] if prefill else None
+        shortlist = _soonest_prefill(prefill, prefill_side, self.config.prefill_shortlist, turn_p)
         generating = decode + colocated
         turn_d = generating[self._rotation % len(generating)]
         candidates = []
@@ -394,7 +395,7 @@ class Router:
             has_room = free >= needed and (sequences <= load_d.max_num_seqs or first_in_line)
             slot_wait = tpot * load_d.next_slot_tokens if first_in_line else 0.0
             reserve_wait = tpot if load_d.running else 0.0  # a call waits for the step in progress
-            for p in prefill if d in decode else ():
+            for p in shortlist if d in decode else ():
                 model_p, hit_p, queue_s, prefill_s = prefill_side[p]
                 c = Candidate(p, d, hit_p, hit_d, cacheable, queued[p], decode_load, queue_s=queue_s,
                               prefill_s=prefill_s, transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
@@ -556,6 +557,18 @@ class Router:
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
             "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},
         }
+
+
+def _soonest_prefill(prefill: list[str], prefill_side: dict, limit: int, turn: str | None = None) -> list[str]:
+    """The prefill workers to pair with decode workers: all of them, or past ``limit`` the ones
+    whose queue and prefill end soonest (more cached blocks, then pool order, break ties), and
+    the one whose turn it is in the rotation. The pairs are what a placement costs: 128 x 128
+    workers would be 16,384 of them."""
+    if len(prefill) <= limit:
+        return prefill
+    order = {p: i for i, p in enumerate(prefill)}
+    soonest = sorted(prefill, key=lambda p: (prefill_side[p][2] + prefill_side[p][3], -prefill_side[p][1], order[p]))
+    return sorted(set(soonest[:limit]) | ({turn} if turn is not None else set()), key=order.__getitem__)
 
 
 def _corrected(predicted_s: float, correction_s: float) -> float:

@@ -789,3 +789,10 @@ def test_worker_command_runs_ray_start_and_stops_on_sigterm(helm, fakes):
     output, _ = worker.communicate(timeout=30)
     assert worker.returncode == 0, output
     assert log_lines(directory) == ["ray-start", "ray-cli stop", "ray-start-term"]
+
+
+def test_router_settings_reach_the_topology(helm, tmp_path):
+    overrides = {"router": {"prefillShortlist": 4, "migrationLimit": 1, "localPrefillMaxTokens": 64, "queueLimit": 9}}
+    router = parse_topology(topology_of(template(helm, *values_args("local-cpu", tmp_path, overrides)))).router
+    assert (router.prefill_shortlist, router.migration_limit, router.local_prefill_max_tokens, router.queue_limit) == (
+        4, 1, 64, 9)

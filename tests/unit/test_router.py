@@ -457,3 +457,32 @@ def test_a_request_forgotten_before_it_arrives_is_never_placed():
     assert busy.submit(RouteRequest("w", PROMPT, 8, "standard"), now=NOW).action == "queue"
     busy.forget("w")  # a waiting request forgotten leaves the queue
     assert len(busy.waiting) == 0 and "w" not in busy._gone
+
+
+def test_a_large_prefill_pool_is_cut_to_the_workers_soonest_done_before_pairing():
+    from router.router import _soonest_prefill
+
+    # (model, cached blocks, queue s, prefill s) per worker, as _candidates computes them
+    side = {"p0": (None, 0, 0.300, 0.043), "p1": (None, 0, 0.000, 0.043), "p2": (None, 8, 0.000, 0.011),
+            "p3": (None, 0, 0.200, 0.043), "p4": (None, 2, 0.000, 0.043)}
+    pool = ["p0", "p1", "p2", "p3", "p4"]
+    assert _soonest_prefill(pool, side, 5) == pool
+    assert _soonest_prefill(pool, side, 2) == ["p2", "p4"]  # p2 sooner; p4 ties p1 on time, caches more
+    assert _soonest_prefill(pool, side, 3) == ["p1", "p2", "p4"]
+    assert _soonest_prefill(pool, side, 2, turn="p0") == ["p0", "p2", "p4"]  # the rotation's turn stays
+
+
+def test_the_shortlist_keeps_placements_and_the_round_robin_rotation():
+    topology = Topology(prefill=("p0", "p1", "p2", "p3"), decode=("d0", "d1"), block_size=BS, hash_keys=("m",))
+    state = {w: load(w) for w in topology.prefill + topology.decode}
+    state.update(p0=load("p0", queued=300), p1=load("p1", queued=200))
+    registry = FakeRegistry(state)
+    registry.hold("p3", PROMPT, 8)
+    short = route(Router(topology, registry, config(prefill_shortlist=2)))
+    full = route(Router(topology, registry, config(prefill_shortlist=4)))
+    assert (short.prefill, short.decode, short.predicted_ttft_s) == (full.prefill, full.decode, full.predicted_ttft_s)
+    assert short.prefill == "p3"
+    rotating = Router(topology, registry, config("round_robin", prefill_shortlist=1))
+    assert [route(rotating, f"r{i}").prefill for i in range(4)] == ["p0", "p1", "p2", "p3"]
+    with pytest.raises(RouterConfigError, match="router.prefill_shortlist"):
+        config(prefill_shortlist=0)

@@ -206,6 +206,7 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
 {{- if not (kindIs "invalid" $r.localPrefillMaxTokens) -}}{{- $_ := set $router "local_prefill_max_tokens" (int $r.localPrefillMaxTokens) -}}{{- end -}}
 {{- if not (kindIs "invalid" $r.migrationLimit) -}}{{- $_ := set $router "migration_limit" (int $r.migrationLimit) -}}{{- end -}}
 {{- if not (kindIs "invalid" $r.queueLimit) -}}{{- $_ := set $router "queue_limit" (int $r.queueLimit) -}}{{- end -}}
+{{- if not (kindIs "invalid" $r.prefillShortlist) -}}{{- $_ := set $router "prefill_shortlist" (int $r.prefillShortlist) -}}{{- end -}}
 {{- $_ := set $t "router" $router -}}
 {{- $registry := dict "url" (include "tandem.registryUrl" .) "password_env" nil -}}
 {{- if include "tandem.redisHasPassword" . -}}{{- $_ := set $registry "password_env" (include "tandem.redisPasswordEnv" .) -}}{{- end -}}
