@@ -64,11 +64,11 @@ class HealthMonitor:
             return False, f"no router answers ({', '.join(self.info.routers)})"
         failed = {w for status in routers.values() for w in status.get("failed_workers", ())}
         workers = await self.worker_statuses(self.info.workers)
-        for name, status in workers.items():
-            if status.get("state") == "alive" and name in failed:
-                for router in self.path.routers:
-                    router.worker_returned.remote(name)
-                failed.discard(name)
+        returned = [name for name, status in workers.items() if status.get("state") == "alive" and name in failed]
+        if returned:  # serving means the routers place on it again: their word first
+            await asyncio.gather(*(router.worker_returned.remote(name) for name in returned
+                                   for router in self.path.routers), return_exceptions=True)
+            failed.difference_update(returned)
         generating = self.info.decode + self.info.colocated
         able = [n for n in generating if workers[n].get("state") == "alive" and n not in failed]
         if able:
