@@ -108,7 +108,8 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         payload["arrival"] = arrival
-        payload["traceparent"] = dict(context.invocation_metadata() or ()).get("traceparent")  # joins the caller's trace
+        if self.path.tracer is not None:  # the request's trace joins the caller's
+            payload["traceparent"] = dict(context.invocation_metadata() or ()).get("traceparent")
         # Written with context.write, not yielded: a cancelled call then cancels this coroutine at
         # once (a handler that yields is only dropped, and its cleanup waits for the collector).
         messages = self.path.generate(payload)

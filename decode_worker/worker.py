@@ -150,11 +150,8 @@ class DecodeWorker(EngineWorker):
         ended = False
         try:
             if prefill is None:
-                adding = asyncio.get_running_loop().run_in_executor(
-                    self._calls, self._add_local, request_id, prompt_token_ids, params, priority)
-                stream.busy.append(adding)
                 try:
-                    await asyncio.shield(adding)
+                    await self._tracked(stream, self._add_local, request_id, prompt_token_ids, params, priority)
                 except InvalidRequestError as exc:
                     ended = True
                     yield {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}
@@ -178,6 +175,13 @@ class DecodeWorker(EngineWorker):
             if not ended:  # the caller went away: free the request's blocks once nothing can still write them
                 asyncio.ensure_future(self._release_after(request_id, list(stream.busy)))
 
+    async def _tracked(self, stream: _Stream, fn, *args):
+        """An engine call on ``stream.busy``: a caller that goes away does not cancel it, and the
+        request is released only once it has ended."""
+        call = asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
+        stream.busy.append(call)
+        return await asyncio.shield(call)
+
     async def _release_after(self, request_id: str, busy: list[asyncio.Future]) -> None:
         """Releases a request once its reserve and KV receive (if any) have ended: a reserve
         that completes after a release would leak its blocks, and a receive still posted may
@@ -193,10 +197,8 @@ class DecodeWorker(EngineWorker):
         import ray
 
         loop = asyncio.get_running_loop()
-        reserving = loop.run_in_executor(self._calls, self._reserve, request_id, prompt, params, priority)
-        stream.busy.append(reserving)
         try:
-            reserved = await asyncio.shield(reserving)
+            reserved = await self._tracked(stream, self._reserve, request_id, prompt, params, priority)
         except InvalidRequestError as exc:
             return {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}
         if reserved is None:
@@ -231,10 +233,8 @@ class DecodeWorker(EngineWorker):
             why = "; ".join(e for e in (result.error and f"prefill: {result.error}",
                                         receive_error and f"receive: {receive_error}") if e)
             return _retry(f"KV transfer failed: {why}")
-        admitting = loop.run_in_executor(self._calls, self._admit, request_id, result.first_token,
-                                         result.first_logprob, result.first_top_logprobs)
-        stream.busy.append(admitting)
-        await asyncio.shield(admitting)
+        await self._tracked(stream, self._admit, request_id, result.first_token, result.first_logprob,
+                            result.first_top_logprobs)
         nbytes = len(dst_blocks) * self.engine.runner.block_bytes
         self.metrics.received(nbytes, received_s)
         return {"prefill": prefill, "blocks_cached_on_decode": first_block, "blocks_sent": result.blocks_sent,

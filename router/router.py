@@ -43,8 +43,8 @@ from router.waiting import WaitingQueue
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
 MIN_TTFT_S = 0.001  # the least TTFT any prediction gives
 GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
-HITS_TTL_S = 0.5
-REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)  # how long a waiting request's prefix hits are reused before they are looked up again
+HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
+REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)
 
 
 class RegistryUnavailable(RuntimeError):
