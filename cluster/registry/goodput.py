@@ -29,8 +29,10 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import redis
+if TYPE_CHECKING:  # only for annotations: the engine's command line (tandem run) imports this without Redis
+    import redis
 
 from cluster.registry.keys import Keys
 
