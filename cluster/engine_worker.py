@@ -122,6 +122,7 @@ class EngineWorker:
                 steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
                                        s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s)
                             for s in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
+                unpaired=self._unpaired_prefill(),
             )
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
@@ -177,6 +178,10 @@ class EngineWorker:
         if self.reporter is not None:
             self.reporter.stop()
         self.engine.shutdown()
+
+    def _unpaired_prefill(self) -> tuple[str, ...]:
+        """Prefill workers this worker cannot take KV from now (a decode worker's rebuilding pairs)."""
+        return ()
 
     def _has_work(self) -> bool:
         raise NotImplementedError

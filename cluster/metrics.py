@@ -118,6 +118,8 @@ class WorkerMetrics:
         self.requests = metrics.Gauge("tandem_worker_requests", "requests on the worker by state: waiting (its "
                                       "queue), running (its batch), receiving (KV landing)",
                                       tag_keys=(*keys, "state"))
+        self.pair_rebuilds = metrics.Counter("tandem_kv_pair_rebuilds", "KV transfer groups a decode worker "
+                                             "rebuilt (or tried to) after one failed", tag_keys=(*keys, "prefill"))
 
     def blocks(self, used: int, free: int, hit_rate: float, waiting: int = 0, running: int = 0,
                receiving: int = 0) -> None:
@@ -126,6 +128,9 @@ class WorkerMetrics:
         self.hit_rate.set(hit_rate, self.tags)
         for state, n in (("waiting", waiting), ("running", running), ("receiving", receiving)):
             self.requests.set(n, {**self.tags, "state": state})
+
+    def pair_rebuilt(self, prefill: str) -> None:
+        self.pair_rebuilds.inc(1, {**self.tags, "prefill": prefill})
 
     def received(self, nbytes: int, seconds: float) -> None:
         self.kv_transfers.inc(1, self.tags)

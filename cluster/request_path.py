@@ -230,6 +230,7 @@ class RequestPath:
         ray = self.ray
         limit = self.info.router_config.migration_limit
         no_room = placements = 0
+        avoid: list[tuple[str, str]] = []  # (prefill, decode) pairs whose KV transfer failed under this request
         if router is None:
             journey.outcome = "unavailable"
             yield _error("unavailable", "no router is running")
@@ -245,7 +246,7 @@ class RequestPath:
             now_params = replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params
             requested_at = time.time()
             placing = router.place.remote(attempt_id, now_prompt, now_params.max_tokens, journey.slo_class, None,
-                                          ttft_s, tpot_s, priority, journey.arrival)
+                                          ttft_s, tpot_s, priority, journey.arrival, tuple(avoid))
             try:
                 decision: Decision = await placing
             except asyncio.CancelledError:  # the caller went away while the router decided
@@ -296,6 +297,8 @@ class RequestPath:
                             return
                         failure = (error["message"], error.get("failed_worker"))
                         out_of_room = error.get("no_room", False)
+                        if error.get("unpaired"):
+                            avoid.append((error["unpaired"], decision.decode))
                         ended = True
                         break
                     if "transfer" in item:

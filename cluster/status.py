@@ -133,6 +133,8 @@ def format_status(status: dict) -> str:
              f"router {router['policy']} (registry {router['registry']}): {status['queued']} waiting for placement, "
              f"{status['in_flight']} placed and not finished"]
     lines += table(worker_rows(status))
+    lines += [f"{w['name']}: takes no KV from {', '.join(w['unpaired'])} now (rebuilding the transfer group)"
+              for w in status["workers"] if w.get("unpaired")]
     goodput = status.get("goodput")
     if goodput:
         for window in ("last_minute", "last_hour"):

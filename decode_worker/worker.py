@@ -18,6 +18,12 @@ away cancels the generator, which releases the request's blocks (after its KV re
 one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
 that fails, ends the stream with an error item the caller can retry elsewhere.
 
+A failed transfer also ends its transfer group: gloo closes a group's connections for good once
+one send or receive in it times out, and a receive left posted by a prefill that failed would
+time out later. So the worker builds the pair a new group with that prefill worker at once
+(both sides join it; requests in flight on the old one end there), and until it is built it
+reports the prefill worker as ``unpaired`` in its load, so routers place around the pair.
+
 The engine is stepped by its own thread (``EngineWorker``); calls touch it from a small thread
 pool, and outputs reach each request's stream through the actor's event loop, once per step.
 """
@@ -25,6 +31,7 @@ pool, and outputs reach each request's stream through the actor's event loop, on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +47,8 @@ from cluster.kv_transfer.sender import TAG_STRIDE
 TAG_LIMIT = 2**30
 CALL_THREADS = 4  # reserve, admit, release and status calls: each waits at most one step for the lock
 MAX_RECEIVES = 64  # receives in flight: each blocks a thread until its KV has landed
+REJOIN_TIMEOUT_S = 30.0  # a rebuilt transfer group's rendezvous: both sides join it at once
+REJOIN_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between attempts to rebuild a pair, the last repeated
 
 
 class _Stream:
@@ -104,6 +113,9 @@ class DecodeWorker(EngineWorker):
         self._receives = ThreadPoolExecutor(MAX_RECEIVES, thread_name_prefix="decode-receive")
         self._peers: dict[str, str] = {}  # prefill worker name -> the pair (transfer group) joining us
         self._tags: dict[str, itertools.count] = {}
+        self._groups: dict[str, tuple] = {}  # pair -> (its PairLayout, the GroupSpec of its current group)
+        self._unpaired: frozenset[str] = frozenset()  # prefill workers whose pair is being rebuilt (read by the reporter's thread)
+        self.pair_rebuilds = 0
         self._namespace = config.cluster_name
         super().__init__(config, registry_url, profile)
 
@@ -119,9 +131,54 @@ class DecodeWorker(EngineWorker):
 
     async def join_pair(self, layout, spec) -> None:
         await asyncio.get_running_loop().run_in_executor(self._receives, super().join_pair, layout, spec)
+        self._groups[layout.name] = (layout, spec)
 
     async def status(self) -> dict:
-        return await self._call(super().status)
+        return {**await self._call(super().status), "unpaired": sorted(self._unpaired),
+                "pair_rebuilds": self.pair_rebuilds}
+
+    def _unpaired_prefill(self) -> tuple[str, ...]:
+        return tuple(sorted(self._unpaired))
+
+    # -- a pair whose transfer group failed ------------------------------------------------------
+
+    def _pair_failed(self, prefill: str, spec) -> None:
+        """Takes the pair out of use and rebuilds its transfer group in the background, unless
+        the transfer that failed used a group already replaced."""
+        pair = self._peers[prefill]
+        if prefill not in self._unpaired and self._groups[pair][1] is spec:
+            self._set_unpaired(self._unpaired | {prefill})
+            asyncio.ensure_future(self._rebuild(prefill))
+
+    def _set_unpaired(self, unpaired: frozenset[str]) -> None:
+        self._unpaired = unpaired
+        if self.reporter is not None:
+            self.reporter.report_soon()
+
+    async def _rebuild(self, prefill: str) -> None:
+        """Joins a new group with ``prefill`` (a new name, so a new rendezvous port and store
+        prefix), both sides at once; tries again after a while until it is built or the prefill
+        worker is gone (then routers know it failed, and the pair stays out of use)."""
+        import ray
+
+        pair = self._peers[prefill]
+        layout, spec = self._groups[pair]
+        base = spec.name.partition(".rebuilt-")[0]
+        for attempt in itertools.count():
+            self.pair_rebuilds += 1
+            self.metrics.pair_rebuilt(prefill)
+            new = dataclasses.replace(spec, name=f"{base}.rebuilt-{self.pair_rebuilds}", timeout_s=REJOIN_TIMEOUT_S)
+            try:
+                worker = ray.get_actor(prefill, namespace=self._namespace)
+                await asyncio.gather(worker.join_pair.remote(layout, new), self.join_pair(layout, new))
+            except (ray.exceptions.RayActorError, ValueError):
+                return  # the prefill worker is gone
+            except Exception:  # noqa: BLE001 - a rendezvous that failed (a port taken, a side too slow): again
+                await asyncio.sleep(REJOIN_BACKOFF_S[min(attempt, len(REJOIN_BACKOFF_S) - 1)])
+                continue
+            self._tags[pair] = itertools.count()
+            self._set_unpaired(self._unpaired - {prefill})
+            return
 
     async def free_blocks(self) -> int:
         return await self._call(super().free_blocks)
@@ -205,9 +262,11 @@ class DecodeWorker(EngineWorker):
             return _retry(f"{self.name} has no free KV blocks for this prompt now", no_room=True)
         first_block, dst_blocks = reserved
         pair = self._peers.get(prefill)
-        if pair is None:
+        if pair is None or prefill in self._unpaired:
             await self._call(self._release, request_id)
-            return _retry(f"{self.name} has no KV transfer group with {prefill}")
+            state = "no" if pair is None else "a rebuilding"
+            return _retry(f"{self.name} has {state} KV transfer group with {prefill}", unpaired=prefill)
+        group = self._groups[pair][1]  # the group this transfer uses (a failure rebuilds only this one)
         tag_base = next(self._tags[pair]) * self.engine.model_config.num_layers * TAG_STRIDE % TAG_LIMIT
         target = TransferTarget(pair, tag_base, first_block, timeout_s, stream_layers)
         started = time.perf_counter()
@@ -226,13 +285,18 @@ class DecodeWorker(EngineWorker):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
             asyncio.ensure_future(self._release_after(request_id, [receiving]))
             return _retry(f"prefill worker {prefill} died", failed=prefill)
+        if result.error:
+            # Its receive may stay posted until its deadline: the group is rebuilt rather than
+            # waited for, and the blocks go free once the receive has ended.
+            self._pair_failed(prefill, group)
+            asyncio.ensure_future(self._release_after(request_id, [receiving]))
+            return _retry(f"KV transfer failed: prefill: {result.error}", unpaired=prefill)
         receive_error = await asyncio.shield(receiving)
         received_s = time.perf_counter() - started
-        if result.error or receive_error:
+        if receive_error:
+            self._pair_failed(prefill, group)
             await self._call(self._release, request_id)
-            why = "; ".join(e for e in (result.error and f"prefill: {result.error}",
-                                        receive_error and f"receive: {receive_error}") if e)
-            return _retry(f"KV transfer failed: {why}")
+            return _retry(f"KV transfer failed: receive: {receive_error}", unpaired=prefill)
         await self._tracked(stream, self._admit, request_id, result.first_token, result.first_logprob,
                             result.first_top_logprobs)
         nbytes = len(dst_blocks) * self.engine.runner.block_bytes
@@ -287,10 +351,13 @@ class ColocatedWorker(DecodeWorker):
     role = "colocated"
 
 
-def _retry(message: str, failed: str | None = None, no_room: bool = False) -> dict:
+def _retry(message: str, failed: str | None = None, no_room: bool = False, unpaired: str | None = None) -> dict:
     """An error item after which another placement may work: ``failed_worker`` names a worker
-    found dead, ``no_room`` says only that this worker had no blocks at that moment."""
+    found dead, ``no_room`` says only that this worker had no blocks at that moment, and
+    ``unpaired`` a prefill worker this one cannot take KV from now (a retry avoids the pair)."""
     error = {"kind": "retry", "message": message, "no_room": no_room}
     if failed:
         error["failed_worker"] = failed
+    if unpaired:
+        error["unpaired"] = unpaired
     return {"error": error, "finished": True}

@@ -66,16 +66,18 @@ class RouterActor:
 
     async def place(self, request_id: str, prompt: str | Sequence[int], max_tokens: int = 16,
                     slo_class: str | None = None, cache_salt: str | None = None, ttft_s: float | None = None,
-                    tpot_s: float | None = None, priority: int = 0, arrival: float | None = None) -> Decision:
+                    tpot_s: float | None = None, priority: int = 0, arrival: float | None = None,
+                    avoid: tuple[tuple[str, str], ...] = ()) -> Decision:
         """``place`` or ``reject``, answered once the request can be placed. ``arrival`` is the
-        wall-clock time the call reached the API, from which its TTFT objective counts."""
+        wall-clock time the call reached the API, from which its TTFT objective counts; ``avoid``
+        the (prefill, decode) pairs whose KV transfer failed under this request."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return Decision("reject", request_id, reason="this model has no tokenizer; send token ids")
             prompt = self.tokenizer.encode(prompt)
         now = time.time()
         request = RouteRequest(request_id, prompt, max_tokens, slo_class, cache_salt, ttft_s, tpot_s, priority,
-                               arrival)
+                               arrival, tuple(map(tuple, avoid)))
         decision = self.router.submit(request, now)
         self.metrics.decided(decision)
         if decision.action != "queue":

@@ -87,6 +87,7 @@ class RouteRequest:
     tpot_s: float | None = None
     priority: int = 0  # added to the class's; higher waits less
     arrival: float | None = None  # wall-clock time the call reached the API (None: now)
+    avoid: tuple[tuple[str, str], ...] = ()  # (prefill, decode) pairs whose KV transfer failed under it
 
 
 @dataclass(frozen=True)
@@ -353,9 +354,11 @@ class Router:
     def _candidates(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad],
                     hits: dict[str, int], prefill: list[str], decode: list[str], colocated: list[str],
                     now: float) -> list[Candidate]:
-        """Every (prefill, decode) pair, and every decode worker that may prefill the prompt
-        itself (it caches nearly all of it, or little is left to compute: conditional
-        disaggregation), with their predictions; colocated workers always prefill themselves."""
+        """Every (prefill, decode) pair that can move KV now, and every decode worker that may
+        prefill the prompt itself (it caches nearly all of it, little is left to compute:
+        conditional disaggregation, or it can take KV from no live prefill worker now: its
+        pairs are being rebuilt), with their predictions; colocated workers always prefill
+        themselves."""
         n, bs = len(request.prompt_token_ids), self.topology.block_size
         cacheable = cacheable_prefix_blocks(n, bs)
         prompt_blocks = -(-n // bs)
@@ -395,7 +398,12 @@ class Router:
             has_room = free >= needed and (sequences <= load_d.max_num_seqs or first_in_line)
             slot_wait = tpot * load_d.next_slot_tokens if first_in_line else 0.0
             reserve_wait = tpot if load_d.running else 0.0  # a call waits for the step in progress
-            for p in shortlist if d in decode else ():
+            cut_off = {p for p in prefill if p in load_d.unpaired or (p, d) in request.avoid}
+            paired = [p for p in shortlist if p not in cut_off] if d in decode else []
+            if d in decode and not paired and len(cut_off) < len(prefill):  # the shortlist's are all cut off
+                paired = _soonest_prefill([p for p in prefill if p not in cut_off], prefill_side,
+                                          self.config.prefill_shortlist)
+            for p in paired:
                 model_p, hit_p, queue_s, prefill_s = prefill_side[p]
                 c = Candidate(p, d, hit_p, hit_d, cacheable, queued[p], decode_load, queue_s=queue_s,
                               prefill_s=prefill_s, transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
@@ -407,7 +415,8 @@ class Router:
                 c.idle_ttft_s, c.idle_tpot_s = _corrected(c.prefill_s + c.transfer_s, c.correction_s), idle_tpot
                 candidates.append(c)
             mostly_cached = cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable
-            if d in colocated or mostly_cached or n - hit_d * bs <= self.config.local_prefill_max_tokens:
+            alone = d in decode and bool(prefill) and len(cut_off) == len(prefill)
+            if d in colocated or mostly_cached or alone or n - hit_d * bs <= self.config.local_prefill_max_tokens:
                 # It waits for the step in progress, then its prefill runs in a step with the decodes.
                 local_prefill = model_d.prefill_seconds(n - hit_d * bs, hit_d * bs)
                 c = Candidate(None, d, hit_d, hit_d, cacheable, queued[d], decode_load,

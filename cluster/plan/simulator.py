@@ -244,6 +244,8 @@ class SimWorker:
     def profile(self) -> None:
         EngineWorker._profile(self)
 
+    _unpaired_prefill = EngineWorker._unpaired_prefill  # its transfer pairs never fail
+
     def load(self) -> WorkerLoad:
         _, load = EngineWorker._snapshot(self)
         return replace(load, updated_at=self.sim.now())

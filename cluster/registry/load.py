@@ -50,6 +50,7 @@ class WorkerLoad:
     steps: tuple[StepSample, ...] = ()
     updated_at: float = field(default_factory=time.time)
     next_slot_tokens: int = 0  # most steps until a running sequence ends and frees a slot (0: none running)
+    unpaired: tuple[str, ...] = ()  # a decode worker's prefill workers it cannot take KV from now (pair rebuilding)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -58,6 +59,7 @@ class WorkerLoad:
     def from_json(cls, raw: str | bytes) -> "WorkerLoad":
         data = json.loads(raw)
         data["steps"] = tuple(StepSample(**s) for s in data.get("steps", ()))
+        data["unpaired"] = tuple(data.get("unpaired", ()))
         return cls(**data)
 
 

@@ -38,6 +38,7 @@ class WorkerReporter:
         self.connected = True
         self.resyncs = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set: publish now, not at the next interval
         self._thread = threading.Thread(target=self._run, name=f"registry-{worker}", daemon=True)
         self._thread.start()
 
@@ -59,13 +60,22 @@ class WorkerReporter:
         self.connected = True
         return True
 
+    def report_soon(self) -> None:
+        """Publishes from the reporter's thread now rather than at the next interval (a change
+        routers should see at once, such as a pair going out of use or back)."""
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.report_now()
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self.report_now()
 
     def stop(self) -> None:
         """Stops beating and removes this worker's liveness key (its blocks go with the next sweep)."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         try:
             self.client.delete(self.publisher.keys.alive(self.worker), self.publisher.keys.load(self.worker))

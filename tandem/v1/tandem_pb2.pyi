@@ -203,7 +203,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid")
+    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,8 @@ class WorkerStatus(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    UNPAIRED_FIELD_NUMBER: _ClassVar[int]
+    PAIR_REBUILDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -228,7 +230,9 @@ class WorkerStatus(_message.Message):
     prefix_cache_hit_rate: float
     registry: str
     pid: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    unpaired: _containers.RepeatedScalarFieldContainer[str]
+    pair_rebuilds: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("name", "policy", "registry", "waiting", "in_flight", "placed", "local_prefills", "rejected", "queued_decisions", "placed_by_load_only", "placed_after_waiting", "last_rejection", "live_workers", "failed_workers", "waiting_by_class", "ttft_correction_s", "ttft_prediction_error", "goodput_records_waiting")

@@ -14,6 +14,8 @@ import pytest
 
 from cluster.disaggregated import DisaggregatedLLM
 from cluster.engine.sampling_params import SamplingParams
+from cluster.registry.load import read_loads
+from cluster.registry.reporter import connect
 from cluster.ray_runtime import ensure_ray
 from conftest import random_prompts, wait_for
 from reference_checks import MAX_TOKENS, PROMPT_LENGTHS, run_batch
@@ -170,3 +172,44 @@ def test_a_prefill_worker_killed_before_its_kv_lands_is_retried_on_another(check
         assert {llm.decisions[o.request_id].prefill for o in outputs} == {"prefill-1"}
         wait_for(lambda: llm.worker_free_blocks() == ([None, BLOCKS], [BLOCKS]), timeout_s=30,
                  what="the blocks reserved for the dead prefill worker's KV to be freed", every_s=0.2)
+
+
+def break_pair(ray, prefill_worker, pair: str, prompt: list[int]):
+    """Breaks the real transfer group ``pair``: the prefill worker sends a request's KV that no
+    decode worker receives, its send times out, and gloo closes the group's connections
+    ("Application timeout caused pair closure"), as with a slow or frozen peer."""
+    from cluster.engine.request import TransferTarget
+
+    return ray.get(prefill_worker.prefill.remote("breaks-the-pair", prompt, greedy(4),
+                                                 TransferTarget(pair, 2**29, 0, 5.0)))
+
+
+def test_a_transfer_group_closed_by_a_timeout_is_rebuilt_and_carries_kv_again(checkpoint, ray_session):
+    """A transfer that timed out closes its gloo group for good. The decode worker reports the
+    pair unusable (the router places around it: here the decode worker prefills itself), builds
+    a new group with the prefill worker, and the next requests' KV travels over it again,
+    token-exact, with no block leaked on either side."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([40, 70, 25, 50, 33], seed=21)
+    expected = colocated_tokens(model_dir, prompts, greedy(6))
+    with disaggregated(model_dir, transfer_timeout_s=20) as llm:
+        assert llm.generate(prompts[:1], greedy(6))[0].token_ids == expected[0]
+        assert "Timed out" in break_pair(ray_session, llm.prefill[0], "p0-d0", prompts[1]).error
+        # Served while the group is rebuilt (around it) and after (through it): never wedged.
+        during = llm.generate(prompts[2:3], greedy(6))[0]
+        assert (during.error, during.token_ids) == (None, expected[2])
+        status = wait_for(lambda: next(w for w in llm.worker_status() if w["name"] == "decode-0")["unpaired"] == []
+                          and next(w for w in llm.worker_status() if w["name"] == "decode-0"),
+                          timeout_s=120, what="the transfer group to be rebuilt")
+        assert status["pair_rebuilds"] == 1
+        registry = connect(llm.deployment.registry_url)
+        wait_for(lambda: read_loads(registry, CLUSTER, ["decode-0"])["decode-0"].unpaired == (), timeout_s=60,
+                 what="the registry to show the pair back in use")
+        registry.close()
+        time.sleep(4 * llm.deployment.info.router_config.load_refresh_s)  # the router's view is read anew
+        after = llm.generate(prompts[3:], greedy(6))
+        assert [(o.error, o.token_ids) for o in after] == [(None, e) for e in expected[3:]]
+        sent = {t.request_id: (t.prefill_worker, t.blocks_sent) for t in llm.transfers}
+        assert [sent[o.request_id] for o in after] == [("prefill-0", 4), ("prefill-0", 3)]
+        wait_for(lambda: llm.worker_free_blocks() == ([BLOCKS], [BLOCKS]), timeout_s=60,
+                 what="every block to be free again", every_s=0.2)

@@ -352,6 +352,23 @@ def test_before_the_first_reports_requests_wait_and_then_face_admission():
     assert (remote.action, remote.reason) == ("reject", "no live prefill worker")
 
 
+def test_a_pair_being_rebuilt_or_failed_under_the_request_is_placed_around():
+    """A decode worker reports the prefill workers whose transfer group it is rebuilding
+    (``unpaired``), and a retried request names the pairs that failed under it (``avoid``):
+    neither pair is a candidate; a decode worker cut off from every prefill worker prefills
+    the prompt itself rather than being left out."""
+    registry = FakeRegistry({"d0": replace(load("d0"), unpaired=("p0",))})
+    router = Router(TOPOLOGY, registry, config("round_robin"))
+    pairs = {(d.prefill, d.decode) for d in (route(router, f"r{i}") for i in range(8))}
+    assert pairs == {("p1", "d0"), ("p0", "d1"), ("p1", "d1")}
+    avoided = route(Router(TOPOLOGY, registry, config()), "a", avoid=(("p1", "d0"), ("p0", "d1"), ("p1", "d1")))
+    assert (avoided.prefill, avoided.decode) == (None, "d0")  # d0 takes KV from neither: it prefills itself
+    assert avoided.predicted_ttft_s == pytest.approx(0.010 + 0.033)
+    registry.state["d0"] = load("d0")  # the pair is back: the router's next read of the reports shows it
+    back = route(Router(TOPOLOGY, registry, config()), "b", avoid=(("p1", "d0"), ("p1", "d1")))
+    assert back.prefill == "p0"
+
+
 def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker():
     """Up to local_prefill_max_tokens left to compute, a decode worker may prefill the prompt
     itself; the slo policy then takes whichever meets the objectives with the most headroom."""

@@ -22,6 +22,8 @@ def message(placed: int = 7, goodput: bool = True) -> tandem_pb2.ClusterStatus:
     m.workers.add(name="prefill-0", role="prefill", state="alive", tp=2, kv_blocks_used=3, kv_blocks=64, waiting=1,
                   running=0, receiving=0, prefix_cache_hit_rate=0.5, registry="ok")
     m.workers.add(name="decode-0", role="decode", state="dead")
+    m.workers.add(name="decode-1", role="decode", state="alive", tp=1, kv_blocks=64, registry="ok",
+                  unpaired=["prefill-0"], pair_rebuilds=1)
     for i in range(2):
         r = m.routers.add(name=f"router-{i}", policy="slo", registry="ok", waiting=1, in_flight=2, placed=placed,
                           rejected=1, failed_workers=["decode-0"])
@@ -56,6 +58,7 @@ def test_format_status_lists_workers_health_and_goodput():
     assert "cluster c1: model m; API 127.0.0.1:1; dashboard off; serving" in text
     assert "prefill-0  prefill  2   alive  3/64" in text
     assert "decode-0   decode   -   dead" in text
+    assert "decode-1: takes no KV from prefill-0 now (rebuilding the transfer group)" in text
     assert "last minute: 4 requests, goodput 0.05/s, SLO attainment 75%" in text
     assert "  standard: 4 requests, goodput 0.05/s, attainment 75%, mean TTFT 200 ms, mean TPOT -" in text
     down = message(goodput=False)
