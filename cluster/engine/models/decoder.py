@@ -3,9 +3,16 @@
 One module tree whose parameter names follow the Hugging Face checkpoints, except that q/k/v
 and gate/up are fused; ``PACKED_MODULES`` tells the loader how checkpoint tensors map to the
 fused parameters.
+
+On the fused (Triton) path, when the step's metadata carries ``fused``, the elementwise work
+between the matmuls runs as Triton kernels too (:mod:`cluster.engine.kernels.triton_layers`):
+each residual add rides on the next RMSNorm, the rotary embedding is one launch, and so is the
+MLP's ``silu(gate) * up``. The layer's arithmetic and its roundings are the torch path's.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +31,14 @@ from cluster.engine.models.layers import (
     VocabParallelEmbedding,
 )
 from cluster.engine.models.rotary import RopeRows, RotaryEmbedding, apply_rotary
+
+@cache
+def _layer_kernels():
+    """The Triton elementwise kernels, imported on first use (Triton is optional)."""
+    from cluster.engine.kernels import triton_layers
+
+    return triton_layers
+
 
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", "q"),
@@ -63,6 +78,20 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(rope, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
+    def forward_fused(self, positions: torch.Tensor, rotary: RotaryEmbedding, hidden: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _layer_kernels().rotary(q, k, positions, rotary.cos, rotary.sin)
+        return self.o_proj(self.attn(q, k, v, meta))
+
 
 class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig, group: ParallelGroup):
@@ -77,6 +106,9 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_layer_kernels().silu_and_mul(self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, group: ParallelGroup):
@@ -90,6 +122,23 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def forward_fused(self, positions: torch.Tensor, rotary: RotaryEmbedding, hidden: torch.Tensor,
+                      residual: torch.Tensor | None,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the residual stream kept apart: takes the previous layer's output
+        and the stream before it (None for the first layer, whose input is the stream), and
+        returns this layer's MLP output and the stream before it; their sum is ``forward``'s."""
+        kernels = _layer_kernels()
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = hidden, kernels.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            x, residual = kernels.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        attn = self.self_attn.forward_fused(positions, rotary, x, meta)
+        norm = self.post_attention_layernorm
+        x, residual = kernels.add_rms_norm(attn, residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(x), residual
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, group: ParallelGroup):
@@ -101,12 +150,25 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if meta.fused is not None:
+            return self._forward_fused(hidden, positions, meta)
         rope = self.rotary.lookup(positions)
         for index, layer in enumerate(self.layers):
             hidden = layer(rope, hidden, meta)
             if meta.after_layer is not None:
                 meta.after_layer(index)
         return self.norm(hidden)
+
+    def _forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        residual = None
+        for index, layer in enumerate(self.layers):
+            hidden, residual = layer.forward_fused(positions, self.rotary, hidden, residual, meta)
+            if meta.after_layer is not None:
+                meta.after_layer(index)
+        kernels = _layer_kernels()
+        if residual is None:  # no layers
+            return kernels.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return kernels.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
 
 class CausalLM(nn.Module):
