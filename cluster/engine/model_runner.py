@@ -23,7 +23,13 @@ import torch
 
 from cluster.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from cluster.engine.fused_inputs import build_fused_step
-from cluster.engine.kernels.triton_support import choose_decode_splits, device_sm_count, resolve_attention_backend
+from cluster.engine.kernels.triton_support import (
+    choose_decode_splits,
+    decode_split_choices,
+    device_sm_count,
+    interpreting,
+    resolve_attention_backend,
+)
 from cluster.engine.memory import empty_huge_paged
 from cluster.kv_transfer.agent import KVStream, TransferAgent, finish_all
 from cluster.kv_transfer.sender import KVSender
@@ -161,11 +167,28 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[index, 0]
             attn.v_cache = self.kv_cache[index, 1]
         self.num_blocks = num_blocks
+        if self.attention_backend == "triton" and self.device.type == "cuda" and not interpreting():
+            self.warm_up_kernels()
         if self.use_decode_graphs:
             blocks_per_seq = -(-self.max_model_len // self.block_size)
             self.graphs = DecodeGraphs(self.model, capture_sizes(self.max_num_seqs), blocks_per_seq, self._kv_heads,
                                        self.device)
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compiles every Triton kernel variant a step can launch before the first request does:
+        one step of a decode and a one-token prompt chunk per decode split count, through the
+        whole model. They write no KV (slot -1) and read only block 0; the outputs are dropped.
+        Without this, a step that first meets a split count (a batch size, a context length)
+        stalls for the compilation, in the middle of serving."""
+        for splits in decode_split_choices():
+            step = build_fused_step([0, 0], [0, 0], [-1, -1], [0, 1], [1], [[0]], [(1, 1, 1, [0])], splits,
+                                    self.device)
+            meta = AttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=1, fused=step.fused)
+            self.model.compute_logits(self.model(step.input_ids, step.positions, meta))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- one step -------------------------------------------------------------------------
 

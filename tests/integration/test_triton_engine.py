@@ -68,3 +68,16 @@ def test_fused_path_matches_torch_path(architecture, enforce_eager, checkpoint, 
     if not enforce_eager:
         assert 3 in replayed, "three decodes replay the graph of four, padded"
     assert llm.engine.block_manager.num_free_blocks == 64
+
+
+def test_kernel_warm_up_writes_no_kv_and_changes_no_tokens(checkpoint, torch_tokens):
+    """On CUDA the runner compiles every kernel variant at start-up with dummy steps (slot -1);
+    here they run under the interpreter: the cache must come out untouched."""
+    llm = LLM(str(checkpoint("llama")), attention_backend="triton", enforce_eager=True, **ENGINE)
+    runner = llm.engine.runner
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=torch.Generator().manual_seed(0)))
+    before = runner.kv_cache.clone()
+    runner.warm_up_kernels()
+    assert torch.equal(runner.kv_cache, before)
+    runner.kv_cache.zero_()
+    assert two_rounds(llm) == torch_tokens("llama")

@@ -85,7 +85,7 @@ def _write_kv_kernel(
         tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block table's width changes from step to step
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_q_tok, stride_q_head, stride_c_block, stride_c_slot, stride_c_head, stride_bt, stride_o_tok,
@@ -161,7 +161,7 @@ def _decode_merge_kernel(
              mask=dims < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_starts_ptr, context_lens_ptr, out_ptr,
     stride_q_tok, stride_q_head, stride_c_block, stride_c_slot, stride_c_head, stride_bt, stride_o_tok,

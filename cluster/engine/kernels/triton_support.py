@@ -56,8 +56,19 @@ def device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+MAX_DECODE_SPLITS = 16
+
+
+def decode_split_choices(max_splits: int = MAX_DECODE_SPLITS) -> tuple[int, ...]:
+    """Every split count :func:`choose_decode_splits` can return: 1, 2, 4, ... up to ``max_splits``."""
+    choices = [1]
+    while choices[-1] * 2 <= max_splits:
+        choices.append(choices[-1] * 2)
+    return tuple(choices)
+
+
 def choose_decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int, longest: int | None = None,
-                         max_splits: int = 16, min_keys_per_split: int = 256) -> int:
+                         max_splits: int = MAX_DECODE_SPLITS, min_keys_per_split: int = 256) -> int:
     """How many parts each request's context is split into for decode attention.
 
     A decode program handles one request and one KV head; with few requests there are too few
