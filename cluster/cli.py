@@ -250,13 +250,33 @@ def _add_service_commands(sub) -> None:
     top.set_defaults(func=_cmd_top)
 
 
+def _generate_unavailable(error: ImportError):
+    """A ``generate`` subcommand that says what is missing, where the gRPC client cannot be imported."""
+
+    def fail(args: argparse.Namespace) -> int:
+        print(f"tandem generate needs the gRPC client (grpcio, grpcio-health-checking): {error}", file=sys.stderr)
+        return 2
+
+    def add(subparsers) -> None:
+        # No options of its own ("+" starts none): it takes every argument and says why it cannot run.
+        parser = subparsers.add_parser("generate", help="send one prompt to a running Tandem cluster (needs gRPC)",
+                                       prefix_chars="+", add_help=False)
+        parser.add_argument("rest", nargs="*")
+        parser.set_defaults(func=fail)
+
+    return add
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     from cluster.bench.cli import add_bench_parser
     from cluster.cli_validate import add_validate_parser
     from cluster.plan.cli import add_plan_parser
-    from tandem.cli_generate import add_generate_parser
+    try:
+        from tandem.cli_generate import add_generate_parser
+    except ImportError as exc:  # the gRPC client is only for a cluster: the engine's commands work without it
+        add_generate_parser = _generate_unavailable(exc)
 
     _add_service_commands(sub)
     add_validate_parser(sub)
