@@ -18,6 +18,11 @@ generate ``--decode-tokens`` tokens (greedy, ignore_eos):
 Tokens per second counts generated tokens over the whole call, prompt processing included,
 for both. Goals: MBU >= 70% at batch 1; ours >= 5x transformers' tokens/s at batch 64.
 
+Prompt processing is reported apart, as is transformers' decode step: its prefill time is a
+``generate`` of one token on the same prompts, and its decode step is the rest of the full
+call over the other ``--decode-tokens - 1`` tokens. Ours is the time of the engine's steps that
+processed prompt tokens.
+
 Needs a CUDA GPU with about 60 GiB free for batch 256 (weights 15 GiB, KV cache 36 GiB) and
 only torch, triton, safetensors, tokenizers and transformers (no Ray, Redis or gRPC):
 
@@ -130,11 +135,12 @@ def run_ours(model_dir: Path, batches: list[int], context: int, new_tokens: int,
         llm.generate(prompts, params)
         wall = time.perf_counter() - started
         decode_steps = [s for s in engine.stats.steps if s.num_prefill_tokens == 0 and s.num_decode_tokens == batch]
+        prefill_s = sum(s.seconds for s in engine.stats.steps if s.num_prefill_tokens)
         step_s = median(s.seconds for s in decode_steps)
         kv_tokens = median(s.context_tokens for s in decode_steps)  # keys the step's decodes attended to
         results["rows"][batch] = dict(
             wall_s=wall, tokens_per_s=batch * new_tokens / wall, step_s=step_s, decode_steps=len(decode_steps),
-            kv_bytes=kv_tokens * results["kv_bytes_per_token"],
+            kv_bytes=kv_tokens * results["kv_bytes_per_token"], prefill_s=prefill_s,
         )
         log(f"ours: batch {batch}: {batch * new_tokens / wall:.1f} tok/s, decode step {step_s * 1e3:.2f} ms "
             f"(median of {len(decode_steps)})")
@@ -172,9 +178,13 @@ def run_transformers(batches: list[int], context: int, new_tokens: int, device: 
     generate(make_prompts(2, 64, seed=1), 8)  # warm-up
     rows = {}
     for batch in batches:
-        wall = generate(make_prompts(batch, context, seed=batch), new_tokens)
-        rows[batch] = dict(wall_s=wall, tokens_per_s=batch * new_tokens / wall)
-        log(f"transformers: batch {batch}: {batch * new_tokens / wall:.1f} tok/s")
+        prompts = make_prompts(batch, context, seed=batch)
+        wall = generate(prompts, new_tokens)
+        prefill = generate(prompts, 1)
+        step = (wall - prefill) / max(1, new_tokens - 1)
+        rows[batch] = dict(wall_s=wall, tokens_per_s=batch * new_tokens / wall, prefill_s=prefill, step_s=step)
+        log(f"transformers: batch {batch}: {batch * new_tokens / wall:.1f} tok/s, prefill {prefill:.2f}s, "
+            f"decode step {step * 1e3:.2f} ms")
     return dict(version=transformers.__version__, rows=rows)
 
 
@@ -235,12 +245,15 @@ def main() -> int:
             f"{row['kv_bytes'] / 1e9:.2f}", f"{mbu:.1%}", f"{row['tokens_per_s']:.0f}",
             f"{theirs['tokens_per_s']:.0f}" if theirs else "-",
             f"{row['tokens_per_s'] / theirs['tokens_per_s']:.2f}x" if theirs else "-",
+            f"{theirs['step_s'] * 1e3:.2f}" if theirs else "-",
+            f"{row['prefill_s']:.2f}", f"{theirs['prefill_s']:.2f}" if theirs else "-",
         ))
     print_table(
         f"Llama-3-8B shape, bf16, {args.decode_tokens} new tokens per request (ours: {ours['backend']} attention, "
         f"{ours['graphs']} decode graphs; transformers {hf['version'] if hf else 'skipped'})",
         rows,
-        ("batch", "context", "step ms", "weights GB", "KV GB", "MBU", "ours tok/s", "hf tok/s", "ours / hf"),
+        ("batch", "context", "step ms", "weights GB", "KV GB", "MBU", "ours tok/s", "hf tok/s", "ours / hf",
+         "hf step ms", "prefill s", "hf prefill s"),
     )
     goals = []
     if 1 in ours["rows"]:
