@@ -1,9 +1,9 @@
 """The Triton elementwise kernels of the fused path against the torch ops they replace.
 
 Without CUDA they run under Triton's CPU interpreter (set here, before the kernels module is
-imported); with CUDA, natively. In float32 the results agree to rounding; in 16-bit floats all
-but a few values are equal, the rest within a unit in the last place (of the output; for the
-rotary embedding, whose two products can cancel, of the products). The interpreter converts
+imported); with CUDA, natively. In float32 the results agree to rounding; in 16-bit floats most
+values are equal, the rest within a unit in the last place (of the output; for the rotary
+embedding, whose two products can cancel, of the products). The interpreter converts
 float32 to bfloat16 by truncation, not to nearest: there, bfloat16 results are only checked to
 a few units in the last place.
 """
@@ -87,10 +87,11 @@ def test_rotary_matches_apply_rotary_on_views_of_the_qkv_output(dtype, heads, kv
     expected_q, expected_k = apply_rotary(rope.lookup(positions), q, k)
     actual_q, actual_k = kernels.rotary(q, k, positions, rope.cos, rope.sin)
     # Each output is the sum of two products: a last-bit difference in a product shows in full
-    # when they cancel, so the tolerance is the inputs' size, not the output's.
+    # when they cancel, so the tolerance is the inputs' size, not the output's. On an H100 12-16%
+    # of the 16-bit outputs differed from torch's (by at most that unit).
     scale = qkv.abs().max().item()
-    assert_matches(actual_q, expected_q, scale, differing=0.05)
-    assert_matches(actual_k, expected_k, scale, differing=0.05)
+    assert_matches(actual_q, expected_q, scale, differing=0.3)
+    assert_matches(actual_k, expected_k, scale, differing=0.3)
     assert actual_q.is_contiguous() and actual_k.is_contiguous()
 
 

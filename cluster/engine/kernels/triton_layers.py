@@ -16,8 +16,8 @@ Each computes in float32 and converts to the activations' dtype where the torch 
 (after the add, after the normalisation, after the weight; after each product of the rotation
 and after their sum; after the SiLU and after the product). The residual sum is bit-equal to
 torch's; elsewhere, in 16-bit floats, a value can still differ from the torch path's in its last
-bit (on an H100, 1-2% of rotary outputs did, by a unit in the last place of their products;
-under 1% of the norm and SiLU outputs). In float32 they agree to rounding. Like
+bit (on an H100, 12-16% of rotary outputs did, each by at most a unit in the last place of its
+products; under 1% of the norm and SiLU outputs). In float32 they agree to rounding. Like
 ``triton_attention``, this module imports triton: import it only on the Triton backend (also
 under ``TRITON_INTERPRET=1``).
 """
