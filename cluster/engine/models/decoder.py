@@ -65,7 +65,8 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
 
-    def forward(self, rope: RopeRows, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values per head (QK-normed where the model does), before rotary."""
         tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -75,20 +76,16 @@ class SelfAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, rope: RopeRows, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self._qkv(hidden)
         q, k = apply_rotary(rope, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
     def forward_fused(self, positions: torch.Tensor, rotary: RotaryEmbedding, hidden: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._qkv(hidden)
         q, k = _layer_kernels().rotary(q, k, positions, rotary.cos, rotary.sin)
         return self.o_proj(self.attn(q, k, v, meta))
 
