@@ -398,7 +398,9 @@ class Router:
             has_room = free >= needed and (sequences <= load_d.max_num_seqs or first_in_line)
             slot_wait = tpot * load_d.next_slot_tokens if first_in_line else 0.0
             reserve_wait = tpot if load_d.running else 0.0  # a call waits for the step in progress
-            cut_off = {p for p in prefill if p in load_d.unpaired or (p, d) in request.avoid}
+            # Pairs out of use (rare): read from the few names given, not by walking the prefill pool.
+            cut_off = ({p for p in load_d.unpaired if p in prefill_side}
+                       | {p for p, avoided in request.avoid if avoided == d and p in prefill_side})
             paired = [p for p in shortlist if p not in cut_off] if d in decode else []
             if d in decode and not paired and len(cut_off) < len(prefill):  # the shortlist's are all cut off
                 paired = _soonest_prefill([p for p in prefill if p not in cut_off], prefill_side,

@@ -32,6 +32,7 @@ from cluster.engine.models.layers import (
 )
 from cluster.engine.models.rotary import RopeRows, RotaryEmbedding, apply_rotary
 
+
 @cache
 def _layer_kernels():
     """The Triton elementwise kernels, imported on first use (Triton is optional)."""
