@@ -90,30 +90,21 @@ class Served:
 
 
 class OracleRouter:
-    """The router's handle as the request path sees it: when a placement comes back, every
-    worker is asked how many leading blocks of the prompt its cache holds (read when the
-    request is done). Asked before the decode worker starts the request, so its own blocks
-    are not counted."""
+    """The router as the request path sees it: when a placement comes back, every worker is
+    asked how many leading blocks of the prompt its cache holds (read when the request is
+    done). Asked before the decode worker starts the request, so its own blocks are not
+    counted."""
 
-    def __init__(self, handle, workers: list, asked: dict[str, list]):
-        self._handle, self._workers, self._asked = handle, workers, asked
+    def __init__(self, router, workers: list, asked: dict[str, list]):
+        self._router, self._workers, self._asked = router, workers, asked
 
     def __getattr__(self, name: str):
-        return getattr(self._handle, name)
+        return getattr(self._router, name)
 
-    @property
-    def place(self):
-        return self
-
-    def remote(self, request_id: str, prompt: list[int], *args):
-        placing = self._handle.place.remote(request_id, prompt, *args)
-
-        async def placed():
-            decision = await placing
-            self._asked.setdefault(request_id, [w.cached_prefix_blocks.remote(prompt) for w in self._workers])
-            return decision
-
-        return asyncio.ensure_future(placed())
+    async def place(self, request_id: str, prompt: list[int], *args):
+        decision = await self._router.place(request_id, prompt, *args)
+        self._asked.setdefault(request_id, [w.cached_prefix_blocks.remote(prompt) for w in self._workers])
+        return decision
 
 
 def router_config(name: str, args):
@@ -143,7 +134,7 @@ def run_config(name: str, args, model_dir: Path) -> tuple[list[Served], float, d
                           router_config=router_config(name, args), cluster_name="bench-routing",
                           num_kv_blocks=args.kv_blocks, block_size=args.block_size, max_model_len=4096,
                           num_threads=1, verbose=False) as llm:
-        llm.path.routers = [OracleRouter(r, llm.prefill + llm.decode, asked) for r in llm.path.routers]
+        llm.path.router = OracleRouter(llm.path.router, llm.prefill + llm.decode, asked)
         t0 = time.monotonic()
         arrivals = [(c.start, i) for i, c in enumerate(conversations)]
         heapq.heapify(arrivals)

@@ -1,7 +1,7 @@
 """The long-lived parts of a cluster: the workers of each pool, the KV transfer groups between
-prefill and decode workers, the registry, and the router actors. Requests never pass through
-here: an ingress (``cluster/request_path.py``) asks a router where each goes and streams it
-from the chosen decode worker.
+prefill and decode workers, and the registry. Requests never pass through here: each ingress
+replica (``cluster/request_path.py``) asks its own router where each goes and streams it from
+the chosen decode worker.
 
 Pools (``Pool``): ``prefill`` and ``decode`` workers for disaggregated serving, and
 ``colocated`` workers that prefill and decode every request themselves. Each worker's TP ranks
@@ -70,7 +70,8 @@ class Pool:
 @dataclass(frozen=True)
 class ServingInfo:
     """What an ingress needs to know of a deployment to serve it: the model, the request
-    limits of its smallest generating worker, and the names of its actors."""
+    limits of its smallest generating worker, the names of its workers, and the registry and
+    topology its router places over."""
 
     cluster: str
     model_dir: str
@@ -83,7 +84,8 @@ class ServingInfo:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     colocated: tuple[str, ...]
-    routers: tuple[str, ...]
+    registry_url: str
+    router_topology: Topology
     router_config: RouterConfig
     transfer_timeout_s: float = 60.0
     stream_layers: bool = True
@@ -142,7 +144,6 @@ class Deployment:
         self.placement_groups: list = []
         self.workers: dict[str, object] = {}
         self.configs: dict[str, EngineConfig] = {}
-        self.routers: dict[str, object] = {}
         self._abandoned: list = []  # start-up calls left unread when another failed
         started = time.perf_counter()
         try:
@@ -154,19 +155,13 @@ class Deployment:
             generating = [d for n, d in described.items() if not n.startswith("prefill-")]
             smallest = min(generating, key=lambda d: d["num_blocks"])
             names = {role: tuple(self.pools[role].names()) if role in self.pools else () for role in ROLES}
+            topology = Topology(names["prefill"], names["decode"], smallest["block_size"],
+                                tuple(smallest["hash_keys"]), names["colocated"])
             self.info = ServingInfo(
                 cluster_name, str(model_dir), model_name or model_dir.name, config.architecture, config.vocab_size,
                 smallest["max_model_len"], smallest["block_size"], smallest["num_blocks"], names["prefill"],
-                names["decode"], names["colocated"],
-                tuple(f"router-{i}" for i in range(self.router_config.replicas)), self.router_config,
+                names["decode"], names["colocated"], self.registry_url, topology, self.router_config,
                 transfer_timeout_s, stream_layers)
-            topology = Topology(names["prefill"], names["decode"], smallest["block_size"],
-                                tuple(smallest["hash_keys"]), names["colocated"])
-            from router.actor import RouterActor
-
-            for name in self.info.routers:
-                self.routers[name] = ray.remote(RouterActor).options(name=name, num_cpus=0.1).remote(
-                    cluster_name, self.registry_url, topology, self.router_config, str(model_dir), name)
             self._wait_for_registry()
         except BaseException:
             self.shutdown()
@@ -174,7 +169,7 @@ class Deployment:
         if verbose:
             pools = ", ".join(f"{p.replicas} {p.role} worker(s) TP {p.tp}" for p in self.pools.values())
             registry = "private redis-server on " + self.registry_url if self.local_redis else "Redis registry"
-            print(f"[tandem] {pools}, {len(self.routers)} router(s) ({self.router_config.policy}), {registry}"
+            print(f"[tandem] {pools}, router policy {self.router_config.policy}, {registry}"
                   f"{self._kv_budget()}; ready in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
 
     def _kv_budget(self) -> str:
@@ -303,13 +298,6 @@ class Deployment:
     def worker_status(self) -> list[dict]:
         return worker_status(self._ray, self.workers)
 
-    def router_status(self) -> dict:
-        return self._ray.get(next(iter(self.routers.values())).status.remote())
-
-    def goodput(self) -> dict | None:
-        """Goodput and SLO attainment per cluster, worker and class (last minute, last hour)."""
-        return self._ray.get(next(iter(self.routers.values())).goodput.remote())
-
     # -- stopping -----------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -327,9 +315,6 @@ class Deployment:
             except Exception:  # noqa: BLE001 - its worker is gone; the first failure was reported
                 pass
         self._abandoned = []
-        for router in list(getattr(self, "routers", {}).values()):
-            ray.kill(router, no_restart=True)
-        self.routers = {}
         from ray.util.placement_group import remove_placement_group
 
         for group in getattr(self, "placement_groups", []):

@@ -3,9 +3,9 @@
 :class:`DisaggregatedLLM` has the interface of :class:`~cluster.engine.llm.LLM` (``generate``,
 ``run_until_done``, an ``engine`` that takes requests), so ``tandem run --disaggregated`` and
 the Python API use it as they use the colocated engine. It starts a :class:`Deployment`
-(prefill and decode workers as Ray actors, the registry, the router) and sends every request
-down the same :class:`~cluster.request_path.RequestPath` an ingress replica uses: the router
-places it, the decode worker fetches its KV from the prefill worker and streams the tokens
+(prefill and decode workers as Ray actors, the registry) and sends every request down the
+same :class:`~cluster.request_path.RequestPath` an ingress replica uses: its router, in this
+process, places it, the decode worker fetches its KV from the prefill worker and streams the tokens
 back. One request flow, whether a request comes from a file or over the API.
 """
 
@@ -119,7 +119,6 @@ class DisaggregatedLLM(LLM):
         self.architecture = self.deployment.info.architecture
         self.prefill = [self.deployment.workers[n] for n in self.deployment.info.prefill]
         self.decode = [self.deployment.workers[n] for n in self.deployment.info.decode]
-        self.router = next(iter(self.deployment.routers.values()))
         self.transfers: deque[TransferStat] = deque(maxlen=TRANSFERS_KEPT)
         self.decisions: dict = {}  # request id -> the router's last decision for it
         self.migrations: dict[str, int] = {}  # request id -> times it moved after a worker failed under it
@@ -129,7 +128,7 @@ class DisaggregatedLLM(LLM):
         self._thread.start()
         try:
             self.path = RequestPath(self.deployment.info, api="offline")
-            self._ray.get([router.ready.remote() for router in self.deployment.routers.values()])
+            self._on_loop(self.path.start())
         except BaseException:
             self.shutdown()
             raise
@@ -225,12 +224,19 @@ class DisaggregatedLLM(LLM):
     def worker_status(self) -> list[dict]:
         return self.deployment.worker_status()
 
+    def _on_loop(self, coroutine, timeout_s: float = 60.0):
+        """Runs a coroutine on the loop the requests' paths run on; its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout_s)
+
     def router_status(self) -> dict:
-        return self.deployment.router_status()
+        async def status() -> dict:
+            return self.path.router.status()
+
+        return self._on_loop(status())
 
     def goodput(self) -> dict | None:
         """Goodput and SLO attainment per cluster, worker and class (last minute, last hour)."""
-        return self.deployment.goodput()
+        return self.path.router.goodput()
 
     def worker_free_blocks(self) -> tuple[list[int | None], list[int | None]]:
         """Free KV blocks of each prefill and decode worker (None for a dead one)."""
@@ -244,6 +250,11 @@ class DisaggregatedLLM(LLM):
             future.cancel()
         loop = getattr(self, "_loop", None)
         if loop is not None and loop.is_running():
+            if getattr(self, "path", None) is not None:
+                try:
+                    self._on_loop(self.path.stop(), timeout_s=10)
+                except Exception:  # noqa: BLE001 - stopping anyway; its records are lost with the registry
+                    pass
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(timeout=10)
         deployment = getattr(self, "deployment", None)

@@ -57,6 +57,10 @@ class StepLock:
         self._lock.release()
         self.released.set()
 
+    def acquire_now(self) -> bool:
+        """Takes the lock if it is free now (then leave it with ``__exit__``); never waits."""
+        return self._lock.acquire(blocking=False)
+
     def step_turn(self):
         """For the loop: the lock, once no call waits for it."""
         while self._waiting:

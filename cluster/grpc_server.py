@@ -100,6 +100,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     def __init__(self, path, status=None):
         self.path = path
         self.status = status  # async () -> tandem_pb2.ClusterStatus
+        self._closing: set[asyncio.Future] = set()  # finished calls' bookkeeping, still running
 
     async def Generate(self, request, context):
         arrival = time.time()
@@ -120,9 +121,13 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
                     await context.abort(CODES.get(error["kind"], grpc.StatusCode.UNAVAILABLE), error["message"])
                 await context.write(response_message(message))
                 if message["finished"]:
-                    return
-        finally:
+                    break
+        except BaseException:
             await messages.aclose()  # a call that ended early aborts its request on every worker
+            raise
+        # The call ends now; the request's bookkeeping (its router, metrics and trace) runs after.
+        self._closing.add(closing := asyncio.ensure_future(messages.aclose()))
+        closing.add_done_callback(self._closing.discard)
 
     async def GetStatus(self, request, context):
         if self.status is None:

@@ -1,15 +1,17 @@
-"""Health that means serving: each ingress replica checks, every ``PERIOD_S``, that a router
-answers and that some worker can generate, and says so through the gRPC health service
-(SERVING / NOT_SERVING), Serve's ``check_health`` and the ``tandem_serving`` gauge.
+"""Health that means serving: each ingress replica checks, every ``PERIOD_S``, that some
+worker can generate, and says so through the gRPC health service (SERVING / NOT_SERVING),
+Serve's ``check_health`` and the ``tandem_serving`` gauge. (Its router runs in the replica's
+own process: while the replica answers, so does its router.)
 
 A worker can generate when it answers its ``status`` call within ``TIMEOUT_S`` with its engine
-loop running (``alive``), and no router has marked it failed. Generating workers are the decode
-and colocated ones: without prefill workers a decode worker still serves the prompts it may
-prefill itself, so their loss is not a loss of service (placements say why, per request).
+loop running (``alive``), and the replica's router has not marked it failed. Generating workers
+are the decode and colocated ones: without prefill workers a decode worker still serves the
+prompts it may prefill itself, so their loss is not a loss of service (placements say why, per
+request).
 
-It recovers by itself: a router or worker that answers again under its name (restarted, or no
-longer wedged) is looked up afresh, and a worker that a router had marked failed is handed back
-to the routers (``worker_returned``), so placements use it again.
+It recovers by itself: a worker that answers again under its name (restarted, or no longer
+wedged) is looked up afresh, and one the router had marked failed is handed back to it
+(``worker_returned``), so placements use it again.
 """
 
 from __future__ import annotations
@@ -59,40 +61,19 @@ class HealthMonitor:
 
     async def check(self) -> tuple[bool, str]:
         """(serving, why not)."""
-        routers = await self.router_statuses()
-        if not routers:
-            return False, f"no router answers ({', '.join(self.info.routers)})"
-        failed = {w for status in routers.values() for w in status.get("failed_workers", ())}
+        router = self.path.router
         workers = await self.worker_statuses(self.info.workers)
+        failed = set(router.failed_workers)
         returned = [name for name, status in workers.items() if status.get("state") == "alive" and name in failed]
-        if returned:  # serving means the routers place on it again: their word first
-            await asyncio.gather(*(router.worker_returned.remote(name) for name in returned
-                                   for router in self.path.routers), return_exceptions=True)
-            failed.difference_update(returned)
+        for name in returned:  # serving means the router places on it again
+            router.worker_returned(name)
+            failed.discard(name)
         generating = self.info.decode + self.info.colocated
         able = [n for n in generating if workers[n].get("state") == "alive" and n not in failed]
         if able:
             return True, ""
         states = ", ".join(f"{n} {'failed' if n in failed else workers[n].get('state', 'dead')}" for n in generating)
         return False, f"no decode worker can generate ({states})"
-
-    async def router_statuses(self) -> dict[str, dict]:
-        """The routers' statuses by name; a router that does not answer is looked up again."""
-        handles = self._router_handles()
-        statuses = await self._gather(handles, "status")
-        answering = {name: s for name, s in statuses.items() if s is not None}
-        if len(answering) != len(self.path.routers):  # one was lost, or is back: requests use those that answer
-            self.path.routers = [handles[name] for name in answering]
-        return answering
-
-    def _router_handles(self) -> dict[str, object]:
-        handles = {}
-        for name in self.info.routers:
-            try:
-                handles[name] = self.path.ray.get_actor(name, namespace=self.info.cluster)
-            except ValueError:
-                pass
-        return handles
 
     async def worker_statuses(self, names) -> dict[str, dict]:
         """Each worker's status; ``{"state": "dead"}`` for one that is gone or does not answer

@@ -1,11 +1,12 @@
 """The API ingress as a Ray Serve deployment: ``server.replicas`` stateless replicas, each an
 asyncio gRPC server on the topology's address (they share the port through SO_REUSEPORT, so
 the kernel spreads connections over them) running requests' paths itself
-(``cluster/request_path.py``). Serve health-checks each replica and restarts one that dies,
-while the others keep serving.
+(``cluster/request_path.py``), each with a router of its own (``router-<rank>``,
+``router/service.py``) that places its requests in the process. Serve health-checks each
+replica and restarts one that dies, while the others keep serving.
 
-Health means serving: each replica checks its routers and workers every few seconds
-(``cluster/health.py``); while no router answers or no worker can generate, its gRPC health
+Health means serving: each replica checks its workers every few seconds
+(``cluster/health.py``); while no worker can generate, its gRPC health
 service says NOT_SERVING and Serve's health check fails (Serve shows the deployment UNHEALTHY
 and starts the replica again), and both recover by themselves once they answer again.
 
@@ -38,10 +39,13 @@ class GrpcIngress:
     def __init__(self, spec_yaml: str, info: ServingInfo):
         spec = parse_topology(spec_yaml)
         metrics = IngressMetrics(spec.name, info.workers)
-        self.path = RequestPath(info, metrics, api="grpc", tracer=request_tracer(spec.observability.tracing, spec.name))
+        router = f"router-{serve.get_replica_context().rank.rank}"
+        self.path = RequestPath(info, metrics, api="grpc", tracer=request_tracer(spec.observability.tracing, spec.name),
+                                router_name=router)
         self.monitor = HealthMonitor(self.path, metrics=metrics)
         self.server = ApiServer(spec, self.path, status=lambda: read_status(self.monitor))
         self.monitor.on_change = self.server.serving_changed
+        self.server.submit(self.path.start()).result(timeout=60)
         self.server.submit(self.monitor.check_now()).result(timeout=60)  # the health service is right from the start
         self._checks = self.server.submit(self.monitor.run())
         host = spec.server.host
@@ -63,6 +67,10 @@ class GrpcIngress:
             checks.cancel()
         server = getattr(self, "server", None)
         if server is not None:
+            try:
+                server.submit(self.path.stop()).result(timeout=10)  # its goodput records written, its status gone
+            except Exception:  # noqa: BLE001 - the loop has ended: nothing left to write from here
+                pass
             server.stop(grace_s=2)
 
 

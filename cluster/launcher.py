@@ -209,7 +209,6 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
             _log(f"cluster {spec.name!r} did not start: {exc}")
             return 1
         info = deployment.info
-        ray.get([router.ready.remote() for router in deployment.routers.values()])
         serve.start(proxy_location="Disabled")
         try:
             handle = serve.run(ingress_app(spec_yaml, info, spec.server.replicas), name=spec.name, route_prefix=None)
@@ -232,7 +231,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
                  "auth_token_file": (str(Path(spec.server.auth_token_file).expanduser().resolve())
                                      if spec.server.auth_token_file else None),
                  "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token"), "model": info.model_name,
-                 "workers": list(info.workers), "routers": list(info.routers),
+                 "workers": list(info.workers),
                  "registry_url": _without_password(deployment.registry_url), "topology": spec_yaml}
         path = state_file(spec.name)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,13 @@
 """One request's path through the cluster, as an ingress replica (or ``tandem run``) drives it.
 
     call ──▶ validate, tokenize ──▶ router.place ──▶ decode worker.generate ──▶ token items ──▶ call
-                                     (1 round trip)    (1 streaming call; it fetches the KV
-                                                        from the prefill worker itself)
+                                     (in this process)  (1 streaming call; it fetches the KV
+                                                         from the prefill worker itself)
 
-Two hops on the critical path, whatever the cluster's size: the router answers where the
-request goes (at once, or when it can be placed), and the chosen decode worker streams the
-tokens straight back here. Nothing else sees the request.
+One hop on the critical path, whatever the cluster's size: this replica's own router
+(``router/service.py``) answers where the request goes (at once, or when it can be placed)
+without leaving the process, and the chosen decode worker streams the tokens straight back
+here. Nothing else sees the request.
 
 When a worker fails under a request it moves, up to ``router.migration_limit`` times: a
 decode worker that dies mid-stream is told to the router, and the prompt plus the tokens
@@ -21,7 +22,7 @@ of each placement ``placement`` ``[prefill worker, decode worker]``; the last
 also ``finish_reason``, ``usage`` ``[prompt, cached, completion]``, ``timings`` ``[queue,
 TTFT, TPOT, end to end]`` in ms, ``placement`` and ``router_told`` (a future settled once the
 router has its record, for a caller that reads goodput next: the router is told after the last
-message is handed over, off the caller's critical path); or an error ``{"error": {"kind",
+message is handed over); or an error ``{"error": {"kind",
 "message"}, "finished": True}`` with kind ``invalid``, ``not_found``, ``rejected`` or
 ``unavailable``. Times count from ``arrival``, when the call reached the API.
 """
@@ -29,7 +30,6 @@ message is handed over, off the caller's critical path); or an error ``{"error":
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -45,6 +45,7 @@ from cluster.engine.tokenizer import Tokenizer, TokenizerError
 from cluster.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
 from router.config import RouterConfigError
 from router.router import Decision
+from router.service import RouterService
 
 NO_ROOM_RETRIES = 50  # a decode worker that had no blocks after all: placements tried again, with a short wait
 
@@ -102,7 +103,8 @@ class Journey:
 
 
 class RequestPath:
-    def __init__(self, info: ServingInfo, metrics=None, api: str = "grpc", tracer=None):
+    def __init__(self, info: ServingInfo, metrics=None, api: str = "grpc", tracer=None, router_name: str = "router-0"):
+        """Call ``start()`` on the event loop the requests will run on before the first one."""
         import ray
 
         self.ray = ray
@@ -115,7 +117,8 @@ class RequestPath:
         except TokenizerError:
             self.tokenizer = None
         self.limits = Scheduler(BlockManager(info.num_blocks, info.block_size), 1, 1, info.max_model_len)
-        self.routers = self.find_routers()
+        self.router = RouterService(info.cluster, info.registry_url, info.router_topology, info.router_config,
+                                    router_name)
         self._workers: dict[str, object] = {}
         for name in info.decode + info.colocated:
             try:
@@ -124,15 +127,12 @@ class RequestPath:
                 pass  # gone already: a placement on it fails like one on a worker that died later
         self.active: dict[str, Journey] = {}
 
-    def find_routers(self) -> list:
-        """The routers running now, by name (the health check calls it again after one is lost)."""
-        found = []
-        for name in self.info.routers:
-            try:
-                found.append(self.ray.get_actor(name, namespace=self.info.cluster))
-            except ValueError:
-                pass
-        return found
+    async def start(self) -> None:
+        """Starts the router's work off the critical path, on the loop requests run on."""
+        await self.router.start()
+
+    async def stop(self) -> None:
+        await self.router.stop()
 
     def forget_worker(self, name: str) -> None:
         """Drops a worker's handle (it died): the next lookup finds whatever runs under its name."""
@@ -206,8 +206,7 @@ class RequestPath:
                                                     checked_at=time.time())
         engine_priority = priority + self.info.router_config.slo_class(slo_class).priority
         first = True
-        router = random.choice(self.routers) if self.routers else None
-        run = self._run(journey, router, prompt, params, priority, engine_priority, ttft_s, tpot_s)
+        run = self._run(journey, prompt, params, priority, engine_priority, ttft_s, tpot_s)
         try:
             async for message in run:
                 if first:
@@ -225,16 +224,12 @@ class RequestPath:
             if self.tracer is not None:
                 self.tracer.record(journey, request.get("api", self.api), request.get("traceparent"), time.time())
 
-    async def _run(self, journey: Journey, router, prompt: list[int], params: SamplingParams, priority: int,
+    async def _run(self, journey: Journey, prompt: list[int], params: SamplingParams, priority: int,
                    engine_priority: int, ttft_s: float | None, tpot_s: float | None) -> AsyncIterator[dict]:
-        ray = self.ray
+        ray, router = self.ray, self.router
         limit = self.info.router_config.migration_limit
         no_room = placements = 0
         avoid: list[tuple[str, str]] = []  # (prefill, decode) pairs whose KV transfer failed under this request
-        if router is None:
-            journey.outcome = "unavailable"
-            yield _error("unavailable", "no router is running")
-            return
         while True:
             # Each placement has an id of its own: a word about an earlier one (forget, finished)
             # may reach the router after a later placement was asked for.
@@ -245,21 +240,11 @@ class RequestPath:
             now_prompt = prompt + sent
             now_params = replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params
             requested_at = time.time()
-            placing = router.place.remote(attempt_id, now_prompt, now_params.max_tokens, journey.slo_class, None,
-                                          ttft_s, tpot_s, priority, journey.arrival, tuple(avoid))
-            try:
-                decision: Decision = await placing
-            except asyncio.CancelledError:  # the caller went away while the router decided
-                ray.cancel(placing)
-                # Whatever the router did meanwhile is undone: a cancelled call may still have
-                # placed it, and forget (after place, in order) drops such a placement.
-                router.forget.remote(attempt_id)
-                raise
-            except ray.exceptions.RayActorError:
-                journey.outcome = "unavailable"
-                yield _error("unavailable", "the router is not running")
-                return
-            except ray.exceptions.RayTaskError as exc:
+            try:  # a caller that goes away while it waits cancels this: the router drops it
+                decision: Decision = await router.place(attempt_id, now_prompt, now_params.max_tokens,
+                                                        journey.slo_class, None, ttft_s, tpot_s, priority,
+                                                        journey.arrival, tuple(avoid))
+            except Exception as exc:  # noqa: BLE001 - a fault of the router's own: one line to the caller
                 journey.outcome = "unavailable"
                 yield _error("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")
                 return
@@ -291,7 +276,7 @@ class RequestPath:
                         attempt.ended_at, attempt.failure = time.time(), error["message"]
                         if error["kind"] != "retry":
                             ended = True
-                            router.finished.remote(attempt_id, None, None, True)
+                            router.finished(attempt_id, None, None, True)
                             journey.outcome = error["kind"]
                             yield _error(error["kind"], error["message"])
                             return
@@ -321,9 +306,10 @@ class RequestPath:
                         attempt.ended_at = journey.finished_at
                         try:
                             yield message
-                        finally:  # after the last message is on its way: the caller does not wait for this
-                            _settle(told, router.finished.remote(attempt_id, journey.ttft_s(), journey.tpot_s(),
-                                                                 False, _service_ttft(journey, placed_at)))
+                        finally:  # after the last message is on its way
+                            router.finished(attempt_id, journey.ttft_s(), journey.tpot_s(), False,
+                                            _service_ttft(journey, placed_at))
+                            told.set_result(None)
                         return
                     if message["token_ids"] or message["text"] or "placement" in message:
                         yield message
@@ -337,14 +323,13 @@ class RequestPath:
                     attempt.failure = failure[0] if failure else (None if ended else "the caller went away")
                 if not ended and stream is not None:  # cancelled, disconnected, past its deadline: release it
                     ray.cancel(stream)
-                    router.finished.remote(attempt_id, None, None, False)
+                    router.finished(attempt_id, None, None, False)
             why, failed_worker = failure or (f"decode worker {decision.decode} ended the stream early", None)
-            router.forget.remote(attempt_id)
+            router.forget(attempt_id)
             if failed_worker is not None:
                 if self.metrics is not None:
                     self.metrics.worker_failed(failed_worker)
-                for r in self.routers:
-                    r.worker_failed.remote(failed_worker)
+                router.worker_failed(failed_worker)
             elif out_of_room and no_room < NO_ROOM_RETRIES:
                 no_room += 1
                 await asyncio.sleep(0.01 * no_room)
@@ -401,21 +386,6 @@ def _service_ttft(journey: Journey, placed_at: float) -> float | None:
     """TTFT counted from the request's placement: what the router learns its correction from."""
     first = journey.first_token_at
     return first - placed_at if first is not None and first >= placed_at else None
-
-
-def _settle(told: asyncio.Future, receipt) -> None:
-    """Settles ``told`` with the outcome of the router's receipt (a Ray ObjectRef)."""
-    def copy(done: asyncio.Future) -> None:
-        if told.done():
-            return
-        if done.cancelled():
-            told.cancel()
-        elif done.exception() is not None:
-            told.set_exception(done.exception())
-        else:
-            told.set_result(done.result())
-
-    asyncio.wrap_future(receipt.future()).add_done_callback(copy)
 
 
 def _error(kind: str, message: str) -> dict:

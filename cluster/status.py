@@ -1,5 +1,6 @@
 """A cluster's status: read by an ingress replica (the ``GetStatus`` call of the gRPC API)
-from its routers and workers, and shown by ``tandem status`` and ``tandem top``.
+from its workers, its own router and the status every other replica's router publishes in
+the registry, and shown by ``tandem status`` and ``tandem top``.
 
 The command line reads it through the API, not through Ray: no Ray client connects, so no
 Ray job is registered per look (the dashboard's "Recent jobs" stays the cluster's own), and a
@@ -24,16 +25,12 @@ ROUTER_SUMS = ("in_flight", "waiting", "placed", "local_prefills", "rejected", "
 
 # -- on the ingress: reading the cluster --------------------------------------------------------
 
-async def read_status(monitor, timeout_s: float = 10.0) -> tandem_pb2.ClusterStatus:
+async def read_status(monitor) -> tandem_pb2.ClusterStatus:
     """The cluster as this replica sees it now (``monitor``: its :class:`~cluster.health.HealthMonitor`)."""
-    info = monitor.info
-    routers, workers = await asyncio.gather(monitor.router_statuses(), monitor.worker_statuses(info.workers))
-    goodput = None
-    for handle in monitor.path.routers[:1]:
-        try:
-            goodput = await asyncio.wait_for(handle.goodput.remote(), timeout_s)
-        except Exception:  # noqa: BLE001 - the router went away: goodput unknown this time
-            goodput = None
+    info, router = monitor.info, monitor.path.router
+    loop = asyncio.get_running_loop()
+    routers, workers, goodput = await asyncio.gather(router.statuses(), monitor.worker_statuses(info.workers),
+                                                     loop.run_in_executor(None, router.goodput))
     message = tandem_pb2.ClusterStatus(cluster=info.cluster, model=info.model_name,
                                        serving=bool(monitor.serving), health=monitor.reason)
     for name in info.workers:

@@ -110,9 +110,6 @@ router
         Times a request may move after a worker failed under it: a decode worker that died
         mid-stream (prompt and the tokens already sent are prefilled elsewhere and the stream
         resumes), or a prefill worker that died before its KV landed. An integer >= 0.
-    replicas (1)
-        Router actors (``router-0``, ...). Each ingress replica spreads its requests over
-        them; each sees the others' placements once the workers' next load reports show them.
     load_refresh_s (0.05)
         How stale the router's view of load may get, > 0.
     registry_retry_s (1.0)
@@ -149,9 +146,11 @@ server
         0 takes any free port, null turns it off.
     replicas (1)
         Ingress replicas (a Ray Serve deployment), at least 1. Each is a stateless asyncio
-        server on the same address (the kernel spreads connections over them, SO_REUSEPORT);
-        one that dies is restarted by Serve while the others serve. On Kubernetes the API
-        Service spreads clients across them.
+        server on the same address (the kernel spreads connections over them, SO_REUSEPORT)
+        with a router of its own (``router-<i>``) that places its requests in the process:
+        replicas share the workers through the workers' load reports, without a hop between
+        them. One that dies is restarted by Serve while the others serve. On Kubernetes the
+        API Service spreads clients across them.
     tls (null)
         Null, or both ``cert_file`` and ``key_file`` (PEM) to serve over TLS.
     auth_token_env (null)
@@ -858,7 +857,6 @@ def _router_dict(config: RouterConfig) -> dict[str, Any]:
         "correction_half_life_s": config.correction_half_life_s,
         "local_prefill_max_tokens": config.local_prefill_max_tokens,
         "migration_limit": config.migration_limit,
-        "replicas": config.replicas,
         "prefill_shortlist": config.prefill_shortlist,
     }
 

@@ -24,8 +24,9 @@ time out later. So the worker builds the pair a new group with that prefill work
 (both sides join it; requests in flight on the old one end there), and until it is built it
 reports the prefill worker as ``unpaired`` in its load, so routers place around the pair.
 
-The engine is stepped by its own thread (``EngineWorker``); calls touch it from a small thread
-pool, and outputs reach each request's stream through the actor's event loop, once per step.
+The engine is stepped by its own thread (``EngineWorker``); calls touch it between steps, on
+the actor's event loop when its lock is free and from a small thread pool when a step holds
+it, and outputs reach each request's stream through the event loop, once per step.
 """
 
 from __future__ import annotations
@@ -233,11 +234,22 @@ class DecodeWorker(EngineWorker):
                 asyncio.ensure_future(self._release_after(request_id, list(stream.busy)))
 
     async def _tracked(self, stream: _Stream, fn, *args):
-        """An engine call on ``stream.busy``: a caller that goes away does not cancel it, and the
+        """``fn(*args)`` under the engine's lock: here at once when the lock is free (the engine
+        is between steps: a thread hop would cost more than the call), otherwise on a call
+        thread, on ``stream.busy``, so that a caller that goes away does not cancel it and the
         request is released only once it has ended."""
-        call = asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
+        if self._lock.acquire_now():
+            try:
+                return fn(*args)
+            finally:
+                self._lock.__exit__()
+        call = asyncio.get_running_loop().run_in_executor(self._calls, self._locked, fn, *args)
         stream.busy.append(call)
         return await asyncio.shield(call)
+
+    def _locked(self, fn, *args):
+        with self._lock:
+            return fn(*args)
 
     async def _release_after(self, request_id: str, busy: list[asyncio.Future]) -> None:
         """Releases a request once its reserve and KV receive (if any) have ended: a reserve
@@ -307,20 +319,19 @@ class DecodeWorker(EngineWorker):
                           "receive": [receive_started, times.get("received", prefill_ended)],
                           "admitted": time.time()}}
 
-    # -- on the call threads (the engine under its lock) ---------------------------------------
+    # -- under the engine's lock (``_tracked``) ------------------------------------------------
 
     def _add_local(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> None:
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority)
+        self.engine.add_request(request_id, prompt, params, priority)
 
     def _reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
                  priority: int) -> tuple[int, list[int]] | None:
-        with self._lock:
-            return self.engine.reserve_transfer(request_id, prompt, params, priority)
+        return self.engine.reserve_transfer(request_id, prompt, params, priority)
 
     def _admit(self, request_id: str, first_token: int, logprob, top_logprobs) -> None:
-        with self._lock:
-            self._on_outputs([self.engine.admit_transfer(request_id, first_token, logprob, top_logprobs)])
+        self._on_outputs([self.engine.admit_transfer(request_id, first_token, logprob, top_logprobs)])
+
+    # -- on the call threads (the engine under its lock) ---------------------------------------
 
     def _release(self, request_id: str) -> None:
         with self._lock:

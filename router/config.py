@@ -73,7 +73,6 @@ class RouterConfig:
     skip_prefill_fraction: float = 0.9  # a decode worker caching this much of a prompt may prefill it itself
     local_prefill_max_tokens: int = 256  # ... and so may one with at most this many prompt tokens left to compute
     migration_limit: int = 3  # times a request may move to another worker after one failed under it
-    replicas: int = 1  # router actors; each ingress replica spreads its requests over them
     load_refresh_s: float = 0.05  # how stale the router's view of load may get
     registry_retry_s: float = 1.0  # after a registry failure, how long to place by load only before trying again
     queue_limit: int = 4096  # requests the router may hold waiting; past it, one that would wait is rejected
@@ -101,7 +100,10 @@ class RouterConfig:
                 raise RouterConfigError(f"{where}.{key}: must be {wanted}; got {quote(data[key])}")
         known = {"policy", "weights", "admission_control", "slo_classes", "default_class", "skip_prefill_fraction",
                  "load_refresh_s", "registry_retry_s", "queue_limit", "correction_limit_ms", "correction_half_life_s",
-                 "local_prefill_max_tokens", "migration_limit", "replicas", "prefill_shortlist"}
+                 "local_prefill_max_tokens", "migration_limit", "prefill_shortlist"}
+        if "replicas" in data:
+            raise RouterConfigError(f"{where}.replicas: the router runs inside each ingress replica (one router "
+                                    "each), so server.replicas sets how many; remove router.replicas")
         unknown = sorted(set(data) - known)
         if unknown:
             raise RouterConfigError(f"{where}.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
@@ -133,7 +135,6 @@ class RouterConfig:
             local_prefill_max_tokens=_count(data.get("local_prefill_max_tokens", 256),
                                             f"{where}.local_prefill_max_tokens", minimum=0),
             migration_limit=_count(data.get("migration_limit", 3), f"{where}.migration_limit", minimum=0),
-            replicas=_count(data.get("replicas", 1), f"{where}.replicas"),
             prefill_shortlist=_count(data.get("prefill_shortlist", 16), f"{where}.prefill_shortlist"),
         )
         try:

@@ -22,7 +22,8 @@ time after placement only (a request's own queueing is not work the model left o
 
 When the registry cannot be read, the router places by load only: the fewest requests it has
 in flight on each side, and says so in ``status()``; it tries the registry again after
-``registry_retry_s``.
+``registry_retry_s``, or, with ``probe_elsewhere``, once its owner (which probes the registry
+off the placement path) says it answers again (``registry_answers``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ class Router:
     topology: Topology
     registry: RegistryView
     config: RouterConfig = field(default_factory=RouterConfig)
+    probe_elsewhere: bool = False  # a registry found down is not read again until ``registry_answers``
 
     def __post_init__(self) -> None:
         self.inflight: dict[str, _Placed] = {}
@@ -178,7 +180,8 @@ class Router:
         starved of CPU can miss a few) keeps its last report for ``REPORT_GRACE_S``: a worker
         is dead when the actor system says so (a call to it fails, and the caller tells the
         router), not when it is slow to report."""
-        if self._registry_down_since is not None and now - self._registry_down_since < self.config.registry_retry_s:
+        if self._registry_down_since is not None and (
+                self.probe_elsewhere or now - self._registry_down_since < self.config.registry_retry_s):
             return None
         if now - self._loads_read_at >= self.config.load_refresh_s or self._registry_down_since is not None:
             try:
@@ -194,6 +197,17 @@ class Router:
             self._reported.update(fresh)
             self._registry_down_since = None
         return self._loads
+
+    @property
+    def registry_down(self) -> bool:
+        return self._registry_down_since is not None
+
+    def registry_answers(self) -> None:
+        """The registry answers again (``probe_elsewhere``): the next placement reads it."""
+        if self._registry_down_since is not None:
+            self._registry_down_since = None
+            self._loads_read_at = -math.inf
+            self._changed()
 
     def _mark_down(self, now: float, exc: Exception) -> None:
         if self._registry_down_since is None:

@@ -8,6 +8,8 @@ one Redis never see each other's data.
     tandem:<c>:block:<hash>               SET   ids of workers holding the block
     tandem:<c>:worker:<w>:load            STR   JSON load report (cluster/registry/load.py); expires with the heartbeat
     tandem:<c>:goodput:...                      finished-request counters (cluster/registry/goodput.py)
+    tandem:<c>:routers                    HASH  router name -> its JSON status (router/service.py), rewritten
+                                                every few seconds; an entry not rewritten for a while is gone
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class Keys:
 
     def load(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}:load"
+
+    @property
+    def routers(self) -> str:
+        return self.prefix + "routers"
 
     def block(self, block_hash: str) -> str:
         return f"{self.prefix}block:{block_hash}"

@@ -399,14 +399,14 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
 def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(model_dir, reference,
                                                                               tmp_path):
     """Prefill TP 2 to decode TP 1 over gloo (every prompt's KV travels), behind TLS and a token,
-    with two ingress replicas and two routers: tokens equal `tandem run`'s; a decode worker
+    with two ingress replicas (a router in each): tokens equal `tandem run`'s; a decode worker
     killed mid-stream moves its request without losing or repeating a token; an ingress replica
     killed leaves the other serving new calls at once."""
     if not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(os.pathsep)):
         pytest.skip("openssl is needed to make the test certificate")
     key, cert = self_signed(tmp_path)
     spec = topology("e2e-tp2", model_dir, prefill={"replicas": 2, "tp": 2}, decode={"replicas": 2},
-                    kv={"num_blocks": 96}, router={"local_prefill_max_tokens": 0, "replicas": 2},
+                    kv={"num_blocks": 96}, router={"local_prefill_max_tokens": 0},
                     server={"tls": {"cert_file": str(cert), "key_file": str(key)},
                             "auth_token_env": "E2E_TANDEM_TOKEN", "replicas": 2})
     cluster = Cluster("e2e-tp2", spec, tmp_path, env={"E2E_TANDEM_TOKEN": "s3cret"})

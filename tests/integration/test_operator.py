@@ -7,7 +7,7 @@ server), without Serve:
 - ``GetStatus`` answers what ``tandem status`` shows, and ``tandem status --addr`` and
   ``tandem top --addr`` read it without registering a Ray job;
 - the gRPC health says NOT_SERVING once the decode worker is killed, and SERVING again, by
-  itself, once a decode worker runs again under its name (which the routers then place on).
+  itself, once a decode worker runs again under its name (which the router then places on).
 """
 
 from __future__ import annotations
@@ -49,12 +49,14 @@ class Ingress:
         spec = parse_topology(f"cluster: {{name: {CLUSTER}}}\nserver: {{port: 0}}")
         self.server = ApiServer(spec, self.path, status=lambda: read_status(self.monitor))
         self.monitor.on_change = self.server.serving_changed
+        self.server.submit(self.path.start()).result(timeout=60)
         self.server.submit(self.monitor.check_now()).result(timeout=60)
         self.checks = self.server.submit(self.monitor.run())
         self.address = f"127.0.0.1:{self.server.port}"
 
     def stop(self) -> None:
         self.checks.cancel()
+        self.server.submit(self.path.stop()).result(timeout=60)
         self.server.stop()
 
 
@@ -64,7 +66,6 @@ def cluster(checkpoint):
     deployment = Deployment(str(checkpoint("llama")), [Pool("prefill", 1), Pool("decode", 1)], cluster_name=CLUSTER,
                             router_config=RouterConfig(local_prefill_max_tokens=0), verbose=False, num_kv_blocks=64,
                             max_num_batched_tokens=96)
-    ray.get([router.ready.remote() for router in deployment.routers.values()])
     ingress = Ingress(deployment)
     yield ray, deployment, ingress
     ingress.stop()
@@ -143,9 +144,9 @@ def test_health_flips_when_the_decode_worker_dies_and_back_when_one_returns(clus
 
     client = TandemClient(ingress.address, timeout_s=30)
     assert client.health() == "SERVING"
-    router = deployment.routers["router-0"]
+    router = ingress.path.router
     ray.kill(deployment.workers["decode-0"], no_restart=True)
-    ray.get(router.worker_failed.remote("decode-0"))  # as a request that found it dead tells the routers
+    ingress.server.submit(_call(router.worker_failed, "decode-0")).result(timeout=60)  # as a request that found it dead
     wait_for(lambda: client.health() == "NOT_SERVING", 60, "NOT_SERVING after the decode worker died", every_s=0.2)
     status = client.status()
     assert not status.serving and "decode-0" in status.health
@@ -156,8 +157,13 @@ def test_health_flips_when_the_decode_worker_dies_and_back_when_one_returns(clus
     try:
         ray.get(returned.started.remote(), timeout=300)
         wait_for(lambda: client.health() == "SERVING", 60, "SERVING once a decode worker runs again", every_s=0.2)
-        assert "decode-0" not in ray.get(router.status.remote())["failed_workers"]
+        assert "decode-0" not in router.failed_workers
         assert {w.name: w.state for w in client.status().workers}["decode-0"] == "alive"
     finally:
         client.close()
         ray.kill(returned, no_restart=True)
+
+
+async def _call(fn, *args):
+    """``fn(*args)`` on the ingress's event loop, where its router runs."""
+    return fn(*args)

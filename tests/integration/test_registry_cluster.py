@@ -204,7 +204,7 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(checkpoint, ray_ses
             wait_for(lambda: reader.alive_workers() == {"prefill-0", "prefill-1", "decode-0", "decode-1"},
                      what="workers to re-register")
             wait_for(lambda: max(reader.prefix_blocks(chain).values(), default=0) == 3, what="blocks re-published")
-            time.sleep(1.2)  # the router's registry_retry_s: it tries the registry again after this
+            wait_for(lambda: llm.router_status()["registry"] == "ok", what="the router to find the registry back")
             after = llm.generate(prompts[:2], greedy(4))
             assert all(o.error is None for o in after)
             assert not any(llm.decisions[o.request_id].load_only for o in after)

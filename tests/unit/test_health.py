@@ -1,7 +1,7 @@
-"""The ingress's health check over stand-in routers and workers: serving while a router answers
-and a decode worker can generate; not serving (saying why) when the decode workers are gone,
-stopped, or all failed, or no router answers; serving again by itself when one returns, with
-the returned worker handed back to the routers."""
+"""The ingress's health check over stand-in workers and the replica's router: serving while a
+decode worker can generate; not serving (saying why) when the decode workers are gone, stopped,
+or all failed; serving again by itself when one returns, with the returned worker handed back
+to the router."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from cluster.deployment import ServingInfo
 from cluster.health import HealthMonitor
 from router.config import RouterConfig
+from router.router import Topology
 
 pytestmark = pytest.mark.unit
 
@@ -45,11 +46,22 @@ class Answer:
 
 
 class Actor:
-    """A stand-in actor: ``.status.remote()`` (and the rest) return awaitables, as Ray's do."""
+    """A stand-in actor: ``.status.remote()`` returns an awaitable, as Ray's do."""
 
-    def __init__(self, status: dict, returned: list | None = None):
+    def __init__(self, status: dict):
         self.status = Call(lambda: status)
-        self.worker_returned = Call(lambda name: returned.append(name))
+
+
+class FakeRouter:
+    """The replica's router, as the health check uses it: the workers it marked failed."""
+
+    def __init__(self, failed=()):
+        self.failed_workers = frozenset(failed)
+        self.returned = []
+
+    def worker_returned(self, name):
+        self.returned.append(name)
+        self.failed_workers -= {name}
 
 
 class Dead:
@@ -75,11 +87,8 @@ class FakeRay:
 class FakePath:
     def __init__(self, info, ray):
         self.info, self.ray = info, ray
-        self.routers = self.find_routers()
+        self.router = FakeRouter()
         self.forgotten = []
-
-    def find_routers(self):
-        return [self.ray.actors[n] for n in self.info.routers if n in self.ray.actors]
 
     def worker(self, name):
         try:
@@ -92,7 +101,7 @@ class FakePath:
 
 
 INFO = ServingInfo("c1", "/m", "m", "LlamaForCausalLM", 512, 512, 16, 64, ("prefill-0",), ("decode-0", "decode-1"),
-                   (), ("router-0",), RouterConfig())
+                   (), "redis://127.0.0.1:1", Topology(("prefill-0",), ("decode-0", "decode-1"), 16), RouterConfig())
 
 
 def alive(name: str, state: str = "alive") -> dict:
@@ -101,8 +110,7 @@ def alive(name: str, state: str = "alive") -> dict:
 
 @pytest.fixture
 def cluster():
-    returned = []
-    ray = FakeRay({"router-0": Actor({"failed_workers": []}, returned)})
+    ray = FakeRay()
     for name in INFO.workers:
         ray.actors[name] = Actor(alive(name))
     changes = []
@@ -111,7 +119,7 @@ def cluster():
         changes.append(serving)
 
     monitor = HealthMonitor(FakePath(INFO, ray), on_change=on_change, timeout_s=1)
-    return ray, monitor, changes, returned
+    return ray, monitor, changes
 
 
 def check(monitor) -> bool:
@@ -119,7 +127,7 @@ def check(monitor) -> bool:
 
 
 def test_serving_then_not_when_the_decode_workers_go_then_back(cluster):
-    ray, monitor, changes, _ = cluster
+    ray, monitor, changes = cluster
     assert check(monitor) and monitor.reason == ""
     del ray.actors["decode-0"]
     assert check(monitor)  # decode-1 still generates
@@ -133,26 +141,16 @@ def test_serving_then_not_when_the_decode_workers_go_then_back(cluster):
 
 
 def test_a_stopped_engine_or_a_failed_worker_cannot_generate(cluster):
-    ray, monitor, _, _ = cluster
+    ray, monitor, _ = cluster
     ray.actors["decode-0"] = Actor(alive("decode-0", "stopped"))
-    ray.actors["router-0"] = Actor({"failed_workers": ["decode-1"]})
+    monitor.path.router = FakeRouter(["decode-1"])
     ray.actors["decode-1"] = Dead()
     assert not check(monitor)
     assert monitor.reason == "no decode worker can generate (decode-0 stopped, decode-1 failed)"
 
 
 def test_a_failed_worker_that_answers_again_is_handed_back(cluster):
-    ray, monitor, _, returned = cluster
-    ray.actors["router-0"] = Actor({"failed_workers": ["decode-0", "decode-1"]}, returned)
-    monitor.path.routers = monitor.path.find_routers()
+    ray, monitor, _ = cluster
+    router = monitor.path.router = FakeRouter(["decode-0", "decode-1"])
     assert check(monitor)  # both answer again: restarted under their names
-    assert sorted(returned) == ["decode-0", "decode-1"]
-
-
-def test_no_router_is_not_serving_until_one_is_back(cluster):
-    ray, monitor, _, returned = cluster
-    router = ray.actors.pop("router-0")
-    assert not check(monitor) and monitor.reason == "no router answers (router-0)"
-    assert monitor.path.routers == []
-    ray.actors["router-0"] = router
-    assert check(monitor) and monitor.path.routers == [router]
+    assert sorted(router.returned) == ["decode-0", "decode-1"] and not router.failed_workers

@@ -214,6 +214,20 @@ def test_registry_down_places_by_load_only_then_recovers():
     assert router.status(NOW + 1.2)["registry"] == "ok"
 
 
+def test_a_router_whose_owner_probes_the_registry_does_not_read_it_again_until_told():
+    registry = FakeRegistry()
+    router = Router(TOPOLOGY, registry, config("slo", registry_retry_s=1.0), probe_elsewhere=True)
+    registry.down = True
+    assert route(router, "r0", now=NOW).load_only and router.registry_down
+    registry.down = False
+    read, loads = [], registry.loads
+    registry.loads = lambda workers: read.append(workers) or loads(workers)
+    assert route(router, "r1", now=NOW + 5).load_only  # long past registry_retry_s: not read on the way
+    assert read == []
+    router.registry_answers()
+    assert not route(router, "r2", now=NOW + 5.1).load_only and not router.registry_down
+
+
 def test_config_errors_name_the_key():
     with pytest.raises(RouterConfigError, match=r"router.policy: unknown policy 'fastest'; known: round_robin"):
         RouterConfig.from_mapping({"policy": "fastest"})
@@ -224,6 +238,9 @@ def test_config_errors_name_the_key():
                                    "default_class": "chat"})
     with pytest.raises(RouterConfigError, match=r"router.default_class: unknown slo_class 'standard'"):
         RouterConfig.from_mapping({"slo_classes": {"chat": {"ttft_ms": 500}}})
+    with pytest.raises(RouterConfigError, match=r"router.replicas: the router runs inside each ingress replica "
+                                                r"\(one router each\), so server.replicas sets how many"):
+        RouterConfig.from_mapping({"replicas": 2})
     config = RouterConfig.from_mapping({"policy": "slo", "weights": {"least_loaded": 2},
                                         "slo_classes": {"chat": {"ttft_ms": 500, "tpot_ms": 50}},
                                         "default_class": "chat"})

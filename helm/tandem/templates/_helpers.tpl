@@ -202,7 +202,6 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
 {{- if not (kindIs "invalid" $r.skipPrefillFraction) -}}{{- $_ := set $router "skip_prefill_fraction" $r.skipPrefillFraction -}}{{- end -}}
 {{- if not (kindIs "invalid" $r.loadRefreshS) -}}{{- $_ := set $router "load_refresh_s" $r.loadRefreshS -}}{{- end -}}
 {{- if not (kindIs "invalid" $r.registryRetryS) -}}{{- $_ := set $router "registry_retry_s" $r.registryRetryS -}}{{- end -}}
-{{- $_ := set $router "replicas" (int $r.replicas) -}}
 {{- if not (kindIs "invalid" $r.localPrefillMaxTokens) -}}{{- $_ := set $router "local_prefill_max_tokens" (int $r.localPrefillMaxTokens) -}}{{- end -}}
 {{- if not (kindIs "invalid" $r.migrationLimit) -}}{{- $_ := set $router "migration_limit" (int $r.migrationLimit) -}}{{- end -}}
 {{- if not (kindIs "invalid" $r.queueLimit) -}}{{- $_ := set $router "queue_limit" (int $r.queueLimit) -}}{{- end -}}

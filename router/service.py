@@ -1,32 +1,48 @@
-"""The router as a Ray actor: one per cluster, named ``router`` in the cluster's namespace.
+"""The router as each ingress replica runs it: in the replica's process, on the event loop
+that serves its API calls, so a placement is a function call, not a hop (``tandem run
+--disaggregated`` runs one the same way).
 
-It owns a :class:`~router.router.Router` over the Redis registry, tokenizes text prompts with
-the model's tokenizer, records every finished (or rejected) request's goodput record in the
-registry, and sweeps expired workers' blocks out of it now and then. Goodput records made
-while Redis is down wait in a bounded buffer and are written when it returns.
+It owns a :class:`~router.router.Router` over the Redis registry, records every finished (or
+rejected) request's goodput record in the registry, publishes its status there for ``tandem
+status`` (every ingress replica's router is shown, whichever replica answers), and sweeps
+expired workers' blocks out of the registry now and then. Goodput records made while Redis is
+down wait in a bounded buffer and are written when it returns.
 
-It is an asyncio actor: ``place`` answers at once when it can place or reject, and otherwise
-holds the call until the request can be placed. Held requests are offered again when
-something changes: a request finished (told by ``finished``) or the load reports refreshed
-(every ``load_refresh_s`` while anything waits). A caller that goes away cancels its call,
-which drops the request from the queue.
+Each ingress replica is one router replica (``server.replicas`` of them): its router counts the
+placements it made since each worker's last load report, and the reports carry every replica's
+requests, so replicas share the workers without talking to each other. Its state is soft: a
+replica that restarts rebuilds it from the registry and the requests that follow.
+
+``place`` answers at once when it can place or reject, and otherwise holds the call until the
+request can be placed. Held requests are offered again when something changes: a request
+finished (told by ``finished``) or the load reports refreshed (every ``load_refresh_s`` while
+anything waits). A caller that goes away cancels its call, which drops the request from the
+queue.
+
+Registry reads on the placement path are single round trips to Redis, made on the event loop
+itself (a thread hop would cost more than the read); writes (goodput records, the status, the
+sweep) run on a thread, off the critical path. A registry that stops answering is found by
+one placement's read (refused at once, or after the client's 1 s timeout); from then on
+placements go by load only without touching Redis, while a probe on a thread asks it every
+``registry_retry_s`` and hands it back to the router once it answers, so an outage never
+stalls the replica's loop again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections import deque
 from dataclasses import replace
-from pathlib import Path
 from typing import Sequence
 
 import redis
 
-from cluster.engine.tokenizer import Tokenizer, TokenizerError
 from cluster.metrics import RouterMetrics, SloMetrics
 from cluster.registry.goodput import GoodputReader, GoodputRecorder, RequestRecord
+from cluster.registry.keys import Keys
 from cluster.registry.reporter import connect
 from router.config import RouterConfig
 from router.registry_view import RedisRegistryView
@@ -34,47 +50,39 @@ from router.router import Decision, RouteRequest, Router, Topology
 
 SWEEP_EVERY_S = 2.0
 GOODPUT_BUFFER = 10_000
-GAUGES_EVERY_S = 2.0  # goodput, attainment and queue gauges: refreshed on a timer, busy or idle
+GAUGES_EVERY_S = 2.0  # goodput, attainment and queue gauges, and the published status: busy or idle
+STATUS_KEPT_S = 15.0  # a published status not rewritten for this long is a router that is gone
 
 
-class RouterActor:
+class RouterService:
     def __init__(self, cluster: str, registry_url: str, topology: Topology, config: RouterConfig | None = None,
-                 model_dir: str | None = None, name: str = "router-0"):
+                 name: str = "router-0"):
         self.cluster = cluster
         self.name = name
         self.client = connect(registry_url)
         self.view = RedisRegistryView(self.client, cluster)
-        self.router = Router(topology, self.view, config or RouterConfig())
+        self.router = Router(topology, self.view, config or RouterConfig(), probe_elsewhere=True)
         self.recorder = GoodputRecorder(self.client, cluster)
         self.pending_records: deque[RequestRecord] = deque(maxlen=GOODPUT_BUFFER)
-        self.tokenizer = None
-        if model_dir is not None:
-            try:
-                self.tokenizer = Tokenizer(Path(model_dir))
-            except TokenizerError:
-                pass
         self._last_sweep = 0.0
         self.metrics = RouterMetrics(cluster, self.router.config.policy)
         self.slo_metrics = SloMetrics(cluster, name, tuple(c.name for c in self.router.config.slo_classes))
         self._gauges: asyncio.Task | None = None
         self._housekeeping: asyncio.Task | None = None
+        self._probe: asyncio.Task | None = None
         self._records_waiting: asyncio.Event | None = None
         self._flushing = threading.Lock()  # the housekeeping thread and a goodput() call may both flush
         self._waiters: dict[str, asyncio.Future] = {}
         self._changed: asyncio.Event | None = None
         self._retrier: asyncio.Task | None = None
 
-    async def place(self, request_id: str, prompt: str | Sequence[int], max_tokens: int = 16,
+    async def place(self, request_id: str, prompt: Sequence[int], max_tokens: int = 16,
                     slo_class: str | None = None, cache_salt: str | None = None, ttft_s: float | None = None,
                     tpot_s: float | None = None, priority: int = 0, arrival: float | None = None,
                     avoid: tuple[tuple[str, str], ...] = ()) -> Decision:
         """``place`` or ``reject``, answered once the request can be placed. ``arrival`` is the
         wall-clock time the call reached the API, from which its TTFT objective counts; ``avoid``
         the (prefill, decode) pairs whose KV transfer failed under this request."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                return Decision("reject", request_id, reason="this model has no tokenizer; send token ids")
-            prompt = self.tokenizer.encode(prompt)
         now = time.time()
         request = RouteRequest(request_id, prompt, max_tokens, slo_class, cache_salt, ttft_s, tpot_s, priority,
                                arrival, tuple(map(tuple, avoid)))
@@ -95,16 +103,47 @@ class RouterActor:
         finally:
             self._waiters.pop(request_id, None)
 
-    async def ready(self) -> bool:
-        """True once the router runs (and from then on keeps its gauges fresh, writes goodput
-        records and sweeps dead workers' blocks off the critical path)."""
+    async def start(self) -> None:
+        """Starts, on the running loop (the one placements run on), what the router does off
+        the critical path: its gauges and published status, writing goodput records, and
+        sweeping dead workers' blocks."""
         loop = asyncio.get_running_loop()
         if self._gauges is None or self._gauges.done():
             self._gauges = loop.create_task(self._export_gauges())
         if self._housekeeping is None or self._housekeeping.done():
             self._records_waiting = asyncio.Event()
             self._housekeeping = loop.create_task(self._keep_house())
-        return True
+        if self._probe is None or self._probe.done():
+            self._probe = loop.create_task(self._probe_registry())
+
+    async def _probe_registry(self) -> None:
+        """While the router finds the registry down: asks it, on a thread, every
+        ``registry_retry_s``, and tells the router once it answers."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.router.config.registry_retry_s)
+            if not self.router.registry_down:
+                continue
+            try:
+                await loop.run_in_executor(None, self.client.ping)
+            except redis.RedisError:
+                continue
+            self.router.registry_answers()
+            self._told()
+
+    async def stop(self) -> None:
+        """Stops its tasks, writes the records still waiting and takes its status off the registry."""
+        for task in (self._gauges, self._housekeeping, self._retrier, self._probe):
+            if task is not None:
+                task.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, self._leave)
+
+    def _leave(self) -> None:
+        self._flush_records()
+        try:
+            self.client.hdel(Keys(self.cluster).routers, self.name)
+        except redis.RedisError:
+            pass
 
     async def _keep_house(self) -> None:
         """Writes goodput records soon after they are made (never while a caller waits for a
@@ -122,10 +161,21 @@ class RouterActor:
                 await loop.run_in_executor(None, self.view.sweep)
 
     async def _export_gauges(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             self.slo_metrics.queue_length(len(self.router.waiting), len(self.router.inflight))
-            self.slo_metrics.slo(await asyncio.get_running_loop().run_in_executor(None, self.goodput))
+            status = self.status()
+            self.slo_metrics.slo(await loop.run_in_executor(None, self._publish, status))
             await asyncio.sleep(GAUGES_EVERY_S)
+
+    def _publish(self, status: dict) -> dict | None:
+        """(On a thread.) Publishes this router's status for ``tandem status``; returns the
+        cluster's goodput for the gauges."""
+        try:
+            self.client.hset(Keys(self.cluster).routers, self.name, json.dumps({**status, "at": time.time()}))
+        except redis.RedisError:
+            pass
+        return self.goodput()
 
     def _answered(self, decision: Decision) -> Decision:
         if decision.action == "reject":
@@ -182,6 +232,11 @@ class RouterActor:
         if self._changed is not None and len(self.router.waiting):
             self._changed.set()
 
+    @property
+    def failed_workers(self) -> frozenset[str]:
+        """Workers found dead under a request (placed on again once they answer)."""
+        return frozenset(self.router.failed)
+
     def worker_failed(self, worker: str) -> None:
         self.router.worker_failed(worker)
 
@@ -222,3 +277,35 @@ class RouterActor:
         status["name"] = self.name
         status["goodput_records_waiting"] = len(self.pending_records)
         return status
+
+    async def statuses(self) -> dict[str, dict]:
+        """Every router's status by name: this one's now, the others' as they last published
+        it (those not heard from for ``STATUS_KEPT_S`` are gone, and dropped)."""
+        own = self.status()
+        others = await asyncio.get_running_loop().run_in_executor(None, self._published)
+        others.pop(self.name, None)
+        return {**others, self.name: own}
+
+    def _published(self) -> dict[str, dict]:
+        key = Keys(self.cluster).routers
+        try:
+            published = self.client.hgetall(key)
+        except redis.RedisError:
+            return {}
+        out, stale, now = {}, [], time.time()
+        for name, raw in published.items():
+            name = name.decode() if isinstance(name, bytes) else name
+            try:
+                status = json.loads(raw)
+            except ValueError:
+                continue
+            if now - status.pop("at", 0.0) > STATUS_KEPT_S:
+                stale.append(name)
+            else:
+                out[name] = status
+        if stale:
+            try:
+                self.client.hdel(key, *stale)
+            except redis.RedisError:
+                pass
+        return out
