@@ -15,6 +15,7 @@ redis-server runs on loopback and stops with the deployment.
 from __future__ import annotations
 
 import itertools
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class ServingInfo:
     router_config: RouterConfig
     transfer_timeout_s: float = 60.0
     stream_layers: bool = True
+    stream_token: str = ""  # presented on every connection to a worker's stream (cluster/worker_stream.py)
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -161,7 +163,7 @@ class Deployment:
                 cluster_name, str(model_dir), model_name or model_dir.name, config.architecture, config.vocab_size,
                 smallest["max_model_len"], smallest["block_size"], smallest["num_blocks"], names["prefill"],
                 names["decode"], names["colocated"], self.registry_url, topology, self.router_config,
-                transfer_timeout_s, stream_layers)
+                transfer_timeout_s, stream_layers, secrets.token_hex(16))
             self._wait_for_registry()
         except BaseException:
             self.shutdown()

@@ -54,8 +54,8 @@ def _quantiles(metric: str) -> tuple[tuple[str, str], ...]:
 
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     ("Service level", (
-        Panel("Serving", "1 while every ingress replica can serve: a router answers and a decode (or colocated) worker "
-              "can generate; 0 while one cannot (its gRPC health says NOT_SERVING, Serve's check fails). The "
+        Panel("Serving", "1 while every ingress replica can serve: a decode (or colocated) worker can generate; "
+              "0 while one cannot (its gRPC health says NOT_SERVING, Serve's check fails). The "
               "minimum over the replicas.",
               ((f"min(ray_tandem_serving{C})", "serving"),), kind="stat", width=4, max_value=1),
         Panel("Goodput by SLO class", "Requests per second, over the last minute, that met both their TTFT and TPOT "

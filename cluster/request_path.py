@@ -1,13 +1,14 @@
 """One request's path through the cluster, as an ingress replica (or ``tandem run``) drives it.
 
     call ──▶ validate, tokenize ──▶ router.place ──▶ decode worker.generate ──▶ token items ──▶ call
-                                     (in this process)  (1 streaming call; it fetches the KV
-                                                         from the prefill worker itself)
+                                     (in this process)  (1 request on the worker's stream; it
+                                                         fetches the KV from the prefill worker)
 
 One hop on the critical path, whatever the cluster's size: this replica's own router
 (``router/service.py``) answers where the request goes (at once, or when it can be placed)
 without leaving the process, and the chosen decode worker streams the tokens straight back
-here. Nothing else sees the request.
+here over a connection kept open to it (``cluster/worker_stream.py``). Nothing else sees the
+request.
 
 When a worker fails under a request it moves, up to ``router.migration_limit`` times: a
 decode worker that dies mid-stream is told to the router, and the prompt plus the tokens
@@ -32,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
 from cluster.deployment import ServingInfo
@@ -43,6 +44,7 @@ from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
 from cluster.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
+from cluster.worker_stream import StreamClient, WorkerGone
 from router.config import RouterConfigError
 from router.router import Decision
 from router.service import RouterService
@@ -125,18 +127,35 @@ class RequestPath:
                 self.worker(name)
             except LookupError:
                 pass  # gone already: a placement on it fails like one on a worker that died later
+        self.streams = StreamClient(info.stream_token)
+        self._addresses: dict[str, str] = {}  # generating worker -> its stream's address
         self.active: dict[str, Journey] = {}
 
     async def start(self) -> None:
-        """Starts the router's work off the critical path, on the loop requests run on."""
+        """Starts the router's work off the critical path, on the loop requests run on, and
+        looks up the generating workers' stream addresses (so no first request waits for it)."""
         await self.router.start()
+        await asyncio.gather(*(self.stream_address(name) for name in self.info.decode + self.info.colocated),
+                             return_exceptions=True)
 
     async def stop(self) -> None:
+        self.streams.close()
         await self.router.stop()
 
+    async def stream_address(self, name: str) -> str:
+        """Where the named generating worker takes requests (one Ray call, the first time)."""
+        address = self._addresses.get(name)
+        if address is None:
+            address = self._addresses[name] = await self.worker(name).open_stream.remote(self.info.stream_token)
+        return address
+
     def forget_worker(self, name: str) -> None:
-        """Drops a worker's handle (it died): the next lookup finds whatever runs under its name."""
+        """Drops a worker's handle and stream (it died): the next lookup finds whatever runs
+        under its name."""
         self._workers.pop(name, None)
+        address = self._addresses.pop(name, None)
+        if address is not None:
+            self.streams.forget(address)
 
     def worker(self, name: str):
         """The named worker's handle (LookupError when no such actor lives)."""
@@ -266,11 +285,12 @@ class RequestPath:
             out_of_room = ended = placement_sent = False
             stream = None
             try:
-                stream = self.worker(decision.decode).generate.options(num_returns="streaming").remote(
-                    attempt_id, now_prompt, now_params, engine_priority, decision.prefill,
-                    self.info.transfer_timeout_s, self.info.stream_layers)
-                async for ref in stream:
-                    item = await ref
+                address = await self.stream_address(decision.decode)
+                stream = self.streams.generate(address, {
+                    "request_id": attempt_id, "prompt_token_ids": now_prompt, "params": asdict(now_params),
+                    "priority": engine_priority, "prefill": decision.prefill,
+                    "transfer_timeout_s": self.info.transfer_timeout_s, "stream_layers": self.info.stream_layers})
+                async for item in stream:
                     error = item.get("error")
                     if error is not None:
                         attempt.ended_at, attempt.failure = time.time(), error["message"]
@@ -313,7 +333,7 @@ class RequestPath:
                         return
                     if message["token_ids"] or message["text"] or "placement" in message:
                         yield message
-            except (ray.exceptions.RayActorError, LookupError):
+            except (WorkerGone, ray.exceptions.RayActorError, LookupError):
                 failure = (f"decode worker {decision.decode} died", decision.decode)
                 self.forget_worker(decision.decode)
                 ended = True
@@ -321,8 +341,9 @@ class RequestPath:
                 if attempt.ended_at is None:
                     attempt.ended_at = time.time()
                     attempt.failure = failure[0] if failure else (None if ended else "the caller went away")
-                if not ended and stream is not None:  # cancelled, disconnected, past its deadline: release it
-                    ray.cancel(stream)
+                if stream is not None:  # unfinished (cancelled, disconnected, past its deadline): the
+                    await stream.aclose()  # worker sees its connection close and releases the request
+                if not ended and stream is not None:
                     router.finished(attempt_id, None, None, False)
             why, failed_worker = failure or (f"decode worker {decision.decode} ended the stream early", None)
             router.forget(attempt_id)

@@ -1,8 +1,10 @@
 """A decode worker: a Ray actor holding an engine that generates, from KV computed elsewhere
 or (for short or well-cached prompts) prefilled here.
 
-The ingress calls ``generate`` once per request, as a Ray streaming generator, with the
-router's choice of prefill worker. The worker does the rest itself:
+The ingress sends each request once, with the router's choice of prefill worker, over the
+worker's stream (``cluster/worker_stream.py``: a TCP connection to the address ``open_stream``
+gives, which carries the request's items back), and it runs ``generate``. The worker does the
+rest itself:
 
 1. reserves blocks for the prompt, reusing the full blocks it already caches (only the rest
    travel);
@@ -14,7 +16,7 @@ router's choice of prefill worker. The worker does the rest itself:
    caller read the last one (one per step while it keeps up, several when it lags).
 
 With no prefill worker (``prefill=None``) it prefills the prompt itself. A caller that goes
-away cancels the generator, which releases the request's blocks (after its KV receive ends, if
+away closes its connection, which ends the generator, and that releases the request's blocks (after its KV receive ends, if
 one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
 that fails, ends the stream with an error item the caller can retry elsewhere.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +47,7 @@ from cluster.engine.request import TransferTarget
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine_worker import EngineWorker
 from cluster.kv_transfer.sender import TAG_STRIDE
+from cluster.worker_stream import StreamServer
 
 TAG_LIMIT = 2**30
 CALL_THREADS = 4  # reserve, admit, release and status calls: each waits at most one step for the lock
@@ -118,6 +122,7 @@ class DecodeWorker(EngineWorker):
         self._unpaired: frozenset[str] = frozenset()  # prefill workers whose pair is being rebuilt (read by the reporter's thread)
         self.pair_rebuilds = 0
         self._namespace = config.cluster_name
+        self._stream: StreamServer | None = None
         super().__init__(config, registry_url, profile)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -129,6 +134,26 @@ class DecodeWorker(EngineWorker):
 
     async def describe(self) -> dict:
         return await self._call(super().describe)
+
+    async def open_stream(self, token: str) -> str:
+        """Starts (once) the server that ingress replicas send requests to, on this node's
+        address, accepting connections that present ``token``; returns its address."""
+        if self._stream is None:
+            import ray
+
+            self._loop = asyncio.get_running_loop()
+            stream = StreamServer(self._serve, token)
+            await stream.start(ray.util.get_node_ip_address())
+            self._stream = stream
+        elif not hmac.compare_digest(token.encode(), self._stream.token.encode()):
+            raise ValueError("open_stream: not this cluster's stream token")
+        return self._stream.address
+
+    def _serve(self, request: dict) -> AsyncIterator[dict]:
+        """A request from the stream (checked by the ingress already): its items."""
+        return self.generate(request["request_id"], request["prompt_token_ids"],
+                             SamplingParams.from_mapping(request["params"]), request["priority"],
+                             request["prefill"], request["transfer_timeout_s"], request["stream_layers"])
 
     async def join_pair(self, layout, spec) -> None:
         await asyncio.get_running_loop().run_in_executor(self._receives, super().join_pair, layout, spec)
@@ -188,6 +213,8 @@ class DecodeWorker(EngineWorker):
         return await self._call(super().cached_prefix_blocks, prompt_token_ids)
 
     async def shutdown(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
         await asyncio.get_running_loop().run_in_executor(None, super().shutdown)
         self._calls.shutdown(wait=False)
         self._receives.shutdown(wait=False)

@@ -1,0 +1,138 @@
+"""The stream between an ingress and a worker, over real loopback sockets: items arrive in
+order and the connection is kept for the next request; a connection without the cluster's
+token is closed unanswered; a caller that goes away ends the request on the worker; a worker
+that goes away raises WorkerGone; a request the worker refuses comes back as one error item."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.worker_stream import StreamClient, StreamServer, WorkerGone, encode, read_frame
+
+pytestmark = pytest.mark.unit
+
+TOKEN = "s3cret"
+
+
+class Worker:
+    """Streams ``count`` items for a request, waiting on ``gate`` before each after the first;
+    records how each request ended."""
+
+    def __init__(self):
+        self.ended: dict[str, str] = {}
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    def serve(self, request: dict):
+        if request.get("refuse"):
+            raise ValueError("no such model")
+        return self._items(request)
+
+    async def _items(self, request: dict):
+        rid, count = request["request_id"], request["count"]
+        try:
+            for i in range(count):
+                if i:
+                    await self.gate.wait()
+                if i == count - 1:
+                    self.ended[rid] = "finished"
+                yield {"token_ids": [i], "finished": i == count - 1}
+        finally:
+            self.ended.setdefault(rid, "closed early")
+
+
+async def started(worker: Worker) -> StreamServer:
+    server = StreamServer(worker.serve, TOKEN)
+    await server.start("127.0.0.1")
+    return server
+
+
+async def until(condition, what: str) -> None:
+    for _ in range(2000):  # a hang guard only
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_items_come_in_order_and_the_connection_is_kept():
+    async def main():
+        worker = Worker()
+        server = await started(worker)
+        client = StreamClient(TOKEN)
+        try:
+            assert server.address.startswith("127.0.0.1:")
+            for rid in ("a", "b"):
+                items = [item async for item in client.generate(server.address, {"request_id": rid, "count": 3})]
+                assert [i["token_ids"] for i in items] == [[0], [1], [2]] and items[-1]["finished"]
+            assert worker.ended == {"a": "finished", "b": "finished"}
+            assert len(client._idle[server.address]) == 1  # one connection served both
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_without_the_token_is_closed_unanswered():
+    async def main():
+        worker = Worker()
+        server = await started(worker)
+        try:
+            host, port = server.address.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(encode({"token": "guess"}) + encode({"request_id": "x", "count": 1}))
+            with pytest.raises(asyncio.IncompleteReadError):
+                await read_frame(reader)
+            writer.close()
+            assert worker.ended == {}
+            with pytest.raises(WorkerGone):
+                async for _ in StreamClient("guess").generate(server.address, {"request_id": "y", "count": 1}):
+                    pass
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_caller_that_goes_away_ends_the_request_on_the_worker():
+    async def main():
+        worker = Worker()
+        worker.gate.clear()  # the second item never comes until the gate opens
+        server = await started(worker)
+        client = StreamClient(TOKEN)
+        try:
+            stream = client.generate(server.address, {"request_id": "a", "count": 3})
+            assert (await stream.__anext__())["token_ids"] == [0]
+            await stream.aclose()  # the caller went away mid-stream
+            await until(lambda: "a" in worker.ended, "the worker to end the request")
+            assert worker.ended["a"] == "closed early"
+            assert not client._idle.get(server.address)  # an unfinished connection is not reused
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_goes_away_raises_worker_gone_and_a_refused_request_is_one_error_item():
+    async def main():
+        worker = Worker()
+        server = await started(worker)
+        client = StreamClient(TOKEN)
+        try:
+            refused = [item async for item in client.generate(server.address, {"refuse": True})]
+            assert refused == [{"error": {"kind": "unavailable", "message": "the worker refused it: no such model"},
+                                "finished": True}]
+            worker.gate.clear()
+            stream = client.generate(server.address, {"request_id": "a", "count": 3})
+            await stream.__anext__()
+            server.close()  # as the kernel closes a dead worker's connections
+            with pytest.raises(WorkerGone, match="the stream from 127.0.0.1:"):
+                await stream.__anext__()
+        finally:
+            client.close()
+
+    asyncio.run(main())
