@@ -259,10 +259,12 @@ class RequestPath:
             now_prompt = prompt + sent
             now_params = replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params
             requested_at = time.time()
+            # Generation ends at the model's context whatever max_tokens says (as in the engine):
+            # the router plans blocks for the tokens that can come, not for room that never will.
+            planned = min(now_params.max_tokens, self.info.max_model_len - len(now_prompt))
             try:  # a caller that goes away while it waits cancels this: the router drops it
-                decision: Decision = await router.place(attempt_id, now_prompt, now_params.max_tokens,
-                                                        journey.slo_class, None, ttft_s, tpot_s, priority,
-                                                        journey.arrival, tuple(avoid))
+                decision: Decision = await router.place(attempt_id, now_prompt, planned, journey.slo_class, None,
+                                                        ttft_s, tpot_s, priority, journey.arrival, tuple(avoid))
             except Exception as exc:  # noqa: BLE001 - a fault of the router's own: one line to the caller
                 journey.outcome = "unavailable"
                 yield _error("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")

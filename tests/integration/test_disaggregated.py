@@ -73,6 +73,24 @@ def test_disaggregated_output_equals_colocated(checkpoint, architecture, prefill
         assert_no_leaks(llm)
 
 
+def test_max_tokens_past_the_context_is_served_to_the_context_not_held_for_room(checkpoint):
+    """2,000 tokens asked of a 512-token context with a 1,024-token cache: the engine ends it at
+    the context, so the router must place it for that much, not hold it for blocks no worker
+    has (it did: the request waited in the router for ever)."""
+    import threading
+
+    (prompt,) = random_prompts([40], seed=3)
+    with disaggregated(checkpoint("llama")) as llm:
+        done: list = []
+        serving = threading.Thread(target=lambda: done.extend(llm.generate([prompt], greedy(2000))), daemon=True)
+        serving.start()
+        serving.join(timeout=300)  # a hang guard only
+        assert done, "the request was never served"
+        assert done[0].error is None and done[0].finish_reason == "length"
+        assert len(prompt) + len(done[0].token_ids) == 512
+        assert_no_leaks(llm)
+
+
 def test_whole_request_transfer_gives_the_same_tokens(checkpoint):
     """The comparison mode of the benchmark: all layers sent after the forward pass."""
     model_dir = checkpoint("llama")
