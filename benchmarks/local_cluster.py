@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,9 +25,9 @@ class ClusterStartError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from cluster.ports import free_port as free
+
+    return free("127.0.0.1")
 
 
 def stop_on_sigterm() -> None:

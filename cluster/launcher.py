@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cluster.paths import cache_dir
+from cluster.ports import free_port
 from cluster.ray_runtime import auth_summary, quiet_auth_notice
 from cluster.topology import ClusterSpec
 
@@ -267,15 +268,6 @@ def _without_password(url: str) -> str:
     stays in the environment, not on disk."""
     scheme, _, rest = url.partition("://")
     return f"{scheme}://{rest.rpartition('@')[2]}" if "@" in rest else url
-
-
-def free_port(host: str) -> int:
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _detach(spec: ClusterSpec, argv: list[str]) -> int:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+
+from cluster.ports import free_port  # noqa: F401 - the tests' ports, as the launcher picks them
 
 _SCRIPT = Path(sys.executable).parent / "tandem"
 TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli"]
@@ -20,12 +21,6 @@ TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluste
 def tandem(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import grpc
@@ -434,10 +434,14 @@ def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(m
             with client() as c, ThreadPoolExecutor(max_workers=STREAMS) as pool:
                 streams = [iter(c.generate(LONG_PROMPT, max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True))
                            for _ in range(STREAMS)]
-                firsts = list(pool.map(next, streams))  # each first message says where its request runs
-                victim = firsts[0].decode_worker
-                os.kill(pids[victim], signal.SIGSTOP)  # frozen at once, mid-stream, however fast it decodes
+                starting = [pool.submit(next, stream) for stream in streams]  # a first message says where it runs
+                # The worker of the first stream to start is frozen at once: its streams are all mid-way,
+                # however fast it decodes and however slowly this client reads (tokens reach the ingress
+                # as they are made; waiting for every first message let a worker finish some first).
+                victim = next(as_completed(starting)).result().decode_worker
+                os.kill(pids[victim], signal.SIGSTOP)
                 ask(f"ray.kill(ray.get_actor({victim!r}))")
+                firsts = [f.result() for f in starting]
                 rests = list(pool.map(list, streams))
             for first, rest in zip(firsts, rests):
                 assert [t for m in [first, *rest] for t in m.token_ids] == reference["long"]
