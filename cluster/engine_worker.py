@@ -5,9 +5,11 @@ scheduler goes through ``_lock``. The loop steps whenever ``_has_work()`` says s
 each step's outputs to ``_on_outputs``; when idle it sleeps until a call has used the engine
 (every change to the engine's work goes through ``_lock``, whose release wakes it).
 
-On start a worker profiles itself (a few prompts of growing length, then a shrinking decode
-batch), so the router's cost model has measured step times before the first request; the
-profile's blocks are dropped again. With a registry URL it then reports its KV events, a
+On start a worker profiles itself (a few prompts of growing length, then a decode batch that
+shrinks by one sequence a step, from up to ``PROFILE_DECODE_BATCH`` sequences down to one), so
+the router's cost model has measured step times before the first request, over the batch sizes
+it will predict rather than a handful to extrapolate from (a fit from batches of 1 to 4 put
+16 sequences at 111 ms a step where they took about 30); the profile's blocks are dropped again. With a registry URL it then reports its KV events, a
 heartbeat and its load from a background thread (``cluster/registry/reporter.py``).
 """
 
@@ -30,7 +32,7 @@ from cluster.registry.load import STEPS_REPORTED, StepSample, WorkerLoad
 from cluster.registry.reporter import WorkerReporter
 
 PROFILE_PROMPT_TOKENS = (16, 64, 256, 512)
-PROFILE_DECODE_BATCH = ((32, 4), (64, 8), (96, 12), (128, 16))  # (prompt tokens, output tokens)
+PROFILE_DECODE_BATCH = 32  # the start-up profile's widest decode batch (less where max_num_seqs or the cache says)
 IDLE_WAKE_S = 0.05
 
 
@@ -99,8 +101,15 @@ class EngineWorker:
             while engine.has_unfinished_requests():
                 engine.step()
         if self.role != "prefill":
-            for i, (n, out) in enumerate(PROFILE_DECODE_BATCH):
-                engine.add_request(f"profile-decode-{i}", prompt(n), SamplingParams(max_tokens=out, ignore_eos=True))
+            # Request i asks for i + 2 tokens, so the batch loses one sequence a step; prompt
+            # lengths vary so that context and batch size are not one measurement.
+            lengths = [16 + (37 * i) % 112 for i in range(PROFILE_DECODE_BATCH)]
+            width = min(PROFILE_DECODE_BATCH, engine.config.max_num_seqs)
+            while width > 1 and sum(lengths[i] + i + 2 for i in range(width)) > limit:
+                width -= 1
+            for i in range(width):
+                engine.add_request(f"profile-decode-{i}", prompt(lengths[i]),
+                                   SamplingParams(max_tokens=i + 2, ignore_eos=True))
             while engine.has_unfinished_requests():
                 engine.step()
         engine.block_manager.reset_prefix_cache()

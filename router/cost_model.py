@@ -1,7 +1,8 @@
 """Predicted step times of one worker, fitted to the steps it measured and reported.
 
 Two linear models, each fitted by non-negative least squares to the worker's recent steps
-(a start-up profile seeds them, so they exist before the first request):
+(a start-up profile seeds them, so they exist before the first request), without the steps
+that something outside the model slowed (``fit_robust``):
 
     prefill step  = a + b * tokens + c * attention     (attention: sum of chunk x context)
     decode step   = a + b * sequences + c * context tokens
@@ -20,6 +21,9 @@ import numpy as np
 from cluster.registry.load import StepSample
 
 MIN_SAMPLES = 3
+OUTLIER_MADS = 4.0  # a step slower than the fit by this many (scaled) median absolute deviations is a hiccup
+OUTLIER_FLOOR_S = 0.001  # ... and by at least this much: exact timings are never hiccups
+OUTLIER_ROUNDS = 3
 
 
 def fit_nonnegative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...] | None:
@@ -41,6 +45,30 @@ def fit_nonnegative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -
     return tuple(float(max(c, 0.0)) for c in coef)
 
 
+def fit_robust(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...] | None:
+    """``fit_nonnegative`` without the hiccups: a step that a collection pause or another
+    process on the core slowed (a 613 ms step among 7 ms ones, measured) pulls a least-squares
+    line far off, and the model then predicts every batch from it. Steps slower than the fit
+    by ``OUTLIER_MADS`` scaled median absolute deviations of the residuals are dropped and the
+    rest refitted, up to ``OUTLIER_ROUNDS`` times; only slow ones, as nothing makes a step
+    faster than its work."""
+    coef = fit_nonnegative(rows, seconds)
+    if coef is None:
+        return None
+    x, y = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
+    kept = np.ones(len(y), dtype=bool)
+    for _ in range(OUTLIER_ROUNDS):
+        residual = y - x @ np.asarray(coef)
+        centre = np.median(residual[kept])
+        spread = 1.4826 * np.median(np.abs(residual[kept] - centre))
+        keep = residual <= centre + max(OUTLIER_MADS * spread, OUTLIER_FLOOR_S)
+        if (keep == kept).all() or keep.sum() < MIN_SAMPLES:
+            break
+        kept = keep
+        coef = fit_nonnegative(x[kept].tolist(), y[kept].tolist())
+    return coef
+
+
 @dataclass(frozen=True)
 class StepTimeModel:
     prefill: tuple[float, float, float] | None  # (a, b per token, c per attention unit)
@@ -55,9 +83,9 @@ class StepTimeModel:
         sent = [s for s in steps if s.kv_blocks_sent]
         blocks = sum(s.kv_blocks_sent for s in sent)
         return cls(
-            prefill=fit_nonnegative([(1.0, s.prefill_tokens, s.prefill_attention) for s in prefill],
-                                    [s.seconds - s.transfer_tail_s for s in prefill]),
-            decode=fit_nonnegative([(1.0, s.decodes, s.decode_context) for s in decode], [s.seconds for s in decode]),
+            prefill=fit_robust([(1.0, s.prefill_tokens, s.prefill_attention) for s in prefill],
+                               [s.seconds - s.transfer_tail_s for s in prefill]),
+            decode=fit_robust([(1.0, s.decodes, s.decode_context) for s in decode], [s.seconds for s in decode]),
             transfer_s_per_block=sum(s.transfer_tail_s for s in sent) / blocks if blocks else 0.0,
             max_num_batched_tokens=max_num_batched_tokens,
         )

@@ -13,7 +13,8 @@ What is the same code as the real cluster, not a copy:
 - the workload, arrivals and metrics of ``tandem bench`` (``cluster/bench``).
 
 What is modelled: each request follows the real request path (``cluster/request_path.py``,
-``decode_worker/worker.py``): the ingress asks the router (a round trip), then the decode
+``decode_worker/worker.py``): the call reaches the ingress (a message) and its own router
+places it there (in the process: no message), then the decode
 worker either prefills the prompt itself (no prefill worker: conditional disaggregation, or a
 colocated worker) or reserves blocks, asks the chosen prefill worker for the missing KV
 (which pays the KV transfer's tail, ``transfer_s_per_block`` per block sent, in the step that
@@ -443,7 +444,7 @@ class Simulator:
             self._waiting[decision.request_id] = flight
             self._retry_soon(self.config.router.load_refresh_s)
             return
-        self.after(self.config.hop_s, lambda: self._decided(flight, decision))
+        self._decided(flight, decision)  # the router runs in the ingress: its answer is no message
 
     def _retry_soon(self, delay_s: float = 0.0) -> None:
         if not self._retry_due:
@@ -455,7 +456,7 @@ class Simulator:
         for decision in self.router.retry_waiting(self._now):
             flight = self._waiting.pop(decision.request_id, None)
             if flight is not None:
-                self.after(self.config.hop_s, lambda f=flight, d=decision: self._decided(f, d))
+                self._decided(flight, decision)
         if len(self.router.waiting):
             self._retry_soon(self.config.router.load_refresh_s)
 

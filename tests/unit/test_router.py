@@ -83,6 +83,20 @@ def test_nonnegative_fit_pins_a_negative_coefficient_at_zero():
     assert coef == pytest.approx((2.0, 0.0))
 
 
+def test_a_step_slowed_by_something_outside_the_model_does_not_bend_the_fit():
+    """Measured on a 2-core machine: 888 decode steps of 1 to 4 sequences at 7-15 ms, and one
+    of 613 ms (a pause). Least squares put every sequence at 7 ms and no fixed cost, so 16
+    sequences were predicted at 111 ms a step (they took about 30); without the hiccup, the
+    line through the others."""
+    steps = tuple(StepSample(0, 0, n, 50 * n + 13 * k, 0.005 + 0.002 * n) for n in (1, 2, 3, 4) for k in range(20))
+    hiccup = StepSample(0, 0, 4, 400, 0.613)
+    assert StepTimeModel.fit(steps, 2048).decode == pytest.approx((0.005, 0.002, 0.0), abs=1e-9)
+    bent = fit_nonnegative([(1.0, s.decodes, s.decode_context) for s in steps + (hiccup,)],
+                           [s.seconds for s in steps + (hiccup,)])
+    assert bent[0] + 16 * bent[1] + 1600 * bent[2] > 0.05  # the plain fit: 16 sequences over 50 ms a step
+    assert StepTimeModel.fit(steps + (hiccup,), 2048).decode == pytest.approx((0.005, 0.002, 0.0), abs=1e-9)
+
+
 def test_transfer_time_per_block_comes_from_measured_send_tails():
     steps = PREFILL_STEPS + (StepSample(32, 0, 0, 0, 0.5, kv_blocks_sent=8, transfer_tail_s=0.08),)
     assert StepTimeModel.fit(steps, 2048).transfer_seconds(3) == pytest.approx(0.03)
