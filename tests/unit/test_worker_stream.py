@@ -43,10 +43,20 @@ class Worker:
             self.ended.setdefault(rid, "closed early")
 
 
-async def started(worker: Worker) -> StreamServer:
-    server = StreamServer(worker.serve, TOKEN)
-    await server.start("127.0.0.1")
-    return server
+def serving(test) -> None:
+    """Runs ``test(worker, server, client)`` against a stream server on loopback; closes both."""
+    async def main():
+        worker = Worker()
+        server = StreamServer(worker.serve, TOKEN)
+        await server.start("127.0.0.1")
+        client = StreamClient(TOKEN)
+        try:
+            await test(worker, server, client)
+        finally:
+            client.close()
+            server.close()
+
+    asyncio.run(main())
 
 
 async def until(condition, what: str) -> None:
@@ -58,81 +68,56 @@ async def until(condition, what: str) -> None:
 
 
 def test_items_come_in_order_and_the_connection_is_kept():
-    async def main():
-        worker = Worker()
-        server = await started(worker)
-        client = StreamClient(TOKEN)
-        try:
-            assert server.address.startswith("127.0.0.1:")
-            for rid in ("a", "b"):
-                items = [item async for item in client.generate(server.address, {"request_id": rid, "count": 3})]
-                assert [i["token_ids"] for i in items] == [[0], [1], [2]] and items[-1]["finished"]
-            assert worker.ended == {"a": "finished", "b": "finished"}
-            assert len(client._idle[server.address]) == 1  # one connection served both
-        finally:
-            client.close()
-            server.close()
+    async def test(worker, server, client):
+        assert server.address.startswith("127.0.0.1:")
+        for rid in ("a", "b"):
+            items = [item async for item in client.generate(server.address, {"request_id": rid, "count": 3})]
+            assert [i["token_ids"] for i in items] == [[0], [1], [2]] and items[-1]["finished"]
+        assert worker.ended == {"a": "finished", "b": "finished"}
+        assert len(client._idle[server.address]) == 1  # one connection served both
 
-    asyncio.run(main())
+    serving(test)
 
 
 def test_a_connection_without_the_token_is_closed_unanswered():
-    async def main():
-        worker = Worker()
-        server = await started(worker)
-        try:
-            host, port = server.address.rsplit(":", 1)
-            reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(encode({"token": "guess"}) + encode({"request_id": "x", "count": 1}))
-            with pytest.raises(asyncio.IncompleteReadError):
-                await read_frame(reader)
-            writer.close()
-            assert worker.ended == {}
-            with pytest.raises(WorkerGone):
-                async for _ in StreamClient("guess").generate(server.address, {"request_id": "y", "count": 1}):
-                    pass
-        finally:
-            server.close()
+    async def test(worker, server, client):
+        host, port = server.address.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(encode({"token": "guess"}) + encode({"request_id": "x", "count": 1}))
+        with pytest.raises(asyncio.IncompleteReadError):
+            await read_frame(reader)
+        writer.close()
+        assert worker.ended == {}
+        with pytest.raises(WorkerGone):
+            async for _ in StreamClient("guess").generate(server.address, {"request_id": "y", "count": 1}):
+                pass
 
-    asyncio.run(main())
+    serving(test)
 
 
 def test_a_caller_that_goes_away_ends_the_request_on_the_worker():
-    async def main():
-        worker = Worker()
+    async def test(worker, server, client):
         worker.gate.clear()  # the second item never comes until the gate opens
-        server = await started(worker)
-        client = StreamClient(TOKEN)
-        try:
-            stream = client.generate(server.address, {"request_id": "a", "count": 3})
-            assert (await stream.__anext__())["token_ids"] == [0]
-            await stream.aclose()  # the caller went away mid-stream
-            await until(lambda: "a" in worker.ended, "the worker to end the request")
-            assert worker.ended["a"] == "closed early"
-            assert not client._idle.get(server.address)  # an unfinished connection is not reused
-        finally:
-            client.close()
-            server.close()
+        stream = client.generate(server.address, {"request_id": "a", "count": 3})
+        assert (await stream.__anext__())["token_ids"] == [0]
+        await stream.aclose()  # the caller went away mid-stream
+        await until(lambda: "a" in worker.ended, "the worker to end the request")
+        assert worker.ended["a"] == "closed early"
+        assert not client._idle.get(server.address)  # an unfinished connection is not reused
 
-    asyncio.run(main())
+    serving(test)
 
 
 def test_a_worker_that_goes_away_raises_worker_gone_and_a_refused_request_is_one_error_item():
-    async def main():
-        worker = Worker()
-        server = await started(worker)
-        client = StreamClient(TOKEN)
-        try:
-            refused = [item async for item in client.generate(server.address, {"refuse": True})]
-            assert refused == [{"error": {"kind": "unavailable", "message": "the worker refused it: no such model"},
-                                "finished": True}]
-            worker.gate.clear()
-            stream = client.generate(server.address, {"request_id": "a", "count": 3})
+    async def test(worker, server, client):
+        refused = [item async for item in client.generate(server.address, {"refuse": True})]
+        assert refused == [{"error": {"kind": "unavailable", "message": "the worker refused it: no such model"},
+                            "finished": True}]
+        worker.gate.clear()
+        stream = client.generate(server.address, {"request_id": "a", "count": 3})
+        await stream.__anext__()
+        server.close()  # as the kernel closes a dead worker's connections
+        with pytest.raises(WorkerGone, match="the stream from 127.0.0.1:"):
             await stream.__anext__()
-            server.close()  # as the kernel closes a dead worker's connections
-            with pytest.raises(WorkerGone, match="the stream from 127.0.0.1:"):
-                await stream.__anext__()
-        finally:
-            client.close()
 
-    asyncio.run(main())
+    serving(test)
