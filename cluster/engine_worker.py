@@ -9,8 +9,9 @@ On start a worker profiles itself (a few prompts of growing length, then a decod
 shrinks by one sequence a step, from up to ``PROFILE_DECODE_BATCH`` sequences down to one), so
 the router's cost model has measured step times before the first request, over the batch sizes
 it will predict rather than a handful to extrapolate from (a fit from batches of 1 to 4 put
-16 sequences at 111 ms a step where they took about 30); the profile's blocks are dropped again. With a registry URL it then reports its KV events, a
-heartbeat and its load from a background thread (``cluster/registry/reporter.py``).
+16 sequences at 111 ms a step where they took about 30); the profile's blocks are dropped
+again. With a registry URL it then reports its KV events, a heartbeat and its load from a
+background thread (``cluster/registry/reporter.py``).
 """
 
 from __future__ import annotations
@@ -56,12 +57,15 @@ class StepLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._lock.release()
-        self.released.set()
+        self.release()
 
     def acquire_now(self) -> bool:
-        """Takes the lock if it is free now (then leave it with ``__exit__``); never waits."""
+        """Takes the lock if it is free now (then ``release`` it); never waits."""
         return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._lock.release()
+        self.released.set()
 
     def step_turn(self):
         """For the loop: the lock, once no call waits for it."""

@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.engine.chat_template import ChatPrompt
+from cluster.ports import host_port
 from cluster.topology import ClusterSpec
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
@@ -203,7 +204,7 @@ def build_server(spec: ClusterSpec, path, status=None) -> tuple[grpc.aio.Server,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     host = spec.server.host
-    address = f"[{host}]:{spec.server.port}" if ":" in host else f"{host}:{spec.server.port}"
+    address = host_port(host, spec.server.port)
     tls = spec.server.tls
     try:
         if tls is not None and tls.cert_file:

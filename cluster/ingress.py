@@ -22,6 +22,7 @@ from cluster.deployment import ServingInfo
 from cluster.grpc_server import ApiServer
 from cluster.health import HealthMonitor
 from cluster.metrics import IngressMetrics
+from cluster.ports import host_port
 from cluster.request_path import RequestPath
 from cluster.status import read_status
 from cluster.topology import parse_topology
@@ -49,7 +50,7 @@ class GrpcIngress:
         self.server.submit(self.monitor.check_now()).result(timeout=60)  # the health service is right from the start
         self._checks = self.server.submit(self.monitor.run())
         host = spec.server.host
-        self.address_text = f"[{host}]:{self.server.port}" if ":" in host else f"{host}:{self.server.port}"
+        self.address_text = host_port(host, self.server.port)
 
     def address(self) -> str:
         return self.address_text

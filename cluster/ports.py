@@ -26,6 +26,11 @@ def ephemeral_start() -> int:
         return EPHEMERAL_DEFAULT
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port on ``host`` that can be bound now and that the kernel does not hand out by itself
     (one from the ephemeral range when none below it is free)."""

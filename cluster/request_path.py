@@ -345,8 +345,8 @@ class RequestPath:
                     attempt.failure = failure[0] if failure else (None if ended else "the caller went away")
                 if stream is not None:  # unfinished (cancelled, disconnected, past its deadline): the
                     await stream.aclose()  # worker sees its connection close and releases the request
-                if not ended and stream is not None:
-                    router.finished(attempt_id, None, None, False)
+                    if not ended:
+                        router.finished(attempt_id, None, None, False)
             why, failed_worker = failure or (f"decode worker {decision.decode} ended the stream early", None)
             router.forget(attempt_id)
             if failed_worker is not None:

@@ -30,6 +30,8 @@ from typing import AsyncIterator, Callable
 
 import msgpack
 
+from cluster.ports import host_port
+
 HEADER = struct.Struct(">I")
 MAX_FRAME = 64 * 1024 * 1024  # a prompt of a million token ids is about 5 MB
 KEEPALIVE = (5, 2, 3)  # idle seconds, seconds between probes, probes: a vanished peer is found in ~11 s
@@ -82,7 +84,7 @@ class StreamServer:
     async def start(self, host: str) -> str:
         self.server = await asyncio.start_server(self._connection, host, 0)
         port = self.server.sockets[0].getsockname()[1]
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.address = host_port(host, port)
         return self.address
 
     def close(self) -> None:

@@ -16,8 +16,8 @@ rest itself:
    caller read the last one (one per step while it keeps up, several when it lags).
 
 With no prefill worker (``prefill=None``) it prefills the prompt itself. A caller that goes
-away closes its connection, which ends the generator, and that releases the request's blocks (after its KV receive ends, if
-one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
+away closes its connection, which ends the generator and releases the request's blocks (after
+its KV receive ends, if one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
 that fails, ends the stream with an error item the caller can retry elsewhere.
 
 A failed transfer also ends its transfer group: gloo closes a group's connections for good once
@@ -269,7 +269,7 @@ class DecodeWorker(EngineWorker):
             try:
                 return fn(*args)
             finally:
-                self._lock.__exit__()
+                self._lock.release()
         call = asyncio.get_running_loop().run_in_executor(self._calls, self._locked, fn, *args)
         stream.busy.append(call)
         return await asyncio.shield(call)

@@ -164,18 +164,16 @@ class RouterService:
         loop = asyncio.get_running_loop()
         while True:
             self.slo_metrics.queue_length(len(self.router.waiting), len(self.router.inflight))
-            status = self.status()
-            self.slo_metrics.slo(await loop.run_in_executor(None, self._publish, status))
+            await loop.run_in_executor(None, self._publish_status, self.status())
+            self.slo_metrics.slo(await loop.run_in_executor(None, self.goodput))
             await asyncio.sleep(GAUGES_EVERY_S)
 
-    def _publish(self, status: dict) -> dict | None:
-        """(On a thread.) Publishes this router's status for ``tandem status``; returns the
-        cluster's goodput for the gauges."""
+    def _publish_status(self, status: dict) -> None:
+        """(On a thread.) Publishes this router's status for ``tandem status``."""
         try:
             self.client.hset(Keys(self.cluster).routers, self.name, json.dumps({**status, "at": time.time()}))
         except redis.RedisError:
             pass
-        return self.goodput()
 
     def _answered(self, decision: Decision) -> Decision:
         if decision.action == "reject":
@@ -205,13 +203,6 @@ class RouterService:
                     waiter.set_result(self._answered(decision))
                 elif decision.action == "place":  # its caller is gone
                     self.router.forget(decision.request_id)
-
-    def cancel(self, request_id: str) -> None:
-        """Drops a waiting request (its caller went away)."""
-        self.router.cancel(request_id)
-        waiter = self._waiters.get(request_id)
-        if waiter is not None and not waiter.done():
-            waiter.cancel()
 
     def forget(self, request_id: str) -> None:
         self.router.forget(request_id)
