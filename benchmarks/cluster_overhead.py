@@ -142,7 +142,7 @@ class Colocated:
     starts from an empty prefix cache: every side sees the same prompts, the first time."""
 
     def __init__(self, model_dir: Path):
-        from cluster.engine.llm import LLM
+        from cluster.offline.llm import LLM
 
         self.llm = LLM(str(model_dir), verbose=False, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=KV_BLOCKS)
 
@@ -328,7 +328,7 @@ def run_side_by_side(args, model_dir: Path, threads: list[int], vocab: int, work
             latencies, cells = asyncio.run(side_by_side(cluster.api, colocated, args, vocab, threads))
         finally:
             colocated.shutdown()
-        status = cluster.status()
+        status = cluster.cli.status()
     return latencies, cells, status, idle.machine_busy
 
 

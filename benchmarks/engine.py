@@ -46,7 +46,7 @@ def make_workload(num_requests: int, seed: int, vocab: int) -> list[tuple[list[i
 
 def run_ours(model_dir: Path, workload, threads: int) -> dict:
     """One run on a fresh engine (a reused one would hit its prefix cache on the same prompts)."""
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
     from cluster.engine.sampling_params import SamplingParams
 
     blocks = sum(-(-(len(p) + n) // 16) for p, n in workload) + 64  # room for all: no preemption

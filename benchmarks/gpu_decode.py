@@ -102,7 +102,7 @@ def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 
 def run_ours(model_dir: Path, batches: list[int], context: int, new_tokens: int, enforce_eager: bool,
              device: str = "cuda") -> dict:
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
     from cluster.engine.sampling_params import SamplingParams
 
     largest = max(batches)

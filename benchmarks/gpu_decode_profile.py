@@ -50,7 +50,7 @@ def main() -> int:
     parser.add_argument("--model-overrides", type=json.loads, default={}, help="JSON: config fields to change")
     args = parser.parse_args()
 
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
     from cluster.engine.sampling_params import SamplingParams
 
     largest = max(args.batches)

@@ -56,9 +56,9 @@ def throughput_table(prompt_lengths: list[int], repeats: int) -> None:
     from cluster.kv_transfer.endpoint import KVEndpoint
     from cluster.kv_transfer.kv_blocks import pack_layer
     from cluster.kv_transfer.sender import TAG_STRIDE, layer_tag
-    from cluster.kv_transfer.transport import create_transport
+    from cluster.kv_transfer.transports import create_transport
     from cluster.parallel.group import GroupSpec
-    from cluster.ray_runtime import ensure_ray
+    from cluster.runtime.ray_runtime import ensure_ray
 
     ray = ensure_ray("tandem-bench-kv")
     num_blocks = max(prompt_lengths) // BLOCK * 2 + 8
@@ -113,8 +113,8 @@ def throughput_table(prompt_lengths: list[int], repeats: int) -> None:
 
 
 def ttft_table(prompt_lengths: list[int], repeats: int) -> None:
-    from cluster.disaggregated import DisaggregatedLLM
-    from cluster.engine.llm import LLM
+    from cluster.offline.disaggregated import DisaggregatedLLM
+    from cluster.offline.llm import LLM
     from cluster.engine.sampling_params import SamplingParams
 
     model_dir, _ = ensure_checkpoint()

@@ -25,7 +25,7 @@ class ClusterStartError(RuntimeError):
 
 
 def free_port() -> int:
-    from cluster.ports import free_port as free
+    from cluster.runtime.ports import free_port as free
 
     return free("127.0.0.1")
 

@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: the usable cores)")
     args = parser.parse_args()
 
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
     from cluster.engine.sampling_params import SamplingParams
 
     threads = use_all_cores(args.threads)

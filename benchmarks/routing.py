@@ -123,7 +123,7 @@ def router_config(name: str, args):
 def run_config(name: str, args, model_dir: Path) -> tuple[list[Served], float, dict]:
     import ray
 
-    from cluster.disaggregated import DisaggregatedLLM
+    from cluster.offline.disaggregated import DisaggregatedLLM
     from cluster.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.answer_tokens, ignore_eos=True)

@@ -183,7 +183,7 @@ observability
     grafana_iframe_host (null)
         The Grafana URL as the browser reaches it, when it differs (``RAY_GRAFANA_IFRAME_HOST``).
     tracing
-        Request traces with OpenTelemetry (``cluster/tracing.py``): one trace per request,
+        Request traces with OpenTelemetry (``cluster/observability/tracing.py``): one trace per request,
         with spans for admission, placement, prefill, KV transfer and decode.
 
         exporter (``none``)
@@ -222,7 +222,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from cluster.request_limits import quote
+from cluster.engine.request_limits import quote
 from router.config import RouterConfig, RouterConfigError, SloClass
 
 DEFAULT_MODEL_NAME = "tandem-default"
@@ -642,7 +642,8 @@ def _resources(value: Any) -> dict[str, float]:
 
 
 def _transport(value: Any) -> str:
-    from cluster.kv_transfer.transport import TransportError, transport_class
+    from cluster.kv_transfer.transport import TransportError
+    from cluster.kv_transfer.transports import transport_class
 
     name = _string()(value)
     try:
@@ -972,7 +973,7 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
     (known before it is built), or the one at ``model.path``. A path that does not exist here
     is an error, unless the model is ``elsewhere`` (the topology joins a Ray cluster, whose
     nodes hold it, or ``tandem validate --model-elsewhere``): then a warning."""
-    from cluster.engine.models.config import load_model_config
+    from cluster.engine.models.read_config import load_model_config
 
     if not spec.model.path:
         from cluster.default_model import default_model_config

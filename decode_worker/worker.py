@@ -2,7 +2,7 @@
 or (for short or well-cached prompts) prefilled here.
 
 The ingress sends each request once, with the router's choice of prefill worker, over the
-worker's stream (``cluster/worker_stream.py``: a TCP connection to the address ``open_stream``
+worker's stream (``cluster/protocol/stream.py``: a TCP connection to the address ``open_stream``
 gives, which carries the request's items back), and it runs ``generate``. The worker does the
 rest itself:
 
@@ -45,9 +45,9 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.request import TransferTarget
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
-from cluster.engine_worker import EngineWorker
+from cluster.worker.engine_worker import EngineWorker
 from cluster.kv_transfer.sender import TAG_STRIDE
-from cluster.worker_stream import StreamServer
+from cluster.protocol.stream import StreamServer
 
 TAG_LIMIT = 2**30
 CALL_THREADS = 4  # reserve, admit, release and status calls: each waits at most one step for the lock

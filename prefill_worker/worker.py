@@ -19,7 +19,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.request import TransferTarget
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
-from cluster.engine_worker import EngineWorker
+from cluster.worker.engine_worker import EngineWorker
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from cluster.request_limits import MAX_SLO_CLASS_CHARS, quote
+from cluster.engine.request_limits import MAX_SLO_CLASS_CHARS, quote
 
 SCORERS = ("round_robin", "least_loaded", "prefix_affinity", "slo_headroom")
 OVERLOAD_ACTIONS = ("reject", "queue", "admit")

@@ -40,7 +40,7 @@ from typing import Sequence
 
 import redis
 
-from cluster.metrics import RouterMetrics, SloMetrics
+from cluster.observability.metrics import RouterMetrics, SloMetrics
 from cluster.registry.goodput import GoodputReader, GoodputRecorder, RequestRecord
 from cluster.registry.keys import Keys
 from cluster.registry.reporter import connect

@@ -1,9 +1,46 @@
-"""The Python client of a Tandem cluster.
+"""Tandem's front door.
 
-``TandemClient`` speaks the public gRPC API (``proto/tandem/v1/tandem.proto``); its generated
-messages and stubs are in ``tandem.v1``. gRPC errors come out as ``TandemError``.
+    from tandem import LLM, SamplingParams            # the engine in this process
+    from tandem import DisaggregatedLLM               # prefill and decode workers on Ray, no server
+    from tandem import TandemClient                   # a running cluster, over its gRPC API
+
+Names are imported when first used, so the client alone (``TandemClient``, ``TandemError``)
+needs neither torch nor Ray. ``TandemClient`` speaks the public gRPC API
+(``proto/tandem/v1/tandem.proto``); its generated messages and stubs are in ``tandem.v1``.
 """
 
-from tandem.client import TandemClient, TandemError
+from __future__ import annotations
 
-__all__ = ["TandemClient", "TandemError"]
+import importlib
+from typing import TYPE_CHECKING
+
+_WHERE = {
+    "LLM": "cluster.offline.llm",
+    "SamplingParams": "cluster.engine.sampling_params",
+    "RequestOutput": "cluster.engine.engine",
+    "DisaggregatedLLM": "cluster.offline.disaggregated",
+    "TandemClient": "tandem.client",
+    "TandemError": "tandem.client",
+}
+
+__all__ = sorted(_WHERE)
+
+if TYPE_CHECKING:
+    from cluster.engine.engine import RequestOutput
+    from cluster.engine.sampling_params import SamplingParams
+    from cluster.offline.disaggregated import DisaggregatedLLM
+    from cluster.offline.llm import LLM
+    from tandem.client import TandemClient, TandemError
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.request_limits import quote
+from cluster.engine.request_limits import quote
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"

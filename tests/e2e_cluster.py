@@ -12,10 +12,10 @@ from pathlib import Path
 
 import yaml
 
-from cluster.ports import free_port  # noqa: F401 - the tests' ports, as the launcher picks them
+from cluster.runtime.ports import free_port  # noqa: F401 - the tests' ports, as the launcher picks them
 
 _SCRIPT = Path(sys.executable).parent / "tandem"
-TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli"]
+TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli.main"]
 
 
 def tandem(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

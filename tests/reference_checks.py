@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from conftest import random_prompts
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from cluster.request_limits import quote
+from cluster.engine.request_limits import quote
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake trace format
 FIRST_TOKEN_ID = 10  # random prompts avoid the lowest ids, where special tokens usually sit

@@ -55,7 +55,8 @@ _CONFIG = {
 def default_model_config(dtype: str | None = None):
     """The default model's :class:`~cluster.engine.models.config.ModelConfig` without fetching
     it: the cached file's metadata, or else the pinned file's known shape."""
-    from cluster.engine.models.config import load_model_config, parse_model_config
+    from cluster.engine.models.config import parse_model_config
+    from cluster.engine.models.read_config import load_model_config
 
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if target.is_file():

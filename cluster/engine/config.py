@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from cluster.request_limits import quote
+from cluster.engine.request_limits import quote
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class GroupNameError(ValueError):
+    pass
+
+
+def check_name(kind: str, name: str) -> str:
+    """A cluster, engine or group name: it names process groups, ports and store prefixes
+    (``cluster/parallel/naming.py``), so it is kept to what every one of them accepts."""
+    if not _NAME.match(name):
+        raise GroupNameError(
+            f"{kind} name {name!r} must be 1-63 characters of letters, digits, '-', '_' or '.', starting with a letter or digit"
+        )
+    return name
 
 
 class EngineConfigError(ValueError):
@@ -88,8 +105,6 @@ class EngineConfig:
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or
                                   not 0.0 < share <= 1.0):
             raise EngineConfigError(f"kv_memory_share must be in (0, 1], got {quote(share)}")
-        from cluster.parallel.naming import GroupNameError, check_name
-
         try:
             check_name("cluster", self.cluster_name)
             check_name("engine", self.engine_name)

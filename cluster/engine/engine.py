@@ -11,7 +11,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 
@@ -19,15 +19,17 @@ from cluster.engine.block_manager import BlockManager
 from cluster.engine.chat_template import ChatPrompt, ChatTemplateError
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
+from cluster.engine.kv_port import KVPortFactory
 from cluster.engine.model_runner import ModelRunner, device_memory_bytes
-from cluster.engine.models.config import load_model_config
+from cluster.engine.models.config import ModelConfig
+from cluster.engine.models.read_config import load_model_config
 from cluster.engine.models.source import ModelSource, resolve_model_source
 from cluster.engine.request import FinishReason, Request, TransferTarget
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.request_limits import check_request_id, check_stop_token_ids, quote
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
-from cluster.request_limits import check_request_id, check_stop_token_ids, quote
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,24 @@ def _log(message: str) -> None:
     print(f"[tandem] {message}", file=sys.stderr, flush=True)
 
 
+RunnerFactory = Callable[[EngineConfig, ModelConfig, Path, int, Callable | None], ModelRunner]
+"""(engine config, model config, model directory, max_model_len, progress) -> the runner: how
+the layers above give the engine its tensor-parallel ranks (``cluster/parallel/tp_runner.py``)
+and a KV port (``cluster/engine/kv_port.py``), which the engine itself never imports."""
+
+
+def single_rank_runner(cfg: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int,
+                       progress, kv_port: KVPortFactory | None = None) -> ModelRunner:
+    """The runner of an engine of one rank."""
+    return ModelRunner(model_config, model_dir, cfg.block_size, max_model_len, cfg.device, progress=progress,
+                       attention_backend=cfg.attention_backend, enforce_eager=cfg.enforce_eager,
+                       max_num_seqs=cfg.max_num_seqs, load_format=cfg.load_format, kv_port=kv_port)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, verbose: bool = True):
+    def __init__(self, config: EngineConfig, verbose: bool = True, make_runner: RunnerFactory | None = None):
+        """``make_runner`` builds the model runner (see :data:`RunnerFactory`); without it the
+        engine runs one rank and moves no KV."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -130,7 +148,7 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer(source, verbose)
         progress = (lambda done, total, unit: _log(f"loading weights: {done}/{total} {unit}")) if verbose else None
         started = time.perf_counter()
-        self.runner = self._make_runner(model_dir, progress)
+        self.runner = self._make_runner(model_dir, progress, make_runner)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         if verbose:
@@ -154,28 +172,18 @@ class LLMEngine:
         self.stats = EngineStats()
         self.transfer_errors: dict[str, str | None] = {}  # request id -> None (sent) or the error
 
-    def _make_runner(self, model_dir: Path, progress) -> ModelRunner:
+    def _make_runner(self, model_dir: Path, progress, make_runner: RunnerFactory | None) -> ModelRunner:
         cfg = self.config
         try:
             resolve_attention_backend(cfg.attention_backend, torch.device(cfg.device))
         except BackendUnavailableError as exc:
             raise EngineConfigError(str(exc)) from None
-        if cfg.tensor_parallel_size == 1:
-            return ModelRunner(self.model_config, model_dir, cfg.block_size, self.max_model_len, cfg.device,
-                               progress=progress, attention_backend=cfg.attention_backend,
-                               enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
-                               load_format=cfg.load_format)
-        from cluster.parallel.tp_runner import TensorParallelRunner, check_tensor_parallel
-
-        try:
-            check_tensor_parallel(self.model_config, cfg.tensor_parallel_size)
-        except ValueError as exc:
-            raise EngineConfigError(str(exc)) from None
-        return TensorParallelRunner(
-            self.model_config, model_dir, cfg.block_size, self.max_model_len, cfg.tensor_parallel_size,
-            cfg.cluster_name, cfg.engine_name, cfg.device, cfg.ray_address, cfg.num_threads, progress,
-            cfg.cpus_per_rank, cfg.gpus_per_rank, cfg.attention_backend, cfg.load_format,
-        )
+        if make_runner is not None:
+            return make_runner(cfg, self.model_config, model_dir, self.max_model_len, progress)
+        if cfg.tensor_parallel_size != 1:
+            raise EngineConfigError(f"tensor_parallel_size {cfg.tensor_parallel_size} needs a tensor-parallel runner: "
+                                    "build the engine through tandem.LLM or a worker")
+        return single_rank_runner(cfg, self.model_config, model_dir, self.max_model_len, progress)
 
     def shutdown(self) -> None:
         """Stops the engine's other processes (tensor-parallel ranks), if it has any."""

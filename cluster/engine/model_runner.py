@@ -30,9 +30,8 @@ from cluster.engine.kernels.triton_support import (
     interpreting,
     resolve_attention_backend,
 )
+from cluster.engine.kv_port import KVPort, KVPortFactory, KVStream, LayerSender, NoKVPort
 from cluster.engine.memory import empty_huge_paged
-from cluster.kv_transfer.agent import KVStream, TransferAgent, finish_all
-from cluster.kv_transfer.sender import KVSender
 from cluster.engine.models.attention import AttentionMetadata, PrefillSpan, visible_keys
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup
@@ -73,7 +72,7 @@ class StepInputs:
     sample_rows: torch.Tensor
     sampling_requests: list[Request]
     plan: StepPlan
-    senders: list[KVSender] = field(default_factory=list)
+    senders: list[LayerSender] = field(default_factory=list)
     decode_graph: bool = False  # a decode-only step that runs through ModelRunner.graphs
     transfer_errors: dict[str, str | None] = field(default_factory=dict)  # request id -> None or the error
     transfer_tail_s: float = 0.0  # time spent after the forward pass waiting for this step's sends
@@ -114,9 +113,11 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = 128,
         load_format: str = "safetensors",
+        kv_port: KVPortFactory | None = None,
     ):
         """``enforce_eager`` keeps decode steps out of CUDA graphs (graphs need the Triton
-        backend and a single rank); ``max_num_seqs`` sizes the largest graph."""
+        backend and a single rank); ``max_num_seqs`` sizes the largest graph; ``kv_port`` makes
+        this rank's KV moves (``cluster/engine/kv_port.py``), None for an engine that moves none."""
         self.config = config
         self.device = torch.device(device)
         self.block_size = block_size
@@ -130,7 +131,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.after_layer: Callable[[int], None] | None = None  # see AttentionMetadata.after_layer
         self.tp_rank = group.rank
-        self._transfers: TransferAgent | None = None
+        self.kv_port = kv_port
+        self._transfers: KVPort | None = None
         self.use_decode_graphs = self.attention_backend == "triton" and not enforce_eager and group.size == 1
         self.max_num_seqs = max_num_seqs
         self.graphs: DecodeGraphs | None = None
@@ -138,10 +140,12 @@ class ModelRunner:
         self._kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
 
     @property
-    def transfers(self) -> TransferAgent:
+    def transfers(self) -> KVPort:
         """This rank's KV-transfer pairs (created on first use, after the KV cache)."""
         if self._transfers is None:
-            self._transfers = TransferAgent(self.kv_cache, self.tp_rank, str(self.device))
+            if self.kv_port is None:
+                raise NoKVPort("this engine was built without a KV port: it cannot send or receive KV")
+            self._transfers = self.kv_port(self.kv_cache, self.tp_rank, str(self.device))
         return self._transfers
 
     # -- KV cache -------------------------------------------------------------------------
@@ -300,7 +304,7 @@ class ModelRunner:
             decode_graph=True,
         )
 
-    def _fused_inputs(self, plan: StepPlan, sampling: list[Request] | None, senders: list[KVSender],
+    def _fused_inputs(self, plan: StepPlan, sampling: list[Request] | None, senders: list[LayerSender],
                       after_layer) -> StepInputs:
         longest = max(plan.decode_lens, default=0)
         step = build_fused_step(
@@ -318,9 +322,9 @@ class ModelRunner:
 
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
         """Receives a request's KV into ``dst_blocks``; returns None, or the error."""
-        return self.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s).error
+        return self.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
 
-    def _layer_hook(self, senders: list[KVSender]) -> Callable[[int], None] | None:
+    def _layer_hook(self, senders: list[LayerSender]) -> Callable[[int], None] | None:
         hooks = [s.after_layer for s in senders if s.streaming] + ([self.after_layer] if self.after_layer else [])
         if not hooks:
             return None
@@ -345,7 +349,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
         if inputs.senders:
             started = time.perf_counter()
-            inputs.transfer_errors = finish_all(inputs.senders)
+            inputs.transfer_errors = self.transfers.finish(inputs.senders)
             inputs.transfer_tail_s = time.perf_counter() - started
         return logits
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from cluster.request_limits import InvalidRequestError, check_stops, clip, quote
+from cluster.engine.request_limits import InvalidRequestError, check_stops, clip, quote
 
 __all__ = ["InvalidRequestError", "SamplingParams"]
 

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 from cluster.engine.block_hash import ExtraKey, cacheable_prefix_blocks, hash_token_blocks, request_hash_keys
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import FinishReason, Request, RequestStatus
-from cluster.request_limits import InvalidRequestError, quote
+from cluster.engine.request_limits import InvalidRequestError, quote
 
 
 @dataclass

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.engine.kv_port import KVStream
 from cluster.kv_transfer.kv_blocks import layer_message_shape, unpack_layer
 from cluster.kv_transfer.resharding import HeadSlice, plan_head_slices
 from cluster.kv_transfer.sender import Destination, KVSender, layer_tag
 from cluster.kv_transfer.state import TransferRecord, TransferState
-from cluster.kv_transfer.transport import KVTransport, TransportError, create_transport
+from cluster.kv_transfer.transport import KVTransport, TransportError
+from cluster.kv_transfer.transports import create_transport
 from cluster.parallel.group import GroupSpec
 
 
@@ -45,20 +47,10 @@ class PairLayout:
         return out
 
 
-@dataclass(frozen=True)
-class KVStream:
-    """Part of a step plan: send these blocks of a request over a pair, each layer as soon as
-    it is computed (``streaming``), or all layers once the forward pass is over."""
-
-    pair: str
-    request_id: str
-    src_blocks: tuple[int, ...]
-    tag_base: int
-    timeout_s: float
-    streaming: bool = True
-
-
 class TransferAgent:
+    """One engine rank's KV port (``cluster/engine/kv_port.py``): the workers give the engine
+    this class, and each rank makes one over its KV cache."""
+
     def __init__(self, kv_cache: torch.Tensor, tp_rank: int, device: str = "cpu"):
         self.kv_cache = kv_cache
         self.tp_rank = tp_rank
@@ -86,10 +78,18 @@ class TransferAgent:
             out.append(sender)
         return out
 
+    def finish(self, senders: list[KVSender]) -> dict[str, str | None]:
+        return finish_all(senders)
+
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int,
-                timeout_s: float) -> TransferRecord:
-        """Receives this rank's head slices of every layer into ``dst_blocks``; returns the
-        record, done or failed (a failure never raises, so the caller frees the blocks)."""
+                timeout_s: float) -> str | None:
+        """Receives this rank's head slices of every layer into ``dst_blocks``; returns None,
+        or the error (a failure never raises, so the caller frees the blocks)."""
+        return self.receive_record(pair, request_id, dst_blocks, tag_base, timeout_s).error
+
+    def receive_record(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int,
+                       timeout_s: float) -> TransferRecord:
+        """The receive, as its record (done or failed)."""
         layout, transport = self.pairs[pair]
         num_layers = self.kv_cache.shape[0]
         record = TransferRecord.start(request_id, num_layers, timeout_s)

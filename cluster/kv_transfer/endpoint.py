@@ -13,7 +13,7 @@ import torch
 
 from cluster.kv_transfer.kv_blocks import layer_message_shape, unpack_layer
 from cluster.kv_transfer.sender import layer_tag
-from cluster.kv_transfer.transport import create_transport
+from cluster.kv_transfer.transports import create_transport
 from cluster.parallel.group import GroupSpec
 
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch
 
-from cluster.kv_transfer.transport import KVTransport, TransportError, register_transport
+from cluster.kv_transfer.transport import KVTransport, TransportError
 from cluster.parallel.group import GroupSpec, join_group
 
 
@@ -38,7 +38,6 @@ def _post(start, what: str):
         raise TransportError(f"{what} failed: {exc}") from exc
 
 
-@register_transport
 class TorchDistributedTransport(KVTransport):
     name = "torch_distributed"
 

@@ -1,4 +1,4 @@
-"""The interface every KV transport implements, and the registry that picks one by name.
+"""The interface every KV transport implements (``transports.py`` picks one by name).
 
 A transport moves tensors between this process and the ranks of one peer group; the workers
 only call ``send``/``recv`` and wait on what they return, so another transport (an RDMA
@@ -12,8 +12,6 @@ from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
-
-from cluster.request_limits import quote
 
 
 class Pending(Protocol):
@@ -44,27 +42,3 @@ class KVTransport(ABC):
 
     def close(self) -> None:
         """Releases connections; pending moves fail."""
-
-
-_TRANSPORTS: dict[str, type[KVTransport]] = {}
-
-
-def register_transport(cls: type[KVTransport]) -> type[KVTransport]:
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    _TRANSPORTS[cls.name] = cls
-    return cls
-
-
-def transport_class(name: str) -> type[KVTransport]:
-    """The transport registered under ``name``; TransportError naming the known ones if none."""
-    if name not in _TRANSPORTS:
-        import cluster.kv_transfer.torch_transport  # noqa: F401  (registers the built-in transport)
-    try:
-        return _TRANSPORTS[name]
-    except KeyError:
-        raise TransportError(f"unknown KV transport {quote(name)}; known: {', '.join(sorted(_TRANSPORTS))}") from None
-
-
-def create_transport(name: str, **options) -> KVTransport:
-    return transport_class(name)(**options)

@@ -10,22 +10,12 @@ another program does not take them by chance.
 from __future__ import annotations
 
 import hashlib
-import re
+
+from cluster.engine.config import GroupNameError, check_name
+
+__all__ = ["PORT_RANGE", "GroupNameError", "check_name", "group_id", "group_port"]
 
 PORT_RANGE = (20000, 32000)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-
-
-class GroupNameError(ValueError):
-    pass
-
-
-def check_name(kind: str, name: str) -> str:
-    if not _NAME.match(name):
-        raise GroupNameError(
-            f"{kind} name {name!r} must be 1-63 characters of letters, digits, '-', '_' or '.', starting with a letter or digit"
-        )
-    return name
 
 
 def group_id(cluster: str, group: str) -> str:

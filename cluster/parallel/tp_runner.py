@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from cluster.engine.config import EngineConfig, EngineConfigError
+from cluster.engine.engine import RunnerFactory, single_rank_runner
+from cluster.engine.kv_port import KVPortFactory
 from cluster.engine.model_runner import ModelRunner, StepInputs, StepPlan
 from cluster.engine.models.config import ModelConfig
-from cluster.kv_transfer.agent import PairLayout
 from cluster.parallel.group import GroupSpec, join_group
-from cluster.ray_runtime import ensure_ray
-from cluster.startup import exception_line, guarded
+from cluster.runtime.ray_runtime import ensure_ray
+from cluster.runtime.startup import exception_line, guarded
+
+if TYPE_CHECKING:
+    from cluster.kv_transfer.agent import PairLayout
 
 
 # A follower of a decode engine blocks a thread in each KV receive while the engine keeps
@@ -62,7 +67,7 @@ class TPFollower:
 
     def __init__(self, config: ModelConfig, model_dir: str, block_size: int, max_model_len: int, device: str,
                  spec: GroupSpec, rank: int, num_threads: int, attention_backend: str = "auto",
-                 load_format: str = "safetensors"):
+                 load_format: str = "safetensors", kv_port: KVPortFactory | None = None):
         torch.set_num_threads(num_threads)
         if device.startswith("cuda"):
             import ray
@@ -74,7 +79,7 @@ class TPFollower:
             torch.cuda.set_device(device)
         group = join_group(spec, rank, torch.device(device))
         self.runner = ModelRunner(config, Path(model_dir), block_size, max_model_len, device, group,
-                                  attention_backend=attention_backend, load_format=load_format)
+                                  attention_backend=attention_backend, load_format=load_format, kv_port=kv_port)
 
     def ready(self) -> int:
         return self.runner.weight_bytes
@@ -114,6 +119,7 @@ class TensorParallelRunner(ModelRunner):
         gpus_per_rank: int = 0,
         attention_backend: str = "auto",
         load_format: str = "safetensors",
+        kv_port: KVPortFactory | None = None,
     ):
         """Ranks 1..N-1 start as Ray actors of ``cpus_per_rank`` CPUs each; inside a placement
         group that captures child tasks (the cluster reserves one per TP group) they land in its
@@ -129,7 +135,7 @@ class TensorParallelRunner(ModelRunner):
             follower.options(name=f"{name}-tp{rank}", num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
                              max_concurrency=FOLLOWER_THREADS).remote(
                 config, str(model_dir), block_size, max_model_len, device, spec, rank, threads, attention_backend,
-                load_format,
+                load_format, kv_port,
             )
             for rank in range(1, tp_size)
         ]
@@ -137,7 +143,7 @@ class TensorParallelRunner(ModelRunner):
         try:
             group = join_group(spec, 0, torch.device(device))
             super().__init__(config, model_dir, block_size, max_model_len, device, group, progress,
-                             attention_backend=attention_backend, load_format=load_format)
+                             attention_backend=attention_backend, load_format=load_format, kv_port=kv_port)
             self._wait([f.started.remote() for f in self.followers], "loading its shard")
         except BaseException:
             self.shutdown()
@@ -195,3 +201,24 @@ class TensorParallelRunner(ModelRunner):
         for actor in getattr(self, "followers", []):
             self._ray.kill(actor, no_restart=True)
         self.followers = []
+
+
+def engine_runner(kv_port: KVPortFactory | None = None) -> RunnerFactory:
+    """How an engine builds its runner (``LLMEngine(make_runner=...)``): one rank in the engine's
+    process, or a tensor-parallel group; each rank moves KV through ``kv_port`` (None: no KV moves)."""
+
+    def make(cfg: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int,
+             progress) -> ModelRunner:
+        if cfg.tensor_parallel_size == 1:
+            return single_rank_runner(cfg, model_config, model_dir, max_model_len, progress, kv_port)
+        try:
+            check_tensor_parallel(model_config, cfg.tensor_parallel_size)
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from None
+        return TensorParallelRunner(
+            model_config, model_dir, cfg.block_size, max_model_len, cfg.tensor_parallel_size, cfg.cluster_name,
+            cfg.engine_name, cfg.device, cfg.ray_address, cfg.num_threads, progress, cfg.cpus_per_rank,
+            cfg.gpus_per_rank, cfg.attention_backend, cfg.load_format, kv_port,
+        )
+
+    return make

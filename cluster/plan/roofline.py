@@ -91,7 +91,7 @@ def model_shape(name_or_path: str) -> ModelShape:
     if not Path(name_or_path).expanduser().exists():
         raise RooflineError(f"--model-shape: {name_or_path!r} is neither a known shape ({', '.join(MODELS)}) nor a "
                             f"local model")
-    from cluster.engine.models.config import load_model_config
+    from cluster.engine.models.read_config import load_model_config
 
     c = load_model_config(Path(name_or_path).expanduser())
     per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * \

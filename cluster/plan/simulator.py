@@ -12,7 +12,7 @@ What is the same code as the real cluster, not a copy:
   (``EngineWorker._snapshot``), run on the simulated workers;
 - the workload, arrivals and metrics of ``tandem bench`` (``cluster/bench``).
 
-What is modelled: each request follows the real request path (``cluster/request_path.py``,
+What is modelled: each request follows the real request path (``cluster/ingress/request_path.py``,
 ``decode_worker/worker.py``): the call reaches the ingress (a message) and its own router
 places it there (in the process: no message), then the decode
 worker either prefills the prompt itself (no prefill worker: conditional disaggregation, or a
@@ -47,10 +47,10 @@ from cluster.engine.engine import EngineStats, StepRecord
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
-from cluster.engine_worker import EngineWorker
+from cluster.worker.engine_worker import EngineWorker
 from cluster.registry.load import WorkerLoad
 from cluster.registry.reporter import WorkerReporter
-from cluster.request_path import NO_ROOM_RETRIES
+from cluster.ingress.request_path import NO_ROOM_RETRIES
 from router.config import RouterConfig
 from router.cost_model import StepTimeModel
 from router.router import Decision, RouteRequest, Router, Topology

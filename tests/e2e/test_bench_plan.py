@@ -17,7 +17,7 @@ import yaml
 pytestmark = pytest.mark.e2e
 
 _SCRIPT = Path(sys.executable).parent / "tandem"
-TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli"]
+TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli.main"]
 NAME = "t-bench-plan"
 WORKLOAD = ["--num-requests", "6", "--input-len", "20-60", "--output-len", "4-8", "--goodput", "ttft_ms:60000",
             "tpot_ms:60000", "--duration", "120"]

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from cluster.offline import run_file
+from cluster.offline.run_file import run_file
 from conftest import random_prompts
 
 pytestmark = pytest.mark.e2e
 
 _SCRIPT = Path(sys.executable).parent / "tandem"
-TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli"]
+TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli.main"]
 
 # Long enough for two full blocks of 16 tokens (a prefix-cache hit needs a full block before the last token).
 LONG_TEXT = (

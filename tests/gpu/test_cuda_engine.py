@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from conftest import random_prompts
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 if torch.cuda.device_count() < 2:
-    # Before the cluster's imports: cluster.disaggregated needs redis (and Ray), which a
+    # Before the cluster's imports: cluster.offline.disaggregated needs redis (and Ray), which a
     # one-GPU machine running only the engine's tests may not have.
     pytest.skip("needs two CUDA devices", allow_module_level=True)
 
-from cluster.disaggregated import DisaggregatedLLM  # noqa: E402
+from cluster.offline.disaggregated import DisaggregatedLLM  # noqa: E402
 from cluster.engine.sampling_params import SamplingParams  # noqa: E402
-from cluster.ray_runtime import ensure_ray  # noqa: E402
+from cluster.runtime.ray_runtime import ensure_ray  # noqa: E402
 from conftest import random_prompts  # noqa: E402
 from reference_checks import MAX_TOKENS, PROMPT_LENGTHS, run_batch  # noqa: E402
 

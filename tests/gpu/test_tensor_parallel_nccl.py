@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from cluster.ray_runtime import ensure_ray
+from cluster.runtime.ray_runtime import ensure_ray
 from reference_checks import run_batch
 
 pytestmark = [

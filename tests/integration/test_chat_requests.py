@@ -11,9 +11,9 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from cluster.engine.chat_template import ChatPrompt
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
-from cluster.offline import run_file
+from cluster.offline.run_file import run_file
 from gguf_files import write_gguf
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,8 @@ import pytest
 
 from cluster.default_model import _SHA256, DEFAULT_MODEL_NAME, default_model_path
 from cluster.engine.chat_template import ChatPrompt
-from cluster.engine.llm import LLM
-from cluster.engine.models.config import load_model_config
+from cluster.offline.llm import LLM
+from cluster.engine.models.read_config import load_model_config
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import Tokenizer
 from reference_checks import assert_equivalent, reference_greedy

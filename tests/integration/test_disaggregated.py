@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from cluster.disaggregated import DisaggregatedLLM
+from cluster.offline.disaggregated import DisaggregatedLLM
 from cluster.engine.sampling_params import SamplingParams
 from cluster.registry.load import read_loads
 from cluster.registry.reporter import connect
-from cluster.ray_runtime import ensure_ray
+from cluster.runtime.ray_runtime import ensure_ray
 from conftest import random_prompts, wait_for
 from reference_checks import MAX_TOKENS, PROMPT_LENGTHS, run_batch
 
@@ -44,7 +44,7 @@ def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
 
 
 def colocated_tokens(model_dir, prompts, params) -> list[list[int]]:
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
 
     with LLM(str(model_dir), verbose=False, num_kv_blocks=256) as llm:
         return [o.token_ids for o in llm.generate(prompts, params)]
@@ -104,7 +104,7 @@ def test_seeded_sampling_continues_where_the_prefill_worker_left_off(checkpoint)
     model_dir = checkpoint("llama")
     prompts = random_prompts([5, 40], seed=3)
     params = SamplingParams(temperature=0.9, top_k=30, seed=7, max_tokens=12, ignore_eos=True)
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
 
     with LLM(str(model_dir), verbose=False, num_kv_blocks=BLOCKS) as colocated:
         expected = [o.token_ids for o in colocated.generate(prompts, params)]
@@ -126,7 +126,7 @@ def test_second_turn_sends_only_the_blocks_the_decode_worker_lacks(checkpoint):
         assert (turn2.blocks_cached_on_decode, turn2.blocks_sent) == (4, 2)
         assert second.usage.cached_tokens == 64
         assert_no_leaks(llm)
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
 
     with LLM(str(model_dir), verbose=False, num_kv_blocks=BLOCKS) as colocated:
         assert colocated.generate([second_prompt], greedy(10))[0].token_ids == second.token_ids

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ class Refuse(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, Refuse())
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 
 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

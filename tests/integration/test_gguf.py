@@ -11,9 +11,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
-from cluster.engine.models.config import ModelConfigError, load_model_config
+from cluster.engine.models.config import ModelConfigError
+from cluster.engine.models.read_config import load_model_config
 from cluster.engine.models.source import ModelSourceError, resolve_model_source
 from cluster.engine.tokenizer import Tokenizer
 from gguf_files import write_gguf

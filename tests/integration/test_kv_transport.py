@@ -11,9 +11,10 @@ import torch
 from cluster.kv_transfer.endpoint import KVEndpoint
 from cluster.kv_transfer.kv_blocks import pack_layer
 from cluster.kv_transfer.sender import layer_tag
-from cluster.kv_transfer.transport import TransportError, create_transport
+from cluster.kv_transfer.transport import TransportError
+from cluster.kv_transfer.transports import create_transport
 from cluster.parallel.group import GroupSpec
-from cluster.ray_runtime import ensure_ray
+from cluster.runtime.ray_runtime import ensure_ray
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +88,7 @@ def test_unknown_transport_names_the_known_ones():
 def test_prefill_streams_each_layer_while_later_layers_compute(ray, checkpoint):
     """A real prefill with a KVSender on the layer hook: every layer is posted during the
     forward pass, and the receiver ends with exactly the prefill engine's KV blocks."""
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
     from cluster.engine.sampling_params import SamplingParams
     from cluster.kv_transfer.sender import Destination, KVSender
     from cluster.kv_transfer.state import TransferRecord, TransferState

@@ -21,14 +21,14 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk.trace")
 
-from cluster.deployment import Deployment, Pool  # noqa: E402
-from cluster.grpc_server import ApiServer  # noqa: E402
-from cluster.health import HealthMonitor  # noqa: E402
-from cluster.ray_runtime import ensure_ray  # noqa: E402
-from cluster.request_path import RequestPath  # noqa: E402
-from cluster.status import read_status  # noqa: E402
+from cluster.deployment.deployment import Deployment, Pool  # noqa: E402
+from cluster.ingress.grpc_server import ApiServer  # noqa: E402
+from cluster.ingress.health import HealthMonitor  # noqa: E402
+from cluster.runtime.ray_runtime import ensure_ray  # noqa: E402
+from cluster.ingress.request_path import RequestPath  # noqa: E402
+from cluster.ingress.status import read_status  # noqa: E402
 from cluster.topology import TracingSpec, parse_topology  # noqa: E402
-from cluster.tracing import memory_exporter, request_tracer  # noqa: E402
+from cluster.observability.tracing import memory_exporter, request_tracer  # noqa: E402
 from conftest import random_prompts, wait_for  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from tandem.client import TandemClient, build_generate_request  # noqa: E402
@@ -37,11 +37,11 @@ pytestmark = pytest.mark.integration
 
 CLUSTER = "tandem-operator-tests"
 _SCRIPT = Path(sys.executable).parent / "tandem"
-TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli"]
+TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluster.cli.main"]
 
 
 class Ingress:
-    """An ingress replica's parts, as cluster/ingress.py wires them, on a free port."""
+    """An ingress replica's parts, as cluster/ingress/replica.py wires them, on a free port."""
 
     def __init__(self, deployment: Deployment):
         self.path = RequestPath(deployment.info, None, "grpc", request_tracer(TracingSpec(exporter="memory"), CLUSTER))
@@ -139,7 +139,7 @@ def test_status_and_top_read_the_api_without_a_ray_job(cluster, tmp_path):
 
 def test_health_flips_when_the_decode_worker_dies_and_back_when_one_returns(cluster):
     ray, deployment, ingress = cluster
-    from cluster.startup import guarded
+    from cluster.runtime.startup import guarded
     from decode_worker.worker import DecodeWorker
 
     client = TandemClient(ingress.address, timeout_s=30)

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.models.config import ModelConfigError
 from cluster.engine.models.loader import WeightLoadError
 from conftest import ARCHITECTURES, to_transformers4_config

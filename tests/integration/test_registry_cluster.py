@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from cluster.disaggregated import DisaggregatedLLM
+from cluster.offline.disaggregated import DisaggregatedLLM
 from cluster.engine.block_hash import hash_token_blocks
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.sampling_params import SamplingParams
-from cluster.ray_runtime import ensure_ray
+from cluster.runtime.ray_runtime import ensure_ray
 from cluster.registry.goodput import GoodputReader
 from cluster.registry.kv_index import KVIndexReader
 from cluster.registry.load import WorkerLoad, read_loads
@@ -133,7 +133,7 @@ def test_embedded_redis_restarts_are_bounded(monkeypatch):
 def test_a_url_with_password_and_database_number():
     """Workers and readers reach a password-protected Redis in the URL's database; a wrong
     password is refused with a message naming where and why."""
-    from cluster.deployment import check_registry as _check_registry
+    from cluster.deployment.deployment import check_registry as _check_registry
     from cluster.engine.config import EngineConfigError
 
     with LocalRedis(password="s3cret") as server:

@@ -8,10 +8,10 @@ import psutil
 import pytest
 import torch
 
-from cluster.disaggregated import DisaggregatedLLM, PoolResources
+from cluster.offline.disaggregated import DisaggregatedLLM, PoolResources
 from cluster.engine.model_runner import device_memory_bytes
-from cluster.ray_runtime import ensure_ray
-from cluster.startup import ClusterStartError
+from cluster.runtime.ray_runtime import ensure_ray
+from cluster.runtime.startup import ClusterStartError
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def test_ranks_on_one_node_share_its_kv_budget(checkpoint, ray_session):
 
 def test_colocated_tensor_parallel_ranks_share_one_budget(checkpoint, ray_session):
     """`tandem run --tp 2` on one machine: both ranks come from one budget, half each."""
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
 
     fraction = 0.0005
     with LLM(str(checkpoint("llama")), verbose=False, tensor_parallel_size=2, cluster_name=CLUSTER,

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from cluster.engine.config import EngineConfigError
-from cluster.engine.llm import LLM
-from cluster.engine.models.config import load_model_config
+from cluster.offline.llm import LLM
+from cluster.engine.models.read_config import load_model_config
 from cluster.engine.models.layers import ParallelGroup
 from cluster.engine.models.loader import build_model
-from cluster.ray_runtime import ensure_ray
+from cluster.runtime.ray_runtime import ensure_ray
 from conftest import ARCHITECTURES
 from reference_checks import assert_batch_matches_reference, run_batch
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from cluster.engine.llm import LLM  # noqa: E402
+from cluster.offline.llm import LLM  # noqa: E402
 from cluster.engine.sampling_params import SamplingParams  # noqa: E402
 from conftest import random_prompts  # noqa: E402
 

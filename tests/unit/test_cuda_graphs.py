@@ -126,7 +126,7 @@ def test_engine_config_names_bad_settings():
 
 
 def test_command_line_flags_reach_the_engine_config():
-    from cluster.cli import _engine_args, build_parser
+    from cluster.cli.main import _engine_args, build_parser
 
     default = _engine_args(build_parser().parse_args(["run", "--input", "-", "--output", "-"]))
     assert default["attention_backend"] == "auto" and default["enforce_eager"] is False

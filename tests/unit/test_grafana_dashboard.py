@@ -1,7 +1,7 @@
 """Tandem's Grafana dashboard: the committed JSON and panel documentation are what
-``cluster/grafana.py`` makes; the JSON is a well-formed dashboard whose every query is valid
+``cluster/observability/grafana.py`` makes; the JSON is a well-formed dashboard whose every query is valid
 PromQL (checked by promtool when it is installed) and names only metrics that
-``cluster/metrics.py`` defines. (That a real cluster's scrape has them is checked end to end in
+``cluster/observability/metrics.py`` defines. (That a real cluster's scrape has them is checked end to end in
 tests/e2e/test_service.py.)"""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import grafana
+from cluster.observability import grafana
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +27,7 @@ def test_committed_files_are_what_the_module_makes(tmp_path):
     assert grafana.main([str(tmp_path)]) == 0
     for name in ("tandem.json", "README.md"):
         assert (FOLDER / name).read_text() == (tmp_path / name).read_text(), (
-            f"helm/tandem/dashboards/{name} is stale: run `python -m cluster.grafana`")
+            f"helm/tandem/dashboards/{name} is stale: run `python -m cluster.observability.grafana`")
 
 
 def test_the_dashboard_is_well_formed():
@@ -67,8 +67,8 @@ def test_the_issue_asks_for_these_panels():
 
 
 def defined_metrics() -> set[str]:
-    """Every metric cluster/metrics.py defines, as Prometheus names it through Ray."""
-    source = (ROOT / "cluster" / "metrics.py").read_text()
+    """Every metric cluster/observability/metrics.py defines, as Prometheus names it through Ray."""
+    source = (ROOT / "cluster" / "observability" / "metrics.py").read_text()
     names = set()
     for kind, name in re.findall(r"metrics\.(Counter|Gauge|Histogram)\(\s*\"(tandem_[a-z_]+)\"", source):
         base = f"ray_{name}"

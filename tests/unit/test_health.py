@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cluster.deployment import ServingInfo
-from cluster.health import HealthMonitor
+from cluster.protocol.messages import ServingInfo
+from cluster.ingress.health import HealthMonitor
 from router.config import RouterConfig
 from router.router import Topology
 

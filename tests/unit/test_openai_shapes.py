@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.engine.chat_template import ChatPrompt
-from cluster.openai_api import (
+from cluster.ingress.openai_api import (
     ApiError, Choice, chunk, error_for, logprobs_block, models, parse_chat, parse_completion, response, usage,
     usage_chunk,
 )

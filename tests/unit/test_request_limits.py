@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cluster.offline import _parse, _result
-from cluster.request_limits import (
+from cluster.offline.run_file import _parse, _result
+from cluster.engine.request_limits import (
     MAX_ECHO_CHARS,
     MAX_REQUEST_ID_CHARS,
     MAX_SLO_CLASS_CHARS,

@@ -10,11 +10,11 @@ import socket
 import pytest
 import ray
 
-from cluster.deployment import kv_memory_shares
+from cluster.deployment.deployment import kv_memory_shares
 from cluster.engine.config import EngineConfig, EngineConfigError
-from cluster.launcher import port_problem, up
-from cluster.ray_runtime import quiet_auth_notice
-from cluster.startup import (
+from cluster.deployment.launcher import port_problem, up
+from cluster.runtime.ray_runtime import quiet_auth_notice
+from cluster.runtime.startup import (
     CLI_SETTINGS,
     TOPOLOGY_SETTINGS,
     ClusterStartError,
@@ -90,7 +90,7 @@ def test_a_worker_killed_mid_run_is_one_line_too():
 def test_an_actor_constructor_error_reads_as_its_last_line():
     error = ray.exceptions.RayActorError(error_msg="The actor died because of an error raised in its creation "
                                                    "task, \x1b[36mray::X.__init__()\x1b[39m\n  File \"x.py\", line 3\n"
-                                                   "cluster.startup.ClusterStartError: prefill-0 failed to start: no",
+                                                   "cluster.runtime.startup.ClusterStartError: prefill-0 failed to start: no",
                                          actor_init_failed=True)
     assert exception_line(error) == "prefill-0 failed to start: no"
 

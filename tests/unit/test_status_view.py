@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from cluster.status import api_target, format_status, status_dict
-from cluster.top import render, run_top
+from cluster.cli.status import api_target, format_status, status_dict
+from cluster.cli.top import render, run_top
 from tandem.v1 import tandem_pb2
 
 pytestmark = pytest.mark.unit
@@ -80,9 +80,9 @@ def test_a_top_frame_shows_rates_since_the_last_frame():
 
 def test_top_draws_frames_until_its_iterations(monkeypatch):
     frames = iter([message(placed=1), message(placed=3)])
-    monkeypatch.setattr("cluster.top.fetch_status", lambda target, timeout_s: status_dict(next(frames), target.address))
+    monkeypatch.setattr("cluster.cli.top.fetch_status", lambda target, timeout_s: status_dict(next(frames), target.address))
     out = io.StringIO()
-    from cluster.status import ApiTarget
+    from cluster.cli.status import ApiTarget
 
     assert run_top(ApiTarget("x:1"), interval_s=0.01, iterations=2, out=out) == 0
     text = out.getvalue()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli_validate import add_validate_parser
+from cluster.cli.validate import add_validate_parser
 from cluster.engine.config import EngineConfig
 from cluster.topology import (
     ClusterSpec,

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk.trace")
 
-from cluster.request_path import Attempt, Journey  # noqa: E402
+from cluster.ingress.request_path import Attempt, Journey  # noqa: E402
 from cluster.topology import TracingSpec  # noqa: E402
-from cluster.tracing import memory_exporter, request_tracer  # noqa: E402
+from cluster.observability.tracing import memory_exporter, request_tracer  # noqa: E402
 from router.router import Decision  # noqa: E402
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from cluster.worker_stream import StreamClient, StreamServer, WorkerGone, encode, read_frame
+from cluster.protocol.stream import StreamClient, StreamServer, WorkerGone, encode, read_frame
 
 pytestmark = pytest.mark.unit
 

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from cluster.engine.models.source import ModelSource, resolve_model_source
-
 
 class ModelConfigError(ValueError):
     """The checkpoint's configuration is missing something or asks for what we do not support."""
@@ -128,18 +126,7 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def load_model_config(model: str | Path | ModelSource, dtype: str | torch.dtype | None = None) -> ModelConfig:
-    """The configuration of the model at ``model``: a Hugging Face directory's ``config.json``
-    (and ``generation_config.json`` for EOS ids), or a GGUF file's metadata."""
-    source = resolve_model_source(model)
-    if source.is_gguf:
-        from cluster.engine.models.gguf_checkpoint import open_gguf
-
-        return open_gguf(source.gguf_file).model_config(dtype)
-    return _hf_model_config(source.path, dtype)
-
-
-def _hf_model_config(path: Path, dtype: str | torch.dtype | None) -> ModelConfig:
+def hf_model_config(path: Path, dtype: str | torch.dtype | None) -> ModelConfig:
     config_path = path / "config.json"
     raw = json.loads(config_path.read_text())
     generation_path = path / "generation_config.json"

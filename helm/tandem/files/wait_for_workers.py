@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from cluster.launcher import process_alive
+from cluster.deployment.state_file import process_alive
 
 
 def log(message: str) -> None:

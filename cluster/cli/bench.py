@@ -276,7 +276,7 @@ def _target(args: argparse.Namespace):
             raise UsageError(f"--token-env: environment variable {args.token_env} is not set or empty")
     state = None
     if args.cluster:
-        from cluster.launcher import read_state
+        from cluster.deployment.state_file import read_state
 
         state = read_state(args.cluster)
         if not state or not state.get("api"):

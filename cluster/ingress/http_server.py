@@ -2,9 +2,9 @@
 
 ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed as
 server-sent events (``data: {...}`` chunks, then ``data: [DONE]``) or answered whole. Each
-choice is one request down the request path (``cluster/request_path.py``), so HTTP requests
+choice is one request down the request path (``cluster/ingress/request_path.py``), so HTTP requests
 are placed, streamed, timed and recorded exactly like gRPC ones (metrics say ``api="http"``).
-Request and response shapes are in ``cluster/openai_api.py``.
+Request and response shapes are in ``cluster/ingress/openai_api.py``.
 
 The server binds ``server.host``:``server.http_port`` with ``SO_REUSEPORT`` (every ingress
 replica shares the port), serves TLS with the gRPC API's certificate and asks for the same
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from cluster import openai_api
-from cluster.openai_api import ApiError, Choice, OpenAIRequest
-from cluster.request_limits import MAX_ECHO_CHARS
+from cluster.ingress import openai_api
+from cluster.ingress.openai_api import ApiError, Choice, OpenAIRequest
+from cluster.engine.request_limits import MAX_ECHO_CHARS
 
 MAX_BODY_BYTES = 8 * 2**20
 

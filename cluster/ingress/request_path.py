@@ -7,7 +7,7 @@
 One hop on the critical path, whatever the cluster's size: this replica's own router
 (``router/service.py``) answers where the request goes (at once, or when it can be placed)
 without leaving the process, and the chosen decode worker streams the tokens straight back
-here over a connection kept open to it (``cluster/worker_stream.py``). Nothing else sees the
+here over a connection kept open to it (``cluster/protocol/stream.py``). Nothing else sees the
 request.
 
 When a worker fails under a request it moves, up to ``router.migration_limit`` times: a
@@ -36,15 +36,15 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
-from cluster.deployment import ServingInfo
+from cluster.protocol.messages import ServingInfo
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.engine import prompt_token_ids
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
-from cluster.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
-from cluster.worker_stream import StreamClient, WorkerGone
+from cluster.engine.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
+from cluster.protocol.stream import StreamClient, WorkerGone
 from router.config import RouterConfigError
 from router.router import Decision
 from router.service import RouterService
@@ -113,7 +113,7 @@ class RequestPath:
         self.info = info
         self.metrics = metrics
         self.api = api
-        self.tracer = tracer  # cluster.tracing.RequestTracer: each request's trace, when tracing is on
+        self.tracer = tracer  # cluster.observability.tracing.RequestTracer: each request's trace, when tracing is on
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(info.model_dir)
         except TokenizerError:

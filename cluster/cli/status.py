@@ -1,6 +1,5 @@
-"""A cluster's status: read by an ingress replica (the ``GetStatus`` call of the gRPC API)
-from its workers, its own router and the status every other replica's router publishes in
-the registry, and shown by ``tandem status`` and ``tandem top``.
+"""A cluster's status as ``tandem status`` and ``tandem top`` show it, read through the cluster's
+API (``GetStatus``, answered by an ingress replica: ``cluster/ingress/status.py``).
 
 The command line reads it through the API, not through Ray: no Ray client connects, so no
 Ray job is registered per look (the dashboard's "Recent jobs" stays the cluster's own), and a
@@ -11,7 +10,6 @@ the token is.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from dataclasses import dataclass
 
@@ -21,45 +19,6 @@ from tandem.v1 import tandem_pb2
 
 ROUTER_SUMS = ("in_flight", "waiting", "placed", "local_prefills", "rejected", "queued_decisions",
                "placed_by_load_only", "placed_after_waiting", "goodput_records_waiting")
-
-
-# -- on the ingress: reading the cluster --------------------------------------------------------
-
-async def read_status(monitor) -> tandem_pb2.ClusterStatus:
-    """The cluster as this replica sees it now (``monitor``: its :class:`~cluster.health.HealthMonitor`)."""
-    info, router = monitor.info, monitor.path.router
-    loop = asyncio.get_running_loop()
-    routers, workers, goodput = await asyncio.gather(router.statuses(), monitor.worker_statuses(info.workers),
-                                                     loop.run_in_executor(None, router.goodput))
-    message = tandem_pb2.ClusterStatus(cluster=info.cluster, model=info.model_name,
-                                       serving=bool(monitor.serving), health=monitor.reason)
-    for name in info.workers:
-        message.workers.add(**_fields(tandem_pb2.WorkerStatus, workers[name]))
-    for name, status in sorted(routers.items()):
-        router = message.routers.add(**_fields(tandem_pb2.RouterStatus, {**status, "name": name}))
-        if status.get("ttft_prediction_error") is None:
-            router.ClearField("ttft_prediction_error")
-    if goodput:
-        for window in ("last_minute", "last_hour"):
-            _goodput_view(getattr(message, window), goodput[window])
-    return message
-
-
-def _fields(message_type, values: dict) -> dict:
-    """The entries of ``values`` that ``message_type`` has fields for (None left out)."""
-    names = message_type.DESCRIPTOR.fields_by_name
-    return {k: v for k, v in values.items() if k in names and v is not None}
-
-
-def _goodput_view(view: tandem_pb2.GoodputView, scopes: dict) -> None:
-    def fill(window: tandem_pb2.SloWindow, values: dict) -> None:
-        window.CopyFrom(tandem_pb2.SloWindow(**_fields(tandem_pb2.SloWindow, values)))
-
-    fill(view.cluster, scopes["cluster"])
-    for name, values in scopes["classes"].items():
-        fill(view.classes[name], values)
-    for name, values in scopes["workers"].items():
-        fill(view.workers[name], values)
 
 
 # -- on the command line: the status as a mapping, and as text ----------------------------------
@@ -170,7 +129,7 @@ class ApiTarget:
 def api_target(cluster: str, addr: str | None, token_env: str | None, tls_ca: str | None) -> ApiTarget:
     """From ``--addr`` (with ``--token-env`` and ``--tls-ca``), else from the state file that
     ``tandem up`` wrote for ``cluster`` here. LookupError (one line) when neither says where."""
-    from cluster.launcher import read_state, state_file
+    from cluster.deployment.state_file import read_state, state_file
 
     token = None
     if token_env:

@@ -23,7 +23,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.bench.cli import (UsageError, add_workload_flags, arrivals_of, check_counts, class_objectives,
+from cluster.cli.bench import (UsageError, add_workload_flags, arrivals_of, check_counts, class_objectives,
                                objectives_of, rates_of, signature, topology_label, workload_of)
 from cluster.bench.metrics import ATTAINMENT_GOAL
 
@@ -120,8 +120,8 @@ def _profile_from_cluster(args, state: dict, spec):
 def _cluster_state(name: str) -> dict:
     """The cluster's state file, with the TTFT correction its router learned (read through the
     cluster's API, as `tandem status` reads it)."""
-    from cluster.launcher import read_state
-    from cluster.status import api_target, fetch_status
+    from cluster.deployment.state_file import read_state
+    from cluster.cli.status import api_target, fetch_status
 
     state = read_state(name)
     if not state:
@@ -141,7 +141,7 @@ def _max_model_len(spec) -> int:
     if spec.model.max_model_len:
         return spec.model.max_model_len
     try:
-        from cluster.engine.models.config import load_model_config
+        from cluster.engine.models.read_config import load_model_config
 
         return load_model_config(spec.model_dir()).max_position_embeddings
     except Exception:  # noqa: BLE001 - a model not here: a generous default
@@ -294,7 +294,7 @@ def _tps(args, profiled: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _base_topology(args, state):
-    from cluster.bench.cli import cluster_topology
+    from cluster.cli.bench import cluster_topology
     from cluster.topology import TopologyError, default_topology, load_topology
 
     if args.topology:

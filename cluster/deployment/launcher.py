@@ -1,14 +1,14 @@
 """``tandem up`` and ``down``: a deployment's life on Ray.
 
 ``up`` starts (or, with an address, joins) Ray, then the deployment (the workers in their
-placement groups, the registry and the routers: ``cluster/deployment.py``) and the ingress
+placement groups, the registry and the routers: ``cluster/deployment/deployment.py``) and the ingress
 replicas through Ray Serve. The ``up`` process owns the deployment: it stays in the foreground
 until interrupted, or with ``--detach`` re-runs itself in the background and returns once the
 API answers. Its state file (``<cache>/clusters/<name>.json``: pid, Ray address, API,
 dashboard, the actors' names, the registry's URL without its password, the topology, and how
 to reach the API: its certificate and where its token is, never the token) is how ``down``
 (SIGTERM to that pid; it stops everything it started), ``status`` and ``top`` (through the
-API: ``cluster/status.py``), ``bench`` and ``plan`` find it.
+API: ``cluster/cli/status.py``), ``bench`` and ``plan`` find it.
 
 For the Ray dashboard, ``up`` passes the topology's Prometheus and Grafana addresses to Ray
 (``RAY_PROMETHEUS_HOST``, ``RAY_GRAFANA_HOST``, ``RAY_GRAFANA_IFRAME_HOST``), and writes
@@ -32,34 +32,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from cluster.deployment.state_file import process_alive, read_state, state_file
 from cluster.paths import cache_dir
-from cluster.ports import free_port
-from cluster.ray_runtime import auth_summary, quiet_auth_notice
+from cluster.runtime.ports import free_port
+from cluster.runtime.ray_runtime import auth_summary, quiet_auth_notice
 from cluster.topology import ClusterSpec
 
 READY_TIMEOUT_S = 600.0
-
-
-def state_file(cluster: str) -> Path:
-    return cache_dir() / "clusters" / f"{cluster}.json"
-
-
-def read_state(cluster: str) -> dict | None:
-    try:
-        return json.loads(state_file(cluster).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process of this pid exists (one we may not signal counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _log(message: str) -> None:
@@ -100,7 +79,7 @@ def write_grafana_dashboard(ray, cluster: str, wait_s: float = 120.0) -> threadi
     """Tandem's Grafana dashboard beside Ray's for this session (see the module's docstring).
     Ray's dashboard clears that folder when it writes its own dashboards, shortly after it
     starts: a background thread waits for them, then writes Tandem's."""
-    from cluster.grafana import dashboard_json
+    from cluster.observability.grafana import dashboard_json
 
     session = Path(ray._private.worker._global_node.get_session_dir_path())
     folder = Path(os.environ.get("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR") or session / "metrics" / "grafana" /
@@ -194,9 +173,9 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     ray, dashboard = start_ray(spec)
     from ray import serve
 
-    from cluster.ingress import ingress_app
-    from cluster.service import build_deployment
-    from cluster.startup import ClusterStartError, exception_line
+    from cluster.ingress.replica import ingress_app
+    from cluster.deployment.from_topology import build_deployment
+    from cluster.runtime.startup import ClusterStartError, exception_line
 
     started = time.perf_counter()
     stop = threading.Event()
@@ -276,7 +255,7 @@ def _detach(spec: ClusterSpec, argv: list[str]) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     args = [a for a in argv if a != "--detach"]
     with open(log, "w") as out:
-        child = subprocess.Popen([sys.executable, "-m", "cluster.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+        child = subprocess.Popen([sys.executable, "-m", "cluster.cli.main", *args], stdout=out, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:

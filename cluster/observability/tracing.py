@@ -34,7 +34,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cluster.request_path import Journey
+    from cluster.ingress.request_path import Journey
     from cluster.topology import TracingSpec
 
 log = logging.getLogger(__name__)

@@ -1,13 +1,13 @@
 """A topology's deployment: the pools, the registry and the routers that ``tandem up`` starts
-(``cluster/deployment.py``), built from a :class:`~cluster.topology.ClusterSpec`."""
+(``cluster/deployment/deployment.py``), built from a :class:`~cluster.topology.ClusterSpec`."""
 
 from __future__ import annotations
 
 import os
 
-from cluster.deployment import Deployment, Pool, PoolResources
+from cluster.deployment.deployment import Deployment, Pool, PoolResources
 from cluster.engine.sampling_params import InvalidRequestError
-from cluster.startup import TOPOLOGY_SETTINGS
+from cluster.runtime.startup import TOPOLOGY_SETTINGS
 from cluster.topology import ROLES, ClusterSpec
 
 

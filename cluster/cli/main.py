@@ -83,7 +83,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cluster.parallel.group import GroupSetupError
     from cluster.parallel.tp_runner import TensorParallelError
     from cluster.registry.local_redis import RedisServerError
-    from cluster.startup import ClusterStartError
+    from cluster.runtime.startup import ClusterStartError
 
     try:
         llm = _make_llm(args)
@@ -98,14 +98,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
             ray = sys.modules.get("ray")
             if ray is None or not isinstance(exc, ray.exceptions.RayError):
                 raise
-            from cluster.startup import CLI_SETTINGS, serving_failed
+            from cluster.runtime.startup import CLI_SETTINGS, serving_failed
 
             print(f"tandem run: {serving_failed(exc, CLI_SETTINGS)}", file=sys.stderr)
             return 1
 
 
 def _make_llm(args: argparse.Namespace):
-    from cluster.engine.llm import LLM
+    from cluster.offline.llm import LLM
 
     engine_args = _engine_args(args)
     if not args.disaggregated:
@@ -116,7 +116,7 @@ def _make_llm(args: argparse.Namespace):
             if getattr(args, flag) != default:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --disaggregated")
         return LLM(args.model, **engine_args)
-    from cluster.disaggregated import DisaggregatedLLM
+    from cluster.offline.disaggregated import DisaggregatedLLM
 
     if args.tp != 1:
         raise ValueError("with --disaggregated, give --prefill-tp and --decode-tp instead of --tp")
@@ -130,7 +130,7 @@ def _make_llm(args: argparse.Namespace):
 
 
 def _run_file(llm, args: argparse.Namespace) -> int:
-    from cluster.offline import run_file
+    from cluster.offline.run_file import run_file
 
     # Undecodable bytes become surrogates, so that run_file fails that line alone.
     if args.input == "-":
@@ -172,7 +172,7 @@ def _load_spec(args: argparse.Namespace):
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from cluster.launcher import up
+    from cluster.deployment.launcher import up
 
     spec = _load_spec(args)
     if spec is None:
@@ -181,13 +181,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from cluster.launcher import down
+    from cluster.deployment.launcher import down
 
     return down(args.cluster)
 
 
 def _api_target(args: argparse.Namespace):
-    from cluster.status import api_target
+    from cluster.cli.status import api_target
 
     return api_target(args.cluster, args.addr, args.token_env, args.tls_ca)
 
@@ -195,7 +195,7 @@ def _api_target(args: argparse.Namespace):
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from cluster.status import fetch_status, format_status
+    from cluster.cli.status import fetch_status, format_status
 
     try:
         status = fetch_status(_api_target(args))
@@ -207,7 +207,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from cluster.top import run_top
+    from cluster.cli.top import run_top
 
     if not args.interval > 0:
         print(f"tandem top: --interval must be positive, got {args.interval:g}", file=sys.stderr)
@@ -270,9 +270,9 @@ def _generate_unavailable(error: ImportError):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    from cluster.bench.cli import add_bench_parser
-    from cluster.cli_validate import add_validate_parser
-    from cluster.plan.cli import add_plan_parser
+    from cluster.cli.bench import add_bench_parser
+    from cluster.cli.validate import add_validate_parser
+    from cluster.cli.plan import add_plan_parser
     try:
         from tandem.cli_generate import add_generate_parser
     except ImportError as exc:  # the gRPC client is only for a cluster: the engine's commands work without it

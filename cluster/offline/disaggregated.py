@@ -1,10 +1,10 @@
 """Disaggregated serving without a server: ``tandem run --disaggregated`` and the Python API.
 
-:class:`DisaggregatedLLM` has the interface of :class:`~cluster.engine.llm.LLM` (``generate``,
+:class:`DisaggregatedLLM` has the interface of :class:`~cluster.offline.llm.LLM` (``generate``,
 ``run_until_done``, an ``engine`` that takes requests), so ``tandem run --disaggregated`` and
 the Python API use it as they use the colocated engine. It starts a :class:`Deployment`
 (prefill and decode workers as Ray actors, the registry) and sends every request down the
-same :class:`~cluster.request_path.RequestPath` an ingress replica uses: its router, in this
+same :class:`~cluster.ingress.request_path.RequestPath` an ingress replica uses: its router, in this
 process, places it, the decode worker fetches its KV from the prefill worker and streams the tokens
 back. One request flow, whether a request comes from a file or over the API.
 """
@@ -19,12 +19,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.deployment import Deployment, Pool, PoolResources
+from cluster.deployment.deployment import Deployment, Pool, PoolResources
 from cluster.engine.config import EngineConfigError
 from cluster.engine.engine import EngineStats, RequestOutput, Usage
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
-from cluster.request_path import RequestPath
+from cluster.ingress.request_path import RequestPath
 from router.config import RouterConfig, RouterConfigError
 
 TRANSFERS_KEPT = 100_000

@@ -26,9 +26,10 @@ from cluster.engine.block_manager import KVEvent
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import EngineStats, LLMEngine, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from cluster.kv_transfer.agent import PairLayout
-from cluster.metrics import WorkerMetrics
+from cluster.kv_transfer.agent import PairLayout, TransferAgent
+from cluster.observability.metrics import WorkerMetrics
 from cluster.parallel.group import GroupSpec
+from cluster.parallel.tp_runner import engine_runner
 from cluster.registry.load import STEPS_REPORTED, StepSample, WorkerLoad
 from cluster.registry.reporter import WorkerReporter
 
@@ -80,7 +81,7 @@ class EngineWorker:
     role = "prefill"
 
     def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
-        self.engine = LLMEngine(config, verbose=False)
+        self.engine = LLMEngine(config, verbose=False, make_runner=engine_runner(kv_port=TransferAgent))
         self.name = config.engine_name
         self._lock = StepLock()
         self._stop = threading.Event()

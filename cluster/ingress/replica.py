@@ -1,12 +1,12 @@
 """The API ingress as a Ray Serve deployment: ``server.replicas`` stateless replicas, each an
 asyncio gRPC server on the topology's address (they share the port through SO_REUSEPORT, so
 the kernel spreads connections over them) running requests' paths itself
-(``cluster/request_path.py``), each with a router of its own (``router-<rank>``,
+(``cluster/ingress/request_path.py``), each with a router of its own (``router-<rank>``,
 ``router/service.py``) that places its requests in the process. Serve health-checks each
 replica and restarts one that dies, while the others keep serving.
 
 Health means serving: each replica checks its workers every few seconds
-(``cluster/health.py``); while no worker can generate, its gRPC health
+(``cluster/ingress/health.py``); while no worker can generate, its gRPC health
 service says NOT_SERVING and Serve's health check fails (Serve shows the deployment UNHEALTHY
 and starts the replica again), and both recover by themselves once they answer again.
 
@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from ray import serve
 
-from cluster.deployment import ServingInfo
-from cluster.grpc_server import ApiServer
-from cluster.health import HealthMonitor
-from cluster.metrics import IngressMetrics
-from cluster.ports import host_port
-from cluster.request_path import RequestPath
-from cluster.status import read_status
+from cluster.protocol.messages import ServingInfo
+from cluster.ingress.grpc_server import ApiServer
+from cluster.ingress.health import HealthMonitor
+from cluster.observability.metrics import IngressMetrics
+from cluster.runtime.ports import host_port
+from cluster.ingress.request_path import RequestPath
+from cluster.ingress.status import read_status
 from cluster.topology import parse_topology
-from cluster.tracing import request_tracer
+from cluster.observability.tracing import request_tracer
 
 INGRESS = "grpc-ingress"
 

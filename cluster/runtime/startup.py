@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from cluster.request_limits import clip
+from cluster.engine.request_limits import clip
 
 _ALLOCATION_FAILED = re.compile(r"out of memory|can't allocate memory|cannot allocate memory", re.IGNORECASE)
 _TRIED_BYTES = re.compile(r"tried to allocate (\d+) bytes")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 
-from cluster.status import ApiTarget, fetch_status, goodput_lines, health_line, table, worker_rows
+from cluster.cli.status import ApiTarget, fetch_status, goodput_lines, health_line, table, worker_rows
 
 CLEAR = "\x1b[H\x1b[2J"
 

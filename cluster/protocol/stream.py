@@ -30,7 +30,7 @@ from typing import AsyncIterator, Callable
 
 import msgpack
 
-from cluster.ports import host_port
+from cluster.runtime.ports import host_port
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 64 * 1024 * 1024  # a prompt of a million token ids is about 5 MB

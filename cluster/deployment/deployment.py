@@ -1,6 +1,6 @@
 """The long-lived parts of a cluster: the workers of each pool, the KV transfer groups between
 prefill and decode workers, and the registry. Requests never pass through here: each ingress
-replica (``cluster/request_path.py``) asks its own router where each goes and streams it from
+replica (``cluster/ingress/request_path.py``) asks its own router where each goes and streams it from
 the chosen decode worker.
 
 Pools (``Pool``): ``prefill`` and ``decode`` workers for disaggregated serving, and
@@ -23,16 +23,18 @@ from pathlib import Path
 from typing import Sequence
 
 from cluster.engine.config import EngineConfig, EngineConfigError
-from cluster.engine.models.config import load_model_config
+from cluster.engine.models.read_config import load_model_config
 from cluster.kv_transfer.agent import PairLayout
-from cluster.kv_transfer.transport import TransportError, transport_class
+from cluster.kv_transfer.transport import TransportError
+from cluster.kv_transfer.transports import transport_class
 from cluster.parallel.group import GroupSpec
 from cluster.parallel.tp_runner import check_tensor_parallel
-from cluster.ray_runtime import ensure_ray
+from cluster.protocol.messages import ServingInfo
+from cluster.runtime.ray_runtime import ensure_ray
 from cluster.registry.load import read_loads
 from cluster.registry.local_redis import LocalRedis
 from cluster.registry.reporter import connect
-from cluster.startup import CLI_SETTINGS, SettingNames, guarded, placement_failed, worker_failed
+from cluster.runtime.startup import CLI_SETTINGS, SettingNames, guarded, placement_failed, worker_failed
 from router.config import RouterConfig
 from router.router import Topology
 
@@ -68,35 +70,6 @@ class Pool:
         return [f"{self.role}-{i}" for i in range(self.replicas)]
 
 
-@dataclass(frozen=True)
-class ServingInfo:
-    """What an ingress needs to know of a deployment to serve it: the model, the request
-    limits of its smallest generating worker, the names of its workers, and the registry and
-    topology its router places over."""
-
-    cluster: str
-    model_dir: str
-    model_name: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int  # of the smallest decode (or colocated) worker: a request needing more can never run
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    colocated: tuple[str, ...]
-    registry_url: str
-    router_topology: Topology
-    router_config: RouterConfig
-    transfer_timeout_s: float = 60.0
-    stream_layers: bool = True
-    stream_token: str = ""  # presented on every connection to a worker's stream (cluster/worker_stream.py)
-
-    @property
-    def workers(self) -> tuple[str, ...]:
-        return self.prefill + self.decode + self.colocated
-
-
 class Deployment:
     def __init__(
         self,
@@ -115,7 +88,7 @@ class Deployment:
         **engine_args,
     ):
         """``engine_args`` are EngineConfig fields for every pool; each ``Pool`` may override them.
-        A worker that cannot be placed or started raises :class:`~cluster.startup.ClusterStartError`,
+        A worker that cannot be placed or started raises :class:`~cluster.runtime.startup.ClusterStartError`,
         one line naming it and the setting to change (spelled as ``settings`` says), after
         stopping everything started so far."""
         self.pools = {pool.role: pool for pool in pools if pool.replicas}

@@ -14,9 +14,9 @@ from typing import Any, Iterable, TextIO
 
 from cluster.engine.chat_template import ChatPrompt
 from cluster.engine.engine import LLMEngine, RequestOutput
-from cluster.engine.llm import LLM
+from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
-from cluster.request_limits import MAX_REQUEST_ID_CHARS, quote
+from cluster.engine.request_limits import MAX_REQUEST_ID_CHARS, quote
 
 REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "messages", "tools", "priority", "slo_class"})
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")

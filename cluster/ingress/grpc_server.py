@@ -3,15 +3,15 @@
 An asyncio server (``grpc.aio``) on an event loop of its own: a call costs a coroutine, not a
 thread, so however many streams are open none waits unseen for a free thread, and each call is
 stamped with the time it arrived, from which its admission and TTFT are timed. Each
-``Generate`` call runs the request's path (``cluster/request_path.py``: the router places it,
+``Generate`` call runs the request's path (``cluster/ingress/request_path.py``: the router places it,
 the decode worker streams it) and turns each message into a ``GenerateResponse``; errors become
 status codes (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE; DEADLINE_EXCEEDED
 and CANCELLED come from gRPC itself). When the call ends early (the client cancels, disconnects
 or passes its deadline) the path is closed, which aborts the request on every worker.
 
-``GetStatus`` answers what ``tandem status`` and ``tandem top`` show (``cluster/status.py``).
+``GetStatus`` answers what ``tandem status`` and ``tandem top`` show (``cluster/cli/status.py``).
 Also served: the standard health service (``grpc.health.v1``, exempt from the token so probes
-work; SERVING only while a router and a generating worker answer: ``cluster/health.py``), server
+work; SERVING only while a router and a generating worker answer: ``cluster/ingress/health.py``), server
 reflection, TLS when the topology names a certificate and key, and a bearer
 token (``authorization: Bearer <token>``) checked on every other call when one is configured.
 """
@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.engine.chat_template import ChatPrompt
-from cluster.ports import host_port
+from cluster.runtime.ports import host_port
 from cluster.topology import ClusterSpec
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
@@ -260,7 +260,7 @@ class ApiServer:
     async def _start_http(spec: ClusterSpec, path):
         if spec.server.http_port is None:
             return None, None, None
-        from cluster.http_server import start_http
+        from cluster.ingress.http_server import start_http
 
         return await start_http(path, spec.server.host, spec.server.http_port, api_token(spec), spec.server.tls)
 

@@ -2,7 +2,7 @@
 ``/v1/chat/completions`` bodies become the request path's request mappings, and the path's
 messages become OpenAI responses, stream chunks and error bodies.
 
-Pure functions over dicts (no server here: ``cluster/http_server.py`` serves them), so every
+Pure functions over dicts (no server here: ``cluster/ingress/http_server.py`` serves them), so every
 field's handling is tested alone. Tandem's own sampling and scheduling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``priority``, ``slo_class``, ``ttft_ms``,
 ``tpot_ms``) are accepted as extra body fields, as vLLM accepts its own.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from cluster.engine.chat_template import ChatPrompt
-from cluster.request_limits import quote
+from cluster.engine.request_limits import quote
 
 MAX_CHOICES = 16
 # Fields OpenAI defines that Tandem accepts only at their neutral value.

@@ -10,6 +10,7 @@ from typing import Sequence
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
+from cluster.parallel.tp_runner import engine_runner
 
 
 class LLM:
@@ -23,7 +24,8 @@ class LLM:
             from cluster.default_model import default_model_path
 
             model = str(default_model_path())
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), verbose=verbose)
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args), verbose=verbose,
+                                make_runner=engine_runner())
 
     def shutdown(self) -> None:
         """Stops the engine's other processes (tensor-parallel ranks); also on leaving ``with``."""

@@ -1,0 +1,46 @@
+"""The cluster's status as an ingress replica reads it for the ``GetStatus`` call of the gRPC
+API: its workers, its own router, and the status every other replica's router publishes in
+the registry. ``tandem status`` and ``tandem top`` show it (``cluster/cli/status.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tandem.v1 import tandem_pb2
+
+async def read_status(monitor) -> tandem_pb2.ClusterStatus:
+    """The cluster as this replica sees it now (``monitor``: its :class:`~cluster.ingress.health.HealthMonitor`)."""
+    info, router = monitor.info, monitor.path.router
+    loop = asyncio.get_running_loop()
+    routers, workers, goodput = await asyncio.gather(router.statuses(), monitor.worker_statuses(info.workers),
+                                                     loop.run_in_executor(None, router.goodput))
+    message = tandem_pb2.ClusterStatus(cluster=info.cluster, model=info.model_name,
+                                       serving=bool(monitor.serving), health=monitor.reason)
+    for name in info.workers:
+        message.workers.add(**_fields(tandem_pb2.WorkerStatus, workers[name]))
+    for name, status in sorted(routers.items()):
+        router = message.routers.add(**_fields(tandem_pb2.RouterStatus, {**status, "name": name}))
+        if status.get("ttft_prediction_error") is None:
+            router.ClearField("ttft_prediction_error")
+    if goodput:
+        for window in ("last_minute", "last_hour"):
+            _goodput_view(getattr(message, window), goodput[window])
+    return message
+
+
+def _fields(message_type, values: dict) -> dict:
+    """The entries of ``values`` that ``message_type`` has fields for (None left out)."""
+    names = message_type.DESCRIPTOR.fields_by_name
+    return {k: v for k, v in values.items() if k in names and v is not None}
+
+
+def _goodput_view(view: tandem_pb2.GoodputView, scopes: dict) -> None:
+    def fill(window: tandem_pb2.SloWindow, values: dict) -> None:
+        window.CopyFrom(tandem_pb2.SloWindow(**_fields(tandem_pb2.SloWindow, values)))
+
+    fill(view.cluster, scopes["cluster"])
+    for name, values in scopes["classes"].items():
+        fill(view.classes[name], values)
+    for name, values in scopes["workers"].items():
+        fill(view.workers[name], values)
