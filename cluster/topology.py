@@ -183,7 +183,7 @@ observability
     grafana_iframe_host (null)
         The Grafana URL as the browser reaches it, when it differs (``RAY_GRAFANA_IFRAME_HOST``).
     tracing
-        Request traces with OpenTelemetry (``cluster/observability/tracing.py``): one trace per request,
+        Request traces with OpenTelemetry (``cluster/ingress/tracing.py``): one trace per request,
         with spans for admission, placement, prefill, KV transfer and decode.
 
         exporter (``none``)

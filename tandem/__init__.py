@@ -12,7 +12,6 @@ needs neither torch nor Ray. ``TandemClient`` speaks the public gRPC API
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 _WHERE = {
     "LLM": "cluster.offline.llm",
@@ -24,13 +23,6 @@ _WHERE = {
 }
 
 __all__ = sorted(_WHERE)
-
-if TYPE_CHECKING:
-    from cluster.engine.engine import RequestOutput
-    from cluster.engine.sampling_params import SamplingParams
-    from cluster.offline.disaggregated import DisaggregatedLLM
-    from cluster.offline.llm import LLM
-    from tandem.client import TandemClient, TandemError
 
 
 def __getattr__(name: str):

@@ -26,7 +26,7 @@ from cluster.runtime.ports import host_port
 from cluster.ingress.request_path import RequestPath
 from cluster.ingress.status import read_status
 from cluster.topology import parse_topology
-from cluster.observability.tracing import request_tracer
+from cluster.ingress.tracing import request_tracer
 
 INGRESS = "grpc-ingress"
 

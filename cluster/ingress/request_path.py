@@ -113,7 +113,7 @@ class RequestPath:
         self.info = info
         self.metrics = metrics
         self.api = api
-        self.tracer = tracer  # cluster.observability.tracing.RequestTracer: each request's trace, when tracing is on
+        self.tracer = tracer  # cluster.ingress.tracing.RequestTracer: each request's trace, when tracing is on
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(info.model_dir)
         except TokenizerError:

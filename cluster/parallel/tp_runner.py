@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -28,9 +28,6 @@ from cluster.engine.models.config import ModelConfig
 from cluster.parallel.group import GroupSpec, join_group
 from cluster.runtime.ray_runtime import ensure_ray
 from cluster.runtime.startup import exception_line, guarded
-
-if TYPE_CHECKING:
-    from cluster.kv_transfer.agent import PairLayout
 
 
 # A follower of a decode engine blocks a thread in each KV receive while the engine keeps
@@ -92,7 +89,7 @@ class TPFollower:
         self.runner.execute(inputs)
         return inputs.transfer_errors
 
-    def join_transfer(self, layout: PairLayout, spec: GroupSpec, prefill_side: bool) -> None:
+    def join_transfer(self, layout, spec: GroupSpec, prefill_side: bool) -> None:
         self.runner.join_transfer(layout, spec, prefill_side)
 
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
@@ -185,7 +182,7 @@ class TensorParallelRunner(ModelRunner):
                     inputs.transfer_errors[request_id] = error
         return logits
 
-    def join_transfer(self, layout: PairLayout, spec: GroupSpec, prefill_side: bool) -> None:
+    def join_transfer(self, layout, spec: GroupSpec, prefill_side: bool) -> None:
         """Every rank joins the pair's group (they block until the other engine's ranks do)."""
         refs = [f.join_transfer.remote(layout, spec, prefill_side) for f in self.followers]
         super().join_transfer(layout, spec, prefill_side)

@@ -28,7 +28,7 @@ from cluster.runtime.ray_runtime import ensure_ray  # noqa: E402
 from cluster.ingress.request_path import RequestPath  # noqa: E402
 from cluster.ingress.status import read_status  # noqa: E402
 from cluster.topology import TracingSpec, parse_topology  # noqa: E402
-from cluster.observability.tracing import memory_exporter, request_tracer  # noqa: E402
+from cluster.ingress.tracing import memory_exporter, request_tracer  # noqa: E402
 from conftest import random_prompts, wait_for  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from tandem.client import TandemClient, build_generate_request  # noqa: E402

@@ -11,7 +11,7 @@ pytest.importorskip("opentelemetry.sdk.trace")
 
 from cluster.ingress.request_path import Attempt, Journey  # noqa: E402
 from cluster.topology import TracingSpec  # noqa: E402
-from cluster.observability.tracing import memory_exporter, request_tracer  # noqa: E402
+from cluster.ingress.tracing import memory_exporter, request_tracer  # noqa: E402
 from router.router import Decision  # noqa: E402
 
 pytestmark = pytest.mark.unit
