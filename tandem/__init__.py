@@ -1,6 +1,6 @@
 """Tandem's front door.
 
-    from tandem import LLM, SamplingParams            # the engine in this process
+    from tandem import LLM, SamplingParams, ChatPrompt  # the engine in this process
     from tandem import DisaggregatedLLM               # prefill and decode workers on Ray, no server
     from tandem import TandemClient                   # a running cluster, over its gRPC API
 
@@ -16,6 +16,7 @@ import importlib
 _WHERE = {
     "LLM": "cluster.offline.llm",
     "SamplingParams": "cluster.engine.sampling_params",
+    "ChatPrompt": "cluster.engine.chat_template",
     "RequestOutput": "cluster.engine.engine",
     "DisaggregatedLLM": "cluster.offline.disaggregated",
     "TandemClient": "tandem.client",
