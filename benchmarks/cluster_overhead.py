@@ -7,13 +7,29 @@ placement, side by side in one run.
     the torch thread count each worker gets; end-to-end time at the client for 1 and 16 tokens
     out, and where the cluster's time goes (the ingress's timings).
     Goal: the cluster adds <= 5 ms to a one-token request.
-(b) Requests per second through the API against the colocated engine on the same prompts and
-    cores: short requests (32 tokens in, 4 out) and long ones (64 in, 128 out), each at 32 and
-    256 concurrent streams (closed loop: each stream sends its next request when the last ended;
+(b) Requests per second through the API against the colocated engine on the same prompts:
+    short requests (32 tokens in, 4 out) and long ones (64 in, 128 out), each at 32 and 256
+    concurrent streams (closed loop: each stream sends its next request when the last ended;
     the colocated engine keeps as many requests in flight), in the ``batch`` SLO class unless
     told otherwise (no objectives: admission holds nothing back, as the engine holds nothing).
-    The client is one asyncio process (grpc.aio); its CPU time is reported, so it can be seen
-    not to be the bottleneck. Goal: the API delivers >= 0.8x the colocated engine's requests/s.
+    The colocated engine runs twice per cell, as two sides: with the torch threads of one worker
+    (the cores divided between the two workers), and with every core of the machine, as a user
+    of this machine would run ``LLM.generate`` (``--colocated-threads`` adds or removes sides);
+    each row gives the cluster's requests/s over that side's. The client is one asyncio process
+    (grpc.aio); its CPU time is reported, so it can be seen not to be the bottleneck.
+    Goal: the API delivers >= 0.8x the colocated engine's requests/s (a worker's threads).
+    Where the cluster's CPU goes (``--no-profile`` turns it off): over the cluster's cells, py-spy
+    samples the ingress replica, the decode worker and the prefill worker (attached to their
+    pids, found in /proc; ``--nonblocking``, so no process is paused; about 1% of a core each at
+    100 Hz), and /proc gives each process's CPU per thread. A table per process, per workload:
+    CPU ms per request and per output token in buckets (gRPC/asyncio I/O, msgpack/protobuf/stream
+    codec, router placement, registry/Redis, engine step/model forward, sampling, detokenize,
+    tracing/metrics, the request path's own code, Ray, other: each thread's CPU split over the
+    buckets of its own samples), and the threads py-spy has no sample of (native ones: Ray's
+    core worker, gRPC's C core) by name; then the busiest frames. The collapsed stacks go
+    to ``cluster_overhead_profile_<process>_<workload>.txt`` (``benchmarks/cluster_profile.py``
+    says how samples are bucketed). Without py-spy (``pip install py-spy``, in the ``bench``
+    extra) or when it cannot read the processes, the report says why and the rest runs as ever.
 (c) Router placements per second against a real Redis with 16 registered workers (their load
     reports and KV blocks). Goal: >= 2,000/s per router replica.
 (d) The same control plane with fake registry entries for 16, 64 and 256 workers (half prefill,
@@ -28,6 +44,8 @@ down``) at the end, also on Ctrl-C or an error.
 
     .venv/bin/python benchmarks/cluster_overhead.py            # about 15 minutes on a 2-core CPU
     .venv/bin/python benchmarks/cluster_overhead.py --parts a b  # only the cluster-vs-engine parts
+    .venv/bin/python benchmarks/cluster_overhead.py --parts a b --latency-requests 5 --short-requests 64 \
+        --long-requests 16 --concurrency 8 --cell-seconds 20 --results-dir /tmp/smoke  # a smoke run
 """
 
 from __future__ import annotations
@@ -39,10 +57,12 @@ import random
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common import REPO_ROOT, ensure_checkpoint, machine_rows, num_cores, percentile, print_table
+import cluster_profile
 from local_cluster import LocalCluster, free_port, stop_on_sigterm
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -135,6 +155,13 @@ def progress(label: str, done: int, total: int, started: float) -> None:
 
 def colocated_side(threads: int) -> str:
     return f"colocated, {threads} thread{'s' if threads > 1 else ''}"
+
+
+def side_label(side: str, worker_threads: int) -> str:
+    """A side as the tables show it: which colocated side has a worker's threads, which every core."""
+    roles = [role for threads, role in ((worker_threads, "a worker's threads"), (num_cores(), "every core"))
+             if side == colocated_side(threads)]
+    return f"{side} ({', '.join(roles)})" if roles else side
 
 
 class Colocated:
@@ -275,10 +302,12 @@ async def cluster_cell(stub, workload: str, prompts: list[list[int]], out: int, 
     return Cell("cluster", workload, concurrency, done, elapsed, cpu.process_s, cpu.machine_busy, failed, local)
 
 
-async def side_by_side(api: str, colocated: Colocated, args, vocab: int, threads: list[int]
+async def side_by_side(api: str, colocated: Colocated, args, vocab: int, threads: list[int],
+                       profiler: cluster_profile.ClusterProfiler | None = None
                        ) -> tuple[list[Latencies], list[Cell]]:
     """(a) request by request, the sides taking turns; (b) cell by cell, the sides taking
-    turns: load from other processes that comes and goes falls on every side alike."""
+    turns: load from other processes that comes and goes falls on every side alike. The
+    profiler, if any, samples the cluster's processes over (b)'s cluster cells."""
     import grpc
 
     from tandem.v1 import tandem_pb2_grpc
@@ -314,27 +343,39 @@ async def side_by_side(api: str, colocated: Colocated, args, vocab: int, threads
                 prompts = make_prompts(n, prompt_tokens, vocab, seed=cell_seed(workload, concurrency))
                 for t in threads:
                     cells.append(colocated.cell(workload, prompts, out, concurrency, args.cell_seconds, t))
-                cells.append(await cluster_cell(stub, workload, prompts, out, concurrency, args))
+                with profiler.cell(workload) if profiler else nullcontext() as profiled:
+                    cells.append(await cluster_cell(stub, workload, prompts, out, concurrency, args))
+                    if profiled is not None:
+                        profiled.requests, profiled.tokens = cells[-1].requests, cells[-1].requests * out
     return latencies, cells
 
 
 def run_side_by_side(args, model_dir: Path, threads: list[int], vocab: int, worker_threads: int
-                     ) -> tuple[list[Latencies], list[Cell], dict | None, float]:
+                     ) -> tuple[list[Latencies], list[Cell], dict | None, float, cluster_profile.ClusterProfiler | None]:
     with LocalCluster(CLUSTER, topology(model_dir, worker_threads)) as cluster:
+        profiler = None
+        if args.profile:
+            profiler = cluster_profile.ClusterProfiler(cluster.cache, cluster.cache / "profiles")
+            if profiler.problem:
+                print(f"[bench] profile skipped: {profiler.problem}", file=sys.stderr, flush=True)
+            else:
+                print("[bench] profiling (b)'s cluster cells with py-spy: "
+                      + ", ".join(f"{name} pid {pid}" for name, pid in profiler.pids.items()), file=sys.stderr,
+                      flush=True)
         colocated = Colocated(model_dir)
         try:
             with CpuMeter() as idle:
                 time.sleep(IDLE_SAMPLE_S)
-            latencies, cells = asyncio.run(side_by_side(cluster.api, colocated, args, vocab, threads))
+            latencies, cells = asyncio.run(side_by_side(cluster.api, colocated, args, vocab, threads, profiler))
         finally:
             colocated.shutdown()
-        status = cluster.cli.status()
-    return latencies, cells, status, idle.machine_busy
+        status = cluster.status()
+    return latencies, cells, status, idle.machine_busy, profiler
 
 
 # -- the report ---------------------------------------------------------------------------------
 
-def latency_rows(latencies: list[Latencies]) -> list[tuple]:
+def latency_rows(latencies: list[Latencies], worker_threads: int) -> list[tuple]:
     rows = []
     for out in LATENCY_OUTPUTS:
         mine = [x for x in latencies if x.output_tokens == out]
@@ -343,7 +384,7 @@ def latency_rows(latencies: list[Latencies]) -> list[tuple]:
             added = "" if x is cluster else f"{added_s(cluster, x) * 1e3:+.1f}"
             added_p50 = "" if x is cluster else f"{(cluster.p50 - x.p50) * 1e3:+.1f}"
             added_p90 = "" if x is cluster else f"{(cluster.p90 - x.p90) * 1e3:+.1f}"
-            rows.append((f"{LATENCY_PROMPT_TOKENS} in, {out} out", x.side, len(x.seconds), f"{x.p50 * 1e3:.1f}",
+            rows.append((f"{LATENCY_PROMPT_TOKENS} in, {out} out", side_label(x.side, worker_threads), len(x.seconds), f"{x.p50 * 1e3:.1f}",
                          f"{x.p90 * 1e3:.1f}", added, added_p50, added_p90))
     return rows
 
@@ -367,14 +408,15 @@ def breakdown_rows(latencies: list[Latencies], baseline_side: str) -> list[tuple
     return rows
 
 
-def throughput_rows(cells: list[Cell]) -> list[tuple]:
+def throughput_rows(cells: list[Cell], worker_threads: int) -> list[tuple]:
     rows = []
     for workload, (prompt_tokens, out) in WORKLOADS.items():
         for concurrency in sorted({c.concurrency for c in cells}):
             mine = [c for c in cells if c.workload == workload and c.concurrency == concurrency]
             cluster = next(c for c in mine if c.side == "cluster")
             for c in mine:
-                rows.append((f"{workload} ({prompt_tokens} in, {out} out)", concurrency, c.side, c.requests,
+                rows.append((f"{workload} ({prompt_tokens} in, {out} out)", concurrency,
+                             side_label(c.side, worker_threads), c.requests,
                              f"{c.seconds:.1f}", f"{c.per_second:.1f}",
                              "" if c is cluster else f"{cluster.per_second / c.per_second:.2f}x",
                              f"{c.machine_busy:.0%}", f"{c.cpu_s / c.seconds:.0%}",
@@ -393,6 +435,24 @@ def ratio_goal(cells: list[Cell], side: str) -> float:
     return min(ratios)
 
 
+def report_profile(profiler: cluster_profile.ClusterProfiler, folder: Path) -> list[str]:
+    """Prints where each profiled process's CPU went in (b)'s cluster cells; writes the raw
+    profiles; returns the lines for the summary."""
+    if profiler.problem:
+        return [f"(b) profile: none ({profiler.problem})"]
+    for name, labels in profiler.profiles.items():
+        spans = ", ".join(f"{label}: {p.requests} requests, {p.tokens} tokens out, {p.cpu_s:.1f} CPU s, "
+                          f"{sum(p.stacks.values())} samples" for label, p in labels.items())
+        print_table(f"(b) the {name}'s CPU in the cluster cells, per request and per output token ({spans}; "
+                    "each thread's CPU split over the buckets of its own py-spy samples; threads without samples, "
+                    "native ones, by name)",
+                    cluster_profile.bucket_rows(labels), cluster_profile.bucket_headers(labels))
+        print_table(f"(b) the {name}'s busiest frames (self time, share of the process's CPU)",
+                    cluster_profile.self_frame_rows(labels), ("frame", "bucket", "share"))
+    written = cluster_profile.write_profiles(profiler, folder, "cluster_overhead_profile")
+    return [f"(b) profiles (collapsed stacks): {', '.join(str(p) for p in written)}"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -400,9 +460,10 @@ def main() -> int:
                         help="a and b run together (one cluster); c is d's 16-worker row")
     parser.add_argument("--threads", type=int, help="torch threads of each worker and of the colocated engine "
                                                     "(default: the cores divided between the two workers)")
-    parser.add_argument("--colocated-threads", type=int, nargs="*", default=[],
-                        help="more thread counts to run the colocated engine with, as more sides (every core: "
-                             "on a shared machine its threads wait on each other)")
+    parser.add_argument("--colocated-threads", type=int, nargs="*", default=None,
+                        help="more thread counts to run the colocated engine with, as more sides (default: "
+                             "every core, as a user of this machine would run LLM.generate; on a shared machine "
+                             "its threads wait on each other; give none for only a worker's threads)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--latency-requests", type=int, default=40, help="requests per row of (a)")
     parser.add_argument("--short-requests", type=int, default=512, help="short requests per cell of (b)")
@@ -414,23 +475,30 @@ def main() -> int:
     parser.add_argument("--control-placements", type=int, default=5000, help="placements per row of (c)/(d)")
     parser.add_argument("--control-seconds", type=float, default=15.0, help="bound of each (c)/(d) row's timing")
     parser.add_argument("--model-dir", help="checkpoint folder to reuse or build (default: the 30M benchmark model)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="no py-spy profile of the ingress and workers during (b)'s cluster cells")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS,
+                        help=f"where the JSON, the profiles and the plot go (default {RESULTS})")
     args = parser.parse_args()
     stop_on_sigterm()
 
     worker_threads = args.threads or max(1, num_cores() // 2)
-    colocated_threads = sorted({worker_threads, *args.colocated_threads})
+    extra = [num_cores()] if args.colocated_threads is None else args.colocated_threads
+    colocated_threads = sorted({worker_threads, *extra})
     report: dict = {"worker_threads": worker_threads, "colocated_threads": colocated_threads}
-    latencies = cells = control = None
+    latencies = cells = control = profiler = None
     if {"a", "b"} & set(args.parts):
         from transformers import LlamaConfig
 
         model_dir, params = ensure_checkpoint(args.model_dir)
         vocab = LlamaConfig.from_pretrained(model_dir).vocab_size
         report["model"] = f"{model_dir} (random Llama, {params / 1e6:.0f}M parameters)"
-        latencies, cells, status, idle_busy = run_side_by_side(args, model_dir, colocated_threads, vocab,
-                                                               worker_threads)
+        latencies, cells, status, idle_busy, profiler = run_side_by_side(args, model_dir, colocated_threads, vocab,
+                                                                         worker_threads)
         report.update(latency=[asdict(x) for x in latencies], throughput=[asdict(x) for x in cells],
                       router=(status or {}).get("router"), idle_machine_busy=idle_busy)
+        if profiler and not profiler.problem:
+            report["profile"] = cluster_profile.summary(profiler)
     if {"c", "d"} & set(args.parts):
         import control_plane
 
@@ -441,7 +509,8 @@ def main() -> int:
 
     rows = machine_rows() + [("model", report.get("model", "-")),
                              ("torch threads", f"{worker_threads} per worker; colocated engine: "
-                                               + " and ".join(map(str, colocated_threads)))]
+                                               + " and ".join(map(str, colocated_threads))
+                                               + f" (every core: {num_cores()})")]
     if "idle_machine_busy" in report:
         rows.append(("machine busy, cluster idle", f"{report['idle_machine_busy']:.0%} over {IDLE_SAMPLE_S:.0f}s "
                                                    "(other processes count)"))
@@ -451,7 +520,7 @@ def main() -> int:
     if latencies:
         print_table(f"(a) end-to-end latency at concurrency 1, ms at the client ({args.latency_requests} requests "
                     "per row, the sides taking turns; cluster: gRPC API, 1 prefill + 1 decode worker)",
-                    latency_rows(latencies), ("request", "side", "n", "p50", "p90", "cluster adds (paired)",
+                    latency_rows(latencies, worker_threads), ("request", "side", "n", "p50", "p90", "cluster adds (paired)",
                                               "cluster p50 - this p50", "cluster p90 - this p90"))
         one = {x.side: x for x in latencies if x.output_tokens == 1}
         added = added_s(one["cluster"], one[baseline]) * 1e3
@@ -463,14 +532,17 @@ def main() -> int:
                      "placement (router)", "placed to last token", f"{baseline} e2e"))
         print_table(f"(b) requests/s, colocated engine vs the gRPC API (closed loop, the sides taking turns; "
                     f"slo_class {args.slo_class!r}; machine busy: every process counted; CPU: the engine's "
-                    "process, or the client's)", throughput_rows(cells),
+                    "process, or the client's; cluster/this: the cluster's requests/s over this side's)",
+                    throughput_rows(cells, worker_threads),
                     ("workload", "streams", "side", "requests", "seconds", "requests/s", "cluster/this",
                      "machine busy", "CPU", "local prefills", "failed"))
         for t in colocated_threads:
             side = colocated_side(t)
             worst = ratio_goal(cells, side)
-            goals.append(f"(b) worst cluster/{side} requests/s ratio {worst:.2f}x (goal >= 0.8x): "
-                         + ("met" if worst >= 0.8 else "NOT met"))
+            goals.append(f"(b) worst cluster/{side_label(side, worker_threads)} requests/s ratio {worst:.2f}x "
+                         "(goal >= 0.8x): " + ("met" if worst >= 0.8 else "NOT met"))
+        if profiler:
+            goals += report_profile(profiler, args.results_dir)
     if control:
         import control_plane
 
@@ -480,12 +552,12 @@ def main() -> int:
         goals.append(f"(c) placements/s with 16 workers {min(sixteen):,.0f} (goal >= 2,000 per router replica): "
                      + ("met" if min(sixteen) >= 2000 else "NOT met"))
         if "d" in args.parts:
-            RESULTS.mkdir(parents=True, exist_ok=True)
-            png = RESULTS / "control_plane.png"
+            args.results_dir.mkdir(parents=True, exist_ok=True)
+            png = args.results_dir / "control_plane.png"
             control_plane.plot(png, control)
             goals.append(f"(d) plot: {png}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "cluster_overhead.json"
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    out = args.results_dir / "cluster_overhead.json"
     out.write_text(json.dumps(report, indent=1, default=str))
     print("\n" + "\n".join(goals))
     print(f"wrote {out}")
