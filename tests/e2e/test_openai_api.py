@@ -151,7 +151,7 @@ def test_a_disconnected_stream_frees_every_block(cluster):
             with http.stream("POST", f"{cluster.state['http']}/completions", json=body, headers=headers) as events:
                 lines = events.iter_lines()
                 assert next(line for line in lines if line.startswith("data: {"))  # streaming: then hang up
-    status = wait_for(lambda: (s := cluster.cli.status()) and all(
+    status = wait_for(lambda: (s := cluster.status()) and all(
         w["kv_blocks_used"] == 0 and w["running"] == 0 for w in s["workers"]) and s, 60, "every block to be free",
         every_s=0.5)
     assert status["in_flight"] == 0

@@ -430,7 +430,7 @@ def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(m
             with pytest.raises(TandemError) as caught:
                 list(c.generate(PROMPTS[0], max_tokens=2))
             assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
-        status = cluster.cli.status()
+        status = cluster.status()
         assert sorted((w["name"], w["tp"]) for w in status["workers"]) == [
             ("decode-0", 1), ("decode-1", 1), ("prefill-0", 2), ("prefill-1", 2)]
         assert status["routers"] == 2
@@ -480,7 +480,7 @@ def test_a_colocated_pool_serves_the_same_tokens(model_dir, reference, tmp_path)
                 assert messages[-1].prefill_worker == "" and messages[-1].decode_worker.startswith("colocated-")
             tokens, _ = stream_tokens(c, REMOTE_PROMPT)
             assert tokens == reference["remote"]
-        assert sorted(w["role"] for w in cluster.cli.status()["workers"]) == ["colocated", "colocated"]
+        assert sorted(w["role"] for w in cluster.status()["workers"]) == ["colocated", "colocated"]
     finally:
         cluster.down()
 
