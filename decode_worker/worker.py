@@ -3,7 +3,7 @@ or (for short or well-cached prompts) prefilled here.
 
 The ingress sends each request once, with the router's choice of prefill worker, over the
 worker's stream (``cluster/protocol/stream.py``: a TCP connection to the address ``open_stream``
-gives, which carries the request's items back), and it runs ``generate``. The worker does the
+gives, which carries the request's messages back), and it runs ``generate``. The worker does the
 rest itself:
 
 1. reserves blocks for the prompt, reusing the full blocks it already caches (only the rest
@@ -18,7 +18,8 @@ rest itself:
 With no prefill worker (``prefill=None``) it prefills the prompt itself. A caller that goes
 away closes its connection, which ends the generator and releases the request's blocks (after
 its KV receive ends, if one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
-that fails, ends the stream with an error item the caller can retry elsewhere.
+that fails, ends the stream with a ``WorkerFailure`` (``cluster/protocol/messages.py``): the
+caller can retry elsewhere.
 
 A failed transfer also ends its transfer group: gloo closes a group's connections for good once
 one send or receive in it times out, and a receive left posted by a prefill that failed would
