@@ -3,7 +3,7 @@ or (for short or well-cached prompts) prefilled here.
 
 The ingress sends each request once, with the router's choice of prefill worker, over the
 worker's stream (``cluster/protocol/stream.py``: a TCP connection to the address ``open_stream``
-gives, which carries the request's items back), and it runs ``generate``. The worker does the
+gives, which carries the request's messages back), and it runs ``generate``. The worker does the
 rest itself:
 
 1. reserves blocks for the prompt, reusing the full blocks it already caches (only the rest
@@ -18,7 +18,8 @@ rest itself:
 With no prefill worker (``prefill=None``) it prefills the prompt itself. A caller that goes
 away closes its connection, which ends the generator and releases the request's blocks (after
 its KV receive ends, if one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
-that fails, ends the stream with an error item the caller can retry elsewhere.
+that fails, ends the stream with a ``WorkerFailure`` (``cluster/protocol/messages.py``): the
+caller can retry elsewhere.
 
 A failed transfer also ends its transfer group: gloo closes a group's connections for good once
 one send or receive in it times out, and a receive left posted by a prefill that failed would
@@ -47,6 +48,8 @@ from cluster.engine.request import TransferTarget
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.worker.engine_worker import EngineWorker
 from cluster.kv_transfer.sender import TAG_STRIDE
+from cluster.protocol.messages import (FailureKind, Finished, PrefillResult, RequestFailed, TokenDelta,
+                                       TransferReport, Usage, WorkerFailure, WorkerRequest)
 from cluster.protocol.stream import StreamServer
 
 TAG_LIMIT = 2**30
@@ -61,50 +64,48 @@ class _Stream:
     engine's thread (through the event loop), taken all at once by the caller."""
 
     def __init__(self):
-        self.parts: list[dict] = []
+        self.parts: list[TokenDelta | RequestFailed] = []
         self.ready = asyncio.Event()
         self.busy: list[asyncio.Future] = []  # calls into the engine (a reserve, a KV receive) still running
 
-    def push(self, part: dict) -> None:
+    def push(self, part: TokenDelta | RequestFailed) -> None:
         self.parts.append(part)
         self.ready.set()
 
-    async def take(self) -> dict:
+    async def take(self) -> TokenDelta | RequestFailed:
         await self.ready.wait()
         self.ready.clear()
         parts, self.parts = self.parts, []
-        return merge_parts(parts)
+        return merge_deltas(parts)
 
 
-def output_part(output: RequestOutput) -> dict:
+def delta_of(output: RequestOutput) -> TokenDelta | RequestFailed:
     """What the caller needs of one step's output: the new tokens and text, and at the end the
-    finish reason, usage and error."""
+    finish reason and usage, or the error it ended with."""
+    if output.finished and output.finish_reason == "error":
+        return RequestFailed(output.error_kind or "unavailable", output.error)
     new = len(output.new_token_ids)
-    part = {"token_ids": list(output.new_token_ids), "text": output.delta_text, "finished": output.finished}
+    logprobs = None
     if output.logprobs is not None:
-        part["logprobs"] = list(zip(output.logprobs[-new:] if new else [],
-                                    (output.top_logprobs or [])[-new:] if new else []))
+        logprobs = list(zip(output.logprobs[-new:] if new else [], (output.top_logprobs or [])[-new:] if new else []))
+    end = None
     if output.finished:
-        part["finish_reason"] = output.finish_reason
-        part["usage"] = [output.usage.prompt_tokens, output.usage.cached_tokens, output.usage.completion_tokens]
-        if output.finish_reason == "error":
-            part["error"] = {"kind": output.error_kind or "unavailable", "message": output.error}
-    return part
+        usage = output.usage
+        end = Finished(output.finish_reason, Usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens))
+    return TokenDelta(list(output.new_token_ids), output.delta_text, logprobs, end=end)
 
 
-def merge_parts(parts: list[dict]) -> dict:
-    """Several steps' parts as one item, in order; the last one's ending, if it ended."""
-    if len(parts) == 1:
-        return parts[0]
-    item = dict(parts[-1])
-    item["token_ids"] = [t for p in parts for t in p["token_ids"]]
-    item["text"] = "".join(p["text"] for p in parts)
-    if any("logprobs" in p for p in parts):
-        item["logprobs"] = [lp for p in parts for lp in p.get("logprobs", [])]
-    for p in parts:
-        if "transfer" in p:
-            item["transfer"] = p["transfer"]
-    return item
+def merge_deltas(parts: list[TokenDelta | RequestFailed]) -> TokenDelta | RequestFailed:
+    """Several steps' parts as one, in order; the last one's ending, if it ended."""
+    last = parts[-1]
+    if len(parts) == 1 or isinstance(last, RequestFailed):
+        return last
+    logprobs = None
+    if any(p.logprobs is not None for p in parts):
+        logprobs = [lp for p in parts for lp in (p.logprobs or [])]
+    transfer = next((p.transfer for p in reversed(parts) if p.transfer is not None), None)
+    return TokenDelta([t for p in parts for t in p.token_ids], "".join(p.text for p in parts), logprobs,
+                      transfer, last.end)
 
 
 class DecodeWorker(EngineWorker):
@@ -142,18 +143,13 @@ class DecodeWorker(EngineWorker):
             import ray
 
             self._loop = asyncio.get_running_loop()
-            stream = StreamServer(self._serve, token)
+            stream = StreamServer(self.generate, token)
             await stream.start(ray.util.get_node_ip_address())
             self._stream = stream
         elif not hmac.compare_digest(token.encode(), self._stream.token.encode()):
             raise ValueError("open_stream: not this cluster's stream token")
         return self._stream.address
 
-    def _serve(self, request: dict) -> AsyncIterator[dict]:
-        """A request from the stream (checked by the ingress already): its items."""
-        return self.generate(request["request_id"], request["prompt_token_ids"],
-                             SamplingParams.from_mapping(request["params"]), request["priority"],
-                             request["prefill"], request["transfer_timeout_s"], request["stream_layers"])
 
     async def join_pair(self, layout, spec) -> None:
         await asyncio.get_running_loop().run_in_executor(self._receives, super().join_pair, layout, spec)
@@ -224,34 +220,35 @@ class DecodeWorker(EngineWorker):
 
     # -- one request ---------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, prefill: str | None = None, transfer_timeout_s: float = 60.0,
-                       stream_layers: bool = True) -> AsyncIterator[dict]:
-        """Runs one request and streams its items (see the module's docstring). The first item
-        carries ``transfer`` (what the KV hand-off did) when a prefill worker was used; an item
-        with ``error`` ends the stream (``kind`` ``retry`` when another placement may work)."""
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta | RequestFailed | WorkerFailure]:
+        """Runs one request and streams its messages (see the module's docstring). The first
+        delta carries ``transfer`` (what the KV hand-off did) when a prefill worker was used; a
+        RequestFailed or WorkerFailure (another placement may work) ends the stream."""
+        request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
         self._loop = asyncio.get_running_loop()
         stream = self._streams[request_id] = _Stream()
         ended = False
         try:
-            if prefill is None:
+            if request.prefill is None:
                 try:
-                    await self._tracked(stream, self._add_local, request_id, prompt_token_ids, params, priority)
+                    await self._tracked(stream, self._add_local, request_id, prompt_token_ids, params,
+                                        request.priority)
                 except InvalidRequestError as exc:
                     ended = True
-                    yield {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}
+                    yield RequestFailed("invalid", str(exc))
                     return
             else:
-                outcome = await self._prefill_remote(stream, request_id, prompt_token_ids, params, priority, prefill,
-                                                     transfer_timeout_s, stream_layers)
-                if "error" in outcome:
+                outcome = await self._prefill_remote(stream, request_id, prompt_token_ids, params, request.priority,
+                                                     request.prefill, request.transfer_timeout_s,
+                                                     request.stream_layers)
+                if not isinstance(outcome, TransferReport):
                     ended = True
                     yield outcome
                     return
-                stream.parts.insert(0, {"token_ids": [], "text": "", "finished": False, "transfer": outcome})
+                stream.parts.insert(0, TokenDelta([], "", transfer=outcome))
             while True:
                 item = await stream.take()
-                ended = item["finished"]
+                ended = item.final
                 yield item
                 if ended:
                     return
@@ -286,25 +283,27 @@ class DecodeWorker(EngineWorker):
         await self._call(self._release, request_id)
 
     async def _prefill_remote(self, stream: _Stream, request_id: str, prompt: list[int], params: SamplingParams,
-                              priority: int, prefill: str, timeout_s: float, stream_layers: bool) -> dict:
+                              priority: int, prefill: str, timeout_s: float,
+                              stream_layers: bool) -> TransferReport | RequestFailed | WorkerFailure:
         """Reserves blocks, then runs the prefill worker's prefill and this worker's receive
-        together; admits the request once both ended well. Returns what the hand-off did, or an
-        error item. Its engine calls go on ``stream.busy`` for a cancelled caller's cleanup."""
+        together; admits the request once both ended well. Returns what the hand-off did, or how
+        it failed. Its engine calls go on ``stream.busy`` for a cancelled caller's cleanup."""
         import ray
 
         loop = asyncio.get_running_loop()
         try:
             reserved = await self._tracked(stream, self._reserve, request_id, prompt, params, priority)
         except InvalidRequestError as exc:
-            return {"error": {"kind": "invalid", "message": str(exc)}, "finished": True}
+            return RequestFailed("invalid", str(exc))
         if reserved is None:
-            return _retry(f"{self.name} has no free KV blocks for this prompt now", no_room=True)
+            return WorkerFailure(FailureKind.NO_ROOM, f"{self.name} has no free KV blocks for this prompt now")
         first_block, dst_blocks = reserved
         pair = self._peers.get(prefill)
         if pair is None or prefill in self._unpaired:
             await self._call(self._release, request_id)
             state = "no" if pair is None else "a rebuilding"
-            return _retry(f"{self.name} has {state} KV transfer group with {prefill}", unpaired=prefill)
+            return WorkerFailure(FailureKind.UNPAIRED, f"{self.name} has {state} KV transfer group with {prefill}",
+                                 prefill)
         group = self._groups[pair][1]  # the group this transfer uses (a failure rebuilds only this one)
         tag_base = next(self._tags[pair]) * self.engine.model_config.num_layers * TAG_STRIDE % TAG_LIMIT
         target = TransferTarget(pair, tag_base, first_block, timeout_s, stream_layers)
@@ -318,33 +317,31 @@ class DecodeWorker(EngineWorker):
         try:
             worker = ray.get_actor(prefill, namespace=self._namespace)
             prefill_started = time.time()
-            result = await worker.prefill.remote(request_id, prompt, params, target)
+            result: PrefillResult = await worker.prefill.remote(request_id, prompt, params, target)
             prefill_ended = time.time()
         except (ray.exceptions.RayActorError, ValueError):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
             asyncio.ensure_future(self._release_after(request_id, [receiving]))
-            return _retry(f"prefill worker {prefill} died", failed=prefill)
+            return WorkerFailure(FailureKind.RETRY, f"prefill worker {prefill} died", prefill)
         if result.error:
             # Its receive may stay posted until its deadline: the group is rebuilt rather than
             # waited for, and the blocks go free once the receive has ended.
             self._pair_failed(prefill, group)
             asyncio.ensure_future(self._release_after(request_id, [receiving]))
-            return _retry(f"KV transfer failed: prefill: {result.error}", unpaired=prefill)
+            return WorkerFailure(FailureKind.UNPAIRED, f"KV transfer failed: prefill: {result.error}", prefill)
         receive_error = await asyncio.shield(receiving)
         received_s = time.perf_counter() - started
         if receive_error:
             self._pair_failed(prefill, group)
             await self._call(self._release, request_id)
-            return _retry(f"KV transfer failed: receive: {receive_error}", unpaired=prefill)
+            return WorkerFailure(FailureKind.UNPAIRED, f"KV transfer failed: receive: {receive_error}", prefill)
         await self._tracked(stream, self._admit, request_id, result.first_token, result.first_logprob,
                             result.first_top_logprobs)
         nbytes = len(dst_blocks) * self.engine.runner.block_bytes
         self.metrics.received(nbytes, received_s)
-        return {"prefill": prefill, "blocks_cached_on_decode": first_block, "blocks_sent": result.blocks_sent,
-                "prefill_cached_tokens": result.cached_tokens, "bytes": nbytes,
-                "times": {"prefill": [prefill_started, prefill_ended],
-                          "receive": [receive_started, times.get("received", prefill_ended)],
-                          "admitted": time.time()}}
+        return TransferReport(prefill, first_block, result.blocks_sent, result.cached_tokens, nbytes,
+                              (prefill_started, prefill_ended), (receive_started, times.get("received", prefill_ended)),
+                              time.time())
 
     # -- under the engine's lock (``_tracked``) ------------------------------------------------
 
@@ -371,31 +368,13 @@ class DecodeWorker(EngineWorker):
         return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        parts = [(o.request_id, output_part(o)) for o in outputs if o.request_id in self._streams]
+        parts = [(o.request_id, delta_of(o)) for o in outputs if o.request_id in self._streams]
         if parts and self._loop is not None:
             self._loop.call_soon_threadsafe(self._deliver, parts)
 
-    def _deliver(self, parts: list[tuple[str, dict]]) -> None:
+    def _deliver(self, parts: list[tuple[str, TokenDelta | RequestFailed]]) -> None:
         for request_id, part in parts:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.push(part)
 
-
-class ColocatedWorker(DecodeWorker):
-    """A worker of a ``colocated`` pool: it prefills and decodes every request itself (no KV
-    travels), the baseline that disaggregation is measured against."""
-
-    role = "colocated"
-
-
-def _retry(message: str, failed: str | None = None, no_room: bool = False, unpaired: str | None = None) -> dict:
-    """An error item after which another placement may work: ``failed_worker`` names a worker
-    found dead, ``no_room`` says only that this worker had no blocks at that moment, and
-    ``unpaired`` a prefill worker this one cannot take KV from now (a retry avoids the pair)."""
-    error = {"kind": "retry", "message": message, "no_room": no_room}
-    if failed:
-        error["failed_worker"] = failed
-    if unpaired:
-        error["unpaired"] = unpaired
-    return {"error": error, "finished": True}

@@ -2,7 +2,8 @@
 
 For each request it computes the part of the prompt its own prefix cache lacks, samples the
 first token, and streams each layer's KV to the decode worker while the next layers compute
-(the request carries a :class:`TransferTarget`). Its blocks are freed as soon as the request
+(the request carries a :class:`TransferTarget`); it answers with a
+:class:`~cluster.protocol.messages.PrefillResult`. Its blocks are freed as soon as the request
 ends; sent messages are copies, so nothing waits on the decode side to free them.
 
 ``prefill`` calls run concurrently (a threaded actor): each adds its request and waits, while
@@ -13,25 +14,14 @@ batches) as in the colocated engine.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.request import TransferTarget
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.protocol.messages import PrefillResult
 from cluster.worker.engine_worker import EngineWorker
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    first_token: int | None
-    prompt_tokens: int
-    cached_tokens: int  # hits in this prefill worker's own prefix cache
-    blocks_sent: int
-    error: str | None
-    first_logprob: float | None = None  # when the request asked for logprobs
-    first_top_logprobs: list[tuple[int, float]] | None = None
 
 
 class PrefillWorker(EngineWorker):

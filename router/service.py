@@ -84,8 +84,9 @@ class RouterService:
         wall-clock time the call reached the API, from which its TTFT objective counts; ``avoid``
         the (prefill, decode) pairs whose KV transfer failed under this request."""
         now = time.time()
-        request = RouteRequest(request_id, prompt, max_tokens, slo_class, cache_salt, ttft_s, tpot_s, priority,
-                               arrival, tuple(map(tuple, avoid)))
+        request = RouteRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
+                               slo_class=slo_class, cache_salt=cache_salt, ttft_s=ttft_s, tpot_s=tpot_s,
+                               priority=priority, arrival=arrival, avoid=tuple(map(tuple, avoid)))
         decision = self.router.submit(request, now)
         self.metrics.decided(decision)
         if decision.action != "queue":

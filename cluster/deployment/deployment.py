@@ -165,7 +165,8 @@ class Deployment:
         constructor's failure is raised by ``started()``, not printed by Ray)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from decode_worker.worker import ColocatedWorker, DecodeWorker
+        from decode_worker.colocated import ColocatedWorker
+        from decode_worker.worker import DecodeWorker
         from prefill_worker.worker import PrefillWorker
 
         classes = {"prefill": (PrefillWorker, 64), "decode": (DecodeWorker, 1000), "colocated": (ColocatedWorker, 1000)}

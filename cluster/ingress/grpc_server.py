@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.engine.chat_template import ChatPrompt
+from cluster.protocol.messages import Output, RequestFailed
 from cluster.runtime.ports import host_port
 from cluster.topology import ClusterSpec
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
@@ -79,21 +80,22 @@ def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
             "slo_class": request.slo_class, "priority": request.priority, **objectives}
 
 
-def response_message(message: dict) -> tandem_pb2.GenerateResponse:
-    response = tandem_pb2.GenerateResponse(request_id=message.get("request_id", ""), token_ids=message["token_ids"],
-                                           text=message["text"], finished=message["finished"])
-    for logprob, top in message.get("logprobs", []):
+def response_message(message: Output) -> tandem_pb2.GenerateResponse:
+    response = tandem_pb2.GenerateResponse(request_id=message.request_id, token_ids=message.token_ids,
+                                           text=message.text, finished=message.finished)
+    for logprob, top in message.logprobs or []:
         response.logprobs.add(logprob=logprob, top=[tandem_pb2.TopLogprob(token_id=t, logprob=p) for t, p in top])
-    if message.get("placement"):
-        response.prefill_worker, response.decode_worker = message["placement"]
-    if message["finished"]:
-        response.finish_reason = message.get("finish_reason") or ""
-        prompt, cached, completion = message["usage"]
-        response.usage.CopyFrom(tandem_pb2.Usage(prompt_tokens=prompt, cached_tokens=cached,
-                                                 completion_tokens=completion))
-        queue_ms, ttft_ms, tpot_ms, e2e_ms = message["timings"]
-        response.timings.CopyFrom(tandem_pb2.Timings(queue_ms=queue_ms, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
-                                                     e2e_ms=e2e_ms))
+    if message.placement:
+        response.prefill_worker, response.decode_worker = message.placement
+    if message.end is not None:
+        end = message.end
+        response.finish_reason = end.finish_reason or ""
+        usage = end.usage
+        response.usage.CopyFrom(tandem_pb2.Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                                                 completion_tokens=usage.completion_tokens))
+        t = end.timings
+        response.timings.CopyFrom(tandem_pb2.Timings(queue_ms=t.queue_ms, ttft_ms=t.ttft_ms, tpot_ms=t.tpot_ms,
+                                                     e2e_ms=t.e2e_ms))
     return response
 
 
@@ -117,11 +119,10 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         messages = self.path.generate(payload)
         try:
             async for message in messages:
-                if "error" in message:
-                    error = message["error"]
-                    await context.abort(CODES.get(error["kind"], grpc.StatusCode.UNAVAILABLE), error["message"])
+                if isinstance(message, RequestFailed):
+                    await context.abort(CODES.get(message.kind, grpc.StatusCode.UNAVAILABLE), message.message)
                 await context.write(response_message(message))
-                if message["finished"]:
+                if message.finished:
                     break
         except BaseException:
             await messages.aclose()  # a call that ended early aborts its request on every worker

@@ -25,6 +25,7 @@ from aiohttp import web
 from cluster.ingress import openai_api
 from cluster.ingress.openai_api import ApiError, Choice, OpenAIRequest
 from cluster.engine.request_limits import MAX_ECHO_CHARS
+from cluster.protocol.messages import Ending, Output, RequestFailed
 
 MAX_BODY_BYTES = 8 * 2**20
 
@@ -107,14 +108,13 @@ class OpenAIServer:
     @staticmethod
     async def _collect(stream, choice: Choice) -> None:
         async for message in stream:
-            if "error" in message:
+            if isinstance(message, RequestFailed):
                 raise openai_api.error_for(message)
-            choice.text += message["text"]
-            choice.token_ids += message["token_ids"]
-            choice.logprobs += message.get("logprobs", [])
-            if message["finished"]:
-                choice.finish_reason = message["finish_reason"]
-                choice.usage = message["usage"]
+            choice.text += message.text
+            choice.token_ids += message.token_ids
+            choice.logprobs += message.logprobs or []
+            if message.end is not None:
+                choice.finish_reason, choice.usage = _ending(message.end)
 
     async def _stream(self, request: web.Request, req: OpenAIRequest, requests: list[dict]) -> web.StreamResponse:
         streams = [self.path.generate(r) for r in requests]
@@ -164,34 +164,41 @@ class OpenAIServer:
         for message in firsts:
             if isinstance(message, BaseException):
                 raise message
-            if message is not None and "error" in message:
+            if isinstance(message, RequestFailed):
                 for stream in streams:
                     await stream.aclose()
                 raise openai_api.error_for(message)
         return [m for m in firsts if m is not None]
 
-    async def _stream_message(self, response, req: OpenAIRequest, choice: Choice, message: dict) -> None:
-        if "error" in message:  # failed after its first token: say so in the stream, then end it
+    async def _stream_message(self, response, req: OpenAIRequest, choice: Choice,
+                              message: Output | RequestFailed) -> None:
+        if isinstance(message, RequestFailed):  # failed after its first token: say so in the stream, then end it
             error = openai_api.error_for(message)
             await _send(response, error.body())
             choice.finish_reason = "error"
             return
         logprobs = None
-        if req.logprobs is not None and message.get("logprobs"):
-            logprobs = openai_api.logprobs_block(req.kind, message["logprobs"], message["token_ids"], self._decode,
+        if req.logprobs is not None and message.logprobs:
+            logprobs = openai_api.logprobs_block(req.kind, message.logprobs, message.token_ids, self._decode,
                                                  len(choice.text))
-        choice.text += message["text"]
-        choice.token_ids += message["token_ids"]
-        if message["token_ids"] or message["text"]:
-            await _send(response, openai_api.chunk(req, choice.index, message["text"], None, logprobs))
-        if message["finished"]:
-            choice.finish_reason, choice.usage = message["finish_reason"], message["usage"]
+        choice.text += message.text
+        choice.token_ids += message.token_ids
+        if message.token_ids or message.text:
+            await _send(response, openai_api.chunk(req, choice.index, message.text, None, logprobs))
+        if message.end is not None:
+            choice.finish_reason, choice.usage = _ending(message.end)
             await _send(response, openai_api.chunk(req, choice.index, "" if req.kind == "completion" else None,
                                                    choice.finish_reason))
 
     def _decode(self, token_id: int) -> str:
         tokenizer = self.path.tokenizer
         return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+
+def _ending(end: Ending) -> tuple[str, list[int]]:
+    """A choice's finish reason and usage ([prompt, cached, completion]) from its last message."""
+    usage = end.usage
+    return end.finish_reason, [usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens]
 
 
 async def _send(response: web.StreamResponse, payload: dict) -> None:

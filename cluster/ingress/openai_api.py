@@ -17,10 +17,13 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from cluster.engine.chat_template import ChatPrompt
 from cluster.engine.request_limits import quote
+
+if TYPE_CHECKING:
+    from cluster.protocol.messages import RequestFailed
 
 MAX_CHOICES = 16
 # Fields OpenAI defines that Tandem accepts only at their neutral value.
@@ -259,12 +262,11 @@ def _optional_int(body: Mapping, name: str, minimum: int | None, maximum: int | 
 
 # -- writing responses ----------------------------------------------------------------------------
 
-def error_for(message: dict) -> ApiError:
+def error_for(error: RequestFailed) -> ApiError:
     """The request path's error message as an API error with its status."""
-    error = message["error"]
-    status = STATUS.get(error["kind"], 503)
+    status = STATUS.get(error.kind, 503)
     param = None
-    text = error["message"]
+    text = error.message
     if status == 400:
         param = text.split(":", 1)[0] if ":" in text.split(" ", 1)[0] else None
     return ApiError(status, text, param)

@@ -17,14 +17,13 @@ resuming without repeating or losing a token; a prefill worker that dies before 
 or a transfer that fails, is retried on another placement. Only when no worker of a role is
 left does the caller get ``unavailable``.
 
-Messages are plain dicts (the API layers turn them into gRPC or HTTP responses): token deltas
-``{"token_ids", "text", "finished", "logprobs"?}``, the first carrying ``request_id`` and the first
-of each placement ``placement`` ``[prefill worker, decode worker]``; the last
-also ``finish_reason``, ``usage`` ``[prompt, cached, completion]``, ``timings`` ``[queue,
-TTFT, TPOT, end to end]`` in ms, ``placement`` and ``router_told`` (a future settled once the
-router has its record, for a caller that reads goodput next: the router is told after the last
-message is handed over); or an error ``{"error": {"kind",
-"message"}, "finished": True}`` with kind ``invalid``, ``not_found``, ``rejected`` or
+Messages are typed (``cluster/protocol/messages.py``; the API layers turn them into gRPC or
+HTTP responses): an ``Output`` per token delta, the first carrying ``request_id`` and the first
+of each placement ``placement`` (prefill worker, decode worker); the last also ``end``: how it
+finished (reason and usage: prompt, cached, completion), its timings (queue, TTFT, TPOT, end to
+end, in ms), the decision and transfer, and ``router_told`` (a future settled once the router
+has its record, for a caller that reads goodput next: the router is told after the last message
+is handed over); or a ``RequestFailed`` with kind ``invalid``, ``not_found``, ``rejected`` or
 ``unavailable``. Times count from ``arrival``, when the call reached the API.
 """
 
@@ -33,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
-from cluster.protocol.messages import ServingInfo
+from cluster.protocol.messages import (Ending, FailureKind, Finished, Output, RequestFailed, ServingInfo, Timings, TokenDelta,
+                                       TransferReport, Usage, WorkerFailure, WorkerRequest)
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.engine import prompt_token_ids
 from cluster.engine.request import Request
@@ -59,11 +60,12 @@ class Attempt:
     requested_at: float
     decided_at: float
     decision: Decision
-    transfer: dict | None = None  # the decode worker's report of the KV hand-off, with its times
+    transfer: TransferReport | None = None  # the decode worker's report of the KV hand-off, with its times
     first_token_at: float | None = None
     tokens: int = 0
     ended_at: float | None = None
     failure: str | None = None
+    placed_at: float | None = None  # when the request path took the placement up
 
 
 @dataclass
@@ -81,7 +83,7 @@ class Journey:
     cached_tokens: int = 0
     attempt: int = 0  # placements after the first (migrations and retries)
     decision: Decision | None = None
-    transfer: dict | None = None
+    transfer: TransferReport | None = None
     outcome: str = ""
     checked_at: float | None = None
     attempts: list[Attempt] = field(default_factory=list)
@@ -95,13 +97,39 @@ class Journey:
             return None
         return (self.finished_at - self.first_token_at) / (n - 1)
 
-    def timings_ms(self) -> list[float]:
+    def timings_ms(self) -> Timings:
         def ms(later, earlier):
             return (later - earlier) * 1000 if later is not None and earlier is not None else 0.0
 
         tpot = self.tpot_s()
-        return [ms(self.placed_at, self.arrival), ms(self.first_token_at, self.arrival),
-                tpot * 1000 if tpot is not None else 0.0, ms(self.finished_at, self.arrival)]
+        return Timings(ms(self.placed_at, self.arrival), ms(self.first_token_at, self.arrival),
+                       tpot * 1000 if tpot is not None else 0.0, ms(self.finished_at, self.arrival))
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that passed the checks, in the terms the rest of its path uses."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    slo_class: str
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+@dataclass
+class AttemptEnd:
+    """How one placement's stream ended: ``done`` when the request is over (finished, or an
+    error its caller gets), else why another placement is tried."""
+
+    ended: bool = False  # the stream ended (not cut off by its caller going away)
+    done: bool = False
+    failure: str | None = None
+    failed_worker: str | None = None  # a worker found dead
+    no_room: bool = False  # the decode worker had no blocks at that moment
+    unpaired: str | None = None  # a prefill worker the decode worker cannot take KV from now
 
 
 class RequestPath:
@@ -169,9 +197,8 @@ class RequestPath:
 
     # -- checking a request -------------------------------------------------------------------
 
-    def check(self, request: dict) -> tuple[str, list[int], SamplingParams, int, str, float | None, float | None]:
-        """(request id, prompt token ids, sampling, priority, SLO class, TTFT and TPOT objectives);
-        InvalidRequestError names what is wrong, LookupError a model this cluster does not serve."""
+    def check(self, request: dict) -> CheckedRequest:
+        """The request, checked; InvalidRequestError names what is wrong, LookupError a model this cluster does not serve."""
         model = request.get("model")
         if model and model != self.info.model_name:
             raise LookupError(f"model {quote(model)} is not served here; this cluster serves "
@@ -199,7 +226,7 @@ class RequestPath:
         for name, value in zip(("ttft", "tpot"), objectives):
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"objectives.{name}_ms must be positive, got {value * 1000:g}")
-        return request_id, token_ids, params, int(request.get("priority") or 0), cls.name, *objectives
+        return CheckedRequest(request_id, token_ids, params, int(request.get("priority") or 0), cls.name, *objectives)
 
     def room_for(self, prompt_tokens: int) -> int:
         """Most tokens a prompt this long may generate: to the end of the context, and no more
@@ -209,27 +236,27 @@ class RequestPath:
 
     # -- one request --------------------------------------------------------------------------
 
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
+    async def generate(self, request: dict) -> AsyncIterator[Output | RequestFailed]:
         """Streams one request's messages (see the module's docstring). ``request["api"]`` names
         the API it came through, for metrics (default: this path's)."""
         arrival = min(request.get("arrival") or time.time(), time.time())
         try:
-            request_id, prompt, params, priority, slo_class, ttft_s, tpot_s = self.check(request)
+            checked = self.check(request)
         except LookupError as exc:
-            yield _error("not_found", str(exc))
+            yield RequestFailed("not_found", str(exc))
             return
         except InvalidRequestError as exc:
-            yield _error("invalid", str(exc))
+            yield RequestFailed("invalid", str(exc))
             return
-        journey = self.active[request_id] = Journey(request_id, arrival, len(prompt), slo_class,
-                                                    checked_at=time.time())
-        engine_priority = priority + self.info.router_config.slo_class(slo_class).priority
+        request_id = checked.request_id
+        journey = self.active[request_id] = Journey(request_id, arrival, len(checked.prompt_token_ids),
+                                                    checked.slo_class, checked_at=time.time())
         first = True
-        run = self._run(journey, prompt, params, priority, engine_priority, ttft_s, tpot_s)
+        run = self._run(journey, checked)
         try:
             async for message in run:
                 if first:
-                    message["request_id"] = request_id
+                    message = replace(message, request_id=request_id)
                     first = False
                 yield message
         finally:
@@ -237,16 +264,21 @@ class RequestPath:
             del self.active[request_id]
             if not journey.outcome:
                 journey.outcome = "abort"  # the caller went away: _run's own cleanup released the request
-            if self.metrics is not None:
-                self.metrics.finished(journey.outcome, journey.slo_class, journey.ttft_s(), journey.tpot_s(),
-                                      request.get("api", self.api))
-            if self.tracer is not None:
-                self.tracer.record(journey, request.get("api", self.api), request.get("traceparent"), time.time())
+            self._account(journey, request)
 
-    async def _run(self, journey: Journey, prompt: list[int], params: SamplingParams, priority: int,
-                   engine_priority: int, ttft_s: float | None, tpot_s: float | None) -> AsyncIterator[dict]:
-        ray, router = self.ray, self.router
+    def _account(self, journey: Journey, request: dict) -> None:
+        """A request's metrics and trace, once it is over."""
+        api = request.get("api", self.api)
+        if self.metrics is not None:
+            self.metrics.finished(journey.outcome, journey.slo_class, journey.ttft_s(), journey.tpot_s(), api)
+        if self.tracer is not None:
+            self.tracer.record(journey, api, request.get("traceparent"), time.time())
+
+    async def _run(self, journey: Journey, checked: CheckedRequest) -> AsyncIterator[Output | RequestFailed]:
+        """Places the request and streams it, placing it again (up to ``router.migration_limit``
+        times) when a worker fails under it."""
         limit = self.info.router_config.migration_limit
+        engine_priority = checked.priority + self.info.router_config.slo_class(checked.slo_class).priority
         no_room = placements = 0
         avoid: list[tuple[str, str]] = []  # (prefill, decode) pairs whose KV transfer failed under this request
         while True:
@@ -256,129 +288,152 @@ class RequestPath:
             placements += 1
             # After a failure mid-stream the tokens already sent become part of the prompt.
             sent = journey.tokens
-            now_prompt = prompt + sent
-            now_params = replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params
-            requested_at = time.time()
-            # Generation ends at the model's context whatever max_tokens says (as in the engine):
-            # the router plans blocks for the tokens that can come, not for room that never will.
-            planned = min(now_params.max_tokens, self.info.max_model_len - len(now_prompt))
-            try:  # a caller that goes away while it waits cancels this: the router drops it
-                decision: Decision = await router.place(attempt_id, now_prompt, planned, journey.slo_class, None,
-                                                        ttft_s, tpot_s, priority, journey.arrival, tuple(avoid))
-            except Exception as exc:  # noqa: BLE001 - a fault of the router's own: one line to the caller
-                journey.outcome = "unavailable"
-                yield _error("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")
+            params = checked.params
+            request = WorkerRequest(attempt_id, checked.prompt_token_ids + sent,
+                                    replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params,
+                                    engine_priority, None, self.info.transfer_timeout_s, self.info.stream_layers)
+            placed = await self._place(journey, checked, request, avoid)
+            if isinstance(placed, RequestFailed):
+                yield placed
                 return
-            attempt = Attempt(requested_at, time.time(), decision)
-            journey.attempts.append(attempt)
-            if decision.action == "reject":
-                journey.outcome = "rejected"
-                if decision.decode is None and decision.reason.startswith("no live"):
-                    journey.outcome = "unavailable"
-                    yield _error("unavailable", decision.reason)
-                else:
-                    yield _error("rejected", f"rejected by admission control: {decision.reason}")
+            decision = placed.decision
+            request = replace(request, prefill=decision.prefill)
+            end = AttemptEnd()
+            async with aclosing(self._stream_attempt(journey, placed, request, end)) as messages:
+                async for message in messages:
+                    yield message
+            if end.done:
                 return
-            journey.decision = decision
-            placed_at = time.time()
-            if journey.placed_at is None:
-                journey.placed_at = placed_at
-            failure: tuple[str, str | None] | None = None  # (why, the worker that failed)
-            out_of_room = ended = placement_sent = False
-            stream = None
-            try:
-                address = await self.stream_address(decision.decode)
-                stream = self.streams.generate(address, {
-                    "request_id": attempt_id, "prompt_token_ids": now_prompt, "params": asdict(now_params),
-                    "priority": engine_priority, "prefill": decision.prefill,
-                    "transfer_timeout_s": self.info.transfer_timeout_s, "stream_layers": self.info.stream_layers})
-                async for item in stream:
-                    error = item.get("error")
-                    if error is not None:
-                        attempt.ended_at, attempt.failure = time.time(), error["message"]
-                        if error["kind"] != "retry":
-                            ended = True
-                            router.finished(attempt_id, None, None, True)
-                            journey.outcome = error["kind"]
-                            yield _error(error["kind"], error["message"])
-                            return
-                        failure = (error["message"], error.get("failed_worker"))
-                        out_of_room = error.get("no_room", False)
-                        if error.get("unpaired"):
-                            avoid.append((error["unpaired"], decision.decode))
-                        ended = True
-                        break
-                    if "transfer" in item:
-                        journey.transfer = attempt.transfer = item["transfer"]
-                    if item["token_ids"] and attempt.first_token_at is None:
-                        attempt.first_token_at = time.time()
-                        if journey.first_token_at is None:
-                            journey.first_token_at = attempt.first_token_at
-                    journey.tokens.extend(item["token_ids"])
-                    attempt.tokens += len(item["token_ids"])
-                    message = {"token_ids": item["token_ids"], "text": item["text"], "finished": item["finished"]}
-                    if "logprobs" in item:
-                        message["logprobs"] = item["logprobs"]
-                    if not placement_sent:  # the caller learns where its request runs with its first tokens
-                        message["placement"] = [decision.prefill or "", decision.decode or ""]
-                        placement_sent = True
-                    if item["finished"]:
-                        ended = True
-                        told = self._finish(journey, item, message)
-                        attempt.ended_at = journey.finished_at
-                        try:
-                            yield message
-                        finally:  # after the last message is on its way
-                            router.finished(attempt_id, journey.ttft_s(), journey.tpot_s(), False,
-                                            _service_ttft(journey, placed_at))
-                            told.set_result(None)
-                        return
-                    if message["token_ids"] or message["text"] or "placement" in message:
-                        yield message
-            except (WorkerGone, ray.exceptions.RayActorError, LookupError):
-                failure = (f"decode worker {decision.decode} died", decision.decode)
-                self.forget_worker(decision.decode)
-                ended = True
-            finally:
-                if attempt.ended_at is None:
-                    attempt.ended_at = time.time()
-                    attempt.failure = failure[0] if failure else (None if ended else "the caller went away")
-                if stream is not None:  # unfinished (cancelled, disconnected, past its deadline): the
-                    await stream.aclose()  # worker sees its connection close and releases the request
-                    if not ended:
-                        router.finished(attempt_id, None, None, False)
-            why, failed_worker = failure or (f"decode worker {decision.decode} ended the stream early", None)
-            router.forget(attempt_id)
-            if failed_worker is not None:
+            if end.unpaired:
+                avoid.append((end.unpaired, decision.decode))
+            why = end.failure or f"decode worker {decision.decode} ended the stream early"
+            self.router.forget(attempt_id)
+            if end.failed_worker is not None:
                 if self.metrics is not None:
-                    self.metrics.worker_failed(failed_worker)
-                router.worker_failed(failed_worker)
-            elif out_of_room and no_room < NO_ROOM_RETRIES:
+                    self.metrics.worker_failed(end.failed_worker)
+                self.router.worker_failed(end.failed_worker)
+            elif end.no_room and no_room < NO_ROOM_RETRIES:
                 no_room += 1
                 await asyncio.sleep(0.01 * no_room)
                 continue
             if self.metrics is not None and journey.attempt < limit:
-                self.metrics.migrated("worker_failed" if failed_worker else "retry")
+                self.metrics.migrated("worker_failed" if end.failed_worker else "retry")
             journey.attempt += 1
             if journey.attempt > limit:
                 journey.outcome = "unavailable"
-                yield _error("unavailable", f"{why}; gave up after {limit} retries (router.migration_limit)")
+                yield RequestFailed("unavailable", f"{why}; gave up after {limit} retries (router.migration_limit)")
                 return
 
-    def _finish(self, journey: Journey, item: dict, message: dict) -> asyncio.Future:
-        """Completes the last message; returns its ``router_told``, settled once the router has
-        the request's record (it is told after the message is handed to the caller)."""
+    async def _place(self, journey: Journey, checked: CheckedRequest, request: WorkerRequest,
+                     avoid: list[tuple[str, str]]) -> Attempt | RequestFailed:
+        """Asks the router where this placement goes: its Attempt, or the error that ends the
+        request (the router failed, or rejected it)."""
+        requested_at = time.time()
+        # Generation ends at the model's context whatever max_tokens says (as in the engine):
+        # the router plans blocks for the tokens that can come, not for room that never will.
+        prompt = request.prompt_token_ids
+        planned = min(request.params.max_tokens, self.info.max_model_len - len(prompt))
+        try:  # a caller that goes away while it waits cancels this: the router drops it
+            decision: Decision = await self.router.place(
+                request.request_id, prompt, planned, journey.slo_class, None, checked.ttft_s, checked.tpot_s,
+                checked.priority, journey.arrival, tuple(avoid))
+        except Exception as exc:  # noqa: BLE001 - a fault of the router's own: one line to the caller
+            journey.outcome = "unavailable"
+            return RequestFailed("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")
+        attempt = Attempt(requested_at, time.time(), decision)
+        journey.attempts.append(attempt)
+        if decision.action == "reject":
+            journey.outcome = "rejected"
+            if decision.decode is None and decision.reason.startswith("no live"):
+                journey.outcome = "unavailable"
+                return RequestFailed("unavailable", decision.reason)
+            return RequestFailed("rejected", f"rejected by admission control: {decision.reason}")
+        journey.decision = decision
+        attempt.placed_at = time.time()
+        if journey.placed_at is None:
+            journey.placed_at = attempt.placed_at
+        return attempt
+
+    async def _stream_attempt(self, journey: Journey, attempt: Attempt, request: WorkerRequest,
+                              end: AttemptEnd) -> AsyncIterator[Output | RequestFailed]:
+        """One placement's stream from its decode worker, as messages to the caller; ``end``
+        says how it ended. Its cleanup (closing the stream, telling the router of one left
+        unfinished) runs when it ends, however it ends."""
+        decision, attempt_id, router = attempt.decision, request.request_id, self.router
+        placement = (decision.prefill or "", decision.decode or "")
+        placement_sent = False
+        stream = None
+        try:
+            address = await self.stream_address(decision.decode)
+            stream = self.streams.generate(address, request)
+            async for item in stream:
+                if isinstance(item, (RequestFailed, WorkerFailure)):
+                    attempt.ended_at, attempt.failure = time.time(), item.message
+                    end.ended = True
+                    if isinstance(item, RequestFailed):
+                        end.done = True
+                        router.finished(attempt_id, None, None, True)
+                        journey.outcome = item.kind
+                        yield RequestFailed(item.kind, item.message)
+                        return
+                    end.failure, end.failed_worker = item.message, item.failed_worker
+                    end.no_room, end.unpaired = item.kind is FailureKind.NO_ROOM, item.unpaired
+                    break
+                self._record_delta(journey, attempt, item)
+                message = Output(item.token_ids, item.text, item.logprobs,
+                                 placement=None if placement_sent else placement)
+                placement_sent = True  # the caller learns where its request runs with its first tokens
+                if item.end is not None:
+                    end.ended = end.done = True
+                    told = asyncio.get_running_loop().create_future()
+                    message = self._finish(journey, item.end, message, told)
+                    attempt.ended_at = journey.finished_at
+                    try:
+                        yield message
+                    finally:  # after the last message is on its way
+                        router.finished(attempt_id, journey.ttft_s(), journey.tpot_s(), False,
+                                        _service_ttft(journey, attempt.placed_at))
+                        told.set_result(None)
+                    return
+                if message.token_ids or message.text or message.placement is not None:
+                    yield message
+        except (WorkerGone, self.ray.exceptions.RayActorError, LookupError):
+            end.failure, end.failed_worker = f"decode worker {decision.decode} died", decision.decode
+            self.forget_worker(decision.decode)
+            end.ended = True
+        finally:
+            if attempt.ended_at is None:
+                attempt.ended_at = time.time()
+                attempt.failure = end.failure or (None if end.ended else "the caller went away")
+            if stream is not None:  # unfinished (cancelled, disconnected, past its deadline): the
+                await stream.aclose()  # worker sees its connection close and releases the request
+                if not end.ended:
+                    router.finished(attempt_id, None, None, False)
+
+    @staticmethod
+    def _record_delta(journey: Journey, attempt: Attempt, item: TokenDelta) -> None:
+        """A delta's tokens and times, on the request's journey and its attempt."""
+        if item.transfer is not None:
+            journey.transfer = attempt.transfer = item.transfer
+        if item.token_ids and attempt.first_token_at is None:
+            attempt.first_token_at = time.time()
+            if journey.first_token_at is None:
+                journey.first_token_at = attempt.first_token_at
+        journey.tokens.extend(item.token_ids)
+        attempt.tokens += len(item.token_ids)
+
+    @staticmethod
+    def _finish(journey: Journey, finished: Finished, message: Output, told: asyncio.Future) -> Output:
+        """The last message: how the request finished (as this path counts it), its times and
+        where it ran; ``told`` settles once the router has the request's record."""
         journey.finished_at = time.time()
-        journey.outcome = item.get("finish_reason") or "stop"
-        prompt_tokens, cached, _ = item["usage"]
-        journey.cached_tokens = min(cached, journey.prompt_tokens)
-        told = asyncio.get_running_loop().create_future()
+        journey.outcome = finished.finish_reason or "stop"
+        journey.cached_tokens = min(finished.usage.cached_tokens, journey.prompt_tokens)
         decision = journey.decision
-        message.update(router_told=told, finish_reason=journey.outcome,
-                       usage=[journey.prompt_tokens, journey.cached_tokens, len(journey.tokens)],
-                       timings=journey.timings_ms(), placement=[decision.prefill or "", decision.decode or ""],
-                       decision=decision, transfer=journey.transfer, migrations=journey.attempt)
-        return told
+        ending = Ending(Finished(journey.outcome, Usage(journey.prompt_tokens, journey.cached_tokens,
+                                                        len(journey.tokens))),
+                        journey.timings_ms(), decision, journey.transfer, journey.attempt, told)
+        return replace(message, placement=(decision.prefill or "", decision.decode or ""), end=ending)
 
     # -- the other calls ----------------------------------------------------------------------
 
@@ -409,7 +464,3 @@ def _service_ttft(journey: Journey, placed_at: float) -> float | None:
     """TTFT counted from the request's placement: what the router learns its correction from."""
     first = journey.first_token_at
     return first - placed_at if first is not None and first >= placed_at else None
-
-
-def _error(kind: str, message: str) -> dict:
-    return {"error": {"kind": kind, "message": message}, "finished": True}

@@ -153,23 +153,22 @@ class RequestTracer:
             return
         stop = attempt.ended_at or end
         failure = attempt.failure
-        transfer = attempt.transfer or {}
-        times = transfer.get("times") or {}
+        transfer = attempt.transfer
         first = attempt.first_token_at
         if d.prefill is None:  # the decode worker prefilled it itself, up to its first token
             span("prefill", attempt.decided_at, first or stop, {"tandem.attempt": number, "tandem.worker": d.decode,
                                                                 "tandem.prefill.local": True},
                  failure if first is None else None)
             started_decode = first
-        elif "prefill" in times:
-            span("prefill", *times["prefill"], {"tandem.attempt": number, "tandem.worker": d.prefill,
-                                                "tandem.prefill.local": False,
-                                                "tandem.prefill.cached_tokens": transfer.get("prefill_cached_tokens")})
-            span("kv_transfer", *times["receive"], {
+        elif transfer is not None:
+            span("prefill", *transfer.prefill_span, {"tandem.attempt": number, "tandem.worker": d.prefill,
+                                                     "tandem.prefill.local": False,
+                                                     "tandem.prefill.cached_tokens": transfer.prefill_cached_tokens})
+            span("kv_transfer", *transfer.receive_span, {
                 "tandem.attempt": number, "tandem.kv.from": d.prefill, "tandem.kv.to": d.decode,
-                "tandem.kv.blocks_sent": transfer.get("blocks_sent"), "tandem.kv.bytes": transfer.get("bytes"),
-                "tandem.kv.blocks_cached_on_decode": transfer.get("blocks_cached_on_decode")})
-            started_decode = times.get("admitted")
+                "tandem.kv.blocks_sent": transfer.blocks_sent, "tandem.kv.bytes": transfer.bytes,
+                "tandem.kv.blocks_cached_on_decode": transfer.blocks_cached_on_decode})
+            started_decode = transfer.admitted_at
         else:  # it failed before the KV landed: one span for the whole hand-off
             span("prefill", attempt.decided_at, stop, {"tandem.attempt": number, "tandem.worker": d.prefill,
                                                        "tandem.prefill.local": False}, failure or "no KV arrived")

@@ -25,6 +25,7 @@ from cluster.engine.engine import EngineStats, RequestOutput, Usage
 from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from cluster.ingress.request_path import RequestPath
+from cluster.protocol.messages import RequestFailed
 from router.config import RouterConfig, RouterConfigError
 
 TRANSFERS_KEPT = 100_000
@@ -146,35 +147,35 @@ class DisaggregatedLLM(LLM):
         arrival = time.monotonic()
         token_ids, text, logprobs, top = [], [], [], []
         wants_logprobs = request["sampling"].logprobs is not None
-        last: dict = {}
+        last = None
         async for message in self.path.generate(request):
             last = message
-            if "error" in message:
+            if isinstance(message, RequestFailed):
                 break
-            token_ids += message["token_ids"]
-            text.append(message["text"])
-            for logprob, row in message.get("logprobs", []):
+            token_ids += message.token_ids
+            text.append(message.text)
+            for logprob, row in message.logprobs or []:
                 logprobs.append(logprob)
                 top.append([tuple(pair) for pair in row])
-        if "error" in last:
-            error = last["error"]
-            return RequestOutput(request["request_id"], [], [], [], "", "", True, "error", error["message"],
+        if isinstance(last, RequestFailed):
+            return RequestOutput(request["request_id"], [], [], [], "", "", True, "error", last.message,
                                  Usage(0, 0, 0), arrival_time=arrival, finish_time=time.monotonic(),
-                                 error_kind=error["kind"])
-        await last["router_told"]  # its goodput record is in before the caller can ask for goodput
-        prompt, cached, completion = last["usage"]
-        queue_ms, ttft_ms, _, e2e_ms = last["timings"]
-        decision, transfer = last.get("decision"), last.get("transfer")
+                                 error_kind=last.kind)
+        end = last.end
+        await end.router_told  # its goodput record is in before the caller can ask for goodput
+        usage, timings = end.usage, end.timings
+        queue_ms, ttft_ms, e2e_ms = timings.queue_ms, timings.ttft_ms, timings.e2e_ms
+        decision, transfer = end.decision, end.transfer
         if decision is not None:
             self.decisions[request["request_id"]] = decision
-        self.migrations[request["request_id"]] = last.get("migrations", 0)
+        self.migrations[request["request_id"]] = end.migrations
         if transfer is not None:
-            self.transfers.append(TransferStat(request["request_id"], transfer["prefill"], decision.decode,
-                                               transfer["blocks_cached_on_decode"], transfer["blocks_sent"],
-                                               transfer["prefill_cached_tokens"]))
+            self.transfers.append(TransferStat(request["request_id"], transfer.prefill, decision.decode,
+                                               transfer.blocks_cached_on_decode, transfer.blocks_sent,
+                                               transfer.prefill_cached_tokens))
         return RequestOutput(
-            request["request_id"], [], token_ids, [], "".join(text), "", True, last["finish_reason"], None,
-            Usage(prompt, cached, completion), logprobs if wants_logprobs else None, top if wants_logprobs else None,
+            request["request_id"], [], token_ids, [], "".join(text), "", True, end.finish_reason, None,
+            Usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens), logprobs if wants_logprobs else None, top if wants_logprobs else None,
             arrival_time=arrival, first_token_time=arrival + ttft_ms / 1000, finish_time=arrival + e2e_ms / 1000,
             scheduled_time=arrival + queue_ms / 1000)
 

@@ -5,9 +5,12 @@ boundary is one of these, never a tuple or a dict whose keys are spelled in seve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+from typing import Any
 
+from cluster.engine.sampling_params import SamplingParams
 from router.config import RouterConfig
-from router.router import Topology
+from router.router import Decision, Topology
 
 
 @dataclass(frozen=True)
@@ -37,3 +40,190 @@ class ServingInfo:
     @property
     def workers(self) -> tuple[str, ...]:
         return self.prefill + self.decode + self.colocated
+
+
+# -- the stream between an ingress and a generating worker (cluster/protocol/stream.py) -----------
+#
+# One Hello opens a connection; then, per request, one WorkerRequest goes out and TokenDeltas come
+# back, the last one carrying ``end``, or the stream ends early with a RequestFailed (the caller
+# sees it) or a WorkerFailure (another placement may work). codec.py turns each into plain data.
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A connection's first frame: the cluster's stream token."""
+
+    token: str
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """One placement of a request, sent to the decode (or colocated) worker that runs it."""
+
+    request_id: str  # this placement's id (a moved request has ``<id>.<n>``)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # the engine's: the request's own plus its SLO class's
+    prefill: str | None = None  # the router's Decision.prefill: the worker computing the KV; None: here
+    transfer_timeout_s: float = 60.0
+    stream_layers: bool = True
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A request's token counts (the protocol's own: the engine's ``Usage`` lives beside torch)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a request ended: the one place its finish reason and usage are named."""
+
+    finish_reason: str
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """What the KV hand-off of one placement did, with its wall-clock times (for the trace)."""
+
+    prefill: str
+    blocks_cached_on_decode: int
+    blocks_sent: int
+    prefill_cached_tokens: int
+    bytes: int
+    prefill_span: tuple[float, float]  # the prefill worker's call, start and end
+    receive_span: tuple[float, float]  # this worker's receive, start and end
+    admitted_at: float  # when the request joined the decode batch
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """The tokens a worker produced since its caller read the last ones; the last delta of a
+    request carries ``end``, the first after a KV hand-off ``transfer``."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list | None = None  # (logprob, [(token id, logprob)]) per token, when asked for
+    transfer: TransferReport | None = None
+    end: Finished | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.end is not None
+
+
+class FailureKind(str, Enum):
+    """Why another placement may work where this one failed."""
+
+    RETRY = "retry"  # a worker failed (``worker`` names it when it was found dead)
+    NO_ROOM = "no_room"  # the decode worker had no free KV blocks at that moment
+    UNPAIRED = "unpaired"  # the decode worker cannot take KV from ``worker`` (a prefill worker) now
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """A placement that failed in a way another placement may not: it ends the stream."""
+
+    kind: FailureKind
+    message: str
+    worker: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FailureKind(self.kind))
+
+    final = True
+
+    @property
+    def failed_worker(self) -> str | None:
+        """The worker found dead, if one was."""
+        return self.worker if self.kind is FailureKind.RETRY else None
+
+    @property
+    def unpaired(self) -> str | None:
+        """The prefill worker whose pair with the decode worker is out of use, if that was it."""
+        return self.worker if self.kind is FailureKind.UNPAIRED else None
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """A request ended with an error its caller sees: ``kind`` ``invalid``, ``not_found``,
+    ``rejected`` or ``unavailable``. From a worker, or from the request path to the API."""
+
+    kind: str
+    message: str
+    request_id: str = ""  # set on a request path's first message
+
+    final = True
+    finished = True
+
+
+# -- the prefill worker's answer to a decode worker (a Ray call) ----------------------------------
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int | None
+    prompt_tokens: int
+    cached_tokens: int  # hits in this prefill worker's own prefix cache
+    blocks_sent: int
+    error: str | None
+    first_logprob: float | None = None  # when the request asked for logprobs
+    first_top_logprobs: list[tuple[int, float]] | None = None
+
+
+# -- the request path's messages to its API (cluster/ingress/request_path.py) ---------------------
+
+
+@dataclass(frozen=True)
+class Timings:
+    """A request's times in ms, counted from its arrival at the API."""
+
+    queue_ms: float
+    ttft_ms: float
+    tpot_ms: float
+    e2e_ms: float
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What the last message of a request adds: how it finished (reason and usage as the
+    request path counts them), its times and where it ran. ``router_told`` settles once the
+    router has the request's record (it is told after the last message is handed over)."""
+
+    finished: Finished
+    timings: Timings
+    decision: Decision
+    transfer: TransferReport | None
+    migrations: int
+    router_told: Any = None  # an asyncio.Future
+
+    @property
+    def finish_reason(self) -> str:
+        return self.finished.finish_reason
+
+    @property
+    def usage(self) -> Usage:
+        return self.finished.usage
+
+
+@dataclass(frozen=True)
+class Output:
+    """A request's tokens since its last message, as the request path hands them to an API;
+    the first carries ``request_id``, the first of each placement ``placement`` (prefill
+    worker, decode worker; "" for none), the last ``end``."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list | None = None
+    request_id: str = ""
+    placement: tuple[str, str] | None = None
+    end: Ending | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.end is not None

@@ -9,8 +9,9 @@ cluster_overhead.py`` measured the hop at 2.4 ms of a request's 8 ms of overhead
 socket crosses only the kernel (about 0.02 ms). Ray still starts, places and watches the
 workers, and the ingress finds each worker's address by one Ray call (``open_stream``).
 
-Frames are a 4-byte big-endian length and a msgpack body (plain data, never pickle). A
-connection's first frame is the cluster's stream token (a secret the deployment makes and hands
+Frames are a 4-byte big-endian length and a msgpack body: a message of ``messages.py`` as
+``codec.py`` makes it plain data (never pickle). A connection's first frame, a ``Hello``, is
+the cluster's stream token (a secret the deployment makes and hands
 to its workers and ingress replicas through Ray); a connection without it is closed unanswered,
 so the port serves nobody outside the cluster.
 
@@ -30,6 +31,8 @@ from typing import AsyncIterator, Callable
 
 import msgpack
 
+from cluster.protocol.codec import decode_message, encode_message
+from cluster.protocol.messages import Hello, RequestFailed, WorkerRequest
 from cluster.runtime.ports import host_port
 
 HEADER = struct.Struct(">I")
@@ -43,8 +46,14 @@ class WorkerGone(ConnectionError):
 
 
 def encode(obj) -> bytes:
+    """One frame of plain data."""
     body = msgpack.packb(obj, use_bin_type=True)
     return HEADER.pack(len(body)) + body
+
+
+def frame(message) -> bytes:
+    """One frame holding a message."""
+    return encode(encode_message(message))
 
 
 async def read_frame(reader: asyncio.StreamReader):
@@ -52,6 +61,10 @@ async def read_frame(reader: asyncio.StreamReader):
     if size > MAX_FRAME:
         raise ConnectionError(f"a frame of {size} bytes is over the limit of {MAX_FRAME}")
     return msgpack.unpackb(await reader.readexactly(size), raw=False, strict_map_key=False)
+
+
+async def read_message(reader: asyncio.StreamReader):
+    return decode_message(await read_frame(reader))
 
 
 def keep_alive(writer: asyncio.StreamWriter) -> None:
@@ -68,7 +81,7 @@ def keep_alive(writer: asyncio.StreamWriter) -> None:
 
 # -- the worker's side ---------------------------------------------------------------------------
 
-Serve = Callable[[dict], AsyncIterator[dict]]  # a request's fields -> its items, the last one "finished"
+Serve = Callable[[WorkerRequest], AsyncIterator]  # a request -> its messages, the last one ``final``
 
 
 class StreamServer:
@@ -120,34 +133,36 @@ class StreamServer:
                              closed: asyncio.Future) -> None:
         """Reads the token, then requests, until the caller closes the connection."""
         try:
-            hello = await read_frame(reader)
-            if not (isinstance(hello, dict) and isinstance(hello.get("token"), str)
-                    and hmac.compare_digest(hello["token"].encode(), self.token.encode())):
+            hello = await read_message(reader)
+            if not (isinstance(hello, Hello) and isinstance(hello.token, str)
+                    and hmac.compare_digest(hello.token.encode(), self.token.encode())):
                 return
             while True:
-                requests.put_nowait(await read_frame(reader))
+                request = await read_message(reader)
+                if not isinstance(request, WorkerRequest):
+                    return
+                requests.put_nowait(request)
         except (asyncio.IncompleteReadError, ConnectionError, ValueError, msgpack.UnpackException):
             return
         finally:
             if not closed.done():
                 closed.set_result(None)
 
-    async def _one(self, request: dict, writer: asyncio.StreamWriter, closed: asyncio.Future) -> bool:
+    async def _one(self, request: WorkerRequest, writer: asyncio.StreamWriter, closed: asyncio.Future) -> bool:
         """Streams one request's items; False when the caller went away first (the request is
         ended by closing its item generator, which releases it on the worker)."""
         async def pump() -> bool:
             try:
                 items = self.serve(request)
             except Exception as exc:  # noqa: BLE001 - a request the worker cannot take: one line back
-                writer.write(encode({"error": {"kind": "unavailable", "message": f"the worker refused it: {exc}"},
-                                     "finished": True}))
+                writer.write(frame(RequestFailed("unavailable", f"the worker refused it: {exc}")))
                 await writer.drain()
                 return True
             try:
                 async for item in items:
-                    writer.write(encode(item))
+                    writer.write(frame(item))
                     await writer.drain()
-                    if item.get("finished"):
+                    if item.final:
                         return True
                 return False
             finally:
@@ -191,22 +206,22 @@ class StreamClient:
         host, _, port = address.rpartition(":")
         reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
         keep_alive(writer)
-        writer.write(encode({"token": self.token}))
+        writer.write(frame(Hello(self.token)))
         return reader, writer
 
-    async def generate(self, address: str, request: dict) -> AsyncIterator[dict]:
-        """The request's items, the last one ``finished``; WorkerGone if the connection breaks
+    async def generate(self, address: str, request: WorkerRequest) -> AsyncIterator:
+        """The request's messages, the last one ``final``; WorkerGone if the connection breaks
         first. Closing this generator early ends the request on the worker."""
         connection = None
         done = False
         try:
             connection = await self._connect(address)
             reader, writer = connection
-            writer.write(encode(request))
+            writer.write(frame(request))
             await writer.drain()
             while not done:
-                item = await read_frame(reader)
-                done = bool(item.get("finished"))
+                item = await read_message(reader)
+                done = item.final
                 yield item
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             raise WorkerGone(f"the stream from {address} broke: {exc or type(exc).__name__}") from None

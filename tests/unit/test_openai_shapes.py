@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.engine.chat_template import ChatPrompt
+from cluster.protocol.messages import RequestFailed
 from cluster.ingress.openai_api import (
     ApiError, Choice, chunk, error_for, logprobs_block, models, parse_chat, parse_completion, response, usage,
     usage_chunk,
@@ -82,12 +83,12 @@ def test_bad_chat_bodies_name_the_field():
 
 
 def test_path_errors_get_their_status():
-    assert error_for({"error": {"kind": "invalid", "message": "temperature: must be >= 0"}}).status == 400
-    rejected = error_for({"error": {"kind": "rejected", "message": "rejected by admission control: ..."}})
+    assert error_for(RequestFailed("invalid", "temperature: must be >= 0")).status == 400
+    rejected = error_for(RequestFailed("rejected", "rejected by admission control: ..."))
     assert (rejected.status, rejected.body()["error"]["type"], rejected.code) == (429, "rate_limit_error",
                                                                                   "rate_limit_exceeded")
-    assert error_for({"error": {"kind": "unavailable", "message": "no live decode worker"}}).status == 503
-    assert error_for({"error": {"kind": "not_found", "message": "model 'x' ..."}}).status == 404
+    assert error_for(RequestFailed("unavailable", "no live decode worker")).status == 503
+    assert error_for(RequestFailed("not_found", "model 'x' ...")).status == 404
 
 
 def test_whole_responses_and_usage_with_cached_tokens():

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("opentelemetry.sdk.trace")
 
 from cluster.ingress.request_path import Attempt, Journey  # noqa: E402
+from cluster.protocol.messages import TransferReport  # noqa: E402
 from cluster.topology import TracingSpec  # noqa: E402
 from cluster.ingress.tracing import memory_exporter, request_tracer  # noqa: E402
 from router.router import Decision  # noqa: E402
@@ -41,9 +42,9 @@ def decision(prefill: str | None, decode: str = "decode-0") -> Decision:
 def served_journey() -> Journey:
     journey = Journey("r1", T0, 40, "standard", checked_at=T0 + 0.001, first_token_at=T0 + 0.2,
                       finished_at=T0 + 0.5, tokens=list(range(8)), outcome="length")
-    transfer = {"prefill": "prefill-0", "blocks_sent": 3, "bytes": 4096, "blocks_cached_on_decode": 0,
-                "prefill_cached_tokens": 16, "times": {"prefill": [T0 + 0.02, T0 + 0.15],
-                                                       "receive": [T0 + 0.02, T0 + 0.16], "admitted": T0 + 0.17}}
+    transfer = TransferReport(prefill="prefill-0", blocks_sent=3, bytes=4096, blocks_cached_on_decode=0,
+                              prefill_cached_tokens=16, prefill_span=(T0 + 0.02, T0 + 0.15),
+                              receive_span=(T0 + 0.02, T0 + 0.16), admitted_at=T0 + 0.17)
     journey.attempts.append(Attempt(T0 + 0.002, T0 + 0.01, decision("prefill-0"), transfer, T0 + 0.2, 8, T0 + 0.5))
     return journey
 

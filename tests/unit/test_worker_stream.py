@@ -9,11 +9,18 @@ import asyncio
 
 import pytest
 
-from cluster.protocol.stream import StreamClient, StreamServer, WorkerGone, encode, read_frame
+from cluster.engine.sampling_params import SamplingParams
+from cluster.protocol.messages import Finished, RequestFailed, TokenDelta, Usage, WorkerRequest
+from cluster.protocol.stream import StreamClient, StreamServer, WorkerGone, encode, frame, read_frame
 
 pytestmark = pytest.mark.unit
 
 TOKEN = "s3cret"
+
+
+def request(request_id: str, count: int = 1) -> WorkerRequest:
+    """A request for ``count`` items (its prompt's length)."""
+    return WorkerRequest(request_id, [0] * count, SamplingParams())
 
 
 class Worker:
@@ -25,20 +32,20 @@ class Worker:
         self.gate = asyncio.Event()
         self.gate.set()
 
-    def serve(self, request: dict):
-        if request.get("refuse"):
+    def serve(self, request: WorkerRequest):
+        if request.request_id == "refuse":
             raise ValueError("no such model")
         return self._items(request)
 
-    async def _items(self, request: dict):
-        rid, count = request["request_id"], request["count"]
+    async def _items(self, request: WorkerRequest):
+        rid, count = request.request_id, len(request.prompt_token_ids)
         try:
             for i in range(count):
                 if i:
                     await self.gate.wait()
                 if i == count - 1:
                     self.ended[rid] = "finished"
-                yield {"token_ids": [i], "finished": i == count - 1}
+                yield TokenDelta([i], "", end=Finished("length", Usage(count, 0, count)) if i == count - 1 else None)
         finally:
             self.ended.setdefault(rid, "closed early")
 
@@ -71,8 +78,8 @@ def test_items_come_in_order_and_the_connection_is_kept():
     async def test(worker, server, client):
         assert server.address.startswith("127.0.0.1:")
         for rid in ("a", "b"):
-            items = [item async for item in client.generate(server.address, {"request_id": rid, "count": 3})]
-            assert [i["token_ids"] for i in items] == [[0], [1], [2]] and items[-1]["finished"]
+            items = [item async for item in client.generate(server.address, request(rid, 3))]
+            assert [i.token_ids for i in items] == [[0], [1], [2]] and items[-1].final
         assert worker.ended == {"a": "finished", "b": "finished"}
         assert len(client._idle[server.address]) == 1  # one connection served both
 
@@ -83,13 +90,13 @@ def test_a_connection_without_the_token_is_closed_unanswered():
     async def test(worker, server, client):
         host, port = server.address.rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(encode({"token": "guess"}) + encode({"request_id": "x", "count": 1}))
+        writer.write(encode({"token": "guess"}) + frame(request("x")))
         with pytest.raises(asyncio.IncompleteReadError):
             await read_frame(reader)
         writer.close()
         assert worker.ended == {}
         with pytest.raises(WorkerGone):
-            async for _ in StreamClient("guess").generate(server.address, {"request_id": "y", "count": 1}):
+            async for _ in StreamClient("guess").generate(server.address, request("y")):
                 pass
 
     serving(test)
@@ -98,8 +105,8 @@ def test_a_connection_without_the_token_is_closed_unanswered():
 def test_a_caller_that_goes_away_ends_the_request_on_the_worker():
     async def test(worker, server, client):
         worker.gate.clear()  # the second item never comes until the gate opens
-        stream = client.generate(server.address, {"request_id": "a", "count": 3})
-        assert (await stream.__anext__())["token_ids"] == [0]
+        stream = client.generate(server.address, request("a", 3))
+        assert (await stream.__anext__()).token_ids == [0]
         await stream.aclose()  # the caller went away mid-stream
         await until(lambda: "a" in worker.ended, "the worker to end the request")
         assert worker.ended["a"] == "closed early"
@@ -110,11 +117,10 @@ def test_a_caller_that_goes_away_ends_the_request_on_the_worker():
 
 def test_a_worker_that_goes_away_raises_worker_gone_and_a_refused_request_is_one_error_item():
     async def test(worker, server, client):
-        refused = [item async for item in client.generate(server.address, {"refuse": True})]
-        assert refused == [{"error": {"kind": "unavailable", "message": "the worker refused it: no such model"},
-                            "finished": True}]
+        refused = [item async for item in client.generate(server.address, request("refuse"))]
+        assert refused == [RequestFailed("unavailable", "the worker refused it: no such model")]
         worker.gate.clear()
-        stream = client.generate(server.address, {"request_id": "a", "count": 3})
+        stream = client.generate(server.address, request("a", 3))
         await stream.__anext__()
         server.close()  # as the kernel closes a dead worker's connections
         with pytest.raises(WorkerGone, match="the stream from 127.0.0.1:"):
