@@ -217,7 +217,7 @@ def place_all(router: Router, requests: list[list[int]], inflight: int, workload
     for i, prompt in enumerate(requests):
         if time.perf_counter() > deadline:
             return i
-        request = RouteRequest(f"r{i}", prompt, workload.max_tokens, arrival=time.time())
+        request = RouteRequest(request_id=f"r{i}", prompt_token_ids=prompt, max_tokens=workload.max_tokens, arrival=time.time())
         started = time.perf_counter()
         decision = router.route(request)
         if timings is not None:

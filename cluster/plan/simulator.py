@@ -434,9 +434,11 @@ class Simulator:
 
     def _route_request(self, flight: _Flight) -> RouteRequest:
         objectives = self.config.send_objectives
-        return RouteRequest(flight.result.request_id, flight.prompt, flight.max_tokens, flight.session.slo_class,
-                            None, objectives.ttft_s if objectives else None,
-                            objectives.tpot_s if objectives else None, 0, EPOCH + flight.result.sent_at)
+        return RouteRequest(request_id=flight.result.request_id, prompt_token_ids=flight.prompt,
+                            max_tokens=flight.max_tokens, slo_class=flight.session.slo_class,
+                            ttft_s=objectives.ttft_s if objectives else None,
+                            tpot_s=objectives.tpot_s if objectives else None,
+                            arrival=EPOCH + flight.result.sent_at)
 
     def _place(self, flight: _Flight) -> None:
         decision = self.router.submit(self._route_request(flight), self._now)
