@@ -142,8 +142,8 @@ def ttft_table(prompt_lengths: list[int], repeats: int) -> None:
     results = {}
     for streaming in (True, False):
         label = "streamed per layer" if streaming else "whole request"
-        with DisaggregatedLLM(str(model_dir), cluster_name="tandem-bench-kv", stream_layers=streaming,
-                              **engine_args) as llm:
+        with DisaggregatedLLM.from_args(str(model_dir), cluster_name="tandem-bench-kv", stream_layers=streaming,
+                                        **engine_args) as llm:
             results[label] = measure(llm, f"disaggregated, {label}")
     rows = []
     for n in prompt_lengths:

@@ -130,10 +130,11 @@ def run_config(name: str, args, model_dir: Path) -> tuple[list[Served], float, d
     conversations = make_workload(args)
     served: list[Served] = []
     asked: dict[str, list] = {}
-    with DisaggregatedLLM(str(model_dir), prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                          router_config=router_config(name, args), cluster_name="bench-routing",
-                          num_kv_blocks=args.kv_blocks, block_size=args.block_size, max_model_len=4096,
-                          num_threads=1, verbose=False) as llm:
+    with DisaggregatedLLM.from_args(str(model_dir), prefill_workers=args.prefill_workers,
+                                    decode_workers=args.decode_workers, router_config=router_config(name, args),
+                                    cluster_name="bench-routing", num_kv_blocks=args.kv_blocks,
+                                    block_size=args.block_size, max_model_len=4096, num_threads=1,
+                                    verbose=False) as llm:
         llm.path.router = OracleRouter(llm.path.router, llm.prefill + llm.decode, asked)
         t0 = time.monotonic()
         arrivals = [(c.start, i) for i, c in enumerate(conversations)]

@@ -117,16 +117,18 @@ def _make_llm(args: argparse.Namespace):
                 raise ValueError(f"--{flag.replace('_', '-')} needs --disaggregated")
         return LLM(args.model, **engine_args)
     from cluster.offline.disaggregated import DisaggregatedLLM
+    from cluster.offline.spec_from_args import disaggregated_spec
 
     if args.tp != 1:
         raise ValueError("with --disaggregated, give --prefill-tp and --decode-tp instead of --tp")
     del engine_args["tensor_parallel_size"]
-    return DisaggregatedLLM(
+    spec, engine = disaggregated_spec(
         args.model, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers, transfer_timeout_s=args.transfer_timeout, kv_transport=args.kv_transport,
         policy=args.policy, registry_url=args.redis_url, local_prefill_max_tokens=args.local_prefill_max_tokens,
         **engine_args,
     )
+    return DisaggregatedLLM(spec, engine)
 
 
 def _run_file(llm, args: argparse.Namespace) -> int:

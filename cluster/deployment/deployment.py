@@ -18,10 +18,9 @@ import itertools
 import secrets
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
+from cluster.deployment.pools import EngineOverrides, Pool, PoolResources, device_of, pools_of, resolve_registry_url
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.models.read_config import load_model_config
 from cluster.kv_transfer.agent import PairLayout
@@ -34,118 +33,112 @@ from cluster.runtime.ray_runtime import ensure_ray
 from cluster.registry.load import read_loads
 from cluster.registry.local_redis import LocalRedis
 from cluster.registry.reporter import connect
-from cluster.runtime.startup import CLI_SETTINGS, SettingNames, guarded, placement_failed, worker_failed
-from router.config import RouterConfig
+from cluster.runtime.startup import TOPOLOGY_SETTINGS, SettingNames, guarded, placement_failed, worker_failed
+from cluster.topology import ROLES, ClusterSpec
 from router.router import Topology
 
+__all__ = ["Deployment", "EngineOverrides", "Pool", "PoolResources", "check_registry", "kv_memory_shares",
+           "worker_status"]
+
 REGISTRY_WAIT_S = 30.0
-ROLES = ("prefill", "decode", "colocated")
-
-
-@dataclass(frozen=True)
-class PoolResources:
-    """What each rank of a pool's workers reserves; a worker's ranks share one placement group
-    packed on one node (STRICT_PACK), so a TP group never spans nodes."""
-
-    cpus_per_rank: float = 0.25
-    gpus_per_rank: int = 0
-    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources per rank
-
-    def bundle(self) -> dict[str, float]:
-        bundle = {"CPU": self.cpus_per_rank, **dict(self.resources)}
-        if self.gpus_per_rank:
-            bundle["GPU"] = float(self.gpus_per_rank)
-        return bundle
-
-
-@dataclass(frozen=True)
-class Pool:
-    role: str  # prefill, decode or colocated
-    replicas: int
-    tp: int = 1
-    resources: PoolResources = field(default_factory=PoolResources)
-    engine_args: tuple[tuple[str, object], ...] = ()  # EngineConfig fields for this pool, over the common ones
-
-    def names(self) -> list[str]:
-        return [f"{self.role}-{i}" for i in range(self.replicas)]
 
 
 class Deployment:
-    def __init__(
-        self,
-        model: str,
-        pools: Sequence[Pool],
-        cluster_name: str = "tandem",
-        router_config: RouterConfig | None = None,
-        registry_url: str | None = None,
-        kv_transport: str = "torch_distributed",
-        transfer_timeout_s: float = 60.0,
-        stream_layers: bool = True,
-        ray_address: str | None = None,
-        model_name: str | None = None,
-        verbose: bool = True,
-        settings: SettingNames = CLI_SETTINGS,
-        **engine_args,
-    ):
-        """``engine_args`` are EngineConfig fields for every pool; each ``Pool`` may override them.
-        A worker that cannot be placed or started raises :class:`~cluster.runtime.startup.ClusterStartError`,
-        one line naming it and the setting to change (spelled as ``settings`` says), after
-        stopping everything started so far."""
-        self.pools = {pool.role: pool for pool in pools if pool.replicas}
+    """A topology's long-lived parts: described by ``Deployment(spec)`` (no Ray work), brought
+    up by :meth:`start`, stopped by :meth:`shutdown`."""
+
+    def __init__(self, spec: ClusterSpec, engine: EngineOverrides = EngineOverrides(), verbose: bool = True,
+                 settings: SettingNames = TOPOLOGY_SETTINGS):
+        """``engine`` holds the EngineConfig fields the topology does not; ``settings`` spells
+        the settings that errors name (the topology's keys, or ``tandem run``'s flags)."""
+        self.spec = spec
+        self.engine = engine
+        self.verbose = verbose
+        self.settings = settings
+        self.cluster_name = spec.name
+        self.router_config = spec.router
+        self.pools = {pool.role: pool for pool in pools_of(spec, engine) if pool.replicas}
+        self.device = device_of(spec, engine)
+        self.local_redis = None
+        self.registry_url: str | None = None
+        self.placement_groups: list = []
+        self.workers: dict[str, object] = {}
+        self.configs: dict[str, EngineConfig] = {}
+        self._abandoned: list = []  # start-up calls left unread when another failed
+        self._ray = None
+
+    def start(self) -> "Deployment":
+        """Places and starts every worker, pairs prefill with decode workers and waits for their
+        first reports. A worker that cannot be placed or started raises
+        :class:`~cluster.runtime.startup.ClusterStartError`, one line naming it and the setting to
+        change, after stopping everything started so far."""
+        model_dir = self.spec.model_dir()
+        registry_url = resolve_registry_url(self.spec)
+        config = self._check(model_dir)
+        self._ray = ensure_ray(self.cluster_name, self.spec.ray.address)
+        self._start_registry(registry_url)
+        started = time.perf_counter()
+        try:
+            self._start_workers(model_dir)
+            self._await_workers([(name, w.started.remote()) for name, w in self.workers.items()])
+            described = dict(zip(self.workers, self._await_workers(
+                [(name, w.describe.remote()) for name, w in self.workers.items()])))
+            self._pair(config.num_kv_heads)
+            self.info = self._serving_info(model_dir, config, described)
+            self._wait_for_registry()
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.verbose:
+            self._say_ready(time.perf_counter() - started)
+        return self
+
+    def _check(self, model_dir: Path):
+        """What can be checked before anything starts: the pools, the TP degrees against the
+        model's shape, the KV transport. Returns the model's configuration."""
         if "decode" not in self.pools and "colocated" not in self.pools:
             raise EngineConfigError("the deployment needs decode or colocated workers")
         if "decode" in self.pools and "prefill" not in self.pools:
             raise EngineConfigError("decode workers need prefill workers (or declare a colocated pool)")
-        model_dir = Path(model)
-        config = load_model_config(model_dir, engine_args.get("dtype"))
+        config = load_model_config(model_dir, self.spec.model.dtype)
         for pool in self.pools.values():
             try:
                 check_tensor_parallel(config, pool.tp)
             except ValueError as exc:
                 raise EngineConfigError(f"{pool.role}: {exc}") from None
         try:
-            transport_class(kv_transport)
+            transport_class(self.spec.kv.transport)
         except TransportError as exc:
             raise EngineConfigError(str(exc)) from None
-        self.router_config = router_config or RouterConfig()
-        self.cluster_name = cluster_name
-        self.verbose = verbose
-        self.settings = settings
-        self._ray = ray = ensure_ray(cluster_name, ray_address)
-        if registry_url is not None:
-            check_registry(registry_url)
-        self.local_redis = LocalRedis() if registry_url is None else None
-        self.registry_url = registry_url or self.local_redis.url
-        self.placement_groups: list = []
-        self.workers: dict[str, object] = {}
-        self.configs: dict[str, EngineConfig] = {}
-        self._abandoned: list = []  # start-up calls left unread when another failed
-        started = time.perf_counter()
-        try:
-            self._start_workers(model_dir, ray_address, engine_args)
-            self._await_workers([(name, w.started.remote()) for name, w in self.workers.items()])
-            described = dict(zip(self.workers, self._await_workers(
-                [(name, w.describe.remote()) for name, w in self.workers.items()])))
-            self._pair(config.num_kv_heads, kv_transport)
-            generating = [d for n, d in described.items() if not n.startswith("prefill-")]
-            smallest = min(generating, key=lambda d: d["num_blocks"])
-            names = {role: tuple(self.pools[role].names()) if role in self.pools else () for role in ROLES}
-            topology = Topology(names["prefill"], names["decode"], smallest["block_size"],
-                                tuple(smallest["hash_keys"]), names["colocated"])
-            self.info = ServingInfo(
-                cluster_name, str(model_dir), model_name or model_dir.name, config.architecture, config.vocab_size,
-                smallest["max_model_len"], smallest["block_size"], smallest["num_blocks"], names["prefill"],
-                names["decode"], names["colocated"], self.registry_url, topology, self.router_config,
-                transfer_timeout_s, stream_layers, secrets.token_hex(16))
-            self._wait_for_registry()
-        except BaseException:
-            self.shutdown()
-            raise
-        if verbose:
-            pools = ", ".join(f"{p.replicas} {p.role} worker(s) TP {p.tp}" for p in self.pools.values())
-            registry = "private redis-server on " + self.registry_url if self.local_redis else "Redis registry"
-            print(f"[tandem] {pools}, router policy {self.router_config.policy}, {registry}"
-                  f"{self._kv_budget()}; ready in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+        return config
+
+    def _start_registry(self, url: str | None) -> None:
+        """The registry at ``url`` once it answers, or a private redis-server."""
+        if url is not None:
+            check_registry(url)
+        self.local_redis = LocalRedis() if url is None else None
+        self.registry_url = url or self.local_redis.url
+
+    def _serving_info(self, model_dir: Path, config, described: dict[str, dict]) -> ServingInfo:
+        """What the ingress needs to serve: the workers by role and the KV shape of the
+        generating worker with the fewest blocks."""
+        generating = [d for n, d in described.items() if not n.startswith("prefill-")]
+        smallest = min(generating, key=lambda d: d["num_blocks"])
+        names = {role: tuple(self.pools[role].names()) if role in self.pools else () for role in ROLES}
+        topology = Topology(names["prefill"], names["decode"], smallest["block_size"],
+                            tuple(smallest["hash_keys"]), names["colocated"])
+        kv = self.spec.kv
+        return ServingInfo(
+            self.cluster_name, str(model_dir), self.spec.model.name or model_dir.name, config.architecture,
+            config.vocab_size, smallest["max_model_len"], smallest["block_size"], smallest["num_blocks"],
+            names["prefill"], names["decode"], names["colocated"], self.registry_url, topology, self.router_config,
+            kv.transfer_timeout_s, kv.stream_layers, secrets.token_hex(16))
+
+    def _say_ready(self, seconds: float) -> None:
+        pools = ", ".join(f"{p.replicas} {p.role} worker(s) TP {p.tp}" for p in self.pools.values())
+        registry = "private redis-server on " + self.registry_url if self.local_redis else "Redis registry"
+        print(f"[tandem] {pools}, router policy {self.router_config.policy}, {registry}"
+              f"{self._kv_budget()}; ready in {seconds:.1f}s", file=sys.stderr, flush=True)
 
     def _kv_budget(self) -> str:
         """How the KV budget was split, for the ready line ("" when KV blocks are fixed)."""
@@ -159,7 +152,7 @@ class Deployment:
 
     # -- starting -----------------------------------------------------------------------------
 
-    def _start_workers(self, model_dir: Path, ray_address: str | None, engine_args: dict) -> None:
+    def _start_workers(self, model_dir: Path) -> None:
         """Places every worker's ranks first, so that each rank's share of its node's KV budget
         is known before any engine sizes its cache; then starts the workers (guarded: a
         constructor's failure is raised by ``started()``, not printed by Ray)."""
@@ -170,8 +163,9 @@ class Deployment:
         from prefill_worker.worker import PrefillWorker
 
         classes = {"prefill": (PrefillWorker, 64), "decode": (DecodeWorker, 1000), "colocated": (ColocatedWorker, 1000)}
-        common = dict(model=str(model_dir), cluster_name=self.cluster_name, ray_address=ray_address, **engine_args)
-        device = common.pop("device", "cpu")
+        ray_address = self.spec.ray.address
+        common = dict(model=str(model_dir), cluster_name=self.cluster_name, ray_address=ray_address)
+        device = self.device
         gpus = itertools.count(int(device.partition(":")[2] or 0)) if device.startswith("cuda") else None
 
         def device_for(tp: int) -> str:
@@ -237,7 +231,7 @@ class Deployment:
                                     config.num_kv_blocks) from None
         return [results[ref] for _, ref in calls]
 
-    def _pair(self, num_kv_heads: int, kv_transport: str) -> None:
+    def _pair(self, num_kv_heads: int) -> None:
         """A transfer group for every (prefill, decode) pair; each decode worker learns its pairs."""
         if "prefill" not in self.pools or "decode" not in self.pools:
             return
@@ -245,7 +239,7 @@ class Deployment:
         joins, peers = [], {d: {} for d in decode.names()}
         for (p, p_name), (d, d_name) in itertools.product(enumerate(prefill.names()), enumerate(decode.names())):
             pair = f"p{p}-d{d}"
-            layout = PairLayout(pair, prefill.tp, decode.tp, num_kv_heads, kv_transport)
+            layout = PairLayout(pair, prefill.tp, decode.tp, num_kv_heads, self.spec.kv.transport)
             spec = GroupSpec(self.cluster_name, f"kv-{pair}", layout.size)
             joins += [(p_name, self.workers[p_name].join_pair.remote(layout, spec)),
                       (d_name, self.workers[d_name].join_pair.remote(layout, spec))]
@@ -278,6 +272,8 @@ class Deployment:
 
     def shutdown(self) -> None:
         ray = self._ray
+        if ray is None:  # never started
+            return
         for worker in list(getattr(self, "workers", {}).values()):
             try:
                 ray.get(worker.shutdown.remote(), timeout=30)

@@ -174,7 +174,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     from ray import serve
 
     from cluster.ingress.replica import ingress_app
-    from cluster.deployment.from_topology import build_deployment
+    from cluster.deployment.deployment import Deployment
     from cluster.runtime.startup import ClusterStartError, exception_line
 
     started = time.perf_counter()
@@ -184,7 +184,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     deployment = None
     try:
         try:
-            deployment = build_deployment(spec)
+            deployment = Deployment(spec).start()
         except ClusterStartError as exc:  # its workers, placement, registry or model
             _log(f"cluster {spec.name!r} did not start: {exc}")
             return 1

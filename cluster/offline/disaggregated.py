@@ -19,18 +19,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from cluster.deployment.deployment import Deployment, Pool, PoolResources
-from cluster.engine.config import EngineConfigError
+from cluster.deployment.deployment import Deployment
+from cluster.deployment.pools import EngineOverrides, PoolResources
 from cluster.engine.engine import EngineStats, RequestOutput, Usage
 from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from cluster.ingress.request_path import RequestPath
 from cluster.protocol.messages import RequestFailed
-from router.config import RouterConfig, RouterConfigError
+from cluster.offline.spec_from_args import disaggregated_spec
+from cluster.runtime.startup import CLI_SETTINGS
+from cluster.topology import ClusterSpec
 
 TRANSFERS_KEPT = 100_000
 
-__all__ = ["DisaggregatedLLM", "PoolResources", "TransferStat"]
+__all__ = ["DisaggregatedLLM", "EngineOverrides", "PoolResources", "TransferStat"]
 
 
 @dataclass(frozen=True)
@@ -69,52 +71,12 @@ class _Requests:
 
 
 class DisaggregatedLLM(LLM):
-    def __init__(
-        self,
-        model: str | None = None,
-        verbose: bool = True,
-        prefill_tp: int = 1,
-        decode_tp: int = 1,
-        prefill_workers: int = 1,
-        decode_workers: int = 1,
-        cluster_name: str = "tandem",
-        ray_address: str | None = None,
-        transfer_timeout_s: float = 60.0,
-        kv_transport: str = "torch_distributed",
-        stream_layers: bool = True,
-        policy: str = "slo",
-        router_config: RouterConfig | None = None,
-        registry_url: str | None = None,
-        pools: dict[str, PoolResources] | None = None,
-        role_args: dict[str, dict] | None = None,
-        local_prefill_max_tokens: int | None = None,
-        **engine_args,
-    ):
-        """``engine_args`` are EngineConfig fields for both roles, ``role_args["prefill"]`` and
-        ``role_args["decode"]`` override them per role; ``pools`` sets each role's resources. ``local_prefill_max_tokens`` (default: the router's) bounds the prompts a
-        decode worker may prefill itself; 0 sends every prompt to a prefill worker."""
-        if model is None:
-            from cluster.default_model import default_model_path
+    """Serves a topology's deployment in this process: ``DisaggregatedLLM(spec)``, or
+    :meth:`from_args` with ``tandem run --disaggregated``'s arguments."""
 
-            model = str(default_model_path())
-        for name, value in (("prefill_workers", prefill_workers), ("decode_workers", decode_workers)):
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        try:
-            overrides = {} if local_prefill_max_tokens is None else {"local_prefill_max_tokens":
-                                                                      local_prefill_max_tokens}
-            router_config = router_config or RouterConfig.for_policy(policy, **overrides)
-        except RouterConfigError as exc:
-            raise EngineConfigError(str(exc)) from None
-        pools, role_args = pools or {}, role_args or {}
-        self.deployment = Deployment(
-            str(model), [Pool(role, replicas, tp, pools.get(role, PoolResources()),
-                              tuple(sorted(role_args.get(role, {}).items())))
-                         for role, replicas, tp in (("prefill", prefill_workers, prefill_tp),
-                                                    ("decode", decode_workers, decode_tp))],
-            cluster_name=cluster_name, router_config=router_config, registry_url=registry_url,
-            kv_transport=kv_transport, transfer_timeout_s=transfer_timeout_s, stream_layers=stream_layers,
-            ray_address=ray_address, verbose=verbose, **engine_args)
+    def __init__(self, spec: ClusterSpec, engine: EngineOverrides = EngineOverrides(), verbose: bool = True):
+        """``engine`` holds the EngineConfig fields the topology does not (``--seed``, ``--device``...)."""
+        self.deployment = Deployment(spec, engine, verbose=verbose, settings=CLI_SETTINGS).start()
         self._ray = self.deployment._ray
         self.verbose = verbose
         self.architecture = self.deployment.info.architecture
@@ -134,6 +96,11 @@ class DisaggregatedLLM(LLM):
             self.shutdown()
             raise
         self.engine = _Requests(self)
+
+    @classmethod
+    def from_args(cls, model: str | None = None, verbose: bool = True, **kwargs) -> "DisaggregatedLLM":
+        """From the arguments of :func:`~cluster.offline.spec_from_args.disaggregated_spec`."""
+        return cls(*disaggregated_spec(model, **kwargs), verbose=verbose)
 
     # -- running requests -------------------------------------------------------------------
 

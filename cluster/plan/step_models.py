@@ -23,9 +23,9 @@ from typing import Iterable, Mapping
 from cluster.plan.errors import ProfileError
 from cluster.plan.simulator import WorkerSpec
 from cluster.registry.load import StepSample, WorkerLoad, read_loads
+from cluster.topology import ROLES
 from router.cost_model import StepTimeModel
 
-ROLES = ("prefill", "decode", "colocated")
 # A role the profile lacks borrows another's measured engine: a colocated worker is a decode
 # worker's engine prefilling for itself, and either can stand for a prefill worker.
 STAND_INS = {"prefill": ("prefill", "colocated", "decode"), "decode": ("decode", "colocated"),

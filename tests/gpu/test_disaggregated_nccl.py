@@ -38,7 +38,7 @@ def test_disaggregated_on_nccl_matches_colocated_on_cuda(architecture, prefill_t
     model_dir = checkpoint(architecture)
     colocated = run_batch(model_dir, device="cuda").tokens
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with DisaggregatedLLM(str(model_dir), verbose=False, device="cuda", prefill_tp=prefill_tp, num_kv_blocks=128,
-                          max_num_batched_tokens=96, cluster_name=CLUSTER) as llm:
+    with DisaggregatedLLM.from_args(str(model_dir), verbose=False, device="cuda", prefill_tp=prefill_tp,
+                                    num_kv_blocks=128, max_num_batched_tokens=96, cluster_name=CLUSTER) as llm:
         outputs = llm.generate(random_prompts(PROMPT_LENGTHS, seed=1), params)
     assert [o.token_ids for o in outputs] == colocated

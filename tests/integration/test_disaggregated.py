@@ -36,7 +36,7 @@ def ray_session():
 def disaggregated(model_dir, **kwargs) -> DisaggregatedLLM:
     kwargs = {"num_kv_blocks": BLOCKS, "max_num_batched_tokens": 96, "verbose": False,
               "local_prefill_max_tokens": 0, **kwargs}  # every prompt's KV travels, unless a test says otherwise
-    return DisaggregatedLLM(str(model_dir), cluster_name=CLUSTER, **kwargs)
+    return DisaggregatedLLM.from_args(str(model_dir), cluster_name=CLUSTER, **kwargs)
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:

@@ -21,13 +21,13 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk.trace")
 
-from cluster.deployment.deployment import Deployment, Pool  # noqa: E402
+from cluster.deployment.deployment import Deployment  # noqa: E402
 from cluster.ingress.grpc_server import ApiServer  # noqa: E402
 from cluster.ingress.health import HealthMonitor  # noqa: E402
 from cluster.runtime.ray_runtime import ensure_ray  # noqa: E402
 from cluster.ingress.request_path import RequestPath  # noqa: E402
 from cluster.ingress.status import read_status  # noqa: E402
-from cluster.topology import TracingSpec, parse_topology  # noqa: E402
+from cluster.topology import ClusterSpec, KVSpec, ModelSpec, PoolSpec, TracingSpec, parse_topology  # noqa: E402
 from cluster.ingress.tracing import memory_exporter, request_tracer  # noqa: E402
 from conftest import random_prompts, wait_for  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
@@ -63,9 +63,10 @@ class Ingress:
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
     ray = ensure_ray(CLUSTER, num_cpus=8)
-    deployment = Deployment(str(checkpoint("llama")), [Pool("prefill", 1), Pool("decode", 1)], cluster_name=CLUSTER,
-                            router_config=RouterConfig(local_prefill_max_tokens=0), verbose=False, num_kv_blocks=64,
-                            max_num_batched_tokens=96)
+    pool = PoolSpec(max_num_batched_tokens=96)
+    deployment = Deployment(ClusterSpec(
+        name=CLUSTER, model=ModelSpec(path=str(checkpoint("llama"))), prefill=pool, decode=pool,
+        kv=KVSpec(num_blocks=64), router=RouterConfig(local_prefill_max_tokens=0)), verbose=False).start()
     ingress = Ingress(deployment)
     yield ray, deployment, ingress
     ingress.stop()

@@ -173,8 +173,8 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(checkpoint, ray_ses
     system = random_prompts([48], seed=11)[0]
     prompts = [system + p for p in random_prompts([8 + i for i in range(24)], seed=12)]
     try:
-        with DisaggregatedLLM(str(model_dir), cluster_name=CLUSTER, prefill_workers=2, decode_workers=2,
-                              registry_url=url, num_kv_blocks=128, verbose=False) as llm:
+        with DisaggregatedLLM.from_args(str(model_dir), cluster_name=CLUSTER, prefill_workers=2, decode_workers=2,
+                                        registry_url=url, num_kv_blocks=128, verbose=False) as llm:
             client = redis.Redis.from_url(url)
             reader = KVIndexReader(client, CLUSTER)
             assert reader.alive_workers() == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
@@ -233,7 +233,7 @@ def test_embedded_redis_killed_under_a_running_cluster_comes_back(checkpoint, ra
     router leaves load-only placement."""
     model_dir = checkpoint("llama")
     prompts = random_prompts([40, 20, 30], seed=13)
-    with DisaggregatedLLM(str(model_dir), cluster_name=CLUSTER, num_kv_blocks=64, verbose=False) as llm:
+    with DisaggregatedLLM.from_args(str(model_dir), cluster_name=CLUSTER, num_kv_blocks=64, verbose=False) as llm:
         server = llm.local_redis
         port, killed = server.port, server.process.pid
         os.kill(killed, signal.SIGKILL)

@@ -27,7 +27,7 @@ def ray_session():
 
 def disaggregated(model_dir, **kwargs) -> DisaggregatedLLM:
     kwargs = {"max_num_batched_tokens": 96, "verbose": False, **kwargs}
-    return DisaggregatedLLM(str(model_dir), cluster_name=CLUSTER, **kwargs)
+    return DisaggregatedLLM.from_args(str(model_dir), cluster_name=CLUSTER, **kwargs)
 
 
 def redis_servers() -> set[int]:

@@ -1,0 +1,423 @@
+"""Reading a topology file: YAML to a :class:`ClusterSpec`, with every mistake found reported
+as ``FILE:LINE: dotted.key: what is wrong``. Each section is read through the checks its
+dataclass declares (``spec.py``); what spans keys (pools that must come together, ports taken
+twice, the model's shape) is checked here."""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import urlsplit
+
+import yaml
+
+from cluster.topology.checks import Bad, Check, describe
+from cluster.topology.spec import (
+    ROLES,
+    ClusterSpec,
+    KVSpec,
+    ModelSpec,
+    NodeConstraints,
+    ObservabilitySpec,
+    PoolSpec,
+    RaySpec,
+    RegistrySpec,
+    ServerSpec,
+    TLSSpec,
+    TracingSpec,
+    checked_keys,
+    sections_of,
+)
+from router.config import RouterConfig, RouterConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TopologyIssue:
+    """One mistake (or warning) in a topology file. ``key`` is dotted (``prefill.tp``), empty
+    for the file as a whole; ``line`` is 1-based, None when unknown."""
+
+    key: str
+    line: int | None
+    message: str
+
+    def format(self, source: str) -> str:
+        where = source if self.line is None else f"{source}:{self.line}"
+        return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
+
+
+class TopologyError(ValueError):
+    """A topology file that cannot be used; ``errors`` holds every mistake found in it."""
+
+    def __init__(self, errors: list[TopologyIssue], source: str = "<topology>"):
+        self.errors = list(errors)
+        self.source = source
+        super().__init__("\n".join(issue.format(source) for issue in self.errors))
+
+    def __reduce__(self):  # so that it crosses processes (a Ray actor's error) whole
+        return type(self), (self.errors, self.source)
+
+
+def parse_topology(text: str, source: str = "<topology>", model_elsewhere: bool = False) -> ClusterSpec:
+    """The spec of a topology's text; ``model_elsewhere``: ``model.path`` is on the machines the
+    cluster runs on, not necessarily here (a missing one is a warning, not an error)."""
+    spec, errors, _ = _check(text, source, model_elsewhere)
+    if errors:
+        raise TopologyError(errors, source)
+    return spec
+
+
+def load_topology(path: str | Path, model_elsewhere: bool = False) -> ClusterSpec:
+    spec, errors, warnings = validate_file(path, model_elsewhere)
+    if errors:
+        raise TopologyError(errors, str(path))
+    for warning in warnings:
+        log.warning("%s", warning)
+    return spec
+
+
+def default_topology() -> ClusterSpec:
+    return parse_topology("")
+
+
+def validate_file(path: str | Path, model_elsewhere: bool = False
+                  ) -> tuple[ClusterSpec | None, list[TopologyIssue], list[str]]:
+    """The spec (None when there are errors), every error, and the warnings as printable lines."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, [TopologyIssue("", None, "no such file")], []
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [TopologyIssue("", None, f"cannot read the file: {exc}")], []
+    spec, errors, warnings = _check(text, str(path), model_elsewhere)
+    return spec, errors, [warning.format(str(path)) for warning in warnings]
+
+
+# -- reading --------------------------------------------------------------------------------
+
+class _Context:
+    def __init__(self, lines: dict[str, int]):
+        self.lines = lines
+        self.errors: list[TopologyIssue] = []
+        self.warnings: list[TopologyIssue] = []
+
+    def line(self, key: str) -> int | None:
+        while key:
+            if key in self.lines:
+                return self.lines[key]
+            key = key.rpartition(".")[0]
+        return None
+
+    def error(self, key: str, message: str) -> None:
+        self.errors.append(TopologyIssue(key, self.line(key), message))
+
+    def warn(self, key: str, message: str) -> None:
+        self.warnings.append(TopologyIssue(key, self.line(key), message))
+
+
+class _Section:
+    """One mapping of the file: reports unknown keys, reads the known ones through their checks
+    (those its dataclass declares)."""
+
+    def __init__(self, ctx: _Context, where: str, value: Any, checks: Mapping[str, Check],
+                 sections: Mapping[str, type] = {}):
+        self.ctx, self.where, self.checks, self.sections = ctx, where, checks, sections
+        self.data: dict = {}
+        self.bad: set[str] = set()
+        known = sorted([*checks, *sections])
+        if value is None:
+            return
+        if not isinstance(value, dict):
+            ctx.error(where, f"must be a mapping with the keys {', '.join(known)}; got {describe(value)}")
+            self.bad.add("")
+            return
+        self.data = value
+        for key in value:
+            if key not in known:
+                ctx.error(self.key(key), _unknown_key(key, known))
+
+    def key(self, name: Any) -> str:
+        return f"{self.where}.{name}" if self.where else str(name)
+
+    def values(self) -> dict[str, Any]:
+        """The valid values present, by key; a bad one is reported and left to the default."""
+        out = {}
+        for name, check in self.checks.items():
+            if name not in self.data:
+                continue
+            try:
+                out[name] = check(self.data[name])
+            except Bad as exc:
+                self.bad.add(name)
+                self.ctx.error(self.key(name) + (f".{exc.sub}" if exc.sub else ""), str(exc))
+        return out
+
+    def section(self, name: str) -> "_Section":
+        cls = self.sections[name]
+        return _Section(self.ctx, self.key(name), self.data.get(name), checked_keys(cls), sections_of(cls))
+
+
+def _unknown_key(key: Any, known: list[str]) -> str:
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown key; {hint}known: {', '.join(known)}"
+
+
+# The file's top level: ``cluster`` (holding ClusterSpec.name), then ClusterSpec's sections.
+_CLUSTER = {"name": checked_keys(ClusterSpec)["name"]}
+_TOP = {"cluster": object, **sections_of(ClusterSpec)}
+_SECTIONS = tuple(_TOP)
+
+
+def _load_yaml(text: str) -> tuple[Any, dict[str, int], list[TopologyIssue]]:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+    lines: dict[str, int] = {}
+    duplicates: list[TopologyIssue] = []
+    if node is not None:
+        _key_lines(node, "", lines, duplicates, set())
+    return data, lines, duplicates
+
+
+def _key_lines(node: yaml.Node, prefix: str, lines: dict[str, int], duplicates: list[TopologyIssue],
+               visiting: set[int]) -> None:
+    if not isinstance(node, yaml.MappingNode) or id(node) in visiting:
+        return
+    visiting.add(id(node))
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = f"{prefix}.{key_node.value}" if prefix else key_node.value
+        line = key_node.start_mark.line + 1
+        if key_node.value in seen:
+            duplicates.append(TopologyIssue(key, line, f"duplicate key (first on line {seen[key_node.value]})"))
+        seen.setdefault(key_node.value, line)
+        lines.setdefault(key, line)
+        _key_lines(value_node, key, lines, duplicates, visiting)
+    visiting.discard(id(node))
+
+
+def _check(text: str, source: str, model_elsewhere: bool = False
+           ) -> tuple[ClusterSpec | None, list[TopologyIssue], list[TopologyIssue]]:
+    try:
+        data, lines, duplicates = _load_yaml(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        problem = ", ".join(filter(None, (getattr(exc, "context", None), getattr(exc, "problem", None)))) or str(exc)
+        return None, [TopologyIssue("", mark.line + 1 if mark else None, f"not valid YAML: {problem}")], []
+    ctx = _Context(lines)
+    ctx.errors.extend(duplicates)
+    if data is not None and not isinstance(data, dict):
+        ctx.error("", f"the top level must be a mapping of sections ({', '.join(_SECTIONS)}); got {describe(data)}")
+        return None, ctx.errors, []
+    top = _Section(ctx, "", data, {}, _TOP)
+    cluster = _Section(ctx, "cluster", top.data.get("cluster"), _CLUSTER).values()
+    spec = ClusterSpec(
+        name=cluster.get("name", "tandem"),
+        model=ModelSpec(**top.section("model").values()),
+        prefill=_pool(top, "prefill"),
+        decode=_pool(top, "decode"),
+        colocated=_pool(top, "colocated", default_replicas=0),
+        kv=KVSpec(**top.section("kv").values()),
+        router=_router(ctx, top.data.get("router")),
+        registry=_registry(top),
+        server=_server(top),
+        observability=_observability(top),
+        ray=_ray(top),
+    )
+    _check_pools(ctx, spec)
+    _check_ports(ctx, spec)
+    _check_exposure(ctx, spec)
+    _check_model(ctx, spec, model_elsewhere or spec.ray.address is not None)
+    for issues in (ctx.errors, ctx.warnings):
+        issues.sort(key=lambda issue: issue.line or 0)
+    return (None if ctx.errors else spec), ctx.errors, ctx.warnings
+
+
+def _pool(top: _Section, role: str, default_replicas: int = 1) -> PoolSpec:
+    section = top.section(role)
+    node_section = section.section("node")
+    pool = PoolSpec(node=NodeConstraints(**node_section.values()), **{"replicas": default_replicas,
+                                                                       **section.values()})
+    gpus = pool.node.gpus
+    if gpus is not None and pool.tp * pool.gpus_per_rank > gpus and "tp" not in section.bad:
+        ranks = f"{pool.tp} ranks of 1 GPU do" if pool.tp != 1 else "1 rank of 1 GPU does"
+        top.ctx.error(f"{role}.tp", f"{ranks} not fit on a node of {gpus} GPU{'s' if gpus != 1 else ''}")
+    return pool
+
+
+def _check_pools(ctx: _Context, spec: ClusterSpec) -> None:
+    prefill, decode, colocated = spec.prefill.replicas, spec.decode.replicas, spec.colocated.replicas
+    if prefill and not decode:
+        ctx.error("decode.replicas", "prefill workers need decode workers to send their KV to (at least 1)")
+    elif decode and not prefill:
+        ctx.error("prefill.replicas", "decode workers need prefill workers (at least 1), or use a colocated pool")
+    elif not decode and not colocated:
+        ctx.error("decode.replicas", "no worker generates: give decode (with prefill) or colocated workers")
+
+
+def _router(ctx: _Context, data: Any) -> RouterConfig:
+    if data is None:
+        return RouterConfig()
+    if not isinstance(data, dict):
+        ctx.error("router", f"must be a mapping; got {describe(data)}")
+        return RouterConfig()
+    try:
+        return RouterConfig.from_mapping(data, where="router")
+    except RouterConfigError as exc:
+        key, _, message = str(exc).partition(": ")
+        if not key.startswith("router") or not message:
+            key, message = "router", str(exc)
+        ctx.error(key, message)
+    except (TypeError, ValueError) as exc:
+        ctx.error("router", str(exc))
+    return RouterConfig()
+
+
+def _registry(top: _Section) -> RegistrySpec:
+    registry = RegistrySpec(**top.section("registry").values())
+    if registry.url and registry.password_env and urlsplit(registry.url).password:
+        top.ctx.error("registry.password_env", "the URL holds a password already; give it in one place")
+    elif registry.url and urlsplit(registry.url).password:
+        top.ctx.warn("registry.url", "holds a password in the file; prefer password_env")
+    return registry
+
+
+def _server(top: _Section) -> ServerSpec:
+    section = top.section("server")
+    values = section.values()
+    tls_section = section.section("tls")
+    files = tls_section.values()
+    tls = None
+    if files.get("cert_file") and files.get("key_file"):
+        tls = TLSSpec(files["cert_file"], files["key_file"])
+    elif not tls_section.bad and (files.get("cert_file") or files.get("key_file")):
+        missing = "key_file" if files.get("cert_file") else "cert_file"
+        top.ctx.error("server.tls", f"needs both cert_file and key_file; {missing} is missing")
+    if values.get("auth_token_env") and values.get("auth_token_file"):
+        top.ctx.error("server.auth_token_file", "give auth_token_env or auth_token_file, not both")
+    for key, path in (("server.tls.cert_file", tls and tls.cert_file), ("server.tls.key_file", tls and tls.key_file),
+                      ("server.auth_token_file", values.get("auth_token_file"))):
+        if path and not Path(path).expanduser().exists():
+            top.ctx.warn(key, f"{path} does not exist here")
+    return ServerSpec(tls=tls, **values)
+
+
+def _observability(top: _Section) -> ObservabilitySpec:
+    section = top.section("observability")
+    values = section.values()
+    tracing = TracingSpec(**section.section("tracing").values())
+    if tracing.endpoint and tracing.exporter != "otlp":
+        top.ctx.warn("observability.tracing.endpoint", f"is used only with exporter otlp (now {tracing.exporter})")
+    return ObservabilitySpec(tracing=tracing, **values)
+
+
+def _ray(top: _Section) -> RaySpec:
+    ray = RaySpec(**top.section("ray").values())
+    if ray.address and ray.num_cpus is not None:
+        top.ctx.error("ray.num_cpus", "only for a local Ray: remove it, or ray.address to start one")
+    return ray
+
+
+def _check_ports(ctx: _Context, spec: ClusterSpec) -> None:
+    taken = {spec.server.port: "server.port"} if spec.server.port else {}
+    if spec.server.http_port:
+        if spec.server.http_port in taken:
+            ctx.error("server.http_port", f"port {spec.server.http_port} is taken by server.port")
+        taken.setdefault(spec.server.http_port, "server.http_port")
+    obs = spec.observability
+    wanted = [("observability.dashboard_port", obs.dashboard_port if obs.dashboard else None),
+              ("observability.metrics_export_port", obs.metrics_export_port)]
+    for key, port in wanted:
+        if port is None:
+            continue
+        if port in taken:
+            ctx.error(key, f"port {port} is taken by {taken[port]}")
+        taken.setdefault(port, key)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_exposure(ctx: _Context, spec: ClusterSpec) -> None:
+    server = spec.server
+    if not _is_loopback(server.host):
+        if not (server.auth_token_env or server.auth_token_file):
+            ctx.warn("server.host", f"the API on {server.host} is open to the network with no auth token")
+        if server.tls is None:
+            ctx.warn("server.host", f"the API on {server.host} is open to the network without TLS")
+    obs = spec.observability
+    if obs.dashboard and not _is_loopback(obs.dashboard_host):
+        ctx.warn("observability.dashboard_host", f"the Ray dashboard on {obs.dashboard_host}:{obs.dashboard_port} "
+                 "is open to the network: keep Ray's token authentication on (RAY_AUTH_MODE=token), or whoever "
+                 "reaches it can run code on the cluster")
+    if spec.ray.address is None:
+        for role in ROLES:
+            if spec.pool(role).node.resources:
+                ctx.warn(f"{role}.node.resources", "a local Ray (ray.address null) has no custom resources; "
+                         "these ranks could not be placed")
+
+
+def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
+    """The TP degrees and max_model_len against the model's config.json: the default model's
+    (known before it is built), or the one at ``model.path``. A path that does not exist here
+    is an error, unless the model is ``elsewhere`` (the topology joins a Ray cluster, whose
+    nodes hold it, or ``tandem validate --model-elsewhere``): then a warning."""
+    from cluster.engine.models.read_config import load_model_config
+
+    if not spec.model.path:
+        from cluster.default_model import default_model_config
+
+        try:
+            config = default_model_config(spec.model.dtype)
+        except (ValueError, OSError) as exc:
+            ctx.error("model.path", f"the default model's config.json cannot be read: {exc}")
+            return
+        _check_against(ctx, spec, config)
+        return
+    path = Path(spec.model.path).expanduser()
+    if not path.exists():
+        if elsewhere:
+            ctx.warn("model.path", f"{path} does not exist here; tp and max_model_len are checked against the model "
+                     "only where it is readable")
+        else:
+            ctx.error("model.path", f"{path} does not exist here: give a local Hugging Face-format model directory "
+                      "(or null for the default model)")
+        return
+    try:
+        config = load_model_config(path, spec.model.dtype)
+    except (ValueError, OSError) as exc:
+        ctx.error("model.path", str(exc))
+        return
+    _check_against(ctx, spec, config)
+
+
+def _check_against(ctx: _Context, spec: ClusterSpec, config) -> None:
+    from cluster.parallel.tp_runner import check_tensor_parallel
+
+    for role in ROLES:
+        try:
+            check_tensor_parallel(config, spec.pool(role).tp)
+        except ValueError as exc:
+            ctx.error(f"{role}.tp", str(exc))
+    limit = config.max_position_embeddings
+    if spec.model.max_model_len is not None and spec.model.max_model_len > limit:
+        ctx.error("model.max_model_len", f"{spec.model.max_model_len} exceeds the model's max_position_embeddings "
+                                         f"{limit}")

