@@ -377,7 +377,8 @@ class Router:
     def _queued_prefill_tokens(self, worker: str, load: WorkerLoad, pending: list[_Placed]) -> int:
         """Prompt tokens waiting to be prefilled on ``worker``: as it reported, plus those of the
         placements since that it prefills (its own, or a local prefill)."""
-        return load.queued_prefill_tokens + sum(p.prompt_tokens for p in pending if p.decision.prefill in (worker, None))
+        since = sum(p.prompt_tokens for p in pending if p.decision.prefill in (worker, None))
+        return load.queued_prefill_tokens + since
 
     def _candidates(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad],
                     hits: dict[str, int], live: LivePools, now: float) -> list[Candidate]:
@@ -404,13 +405,13 @@ class Router:
             for p in paired:
                 candidates.append(remote_candidate(p, prefill_sides[p], queued[p], d, side, prompt, remote_correction,
                                                    rotation_slot=(p, d) == (turn_p, turn_d)))
+            every_pair_cut_off = is_decode and bool(live.prefill) and len(cut) == len(live.prefill)  # being rebuilt
             if prefills_itself(colocated=d in live.colocated, hit_blocks=side.hit_blocks,
                                cacheable_blocks=prompt.cacheable_blocks,
                                uncached_tokens=prompt.uncached_tokens(side.hit_blocks),
-                               every_pair_cut_off=is_decode and bool(live.prefill) and len(cut) == len(live.prefill),
-                               config=self.config):
-                candidates.append(local_candidate(d, side, queued[d], prompt, local_correction,
-                                                  rotation_slot=d == turn_d and (turn_p is None or d in live.colocated)))
+                               every_pair_cut_off=every_pair_cut_off, config=self.config):
+                local_turn = d == turn_d and (turn_p is None or d in live.colocated)
+                candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn))
         return candidates
 
     def _choose(self, request: RouteRequest, cls: SloClass, candidates: list[Candidate], now: float) -> Decision:
