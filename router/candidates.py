@@ -11,7 +11,7 @@ worker (``PrefillSide``, ``DecodeSide``) and the pairs only add them up.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from cluster.engine.block_hash import cacheable_prefix_blocks
 from cluster.registry.load import WorkerLoad
@@ -125,19 +125,28 @@ def corrected(predicted_s: float, correction_s: float) -> float:
     return max(predicted_s + correction_s, predicted_s / 2, MIN_TTFT_S)
 
 
-def remote_candidate(prefill: str, p: PrefillSide, queued_tokens: int, decode: str, d: DecodeSide,
-                     prompt: Prompt, correction_s: float, rotation_slot: bool) -> Candidate:
-    """The prefill worker computes the KV and sends the blocks the decode worker lacks. The KV
-    may land before a slot frees: TTFT is at least the wait for the slot."""
-    c = Candidate(prefill, decode, p.hit_blocks, d.hit_blocks, prompt.cacheable_blocks, queued_tokens, d.load,
-                  queue_s=p.queue_s, prefill_s=p.prefill_s,
-                  transfer_s=p.model.transfer_seconds(prompt.blocks - d.hit_blocks),
-                  tpot_s=d.tpot_s, decode_has_room=d.has_room, rotation_slot=rotation_slot)
-    c.correction_s = correction_s
-    c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + d.reserve_wait_s, c.correction_s)
-    c.ttft_s = max(c.ttft_s, d.slot_wait_s + c.correction_s)
-    c.idle_ttft_s, c.idle_tpot_s = corrected(c.prefill_s + c.transfer_s, c.correction_s), d.idle_tpot_s
-    return c
+def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill_sides: Mapping[str, PrefillSide],
+                      queued_tokens: Mapping[str, int], prompt: Prompt, correction_s: float,
+                      rotation_prefill: str | None) -> list[Candidate]:
+    """The decode worker's pairs with ``paired``: each prefill worker computes the KV and sends
+    the blocks the decode worker lacks. The KV may land before a slot frees: TTFT is at least
+    the wait for the slot. ``rotation_prefill`` is the prefill worker whose pair with this
+    decode worker has the round-robin turn (None: no pair of it has). One call per decode
+    worker, not per pair: the pairs are a placement's inner loop."""
+    out = []
+    missing_blocks, cacheable = prompt.blocks - d.hit_blocks, prompt.cacheable_blocks
+    reserve_wait_s, slot_wait_s = d.reserve_wait_s, d.slot_wait_s
+    for prefill in paired:
+        model, hit_blocks, queue_s, prefill_s = prefill_sides[prefill]
+        c = Candidate(prefill, decode, hit_blocks, d.hit_blocks, cacheable, queued_tokens[prefill], d.load,
+                      queue_s=queue_s, prefill_s=prefill_s, transfer_s=model.transfer_seconds(missing_blocks),
+                      tpot_s=d.tpot_s, decode_has_room=d.has_room, rotation_slot=prefill == rotation_prefill)
+        c.correction_s = correction_s
+        c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_wait_s, c.correction_s)
+        c.ttft_s = max(c.ttft_s, slot_wait_s + c.correction_s)
+        c.idle_ttft_s, c.idle_tpot_s = corrected(c.prefill_s + c.transfer_s, c.correction_s), d.idle_tpot_s
+        out.append(c)
+    return out
 
 
 def local_candidate(decode: str, d: DecodeSide, queued_tokens: int, prompt: Prompt, correction_s: float,

@@ -43,7 +43,7 @@ from typing import Protocol, Sequence
 
 from cluster.engine.block_hash import hash_token_blocks, request_hash_keys
 from cluster.registry.load import WorkerLoad
-from router.candidates import Candidate, Prompt, decode_side, local_candidate, prefill_side, remote_candidate
+from router.candidates import Candidate, Prompt, decode_side, local_candidate, prefill_side, remote_candidates
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel
 from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill, with_room
@@ -402,9 +402,8 @@ class Router:
             cut = cut_off(d, loads[d], request.avoid, prefill_sides) if is_decode else set()
             paired = (paired_prefill(shortlist, live.prefill, cut, prefill_sides, self.config.prefill_shortlist)
                       if is_decode else [])
-            for p in paired:
-                candidates.append(remote_candidate(p, prefill_sides[p], queued[p], d, side, prompt, remote_correction,
-                                                   rotation_slot=(p, d) == (turn_p, turn_d)))
+            candidates += remote_candidates(d, side, paired, prefill_sides, queued, prompt, remote_correction,
+                                            rotation_prefill=turn_p if d == turn_d else None)
             every_pair_cut_off = is_decode and bool(live.prefill) and len(cut) == len(live.prefill)  # being rebuilt
             if prefills_itself(colocated=d in live.colocated, hit_blocks=side.hit_blocks,
                                cacheable_blocks=prompt.cacheable_blocks,

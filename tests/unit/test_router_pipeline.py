@@ -7,7 +7,7 @@ import pytest
 
 from cluster.registry.load import WorkerLoad
 from router.candidates import (MIN_TTFT_S, Candidate, Prompt, corrected, decode_side, local_candidate, prefill_side,
-                               remote_candidate)
+                               remote_candidates)
 from router.config import SCORERS, RouterConfig, SloClass
 from router.cost_model import StepTimeModel
 from router.filters import (LivePools, cut_off, first_in_line, has_room, not_failed, paired_prefill, reporting,
@@ -116,13 +116,16 @@ def test_a_remote_pair_adds_queue_prefill_transfer_and_the_wait_for_the_step_in_
     prompt = Prompt.of(33, 8, BS)
     p = prefill_side(MODEL, 0, 0, prompt)
     d = decode_side(load("d0", running=1), MODEL, [], 2, prompt, "queue")
-    c = remote_candidate("p0", p, 0, "d0", d, prompt, 0.0, rotation_slot=True)
+    sides, queued = {"p0": p, "p1": p}, {"p0": 0, "p1": 0}
+    c, other = remote_candidates("d0", d, ["p0", "p1"], sides, queued, prompt, 0.0, rotation_prefill="p0")
     transfer = 0.002 * (9 - 2)
     assert (c.prefill, c.decode, c.prefill_hit_blocks, c.decode_hit_blocks, c.rotation_slot) == ("p0", "d0", 0, 2, True)
+    assert (other.prefill, other.rotation_slot) == ("p1", False)
     assert c.transfer_s == pytest.approx(transfer)
     assert c.ttft_s == pytest.approx(0.043 + transfer + d.tpot_s)
     assert c.idle_ttft_s == pytest.approx(0.043 + transfer)
-    assert remote_candidate("p0", p, 0, "d0", d, prompt, -1.0, False).ttft_s == pytest.approx(c.ttft_s / 2)
+    [less] = remote_candidates("d0", d, ["p0"], sides, queued, prompt, -1.0, rotation_prefill=None)
+    assert less.ttft_s == pytest.approx(c.ttft_s / 2) and not less.rotation_slot
 
 
 def test_a_local_prefill_waits_for_the_step_in_progress_then_prefills_what_is_not_cached():
