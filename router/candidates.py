@@ -86,9 +86,9 @@ def prefill_side(model: StepTimeModel, queued_tokens: int, hit_blocks: int, prom
                        model.prefill_seconds(prompt.uncached_tokens(hit_blocks), hit_blocks * prompt.block_size))
 
 
-@dataclass(frozen=True)
-class DecodeSide:
-    """What a decode (or colocated) worker contributes to every candidate it is in."""
+class DecodeSide(NamedTuple):
+    """What a decode (or colocated) worker contributes to every candidate it is in (a tuple:
+    one is built per worker and placement, and a frozen dataclass is slower to build)."""
 
     model: StepTimeModel
     hit_blocks: int
@@ -135,16 +135,17 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
     worker, not per pair: the pairs are a placement's inner loop."""
     out = []
     missing_blocks, cacheable = prompt.blocks - d.hit_blocks, prompt.cacheable_blocks
-    reserve_wait_s, slot_wait_s = d.reserve_wait_s, d.slot_wait_s
+    hit_d, load, tpot_s, idle_tpot_s = d.hit_blocks, d.load, d.tpot_s, d.idle_tpot_s  # locals: the inner loop
+    has_room, slot_wait_s, reserve_wait_s = d.has_room, d.slot_wait_s, d.reserve_wait_s
     for prefill in paired:
-        model, hit_blocks, queue_s, prefill_s = prefill_sides[prefill]
-        c = Candidate(prefill, decode, hit_blocks, d.hit_blocks, cacheable, queued_tokens[prefill], d.load,
+        model, hit_p, queue_s, prefill_s = prefill_sides[prefill]
+        c = Candidate(prefill, decode, hit_p, hit_d, cacheable, queued_tokens[prefill], load,
                       queue_s=queue_s, prefill_s=prefill_s, transfer_s=model.transfer_seconds(missing_blocks),
-                      tpot_s=d.tpot_s, decode_has_room=d.has_room, rotation_slot=prefill == rotation_prefill)
+                      tpot_s=tpot_s, decode_has_room=has_room, rotation_slot=prefill == rotation_prefill)
         c.correction_s = correction_s
         c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_wait_s, c.correction_s)
         c.ttft_s = max(c.ttft_s, slot_wait_s + c.correction_s)
-        c.idle_ttft_s, c.idle_tpot_s = corrected(c.prefill_s + c.transfer_s, c.correction_s), d.idle_tpot_s
+        c.idle_ttft_s, c.idle_tpot_s = corrected(c.prefill_s + c.transfer_s, c.correction_s), idle_tpot_s
         out.append(c)
     return out
 
