@@ -51,7 +51,7 @@ from router.picker import explain, fastest, first_meeting, never_meets, rank
 from router.prefill_choice import prefills_itself
 from router.waiting import WaitingQueue
 
-_soonest_prefill = soonest_prefill  # its name here before the filters had a module of their own
+_soonest_prefill = soonest_prefill  # the name tests/unit/test_router.py imports it by, from before router/filters.py
 
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
 GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
