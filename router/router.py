@@ -1,6 +1,14 @@
 """Placement: for each request, which prefill worker computes its KV and which decode worker
 generates, predicted TTFT and TPOT for every candidate, and admission by the request's SLO.
 
+Placement is a pipeline, each stage in a module of its own, run in order by ``Router.route``:
+filters (``router/filters.py``: live workers, pairs not cut off, the prefill shortlist, room on
+the decode side); candidates with their predictions (``router/candidates.py``, from each
+worker's step-time model in ``router/cost_model.py``), among them the workers that prefill a
+prompt themselves (the local-or-remote decision, ``router/prefill_choice.py``); scorers
+(``router/scorers.py``) weighed by the policy; and the picker (``router/picker.py``), which ranks
+them and under admission control picks the best that meets the objectives, or says why none can.
+
 The router reads two things from the registry: each live worker's load report (with the
 steps its cost model is fitted to) and, per request, how many leading blocks of the prompt
 each worker caches. Its own state is soft: placements it made since each worker's last
@@ -33,16 +41,19 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
-from cluster.engine.block_hash import cacheable_prefix_blocks, hash_token_blocks, request_hash_keys
+from cluster.engine.block_hash import hash_token_blocks, request_hash_keys
 from cluster.registry.load import WorkerLoad
+from router.candidates import Candidate, Prompt, decode_side, local_candidate, prefill_side, remote_candidates
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel
-from router.scorers import Candidate, score_all
+from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill, with_room
+from router.picker import explain, fastest, first_meeting, never_meets, rank
+from router.prefill_choice import prefills_itself
 from router.waiting import WaitingQueue
 
+_soonest_prefill = soonest_prefill  # the name tests/unit/test_router.py imports it by, from before router/filters.py
 
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
-MIN_TTFT_S = 0.001  # the least TTFT any prediction gives
 GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
 HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
 REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)
@@ -245,12 +256,10 @@ class Router:
             hits = self._prefix_hits(request, sorted(loads), now)
         if loads is None or hits is None:
             return self._place_by_load(request, cls, now)
-        prefill, decode, colocated = ([w for w in pool if w in loads and w not in self.failed]
-                                      for pool in (self.topology.prefill, self.topology.decode,
-                                                   self.topology.colocated))
-        if not decode and not colocated:
+        live = LivePools.of(self.topology.prefill, self.topology.decode, self.topology.colocated, loads, self.failed)
+        if not live.generating:
             return self._without_reports(request, cls, "decode", now)
-        candidates = self._candidates(request, cls, loads, hits, prefill, decode, colocated, now)
+        candidates = self._candidates(request, cls, loads, hits, live, now)
         if not candidates:  # no live prefill worker, and no decode worker may prefill this prompt itself
             return self._without_reports(request, cls, "prefill", now)
         return self._choose(request, cls, candidates, now)
@@ -365,110 +374,67 @@ class Router:
                     pending[w].append(placed)
         return pending
 
+    def _queued_prefill_tokens(self, worker: str, load: WorkerLoad, pending: list[_Placed]) -> int:
+        """Prompt tokens waiting to be prefilled on ``worker``: as it reported, plus those of the
+        placements since that it prefills (its own, or a local prefill)."""
+        since = sum(p.prompt_tokens for p in pending if p.decision.prefill in (worker, None))
+        return load.queued_prefill_tokens + since
+
     def _candidates(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad],
-                    hits: dict[str, int], prefill: list[str], decode: list[str], colocated: list[str],
-                    now: float) -> list[Candidate]:
-        """Every (prefill, decode) pair that can move KV now, and every decode worker that may
-        prefill the prompt itself (it caches nearly all of it, little is left to compute:
-        conditional disaggregation, or it can take KV from no live prefill worker now: its
-        pairs are being rebuilt), with their predictions; colocated workers always prefill
-        themselves."""
-        n, bs = len(request.prompt_token_ids), self.topology.block_size
-        cacheable = cacheable_prefix_blocks(n, bs)
-        prompt_blocks = -(-n // bs)
-        everyone = prefill + decode + colocated
-        pending_on = self._pending(loads, everyone)
-        queued = {w: loads[w].queued_prefill_tokens
-                  + sum(p.prompt_tokens for p in pending_on[w] if p.decision.prefill in (w, None))
-                  for w in everyone}
-        prefill_side = {}  # what a candidate's prefill worker contributes, whichever decode worker it pairs with
-        for p in prefill:
-            model_p, hit_p = self.model(loads[p]), min(hits.get(p, 0), cacheable)
-            prefill_side[p] = (model_p, hit_p, model_p.queue_seconds(queued[p]),
-                               model_p.prefill_seconds(n - hit_p * bs, hit_p * bs))
+                    hits: dict[str, int], live: LivePools, now: float) -> list[Candidate]:
+        """Every (prefill, decode) pair that passes the filters, and every worker that may
+        prefill the prompt itself (``prefills_itself``), with their predictions."""
+        prompt = Prompt.of(len(request.prompt_token_ids), request.max_tokens, self.topology.block_size)
+        pending_on = self._pending(loads, live.everyone)
+        queued = {w: self._queued_prefill_tokens(w, loads[w], pending_on[w]) for w in live.everyone}
+        prefill_sides = {p: prefill_side(self.model(loads[p]), queued[p], prompt.hit_blocks(hits, p), prompt)
+                         for p in live.prefill}
         remote_correction, local_correction = self.correction("remote", now), self.correction("local", now)
-        turn_p = prefill[self._rotation % len(prefill)] if prefill else None
-        shortlist = _soonest_prefill(prefill, prefill_side, self.config.prefill_shortlist, turn_p)
-        generating = decode + colocated
+        generating = live.generating
+        turn_p = live.prefill[self._rotation % len(live.prefill)] if live.prefill else None
         turn_d = generating[self._rotation % len(generating)]
+        shortlist = soonest_prefill(live.prefill, prefill_sides, self.config.prefill_shortlist, turn_p)
         candidates = []
         for d in generating:
-            load_d, model_d = loads[d], self.model(loads[d])
-            pending = pending_on[d]
-            sequences = load_d.running + load_d.receiving + load_d.waiting + len(pending) + 1
-            context = load_d.decode_context_tokens + sum(p.prompt_tokens for p in pending) + n
-            hit_d = min(hits.get(d, 0), cacheable)
-            needed = -(-(n + request.max_tokens) // bs) - hit_d
-            free = load_d.free_blocks - sum(-(-p.prompt_tokens // bs) for p in pending)
-            decode_load = sequences / load_d.max_num_seqs + 1 - free / max(1, load_d.num_blocks)
-            tpot = model_d.decode_step_seconds(sequences, context)
-            idle_tpot = model_d.decode_step_seconds(1, n)
-            # Room: the blocks the request will need, and a slot in the running batch. Without
-            # one it would wait inside the worker for others to finish, which the step-time model
-            # does not predict; it waits in the router instead, offered again when one ends. A
-            # class that may not wait may take the first place in the worker's line, where the
-            # wait is known: until the running sequence closest to its end has finished.
-            first_in_line = sequences == load_d.max_num_seqs + 1 and cls.on_overload == "reject"
-            has_room = free >= needed and (sequences <= load_d.max_num_seqs or first_in_line)
-            slot_wait = tpot * load_d.next_slot_tokens if first_in_line else 0.0
-            reserve_wait = tpot if load_d.running else 0.0  # a call waits for the step in progress
-            # Pairs out of use (rare): read from the few names given, not by walking the prefill pool.
-            cut_off = ({p for p in load_d.unpaired if p in prefill_side}
-                       | {p for p, avoided in request.avoid if avoided == d and p in prefill_side})
-            paired = [p for p in shortlist if p not in cut_off] if d in decode else []
-            if d in decode and not paired and len(cut_off) < len(prefill):  # the shortlist's are all cut off
-                paired = _soonest_prefill([p for p in prefill if p not in cut_off], prefill_side,
-                                          self.config.prefill_shortlist)
-            for p in paired:
-                model_p, hit_p, queue_s, prefill_s = prefill_side[p]
-                c = Candidate(p, d, hit_p, hit_d, cacheable, queued[p], decode_load, queue_s=queue_s,
-                              prefill_s=prefill_s, transfer_s=model_p.transfer_seconds(prompt_blocks - hit_d),
-                              tpot_s=tpot, decode_has_room=has_room,
-                              rotation_slot=(p, d) == (turn_p, turn_d))
-                c.correction_s = remote_correction
-                c.ttft_s = _corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_wait, c.correction_s)
-                c.ttft_s = max(c.ttft_s, slot_wait + c.correction_s)  # the KV may land before a slot frees
-                c.idle_ttft_s, c.idle_tpot_s = _corrected(c.prefill_s + c.transfer_s, c.correction_s), idle_tpot
-                candidates.append(c)
-            mostly_cached = cacheable and hit_d >= self.config.skip_prefill_fraction * cacheable
-            alone = d in decode and bool(prefill) and len(cut_off) == len(prefill)
-            if d in colocated or mostly_cached or alone or n - hit_d * bs <= self.config.local_prefill_max_tokens:
-                # It waits for the step in progress, then its prefill runs in a step with the decodes.
-                local_prefill = model_d.prefill_seconds(n - hit_d * bs, hit_d * bs)
-                c = Candidate(None, d, hit_d, hit_d, cacheable, queued[d], decode_load,
-                              queue_s=model_d.queue_seconds(queued[d]) + reserve_wait + slot_wait,
-                              prefill_s=local_prefill + reserve_wait,
-                              tpot_s=tpot, decode_has_room=has_room,
-                              rotation_slot=d == turn_d and (turn_p is None or d in colocated))
-                c.correction_s = local_correction
-                c.ttft_s = _corrected(c.queue_s + c.prefill_s, c.correction_s)
-                c.idle_ttft_s, c.idle_tpot_s = _corrected(local_prefill, c.correction_s), idle_tpot
-                candidates.append(c)
+            side = decode_side(loads[d], self.model(loads[d]), [p.prompt_tokens for p in pending_on[d]],
+                               prompt.hit_blocks(hits, d), prompt, cls.on_overload)
+            is_decode = d in live.decode
+            cut = cut_off(d, loads[d], request.avoid, prefill_sides) if is_decode else set()
+            paired = (paired_prefill(shortlist, live.prefill, cut, prefill_sides, self.config.prefill_shortlist)
+                      if is_decode else [])
+            candidates += remote_candidates(d, side, paired, prefill_sides, queued, prompt, remote_correction,
+                                            rotation_prefill=turn_p if d == turn_d else None)
+            every_pair_cut_off = is_decode and bool(live.prefill) and len(cut) == len(live.prefill)  # being rebuilt
+            if prefills_itself(colocated=d in live.colocated, hit_blocks=side.hit_blocks,
+                               cacheable_blocks=prompt.cacheable_blocks,
+                               uncached_tokens=prompt.uncached_tokens(side.hit_blocks),
+                               every_pair_cut_off=every_pair_cut_off, config=self.config):
+                local_turn = d == turn_d and (turn_p is None or d in live.colocated)
+                candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn))
         return candidates
 
     def _choose(self, request: RouteRequest, cls: SloClass, candidates: list[Candidate], now: float) -> Decision:
-        objectives = (cls.ttft_s, cls.tpot_s)
-        with_room = [c for c in candidates if c.decode_has_room]
-        score_all(with_room or candidates, dict(self.config.weights), objectives)
-        ranked = sorted(with_room or candidates, key=lambda c: (-c.score, c.ttft_s, c.prefill is not None))  # ties: fewer hops
+        """The picker's choice as a decision: the best ranked, or under admission control the
+        best that meets the objectives; else the class's ``on_overload`` says what happens."""
+        ranked = rank(candidates, self.config.weights, cls)
         if not self.config.admission_control or (cls.ttft_s is None and cls.tpot_s is None):
             return self._place(request, cls, ranked[0], now)
         # A class that may not wait must be served in time counting what it already spent; one
         # that may wait is placed as soon as a pair with room could serve a fresh request in time.
         spent = _waited(request, now) if cls.on_overload == "reject" else 0.0
-        meeting = [c for c in ranked if c.decode_has_room and _meets(c.ttft_s + spent, c.tpot_s, cls)]
-        if meeting:
-            return self._place(request, cls, meeting[0], now)
-        never = not any(_meets(c.idle_ttft_s + spent, c.idle_tpot_s, cls) for c in candidates)
-        fastest = min(ranked, key=lambda c: c.ttft_s + c.tpot_s)
-        why = _explain(cls, fastest, never, spent, full=not with_room)
+        chosen = first_meeting(ranked, cls, spent)
+        if chosen is not None:
+            return self._place(request, cls, chosen, now)
+        never = never_meets(candidates, cls, spent)
+        best = fastest(ranked)
+        why = explain(cls, best, never, spent, full=not with_room(candidates))
         if cls.on_overload == "reject":
-            return self._reject(request, cls, why, now, fastest)
+            return self._reject(request, cls, why, now, best)
         if cls.on_overload == "queue" and not never:
             self.counters.queued += 1
             return Decision("queue", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
-                            tpot_objective_s=cls.tpot_s, predicted_ttft_s=fastest.ttft_s,
-                            predicted_tpot_s=fastest.tpot_s, reason=why, waited_s=_waited(request, now))
+                            tpot_objective_s=cls.tpot_s, predicted_ttft_s=best.ttft_s,
+                            predicted_tpot_s=best.tpot_s, reason=why, waited_s=_waited(request, now))
         return self._place(request, cls, ranked[0], now, reason="best effort: " + why)
 
     def _reject(self, request: RouteRequest, cls: SloClass, why: str, now: float,
@@ -584,45 +550,5 @@ class Router:
         }
 
 
-def _soonest_prefill(prefill: list[str], prefill_side: dict, limit: int, turn: str | None = None) -> list[str]:
-    """The prefill workers to pair with decode workers: all of them, or past ``limit`` the ones
-    whose queue and prefill end soonest (more cached blocks, then pool order, break ties), and
-    the one whose turn it is in the rotation. The pairs are what a placement costs: 128 x 128
-    workers would be 16,384 of them."""
-    if len(prefill) <= limit:
-        return prefill
-    order = {p: i for i, p in enumerate(prefill)}
-    soonest = sorted(prefill, key=lambda p: (prefill_side[p][2] + prefill_side[p][3], -prefill_side[p][1], order[p]))
-    return sorted(set(soonest[:limit]) | ({turn} if turn is not None else set()), key=order.__getitem__)
-
-
-def _corrected(predicted_s: float, correction_s: float) -> float:
-    """A TTFT prediction with the learned correction: a correction that the model over-predicts
-    may take off at most half of the prediction, and no prediction is under MIN_TTFT_S (no
-    request crosses two hops and a model step faster)."""
-    return max(predicted_s + correction_s, predicted_s / 2, MIN_TTFT_S)
-
-
-def _meets(ttft_s: float, tpot_s: float, cls: SloClass) -> bool:
-    return (cls.ttft_s is None or ttft_s <= cls.ttft_s) and (cls.tpot_s is None or tpot_s <= cls.tpot_s)
-
-
 def _waited(request: RouteRequest, now: float) -> float:
     return max(0.0, now - request.arrival) if request.arrival is not None else 0.0
-
-
-def _explain(cls: SloClass, c: Candidate, never: bool, spent: float = 0.0, full: bool = False) -> str:
-    def ms(seconds: float | None) -> str:
-        return "none" if seconds is None else f"{seconds * 1000:.0f} ms"
-
-    if never:
-        state = "even an idle cluster cannot meet"
-    elif full:
-        state = "no decode worker has a free slot and KV blocks now for"
-    else:
-        state = "no (prefill, decode) pair can meet now"
-    waited = f"waited {ms(spent)} + " if spent else ""
-    return (f"{state} slo_class {cls.name!r} (TTFT <= {ms(cls.ttft_s)}, TPOT <= {ms(cls.tpot_s)}): the best, "
-            f"{c.label}, predicts TTFT {waited}{ms(c.ttft_s)} (queue {ms(c.queue_s)} + prefill {ms(c.prefill_s)} + "
-            f"transfer {ms(c.transfer_s)}) and TPOT {ms(c.tpot_s)}; idle, TTFT {ms(c.idle_ttft_s)} and "
-            f"TPOT {ms(c.idle_tpot_s)}")

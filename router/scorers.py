@@ -1,41 +1,16 @@
-"""Scorers: each rates one candidate placement with a number in [0, 1]; a policy weighs them.
+"""Scorers: each rates one candidate placement (:class:`router.candidates.Candidate`) with a
+number in [0, 1]; a policy weighs them (``router.weights``, presets in ``router/config.py``).
 
-A candidate is a (prefill worker, decode worker) pair, or a decode worker alone when it would
-prefill the prompt itself (``prefill is None``). Scorers see every candidate of the request at
-once (a :class:`CandidateSet`), so that relative ones (load) can normalise across them.
+Scorers see every candidate of the request at once (a :class:`CandidateSet`), so that relative
+ones (load) can normalise across them. They run after the filters (``router/filters.py``) and
+before the picker (``router/picker.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-
-@dataclass
-class Candidate:
-    prefill: str | None
-    decode: str
-    prefill_hit_blocks: int  # of the prompt, cached where it will be prefilled
-    decode_hit_blocks: int  # of the prompt, cached on the decode worker (those blocks do not travel)
-    cacheable_blocks: int
-    prefill_queue_tokens: int
-    decode_load: float  # share of sequence slots plus share of KV blocks in use
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    transfer_s: float = 0.0
-    correction_s: float = 0.0
-    ttft_s: float = 0.0
-    tpot_s: float = 0.0
-    idle_ttft_s: float = 0.0  # the same prediction with empty queues: what this pair could ever do
-    idle_tpot_s: float = 0.0
-    decode_has_room: bool = True
-    rotation_slot: bool = False  # this request's turn in the round-robin order
-    scores: dict[str, float] = field(default_factory=dict)
-    score: float = 0.0
-
-    @property
-    def label(self) -> str:
-        return f"{self.prefill or '(local prefill)'} -> {self.decode}"
+from router.candidates import Candidate
 
 
 class CandidateSet:
@@ -88,6 +63,7 @@ SCORER_FUNCTIONS: dict[str, Callable[[Candidate, CandidateSet, tuple], float]] =
 
 def score_all(candidates: Sequence[Candidate], weights: dict[str, float],
               objectives: tuple[float | None, float | None]) -> None:
+    """Sets each candidate's ``scores`` (by scorer) and ``score`` (their weighted mean)."""
     total = sum(weights.values())
     every = CandidateSet(candidates)
     scorers = [(name, weight, SCORER_FUNCTIONS[name]) for name, weight in weights.items() if weight]

@@ -1,0 +1,165 @@
+"""Candidates and their predictions: the ways one request could be placed now, each with the
+TTFT and TPOT its workers' step-time models predict.
+
+A candidate is a (prefill worker, decode worker) pair, or a decode worker alone when it would
+prefill the prompt itself (``prefill is None``). What a prefill worker contributes to a pair
+(its queue and prefill time) does not depend on the decode worker, nor what a decode worker
+contributes (its step time, room, waits) on the prefill worker: each side is predicted once per
+worker (``PrefillSide``, ``DecodeSide``) and the pairs only add them up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, NamedTuple, Sequence
+
+from cluster.engine.block_hash import cacheable_prefix_blocks
+from cluster.registry.load import WorkerLoad
+from router.cost_model import StepTimeModel
+from router.filters import first_in_line, has_room
+
+MIN_TTFT_S = 0.001  # the least TTFT any prediction gives
+
+
+@dataclass
+class Candidate:
+    prefill: str | None
+    decode: str
+    prefill_hit_blocks: int  # of the prompt, cached where it will be prefilled
+    decode_hit_blocks: int  # of the prompt, cached on the decode worker (those blocks do not travel)
+    cacheable_blocks: int
+    prefill_queue_tokens: int
+    decode_load: float  # share of sequence slots plus share of KV blocks in use
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    correction_s: float = 0.0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    idle_ttft_s: float = 0.0  # the same prediction with empty queues: what this pair could ever do
+    idle_tpot_s: float = 0.0
+    decode_has_room: bool = True
+    rotation_slot: bool = False  # this request's turn in the round-robin order
+    scores: dict[str, float] = field(default_factory=dict)
+    score: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill or '(local prefill)'} -> {self.decode}"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What placement needs of a request's prompt, counted in the topology's blocks."""
+
+    tokens: int
+    max_tokens: int
+    block_size: int
+    cacheable_blocks: int  # full blocks that may hit a cache (never the one holding the last token)
+    blocks: int  # blocks the prompt fills, the last one partly
+
+    @classmethod
+    def of(cls, tokens: int, max_tokens: int, block_size: int) -> "Prompt":
+        return cls(tokens, max_tokens, block_size, cacheable_prefix_blocks(tokens, block_size),
+                   -(-tokens // block_size))
+
+    def hit_blocks(self, hits: dict[str, int], worker: str) -> int:
+        """Leading blocks of the prompt ``worker`` caches, counting only those that may hit."""
+        return min(hits.get(worker, 0), self.cacheable_blocks)
+
+    def uncached_tokens(self, hit_blocks: int) -> int:
+        """The prompt tokens left to compute past ``hit_blocks`` cached ones."""
+        return self.tokens - hit_blocks * self.block_size
+
+
+class PrefillSide(NamedTuple):
+    """What a prefill worker contributes to every pair it is in."""
+
+    model: StepTimeModel
+    hit_blocks: int
+    queue_s: float
+    prefill_s: float
+
+
+def prefill_side(model: StepTimeModel, queued_tokens: int, hit_blocks: int, prompt: Prompt) -> PrefillSide:
+    return PrefillSide(model, hit_blocks, model.queue_seconds(queued_tokens),
+                       model.prefill_seconds(prompt.uncached_tokens(hit_blocks), hit_blocks * prompt.block_size))
+
+
+class DecodeSide(NamedTuple):
+    """What a decode (or colocated) worker contributes to every candidate it is in (a tuple:
+    one is built per worker and placement, and a frozen dataclass is slower to build)."""
+
+    model: StepTimeModel
+    hit_blocks: int
+    load: float  # share of sequence slots plus share of KV blocks in use, this request included
+    tpot_s: float
+    idle_tpot_s: float
+    has_room: bool
+    slot_wait_s: float  # first in a full worker's line: until the sequence closest to its end finishes
+    reserve_wait_s: float  # a call waits for the step in progress
+
+
+def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: Sequence[int], hit_blocks: int,
+                prompt: Prompt, on_overload: str) -> DecodeSide:
+    """The worker's load as reported plus the placements since (``pending_prompt_tokens``, one
+    per request its report cannot show yet) plus this request."""
+    bs = prompt.block_size
+    sequences = load.running + load.receiving + load.waiting + len(pending_prompt_tokens) + 1
+    context = load.decode_context_tokens + sum(pending_prompt_tokens) + prompt.tokens
+    needed = -(-(prompt.tokens + prompt.max_tokens) // bs) - hit_blocks
+    free = load.free_blocks - sum(-(-tokens // bs) for tokens in pending_prompt_tokens)
+    share = sequences / load.max_num_seqs + 1 - free / max(1, load.num_blocks)
+    tpot = model.decode_step_seconds(sequences, context)
+    in_line = first_in_line(sequences, load.max_num_seqs, on_overload)
+    return DecodeSide(model, hit_blocks, share, tpot, idle_tpot_s=model.decode_step_seconds(1, prompt.tokens),
+                      has_room=has_room(free, needed, sequences, load.max_num_seqs, in_line),
+                      slot_wait_s=tpot * load.next_slot_tokens if in_line else 0.0,
+                      reserve_wait_s=tpot if load.running else 0.0)
+
+
+def corrected(predicted_s: float, correction_s: float) -> float:
+    """A TTFT prediction with the learned correction: a correction that the model over-predicts
+    may take off at most half of the prediction, and no prediction is under MIN_TTFT_S (no
+    request crosses two hops and a model step faster)."""
+    return max(predicted_s + correction_s, predicted_s / 2, MIN_TTFT_S)
+
+
+def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill_sides: Mapping[str, PrefillSide],
+                      queued_tokens: Mapping[str, int], prompt: Prompt, correction_s: float,
+                      rotation_prefill: str | None) -> list[Candidate]:
+    """The decode worker's pairs with ``paired``: each prefill worker computes the KV and sends
+    the blocks the decode worker lacks. The KV may land before a slot frees: TTFT is at least
+    the wait for the slot. ``rotation_prefill`` is the prefill worker whose pair with this
+    decode worker has the round-robin turn (None: no pair of it has). One call per decode
+    worker, not per pair: the pairs are a placement's inner loop."""
+    out = []
+    missing_blocks, cacheable = prompt.blocks - d.hit_blocks, prompt.cacheable_blocks
+    hit_d, load, tpot_s, idle_tpot_s = d.hit_blocks, d.load, d.tpot_s, d.idle_tpot_s  # locals: the inner loop
+    has_room, slot_wait_s, reserve_wait_s = d.has_room, d.slot_wait_s, d.reserve_wait_s
+    for prefill in paired:
+        model, hit_p, queue_s, prefill_s = prefill_sides[prefill]
+        c = Candidate(prefill, decode, hit_p, hit_d, cacheable, queued_tokens[prefill], load,
+                      queue_s=queue_s, prefill_s=prefill_s, transfer_s=model.transfer_seconds(missing_blocks),
+                      tpot_s=tpot_s, decode_has_room=has_room, rotation_slot=prefill == rotation_prefill)
+        c.correction_s = correction_s
+        c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_wait_s, c.correction_s)
+        c.ttft_s = max(c.ttft_s, slot_wait_s + c.correction_s)
+        c.idle_ttft_s, c.idle_tpot_s = corrected(c.prefill_s + c.transfer_s, c.correction_s), idle_tpot_s
+        out.append(c)
+    return out
+
+
+def local_candidate(decode: str, d: DecodeSide, queued_tokens: int, prompt: Prompt, correction_s: float,
+                    rotation_slot: bool) -> Candidate:
+    """The worker prefills the prompt itself: it waits for the step in progress, then its
+    prefill runs in a step with the decodes."""
+    local_prefill = d.model.prefill_seconds(prompt.uncached_tokens(d.hit_blocks), d.hit_blocks * prompt.block_size)
+    c = Candidate(None, decode, d.hit_blocks, d.hit_blocks, prompt.cacheable_blocks, queued_tokens, d.load,
+                  queue_s=d.model.queue_seconds(queued_tokens) + d.reserve_wait_s + d.slot_wait_s,
+                  prefill_s=local_prefill + d.reserve_wait_s,
+                  tpot_s=d.tpot_s, decode_has_room=d.has_room, rotation_slot=rotation_slot)
+    c.correction_s = correction_s
+    c.ttft_s = corrected(c.queue_s + c.prefill_s, c.correction_s)
+    c.idle_ttft_s, c.idle_tpot_s = corrected(local_prefill, c.correction_s), d.idle_tpot_s
+    return c

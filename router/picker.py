@@ -1,0 +1,59 @@
+"""The picker: ranks the scored candidates, and under admission control picks the best one that
+meets the request's objectives, or says why none can.
+
+Candidates whose decode worker has room are ranked (all of them when none has); ties on score go
+to the sooner first token, then to fewer hops (a decode worker prefilling itself).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from router.candidates import Candidate
+from router.config import SloClass
+from router.filters import with_room
+from router.scorers import score_all
+
+
+def rank(candidates: Sequence[Candidate], weights: Mapping[str, float], cls: SloClass) -> list[Candidate]:
+    """Scores the candidates with room (all of them when none has) and orders them best first."""
+    eligible = with_room(candidates) or candidates
+    score_all(eligible, dict(weights), (cls.ttft_s, cls.tpot_s))
+    return sorted(eligible, key=lambda c: (-c.score, c.ttft_s, c.prefill is not None))
+
+
+def meets(ttft_s: float, tpot_s: float, cls: SloClass) -> bool:
+    return (cls.ttft_s is None or ttft_s <= cls.ttft_s) and (cls.tpot_s is None or tpot_s <= cls.tpot_s)
+
+
+def first_meeting(ranked: Sequence[Candidate], cls: SloClass, spent_s: float) -> Candidate | None:
+    """The best candidate with room that serves the request in time, counting ``spent_s``."""
+    return next((c for c in ranked if c.decode_has_room and meets(c.ttft_s + spent_s, c.tpot_s, cls)), None)
+
+
+def never_meets(candidates: Sequence[Candidate], cls: SloClass, spent_s: float) -> bool:
+    """Not even an idle cluster could serve it in time: waiting would not help."""
+    return not any(meets(c.idle_ttft_s + spent_s, c.idle_tpot_s, cls) for c in candidates)
+
+
+def fastest(ranked: Sequence[Candidate]) -> Candidate:
+    """The candidate predicting the least TTFT + TPOT (the best ranked among equals)."""
+    return min(ranked, key=lambda c: c.ttft_s + c.tpot_s)
+
+
+def explain(cls: SloClass, c: Candidate, never: bool, spent: float = 0.0, full: bool = False) -> str:
+    """Why the request cannot be served in time now, with ``c``'s predictions."""
+    def ms(seconds: float | None) -> str:
+        return "none" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+    if never:
+        state = "even an idle cluster cannot meet"
+    elif full:
+        state = "no decode worker has a free slot and KV blocks now for"
+    else:
+        state = "no (prefill, decode) pair can meet now"
+    waited = f"waited {ms(spent)} + " if spent else ""
+    return (f"{state} slo_class {cls.name!r} (TTFT <= {ms(cls.ttft_s)}, TPOT <= {ms(cls.tpot_s)}): the best, "
+            f"{c.label}, predicts TTFT {waited}{ms(c.ttft_s)} (queue {ms(c.queue_s)} + prefill {ms(c.prefill_s)} + "
+            f"transfer {ms(c.transfer_s)}) and TPOT {ms(c.tpot_s)}; idle, TTFT {ms(c.idle_ttft_s)} and "
+            f"TPOT {ms(c.idle_tpot_s)}")
