@@ -45,7 +45,7 @@ from typing import AsyncIterator
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import RequestOutput
 from cluster.engine.request import TransferTarget
-from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.sampling_params import InvalidRequestError
 from cluster.worker.engine_worker import EngineWorker
 from cluster.kv_transfer.sender import TAG_STRIDE
 from cluster.protocol.messages import (FailureKind, Finished, PrefillResult, RequestFailed, TokenDelta,
@@ -224,23 +224,20 @@ class DecodeWorker(EngineWorker):
         """Runs one request and streams its messages (see the module's docstring). The first
         delta carries ``transfer`` (what the KV hand-off did) when a prefill worker was used; a
         RequestFailed or WorkerFailure (another placement may work) ends the stream."""
-        request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
+        request_id = request.request_id
         self._loop = asyncio.get_running_loop()
         stream = self._streams[request_id] = _Stream()
         ended = False
         try:
             if request.prefill is None:
                 try:
-                    await self._tracked(stream, self._add_local, request_id, prompt_token_ids, params,
-                                        request.priority)
+                    await self._tracked(stream, self._add_local, request)
                 except InvalidRequestError as exc:
                     ended = True
                     yield RequestFailed("invalid", str(exc))
                     return
             else:
-                outcome = await self._prefill_remote(stream, request_id, prompt_token_ids, params, request.priority,
-                                                     request.prefill, request.transfer_timeout_s,
-                                                     request.stream_layers)
+                outcome = await self._prefill_remote(stream, request)
                 if not isinstance(outcome, TransferReport):
                     ended = True
                     yield outcome
@@ -282,17 +279,17 @@ class DecodeWorker(EngineWorker):
         await asyncio.gather(*busy, return_exceptions=True)
         await self._call(self._release, request_id)
 
-    async def _prefill_remote(self, stream: _Stream, request_id: str, prompt: list[int], params: SamplingParams,
-                              priority: int, prefill: str, timeout_s: float,
-                              stream_layers: bool) -> TransferReport | RequestFailed | WorkerFailure:
+    async def _prefill_remote(self, stream: _Stream,
+                              request: WorkerRequest) -> TransferReport | RequestFailed | WorkerFailure:
         """Reserves blocks, then runs the prefill worker's prefill and this worker's receive
         together; admits the request once both ended well. Returns what the hand-off did, or how
         it failed. Its engine calls go on ``stream.busy`` for a cancelled caller's cleanup."""
         import ray
 
         loop = asyncio.get_running_loop()
+        request_id, prefill, timeout_s = request.request_id, request.prefill, request.transfer_timeout_s
         try:
-            reserved = await self._tracked(stream, self._reserve, request_id, prompt, params, priority)
+            reserved = await self._tracked(stream, self._reserve, request)
         except InvalidRequestError as exc:
             return RequestFailed("invalid", str(exc))
         if reserved is None:
@@ -306,7 +303,7 @@ class DecodeWorker(EngineWorker):
                                  prefill)
         group = self._groups[pair][1]  # the group this transfer uses (a failure rebuilds only this one)
         tag_base = next(self._tags[pair]) * self.engine.model_config.num_layers * TAG_STRIDE % TAG_LIMIT
-        target = TransferTarget(pair, tag_base, first_block, timeout_s, stream_layers)
+        target = TransferTarget(pair, tag_base, first_block, timeout_s, request.stream_layers)
         started = time.perf_counter()
         times: dict[str, float] = {}  # wall clock, for the request's trace
         receive_started = time.time()
@@ -317,7 +314,8 @@ class DecodeWorker(EngineWorker):
         try:
             worker = ray.get_actor(prefill, namespace=self._namespace)
             prefill_started = time.time()
-            result: PrefillResult = await worker.prefill.remote(request_id, prompt, params, target)
+            result: PrefillResult = await worker.prefill.remote(request_id, request.prompt_token_ids, request.params,
+                                                                target)
             prefill_ended = time.time()
         except (ray.exceptions.RayActorError, ValueError):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
@@ -339,18 +337,20 @@ class DecodeWorker(EngineWorker):
                             result.first_top_logprobs)
         nbytes = len(dst_blocks) * self.engine.runner.block_bytes
         self.metrics.received(nbytes, received_s)
-        return TransferReport(prefill, first_block, result.blocks_sent, result.cached_tokens, nbytes,
-                              (prefill_started, prefill_ended), (receive_started, times.get("received", prefill_ended)),
-                              time.time())
+        return TransferReport(prefill=prefill, blocks_cached_on_decode=first_block, blocks_sent=result.blocks_sent,
+                              prefill_cached_tokens=result.cached_tokens, bytes=nbytes,
+                              prefill_span=(prefill_started, prefill_ended),
+                              receive_span=(receive_started, times.get("received", prefill_ended)),
+                              admitted_at=time.time())
 
     # -- under the engine's lock (``_tracked``) ------------------------------------------------
 
-    def _add_local(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> None:
-        self.engine.add_request(request_id, prompt, params, priority)
+    def _add_local(self, request: WorkerRequest) -> None:
+        self.engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.priority)
 
-    def _reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 priority: int) -> tuple[int, list[int]] | None:
-        return self.engine.reserve_transfer(request_id, prompt, params, priority)
+    def _reserve(self, request: WorkerRequest) -> tuple[int, list[int]] | None:
+        return self.engine.reserve_transfer(request.request_id, request.prompt_token_ids, request.params,
+                                            request.priority)
 
     def _admit(self, request_id: str, first_token: int, logprob, top_logprobs) -> None:
         self._on_outputs([self.engine.admit_transfer(request_id, first_token, logprob, top_logprobs)])

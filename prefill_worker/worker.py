@@ -41,19 +41,22 @@ class PrefillWorker(EngineWorker):
                 request = self.engine.add_request(request_id, prompt_token_ids,
                                                   replace(params, max_tokens=1, stop=()), transfer=target)
             except InvalidRequestError as exc:
-                return PrefillResult(request_id, None, len(prompt_token_ids), 0, 0, str(exc))
+                return PrefillResult(request_id=request_id, first_token=None, prompt_tokens=len(prompt_token_ids),
+                                     cached_tokens=0, blocks_sent=0, error=str(exc))
             self._done[request_id] = done
         if not done.wait(target.timeout_s + 30):
             with self._lock:
                 self.engine.abort_request(request_id)
                 self._done.pop(request_id, None)
-            return PrefillResult(request_id, None, request.num_prompt_tokens, 0, 0, "prefill did not finish in time")
+            return PrefillResult(request_id=request_id, first_token=None, prompt_tokens=request.num_prompt_tokens,
+                                 cached_tokens=0, blocks_sent=0, error="prefill did not finish in time")
         with self._lock:
             first_token, logprob, top = self._first.pop(request_id, (None, None, None))
             error = self.engine.transfer_errors.pop(request_id, "the request ended before its KV was sent")
         blocks = -(-request.num_prompt_tokens // self.engine.config.block_size) - target.first_block
-        return PrefillResult(request_id, first_token, request.num_prompt_tokens, request.num_cached_tokens,
-                             blocks if error is None else 0, error or request.error, logprob, top)
+        return PrefillResult(request_id=request_id, first_token=first_token, prompt_tokens=request.num_prompt_tokens,
+                             cached_tokens=request.num_cached_tokens, blocks_sent=blocks if error is None else 0,
+                             error=error or request.error, first_logprob=logprob, first_top_logprobs=top)
 
     def _has_work(self) -> bool:
         return self.engine.has_unfinished_requests()

@@ -102,8 +102,8 @@ class Journey:
             return (later - earlier) * 1000 if later is not None and earlier is not None else 0.0
 
         tpot = self.tpot_s()
-        return Timings(ms(self.placed_at, self.arrival), ms(self.first_token_at, self.arrival),
-                       tpot * 1000 if tpot is not None else 0.0, ms(self.finished_at, self.arrival))
+        return Timings(queue_ms=ms(self.placed_at, self.arrival), ttft_ms=ms(self.first_token_at, self.arrival),
+                       tpot_ms=tpot * 1000 if tpot is not None else 0.0, e2e_ms=ms(self.finished_at, self.arrival))
 
 
 @dataclass(frozen=True)
@@ -430,9 +430,10 @@ class RequestPath:
         journey.outcome = finished.finish_reason or "stop"
         journey.cached_tokens = min(finished.usage.cached_tokens, journey.prompt_tokens)
         decision = journey.decision
-        ending = Ending(Finished(journey.outcome, Usage(journey.prompt_tokens, journey.cached_tokens,
-                                                        len(journey.tokens))),
-                        journey.timings_ms(), decision, journey.transfer, journey.attempt, told)
+        usage = Usage(prompt_tokens=journey.prompt_tokens, cached_tokens=journey.cached_tokens,
+                      completion_tokens=len(journey.tokens))
+        ending = Ending(finished=Finished(journey.outcome, usage), timings=journey.timings_ms(), decision=decision,
+                        transfer=journey.transfer, migrations=journey.attempt, router_told=told)
         return replace(message, placement=(decision.prefill or "", decision.decode or ""), end=ending)
 
     # -- the other calls ----------------------------------------------------------------------

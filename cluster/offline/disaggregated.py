@@ -125,9 +125,10 @@ class DisaggregatedLLM(LLM):
                 logprobs.append(logprob)
                 top.append([tuple(pair) for pair in row])
         if isinstance(last, RequestFailed):
-            return RequestOutput(request["request_id"], [], [], [], "", "", True, "error", last.message,
-                                 Usage(0, 0, 0), arrival_time=arrival, finish_time=time.monotonic(),
-                                 error_kind=last.kind)
+            return RequestOutput(request_id=request["request_id"], prompt_token_ids=[], token_ids=[],
+                                 new_token_ids=[], text="", delta_text="", finished=True, finish_reason="error",
+                                 error=last.message, usage=Usage(0, 0, 0), arrival_time=arrival,
+                                 finish_time=time.monotonic(), error_kind=last.kind)
         end = last.end
         await end.router_told  # its goodput record is in before the caller can ask for goodput
         usage, timings = end.usage, end.timings
@@ -141,8 +142,10 @@ class DisaggregatedLLM(LLM):
                                                transfer.blocks_cached_on_decode, transfer.blocks_sent,
                                                transfer.prefill_cached_tokens))
         return RequestOutput(
-            request["request_id"], [], token_ids, [], "".join(text), "", True, end.finish_reason, None,
-            Usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens), logprobs if wants_logprobs else None, top if wants_logprobs else None,
+            request_id=request["request_id"], prompt_token_ids=[], token_ids=token_ids, new_token_ids=[],
+            text="".join(text), delta_text="", finished=True, finish_reason=end.finish_reason, error=None,
+            usage=Usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens),
+            logprobs=logprobs if wants_logprobs else None, top_logprobs=top if wants_logprobs else None,
             arrival_time=arrival, first_token_time=arrival + ttft_ms / 1000, finish_time=arrival + e2e_ms / 1000,
             scheduled_time=arrival + queue_ms / 1000)
 
