@@ -5,18 +5,16 @@ and no call to it has failed; a pair is out of use while its decode worker canno
 that prefill worker (the pair is being rebuilt, or the request's transfer already failed on it);
 past ``prefill_shortlist`` workers, only the prefill workers soonest done are paired at all; and a
 decode worker has room when the request fits in its KV blocks and running batch. Room does not
-remove a candidate: the picker prefers those with room, and admission explains a full cluster.
+remove a candidate: the picker prefers those with room (``picker.with_room``), and admission
+explains a full cluster.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Container, Mapping, Sequence
+from typing import Collection, Container, Mapping, Sequence
 
 from cluster.registry.load import WorkerLoad
-
-if TYPE_CHECKING:
-    from router.candidates import Candidate
 
 
 def reporting(pool: Sequence[str], loads: Mapping[str, WorkerLoad]) -> list[str]:
@@ -97,7 +95,3 @@ def has_room(free_blocks: int, needed_blocks: int, sequences: int, max_num_seqs:
     ends."""
     return free_blocks >= needed_blocks and (sequences <= max_num_seqs or in_line)
 
-
-def with_room(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """The candidates whose decode worker has room now (empty when none has)."""
-    return [c for c in candidates if c.decode_has_room]

@@ -11,8 +11,12 @@ from typing import Mapping, Sequence
 
 from router.candidates import Candidate
 from router.config import SloClass
-from router.filters import with_room
 from router.scorers import score_all
+
+
+def with_room(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates whose decode worker has room now (empty when none has)."""
+    return [c for c in candidates if c.decode_has_room]
 
 
 def rank(candidates: Sequence[Candidate], weights: Mapping[str, float], cls: SloClass) -> list[Candidate]:

@@ -46,8 +46,8 @@ from cluster.registry.load import WorkerLoad
 from router.candidates import Candidate, Prompt, decode_side, local_candidate, prefill_side, remote_candidates
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel
-from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill, with_room
-from router.picker import explain, fastest, first_meeting, never_meets, rank
+from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
+from router.picker import explain, fastest, first_meeting, never_meets, rank, with_room
 from router.prefill_choice import prefills_itself
 from router.waiting import WaitingQueue
 

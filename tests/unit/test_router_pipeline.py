@@ -11,8 +11,8 @@ from router.candidates import (MIN_TTFT_S, Candidate, Prompt, corrected, decode_
 from router.config import SCORERS, RouterConfig, SloClass
 from router.cost_model import StepTimeModel
 from router.filters import (LivePools, cut_off, first_in_line, has_room, not_failed, paired_prefill, reporting,
-                            soonest_prefill, with_room)
-from router.picker import explain, fastest, first_meeting, meets, never_meets, rank
+                            soonest_prefill)
+from router.picker import explain, fastest, first_meeting, meets, never_meets, rank, with_room
 from router.prefill_choice import mostly_cached, prefills_itself
 from router.scorers import SCORER_FUNCTIONS
 
