@@ -1,5 +1,5 @@
-"""The house's import graph, read from the source (every import, those inside functions too, but
-not those under ``if TYPE_CHECKING``): no circle between modules, none between the wings of
+"""The house's import graph, read from the source (every import, those inside functions and under
+``if TYPE_CHECKING`` too: a type's import ties two modules as any other does): no circle between modules, none between the wings of
 ``cluster/``, and the engine is the floor — it imports nothing of Tandem's outside itself
 but ``cluster/paths.py``."""
 
@@ -35,19 +35,10 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return True
-    return False
-
-
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The modules of this tree that ``name`` imports (``from a import b``: ``a.b`` when that is
     a module, else ``a``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -61,8 +52,6 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 base = f"{package}.{base}" if base else package
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
-            continue
-        if _under_type_checking(node, parents):
             continue
         out.update(t for t in targets if t in modules and t != name)
     return out
