@@ -22,6 +22,7 @@ import asyncio
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -29,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.engine.chat_template import ChatPrompt
-from cluster.protocol.messages import Output, RequestFailed
+from cluster.protocol.messages import ApiRequest, Output, RequestFailed
 from cluster.runtime.ports import host_port
 from cluster.topology import ClusterSpec
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
@@ -50,8 +51,8 @@ class RequestError(ValueError):
     pass
 
 
-def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
-    """The request path's request mapping; RequestError names the field that is wrong."""
+def request_payload(request: tandem_pb2.GenerateRequest) -> ApiRequest:
+    """The request as the request path takes it; RequestError names the field that is wrong."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RequestError("prompt: give text, token_ids or chat")
@@ -76,8 +77,8 @@ def request_payload(request: tandem_pb2.GenerateRequest) -> dict:
         sampling["ignore_eos"] = True
     objectives = {name.replace("_ms", "_s"): getattr(request.objectives, name) / 1000.0
                   for name in ("ttft_ms", "tpot_ms") if request.objectives.HasField(name)}  # checked by the request path
-    return {"request_id": request.request_id, "model": request.model, "prompt": prompt, "sampling": sampling,
-            "slo_class": request.slo_class, "priority": request.priority, **objectives}
+    return ApiRequest(prompt, request_id=request.request_id, model=request.model, sampling=sampling,
+                      slo_class=request.slo_class, priority=request.priority, **objectives)
 
 
 def response_message(message: Output) -> tandem_pb2.GenerateResponse:
@@ -111,9 +112,9 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             payload = request_payload(request)
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        payload["arrival"] = arrival
+        payload = replace(payload, arrival=arrival)
         if self.path.tracer is not None:  # the request's trace joins the caller's
-            payload["traceparent"] = dict(context.invocation_metadata() or ()).get("traceparent")
+            payload = replace(payload, traceparent=dict(context.invocation_metadata() or ()).get("traceparent"))
         # Written with context.write, not yielded: a cancelled call then cancels this coroutine at
         # once (a handler that yields is only dropped, and its cleanup waits for the collector).
         messages = self.path.generate(payload)

@@ -18,6 +18,7 @@ import asyncio
 import json
 import ssl
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from aiohttp import web
@@ -25,7 +26,7 @@ from aiohttp import web
 from cluster.ingress import openai_api
 from cluster.ingress.openai_api import ApiError, Choice, OpenAIRequest
 from cluster.engine.request_limits import MAX_ECHO_CHARS
-from cluster.protocol.messages import Ending, Output, RequestFailed
+from cluster.protocol.messages import ApiRequest, Ending, Output, RequestFailed
 
 MAX_BODY_BYTES = 8 * 2**20
 
@@ -90,12 +91,12 @@ class OpenAIServer:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from None
         req = parse(body, self.path.info.model_name)
-        requests = [{**r, "arrival": arrival, "api": "http"} for r in req.choice_requests()]
+        requests = [replace(r, arrival=arrival, api="http") for r in req.choice_requests()]
         if req.stream:
             return await self._stream(request, req, requests)
         return await self._whole(req, requests)
 
-    async def _whole(self, req: OpenAIRequest, requests: list[dict]) -> web.Response:
+    async def _whole(self, req: OpenAIRequest, requests: list[ApiRequest]) -> web.Response:
         choices = [Choice(i) for i in range(req.n)]
         streams = [self.path.generate(r) for r in requests]
         try:
@@ -116,7 +117,8 @@ class OpenAIServer:
             if message.end is not None:
                 choice.finish_reason, choice.usage = _ending(message.end)
 
-    async def _stream(self, request: web.Request, req: OpenAIRequest, requests: list[dict]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: OpenAIRequest,
+                      requests: list[ApiRequest]) -> web.StreamResponse:
         streams = [self.path.generate(r) for r in requests]
         queue: asyncio.Queue = asyncio.Queue()
 

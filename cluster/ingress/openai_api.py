@@ -1,6 +1,6 @@
 """The OpenAI API's request and response shapes: ``/v1/completions`` and
-``/v1/chat/completions`` bodies become the request path's request mappings, and the path's
-messages become OpenAI responses, stream chunks and error bodies.
+``/v1/chat/completions`` bodies become the request path's requests (``ApiRequest``), and
+the path's messages become OpenAI responses, stream chunks and error bodies.
 
 Pure functions over dicts (no server here: ``cluster/ingress/http_server.py`` serves them), so every
 field's handling is tested alone. Tandem's own sampling and scheduling fields (``top_k``,
@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
 
 from cluster.engine.chat_template import ChatPrompt
 from cluster.engine.request_limits import quote
-
-if TYPE_CHECKING:
-    from cluster.protocol.messages import RequestFailed
+from cluster.protocol.messages import ApiRequest, RequestFailed
 
 MAX_CHOICES = 16
 # Fields OpenAI defines that Tandem accepts only at their neutral value.
@@ -71,11 +69,11 @@ def invalid(param: str, message: str) -> ApiError:
 
 @dataclass
 class OpenAIRequest:
-    """One API call: the request mapping for each of its ``n`` choices, and how to answer."""
+    """One API call: the request for each of its ``n`` choices, and how to answer."""
 
     kind: str  # "chat" or "completion"
     model: str
-    request: dict  # the request path's mapping (without request_id and arrival)
+    request: ApiRequest  # as the request path takes it (without arrival; the seed is ``seed``)
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -84,16 +82,17 @@ class OpenAIRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def choice_requests(self) -> list[dict]:
-        """The request mapping of each choice; with a seed, choice i samples with seed + i so
-        that choices differ yet each is reproducible."""
+    def choice_requests(self) -> list[ApiRequest]:
+        """The request of each choice; with a seed, choice i samples with seed + i so that
+        choices differ yet each is reproducible."""
         out = []
         for i in range(self.n):
-            request = {**self.request, "sampling": dict(self.request["sampling"])}
+            sampling = dict(self.request.sampling)
             if self.seed is not None:
-                request["sampling"]["seed"] = self.seed + i
-            if request.get("request_id") and self.n > 1:
-                request["request_id"] = f"{request['request_id']}-{i}"
+                sampling["seed"] = self.seed + i
+            request = replace(self.request, sampling=sampling)
+            if request.request_id and self.n > 1:
+                request = replace(request, request_id=f"{request.request_id}-{i}")
             out.append(request)
         return out
 
@@ -116,11 +115,11 @@ def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
     else:
         raise invalid("prompt", "must be a non-empty string or a list of token ids")
     logprobs = _optional_int(body, "logprobs", 0, 20)
-    request = _common(body, model_name, default_max_tokens=16)
-    request["prompt"] = prompt
+    fields = _common(body, model_name, default_max_tokens=16)
+    fields["prompt"] = prompt
     if logprobs is not None:
-        request["sampling"]["logprobs"] = logprobs
-    return _finish(body, "completion", model_name, request, logprobs)
+        fields["sampling"]["logprobs"] = logprobs
+    return _finish(body, "completion", model_name, fields, logprobs)
 
 
 def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
@@ -134,9 +133,9 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
         raise invalid("tools", "must be a list of tool definitions")
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    request = _common(body, model_name, default_max_tokens=None)
-    request["prompt"] = ChatPrompt(messages, True, tools)
-    request["max_tokens_default"] = "context"  # without max_tokens: until the context (or the KV cache) ends
+    fields = _common(body, model_name, default_max_tokens=None)
+    fields["prompt"] = ChatPrompt(messages, True, tools)
+    fields["max_tokens_to_context"] = True  # without max_tokens: until the context (or the KV cache) ends
     wants = body.get("logprobs")
     if wants is not None and not isinstance(wants, bool):
         raise invalid("logprobs", f"must be true or false, got {quote(wants)}")
@@ -145,11 +144,12 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
         raise invalid("top_logprobs", "needs logprobs: true")
     logprobs = (top or 0) if wants else None
     if logprobs is not None:
-        request["sampling"]["logprobs"] = logprobs
-    return _finish(body, "chat", model_name, request, logprobs)
+        fields["sampling"]["logprobs"] = logprobs
+    return _finish(body, "chat", model_name, fields, logprobs)
 
 
-def _finish(body: Mapping, kind: str, model_name: str, request: dict, logprobs: int | None) -> OpenAIRequest:
+def _finish(body: Mapping, kind: str, model_name: str, fields: dict, logprobs: int | None) -> OpenAIRequest:
+    """The call, from the body's answering fields and its request's ``ApiRequest`` fields."""
     n = _optional_int(body, "n", 1, MAX_CHOICES) or 1
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
@@ -160,11 +160,12 @@ def _finish(body: Mapping, kind: str, model_name: str, request: dict, logprobs: 
     if options and not stream:
         raise invalid("stream_options", "needs stream: true")
     include_usage = bool(options.get("include_usage"))
-    seed = request["sampling"].pop("seed", None)
-    return OpenAIRequest(kind, model_name, request, n, stream, include_usage, logprobs, seed)
+    seed = fields["sampling"].pop("seed", None)
+    return OpenAIRequest(kind, model_name, ApiRequest(**fields), n, stream, include_usage, logprobs, seed)
 
 
 def _common(body: Mapping, model_name: str, default_max_tokens: int | None) -> dict:
+    """The ``ApiRequest`` fields both endpoints share (all but the prompt), checked."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "the model's name is required (GET /v1/models lists it)")
@@ -203,30 +204,30 @@ def _common(body: Mapping, model_name: str, default_max_tokens: int | None) -> d
         if not isinstance(body["ignore_eos"], bool):
             raise invalid("ignore_eos", "must be true or false")
         sampling["ignore_eos"] = body["ignore_eos"]
-    request: dict[str, Any] = {"model": model, "sampling": sampling}
+    fields: dict[str, Any] = {"model": model, "sampling": sampling}
     slo_class = body.get("slo_class")
     if slo_class is not None:
         if not isinstance(slo_class, str):
             raise invalid("slo_class", "must be a string")
-        request["slo_class"] = slo_class
+        fields["slo_class"] = slo_class
     priority = _optional_int(body, "priority", None, None)
     if priority is not None:
-        request["priority"] = priority
+        fields["priority"] = priority
     for name in ("ttft_ms", "tpot_ms"):
         if body.get(name) is not None:
             value = _number(body, name)
             if not value > 0:
                 raise invalid(name, f"must be positive, got {value:g}")
-            request[name.replace("_ms", "_s")] = value / 1000.0
+            fields[name.replace("_ms", "_s")] = value / 1000.0
     request_id = body.get("request_id")
     if request_id is not None:
         if not isinstance(request_id, str) or not request_id:
             raise invalid("request_id", "must be a non-empty string")
-        request["request_id"] = request_id
+        fields["request_id"] = request_id
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user", "must be a string")
-    return request
+    return fields
 
 
 def _object(body: Any) -> dict:

@@ -36,8 +36,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
-from cluster.protocol.messages import (Ending, FailureKind, Finished, Output, RequestFailed, ServingInfo, Timings, TokenDelta,
-                                       TransferReport, Usage, WorkerFailure, WorkerRequest)
+from cluster.protocol.messages import (ApiRequest, Ending, FailureKind, Finished, Output, RequestFailed, ServingInfo,
+                                       Timings, TokenDelta, TransferReport, Usage, WorkerFailure, WorkerRequest)
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.engine import prompt_token_ids
 from cluster.engine.request import Request
@@ -197,36 +197,36 @@ class RequestPath:
 
     # -- checking a request -------------------------------------------------------------------
 
-    def check(self, request: dict) -> CheckedRequest:
+    def check(self, request: ApiRequest) -> CheckedRequest:
         """The request, checked; InvalidRequestError names what is wrong, LookupError a model this cluster does not serve."""
-        model = request.get("model")
+        model = request.model
         if model and model != self.info.model_name:
             raise LookupError(f"model {quote(model)} is not served here; this cluster serves "
                               f"{quote(self.info.model_name)}")
-        request_id = request.get("request_id") or uuid.uuid4().hex
+        request_id = request.request_id or uuid.uuid4().hex
         check_request_id(request_id)
         if request_id in self.active:
             raise InvalidRequestError(f"request_id {quote(request_id)} is already in flight")
-        check_slo_class(request.get("slo_class") or None)
-        token_ids = prompt_token_ids(request["prompt"], self.tokenizer, self.info.vocab_size)
-        sampling = request.get("sampling")
+        check_slo_class(request.slo_class or None)
+        token_ids = prompt_token_ids(request.prompt, self.tokenizer, self.info.vocab_size)
+        sampling = request.sampling
         if not isinstance(sampling, SamplingParams):
             sampling = dict(sampling or {})
-            if "max_tokens" not in sampling and request.get("max_tokens_default") == "context":
+            if "max_tokens" not in sampling and request.max_tokens_to_context:
                 sampling["max_tokens"] = max(1, self.room_for(len(token_ids)))  # OpenAI chat: as long as it fits
             sampling = SamplingParams.from_mapping(sampling)
         params = sampling
         check_stop_token_ids(params.stop_token_ids, self.info.vocab_size)
         self.limits.check(Request(request_id, token_ids, params))
         try:
-            cls = self.info.router_config.slo_class(request.get("slo_class") or None)
+            cls = self.info.router_config.slo_class(request.slo_class or None)
         except RouterConfigError as exc:
             raise InvalidRequestError(str(exc)) from None
-        objectives = (request.get("ttft_s"), request.get("tpot_s"))
+        objectives = (request.ttft_s, request.tpot_s)
         for name, value in zip(("ttft", "tpot"), objectives):
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"objectives.{name}_ms must be positive, got {value * 1000:g}")
-        return CheckedRequest(request_id, token_ids, params, int(request.get("priority") or 0), cls.name, *objectives)
+        return CheckedRequest(request_id, token_ids, params, int(request.priority or 0), cls.name, *objectives)
 
     def room_for(self, prompt_tokens: int) -> int:
         """Most tokens a prompt this long may generate: to the end of the context, and no more
@@ -236,10 +236,10 @@ class RequestPath:
 
     # -- one request --------------------------------------------------------------------------
 
-    async def generate(self, request: dict) -> AsyncIterator[Output | RequestFailed]:
-        """Streams one request's messages (see the module's docstring). ``request["api"]`` names
+    async def generate(self, request: ApiRequest) -> AsyncIterator[Output | RequestFailed]:
+        """Streams one request's messages (see the module's docstring). ``request.api`` names
         the API it came through, for metrics (default: this path's)."""
-        arrival = min(request.get("arrival") or time.time(), time.time())
+        arrival = min(request.arrival or time.time(), time.time())
         try:
             checked = self.check(request)
         except LookupError as exc:
@@ -266,13 +266,13 @@ class RequestPath:
                 journey.outcome = "abort"  # the caller went away: _run's own cleanup released the request
             self._account(journey, request)
 
-    def _account(self, journey: Journey, request: dict) -> None:
+    def _account(self, journey: Journey, request: ApiRequest) -> None:
         """A request's metrics and trace, once it is over."""
-        api = request.get("api", self.api)
+        api = self.api if request.api is None else request.api
         if self.metrics is not None:
             self.metrics.finished(journey.outcome, journey.slo_class, journey.ttft_s(), journey.tpot_s(), api)
         if self.tracer is not None:
-            self.tracer.record(journey, api, request.get("traceparent"), time.time())
+            self.tracer.record(journey, api, request.traceparent, time.time())
 
     async def _run(self, journey: Journey, checked: CheckedRequest) -> AsyncIterator[Output | RequestFailed]:
         """Places the request and streams it, placing it again (up to ``router.migration_limit``

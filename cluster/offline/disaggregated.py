@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from cluster.deployment.deployment import Deployment
@@ -25,7 +25,7 @@ from cluster.engine.engine import EngineStats, RequestOutput, Usage
 from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from cluster.ingress.request_path import RequestPath
-from cluster.protocol.messages import RequestFailed
+from cluster.protocol.messages import ApiRequest, RequestFailed
 from cluster.offline.spec_from_args import disaggregated_spec
 from cluster.runtime.startup import CLI_SETTINGS
 from cluster.topology import ClusterSpec
@@ -60,9 +60,9 @@ class _Requests:
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     priority: int = 0, slo_class: str | None = None, ttft_s: float | None = None,
                     tpot_s: float | None = None) -> None:
-        request = {"request_id": request_id, "prompt": prompt if isinstance(prompt, str) else list(prompt),
-                   "sampling": params or SamplingParams(), "priority": priority, "slo_class": slo_class,
-                   "ttft_s": ttft_s, "tpot_s": tpot_s}
+        request = ApiRequest(prompt if isinstance(prompt, str) else list(prompt), request_id=request_id,
+                             sampling=params or SamplingParams(), priority=priority, slo_class=slo_class or "",
+                             ttft_s=ttft_s, tpot_s=tpot_s)
         self.owner.path.check(request)  # raises InvalidRequestError naming what to fix
         self.owner.submit(request)
 
@@ -104,16 +104,16 @@ class DisaggregatedLLM(LLM):
 
     # -- running requests -------------------------------------------------------------------
 
-    def submit(self, request: dict) -> None:
-        request = {**request, "arrival": time.time()}
+    def submit(self, request: ApiRequest) -> None:
+        request = replace(request, arrival=time.time())
         future = asyncio.run_coroutine_threadsafe(self._collect(request), self._loop)
-        self.pending[request["request_id"]] = future
+        self.pending[request.request_id] = future
 
-    async def _collect(self, request: dict) -> RequestOutput:
+    async def _collect(self, request: ApiRequest) -> RequestOutput:
         """Runs one request's path to its end; its output as the colocated engine gives it."""
         arrival = time.monotonic()
         token_ids, text, logprobs, top = [], [], [], []
-        wants_logprobs = request["sampling"].logprobs is not None
+        wants_logprobs = request.sampling.logprobs is not None
         last = None
         async for message in self.path.generate(request):
             last = message
@@ -125,7 +125,7 @@ class DisaggregatedLLM(LLM):
                 logprobs.append(logprob)
                 top.append([tuple(pair) for pair in row])
         if isinstance(last, RequestFailed):
-            return RequestOutput(request_id=request["request_id"], prompt_token_ids=[], token_ids=[],
+            return RequestOutput(request_id=request.request_id, prompt_token_ids=[], token_ids=[],
                                  new_token_ids=[], text="", delta_text="", finished=True, finish_reason="error",
                                  error=last.message, usage=Usage(0, 0, 0), arrival_time=arrival,
                                  finish_time=time.monotonic(), error_kind=last.kind)
@@ -135,14 +135,14 @@ class DisaggregatedLLM(LLM):
         queue_ms, ttft_ms, e2e_ms = timings.queue_ms, timings.ttft_ms, timings.e2e_ms
         decision, transfer = end.decision, end.transfer
         if decision is not None:
-            self.decisions[request["request_id"]] = decision
-        self.migrations[request["request_id"]] = end.migrations
+            self.decisions[request.request_id] = decision
+        self.migrations[request.request_id] = end.migrations
         if transfer is not None:
-            self.transfers.append(TransferStat(request["request_id"], transfer.prefill, decision.decode,
+            self.transfers.append(TransferStat(request.request_id, transfer.prefill, decision.decode,
                                                transfer.blocks_cached_on_decode, transfer.blocks_sent,
                                                transfer.prefill_cached_tokens))
         return RequestOutput(
-            request_id=request["request_id"], prompt_token_ids=[], token_ids=token_ids, new_token_ids=[],
+            request_id=request.request_id, prompt_token_ids=[], token_ids=token_ids, new_token_ids=[],
             text="".join(text), delta_text="", finished=True, finish_reason=end.finish_reason, error=None,
             usage=Usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens),
             logprobs=logprobs if wants_logprobs else None, top_logprobs=top if wants_logprobs else None,

@@ -4,10 +4,11 @@ boundary is one of these, never a tuple or a dict whose keys are spelled in seve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Mapping
 
+from cluster.engine.chat_template import ChatPrompt
 from cluster.engine.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.router import Decision, Topology
@@ -40,6 +41,29 @@ class ServingInfo:
     @property
     def workers(self) -> tuple[str, ...]:
         return self.prefill + self.decode + self.colocated
+
+
+# -- an API's call, as it hands it to the request path (cluster/ingress/request_path.py) ------------
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One request as an API edge (gRPC, HTTP, ``tandem run --disaggregated``) read it, before
+    the request path checks it. ``sampling`` is a SamplingParams, or a mapping of its fields not
+    yet checked; empty values mean the path's defaults (a fresh id, the default SLO class)."""
+
+    prompt: str | list[int] | ChatPrompt
+    request_id: str = ""
+    model: str = ""
+    sampling: SamplingParams | Mapping[str, Any] = field(default_factory=dict)
+    max_tokens_to_context: bool = False  # without max_tokens: generate until the context (or KV cache) ends
+    slo_class: str = ""
+    priority: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    arrival: float | None = None  # when the call reached the API (time.time())
+    api: str | None = None  # the API it came through, for metrics (None: the request path's own)
+    traceparent: str | None = None  # the caller's trace, when tracing is on
 
 
 # -- the stream between an ingress and a generating worker (cluster/protocol/stream.py) -----------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.engine.chat_template import ChatPrompt
-from cluster.protocol.messages import RequestFailed
+from cluster.protocol.messages import ApiRequest, RequestFailed
 from cluster.ingress.openai_api import (
     ApiError, Choice, chunk, error_for, logprobs_block, models, parse_chat, parse_completion, response, usage,
     usage_chunk,
@@ -24,18 +24,18 @@ def test_a_completion_body_becomes_a_request_mapping():
                             "priority": 2, "slo_class": "interactive", "ttft_ms": 250, "tpot_ms": 50,
                             "user": "u1", "logprobs": 2}, MODEL)
     assert req.kind == "completion" and req.n == 1 and not req.stream and req.seed == 7 and req.logprobs == 2
-    assert req.request == {
-        "model": MODEL, "prompt": "Hello", "slo_class": "interactive", "priority": 2, "ttft_s": 0.25, "tpot_s": 0.05,
-        "sampling": {"max_tokens": 5, "temperature": 0.0, "top_p": 0.5, "presence_penalty": 0.1,
-                     "frequency_penalty": 0.2, "min_p": 0.05, "repetition_penalty": 1.1, "top_k": 3,
-                     "stop": ["\n"], "ignore_eos": True, "logprobs": 2}}
-    assert [r["sampling"]["seed"] for r in req.choice_requests()] == [7]
+    assert req.request == ApiRequest(
+        model=MODEL, prompt="Hello", slo_class="interactive", priority=2, ttft_s=0.25, tpot_s=0.05,
+        sampling={"max_tokens": 5, "temperature": 0.0, "top_p": 0.5, "presence_penalty": 0.1,
+                  "frequency_penalty": 0.2, "min_p": 0.05, "repetition_penalty": 1.1, "top_k": 3,
+                  "stop": ["\n"], "ignore_eos": True, "logprobs": 2})
+    assert [r.sampling["seed"] for r in req.choice_requests()] == [7]
 
 
 def test_completion_defaults_and_token_id_prompts():
     req = parse_completion({"model": MODEL, "prompt": [5, 6, 7]}, MODEL)
-    assert req.request["prompt"] == [5, 6, 7] and req.request["sampling"] == {"max_tokens": 16}
-    assert parse_completion({"model": MODEL, "prompt": ["one"]}, MODEL).request["prompt"] == "one"
+    assert req.request.prompt == [5, 6, 7] and req.request.sampling == {"max_tokens": 16}
+    assert parse_completion({"model": MODEL, "prompt": ["one"]}, MODEL).request.prompt == "one"
 
 
 def test_a_chat_body_renders_through_the_template_and_maps_logprobs():
@@ -43,11 +43,11 @@ def test_a_chat_body_renders_through_the_template_and_maps_logprobs():
     req = parse_chat({"model": MODEL, "messages": messages, "max_completion_tokens": 9, "logprobs": True,
                       "top_logprobs": 3, "n": 2, "seed": 10, "stream": True,
                       "stream_options": {"include_usage": True}}, MODEL)
-    assert req.request["prompt"] == ChatPrompt(messages, True, None) and req.request["max_tokens_default"] == "context"
-    assert req.request["sampling"] == {"max_tokens": 9, "logprobs": 3}  # no max: the rest of the context
+    assert req.request.prompt == ChatPrompt(messages, True, None) and req.request.max_tokens_to_context
+    assert req.request.sampling == {"max_tokens": 9, "logprobs": 3}  # no max: the rest of the context
     assert (req.kind, req.n, req.stream, req.include_usage, req.logprobs) == ("chat", 2, True, True, 3)
-    assert [r["sampling"]["seed"] for r in req.choice_requests()] == [10, 11]  # choices differ, each reproducible
-    assert parse_chat({"model": MODEL, "messages": messages}, MODEL).request["sampling"] == {}
+    assert [r.sampling["seed"] for r in req.choice_requests()] == [10, 11]  # choices differ, each reproducible
+    assert parse_chat({"model": MODEL, "messages": messages}, MODEL).request.sampling == {}
 
 
 @pytest.mark.parametrize("body, status, param, words", [
