@@ -101,9 +101,10 @@ class OracleRouter:
     def __getattr__(self, name: str):
         return getattr(self._router, name)
 
-    async def place(self, request_id: str, prompt: list[int], *args):
-        decision = await self._router.place(request_id, prompt, *args)
-        self._asked.setdefault(request_id, [w.cached_prefix_blocks.remote(prompt) for w in self._workers])
+    async def place(self, request):
+        decision = await self._router.place(request)
+        prompt = list(request.prompt_token_ids)
+        self._asked.setdefault(request.request_id, [w.cached_prefix_blocks.remote(prompt) for w in self._workers])
         return decision
 
 

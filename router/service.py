@@ -36,7 +36,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Sequence
 
 import redis
 
@@ -76,17 +75,12 @@ class RouterService:
         self._changed: asyncio.Event | None = None
         self._retrier: asyncio.Task | None = None
 
-    async def place(self, request_id: str, prompt: Sequence[int], max_tokens: int = 16,
-                    slo_class: str | None = None, cache_salt: str | None = None, ttft_s: float | None = None,
-                    tpot_s: float | None = None, priority: int = 0, arrival: float | None = None,
-                    avoid: tuple[tuple[str, str], ...] = ()) -> Decision:
-        """``place`` or ``reject``, answered once the request can be placed. ``arrival`` is the
-        wall-clock time the call reached the API, from which its TTFT objective counts; ``avoid``
-        the (prefill, decode) pairs whose KV transfer failed under this request."""
+    async def place(self, request: RouteRequest) -> Decision:
+        """``place`` or ``reject``, answered once the request can be placed. ``request.arrival``
+        is the wall-clock time the call reached the API, from which its TTFT objective counts;
+        ``request.avoid`` the (prefill, decode) pairs whose KV transfer failed under it."""
         now = time.time()
-        request = RouteRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
-                               slo_class=slo_class, cache_salt=cache_salt, ttft_s=ttft_s, tpot_s=tpot_s,
-                               priority=priority, arrival=arrival, avoid=tuple(map(tuple, avoid)))
+        request_id = request.request_id
         decision = self.router.submit(request, now)
         self.metrics.decided(decision)
         if decision.action != "queue":
@@ -217,8 +211,10 @@ class RouterService:
         self._told()
         if decision is None:
             return
-        self._record(RequestRecord(request_id, decision.slo_class, decision.prefill, decision.decode, ttft_s, tpot_s,
-                                   decision.ttft_objective_s, decision.tpot_objective_s, failed=failed))
+        self._record(RequestRecord(request_id=request_id, slo_class=decision.slo_class,
+                                   prefill_worker=decision.prefill, decode_worker=decision.decode, ttft_s=ttft_s,
+                                   tpot_s=tpot_s, ttft_objective_s=decision.ttft_objective_s,
+                                   tpot_objective_s=decision.tpot_objective_s, failed=failed))
 
     def _told(self) -> None:
         if self._changed is not None and len(self.router.waiting):

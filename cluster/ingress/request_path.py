@@ -47,7 +47,7 @@ from cluster.engine.tokenizer import Tokenizer, TokenizerError
 from cluster.engine.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
 from cluster.protocol.stream import StreamClient, WorkerGone
 from router.config import RouterConfigError
-from router.router import Decision
+from router.router import Decision, RouteRequest
 from router.service import RouterService
 
 NO_ROOM_RETRIES = 50  # a decode worker that had no blocks after all: placements tried again, with a short wait
@@ -289,9 +289,11 @@ class RequestPath:
             # After a failure mid-stream the tokens already sent become part of the prompt.
             sent = journey.tokens
             params = checked.params
-            request = WorkerRequest(attempt_id, checked.prompt_token_ids + sent,
-                                    replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params,
-                                    engine_priority, None, self.info.transfer_timeout_s, self.info.stream_layers)
+            request = WorkerRequest(
+                request_id=attempt_id, prompt_token_ids=checked.prompt_token_ids + sent,
+                params=replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params,
+                priority=engine_priority, transfer_timeout_s=self.info.transfer_timeout_s,
+                stream_layers=self.info.stream_layers)
             placed = await self._place(journey, checked, request, avoid)
             if isinstance(placed, RequestFailed):
                 yield placed
@@ -334,9 +336,10 @@ class RequestPath:
         prompt = request.prompt_token_ids
         planned = min(request.params.max_tokens, self.info.max_model_len - len(prompt))
         try:  # a caller that goes away while it waits cancels this: the router drops it
-            decision: Decision = await self.router.place(
-                request.request_id, prompt, planned, journey.slo_class, None, checked.ttft_s, checked.tpot_s,
-                checked.priority, journey.arrival, tuple(avoid))
+            decision: Decision = await self.router.place(RouteRequest(
+                request_id=request.request_id, prompt_token_ids=prompt, max_tokens=planned,
+                slo_class=journey.slo_class, ttft_s=checked.ttft_s, tpot_s=checked.tpot_s,
+                priority=checked.priority, arrival=journey.arrival, avoid=tuple(avoid)))
         except Exception as exc:  # noqa: BLE001 - a fault of the router's own: one line to the caller
             journey.outcome = "unavailable"
             return RequestFailed("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")
@@ -372,7 +375,7 @@ class RequestPath:
                     end.ended = True
                     if isinstance(item, RequestFailed):
                         end.done = True
-                        router.finished(attempt_id, None, None, True)
+                        router.finished(attempt_id, ttft_s=None, tpot_s=None, failed=True)
                         journey.outcome = item.kind
                         yield RequestFailed(item.kind, item.message)
                         return
@@ -391,8 +394,8 @@ class RequestPath:
                     try:
                         yield message
                     finally:  # after the last message is on its way
-                        router.finished(attempt_id, journey.ttft_s(), journey.tpot_s(), False,
-                                        _service_ttft(journey, attempt.placed_at))
+                        router.finished(attempt_id, ttft_s=journey.ttft_s(), tpot_s=journey.tpot_s(),
+                                        service_ttft_s=_service_ttft(journey, attempt.placed_at))
                         told.set_result(None)
                     return
                 if message.token_ids or message.text or message.placement is not None:
@@ -408,7 +411,7 @@ class RequestPath:
             if stream is not None:  # unfinished (cancelled, disconnected, past its deadline): the
                 await stream.aclose()  # worker sees its connection close and releases the request
                 if not end.ended:
-                    router.finished(attempt_id, None, None, False)
+                    router.finished(attempt_id, ttft_s=None, tpot_s=None)
 
     @staticmethod
     def _record_delta(journey: Journey, attempt: Attempt, item: TokenDelta) -> None:
