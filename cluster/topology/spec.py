@@ -12,7 +12,7 @@ from typing import Any, Callable, ClassVar, Mapping
 import yaml
 
 from cluster.topology import checks
-from router.config import RouterConfig, SloClass
+from router.config import RouterConfig
 
 DEFAULT_MODEL_NAME = "tandem-default"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -308,7 +308,7 @@ class ClusterSpec:
             "decode": asdict(self.decode),
             "colocated": asdict(self.colocated),
             "kv": asdict(self.kv),
-            "router": router_dict(self.router),
+            "router": self.router.to_mapping(),
             "registry": asdict(self.registry),
             "server": asdict(self.server),
             "observability": asdict(self.observability),
@@ -317,38 +317,3 @@ class ClusterSpec:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
-
-
-def router_dict(config: RouterConfig) -> dict[str, Any]:
-    return {
-        "policy": config.policy,
-        "weights": dict(config.weights),
-        "admission_control": config.admission_control,
-        "slo_classes": {cls.name: _slo_class_dict(cls) for cls in config.slo_classes},
-        "default_class": config.default_class,
-        "skip_prefill_fraction": config.skip_prefill_fraction,
-        "load_refresh_s": config.load_refresh_s,
-        "registry_retry_s": config.registry_retry_s,
-        "queue_limit": config.queue_limit,
-        "correction_limit_ms": _milliseconds(config.correction_limit_s),
-        "correction_half_life_s": config.correction_half_life_s,
-        "local_prefill_max_tokens": config.local_prefill_max_tokens,
-        "migration_limit": config.migration_limit,
-        "prefill_shortlist": config.prefill_shortlist,
-    }
-
-
-def _slo_class_dict(cls: SloClass) -> dict[str, Any]:
-    return {"ttft_ms": _milliseconds(cls.ttft_s), "tpot_ms": _milliseconds(cls.tpot_s),
-            "priority": cls.priority, "on_overload": cls.on_overload}
-
-
-def _milliseconds(seconds: float | None) -> float | int | None:
-    """The shortest millisecond figure that reads back as exactly ``seconds``."""
-    if seconds is None:
-        return None
-    for digits in range(16):
-        ms = round(seconds * 1000, digits)
-        if ms / 1000 == seconds:
-            return int(ms) if ms == int(ms) else ms
-    return seconds * 1000

@@ -10,6 +10,7 @@ import pytest
 
 from cluster.topology.reference import render
 from cluster.topology.spec import ClusterSpec, checked_keys
+from router.config import RouterConfig
 
 pytestmark = pytest.mark.unit
 
@@ -35,3 +36,16 @@ def test_every_checked_key_has_a_doc():
 
     walk(ClusterSpec)
     assert "transfer_timeout_s" in seen and "sample_ratio" in seen
+
+
+def test_every_router_key_has_a_doc_and_a_reader():
+    for f in dataclasses.fields(RouterConfig):
+        assert f.metadata["doc"].strip() and f.metadata["read"], f"RouterConfig.{f.name} has no doc or reader"
+
+
+def test_the_router_section_as_written_reads_back():
+    config = RouterConfig.for_policy("prefix_affinity", correction_limit_ms=123.456, queue_limit=7,
+                                     slo_classes={"chat": {"ttft_ms": 250, "on_overload": "reject"}},
+                                     default_class="chat")
+    for written in (RouterConfig(), config):
+        assert RouterConfig.from_mapping(written.to_mapping()) == written
