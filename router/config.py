@@ -3,7 +3,9 @@
 Built from a mapping (the ``router:`` section of a topology YAML, or flags); every error names
 the key to fix. Each key is declared once, on its field (:func:`setting`): its default, the reader
 that checks it and its doc; :meth:`RouterConfig.from_mapping`, :meth:`RouterConfig.to_mapping`
-and the topology reference (``docs/topology.md``) walk these declarations. A policy is a name and scorer weights; the named presets are
+and the topology reference (``docs/topology.md``) walk these declarations.
+
+A policy is a name and scorer weights; the named presets are
 
     round_robin      {round_robin: 1}
     least_loaded     {least_loaded: 1}
