@@ -18,10 +18,12 @@ placement, side by side in one run.
     each row gives the cluster's requests/s over that side's. The client is one asyncio process
     (grpc.aio); its CPU time is reported, so it can be seen not to be the bottleneck.
     Goal: the API delivers >= 0.8x the colocated engine's requests/s (a worker's threads).
-    Where the cluster's CPU goes (``--no-profile`` turns it off): over the cluster's cells, py-spy
-    samples the ingress replica, the decode worker and the prefill worker (attached to their
-    pids, found in /proc; ``--nonblocking``, so no process is paused; about 1% of a core each at
-    100 Hz), and /proc gives each process's CPU per thread. A table per process, per workload:
+    Where the cluster's CPU goes (``--no-profile`` turns it off): after the measured cells, each
+    workload's cluster cell runs once more at the highest concurrency while py-spy samples the
+    ingress replica, the decode worker and the prefill worker (attached to their pids, found in
+    /proc; ``--nonblocking``, so no process is paused, yet reading three processes 100 times a
+    second cost about half a core of system time on a 2-core machine: that is why the measured
+    cells are not profiled), and /proc gives each process's CPU per thread. A table per process, per workload:
     CPU ms per request and per output token in buckets (gRPC/asyncio I/O, msgpack/protobuf/stream
     codec, router placement, registry/Redis, engine step/model forward, sampling, detokenize,
     tracing/metrics, the request path's own code, Ray, other: each thread's CPU split over the
@@ -57,7 +59,6 @@ import random
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -307,7 +308,8 @@ async def side_by_side(api: str, colocated: Colocated, args, vocab: int, threads
                        ) -> tuple[list[Latencies], list[Cell]]:
     """(a) request by request, the sides taking turns; (b) cell by cell, the sides taking
     turns: load from other processes that comes and goes falls on every side alike. The
-    profiler, if any, samples the cluster's processes over (b)'s cluster cells."""
+    profiler, if any, samples the cluster's processes over one more cluster cell per workload,
+    after the measured ones."""
     import grpc
 
     from tandem.v1 import tandem_pb2_grpc
@@ -343,10 +345,15 @@ async def side_by_side(api: str, colocated: Colocated, args, vocab: int, threads
                 prompts = make_prompts(n, prompt_tokens, vocab, seed=cell_seed(workload, concurrency))
                 for t in threads:
                     cells.append(colocated.cell(workload, prompts, out, concurrency, args.cell_seconds, t))
-                with profiler.cell(workload) if profiler else nullcontext() as profiled:
-                    cells.append(await cluster_cell(stub, workload, prompts, out, concurrency, args))
-                    if profiled is not None:
-                        profiled.requests, profiled.tokens = cells[-1].requests, cells[-1].requests * out
+                cells.append(await cluster_cell(stub, workload, prompts, out, concurrency, args))
+        if profiler is not None:  # after the measured cells: sampling costs CPU that they must not pay
+            for workload, (prompt_tokens, out) in WORKLOADS.items():
+                concurrency = max(args.concurrency)
+                prompts = make_prompts(requests_for(args, workload, concurrency), prompt_tokens, vocab,
+                                       seed=cell_seed(workload, concurrency))
+                with profiler.cell(workload) as profiled:
+                    cell = await cluster_cell(stub, workload, prompts, out, concurrency, args)
+                    profiled.requests, profiled.tokens = cell.requests, cell.requests * out
     return latencies, cells
 
 
@@ -359,7 +366,7 @@ def run_side_by_side(args, model_dir: Path, threads: list[int], vocab: int, work
             if profiler.problem:
                 print(f"[bench] profile skipped: {profiler.problem}", file=sys.stderr, flush=True)
             else:
-                print("[bench] profiling (b)'s cluster cells with py-spy: "
+                print("[bench] profiling one more cluster cell per workload with py-spy: "
                       + ", ".join(f"{name} pid {pid}" for name, pid in profiler.pids.items()), file=sys.stderr,
                       flush=True)
         colocated = Colocated(model_dir)
@@ -436,14 +443,14 @@ def ratio_goal(cells: list[Cell], side: str) -> float:
 
 
 def report_profile(profiler: cluster_profile.ClusterProfiler, folder: Path) -> list[str]:
-    """Prints where each profiled process's CPU went in (b)'s cluster cells; writes the raw
+    """Prints where each profiled process's CPU went in (b)'s profiled cluster cells; writes the raw
     profiles; returns the lines for the summary."""
     if profiler.problem:
         return [f"(b) profile: none ({profiler.problem})"]
     for name, labels in profiler.profiles.items():
         spans = ", ".join(f"{label}: {p.requests} requests, {p.tokens} tokens out, {p.cpu_s:.1f} CPU s, "
                           f"{sum(p.stacks.values())} samples" for label, p in labels.items())
-        print_table(f"(b) the {name}'s CPU in the cluster cells, per request and per output token ({spans}; "
+        print_table(f"(b) the {name}'s CPU in a profiled cluster cell, per request and per output token ({spans}; "
                     "each thread's CPU split over the buckets of its own py-spy samples; threads without samples, "
                     "native ones, by name)",
                     cluster_profile.bucket_rows(labels), cluster_profile.bucket_headers(labels))
@@ -476,7 +483,8 @@ def main() -> int:
     parser.add_argument("--control-seconds", type=float, default=15.0, help="bound of each (c)/(d) row's timing")
     parser.add_argument("--model-dir", help="checkpoint folder to reuse or build (default: the 30M benchmark model)")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
-                        help="no py-spy profile of the ingress and workers during (b)'s cluster cells")
+                        help="no py-spy profile of the ingress and workers (one more cluster cell per workload, "
+                             "after (b)'s)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS,
                         help=f"where the JSON, the profiles and the plot go (default {RESULTS})")
     args = parser.parse_args()
