@@ -21,6 +21,7 @@ from typing import Sequence
 
 from cluster.deployment.deployment import Deployment
 from cluster.deployment.pools import EngineOverrides, PoolResources
+from cluster.engine.chat_template import ChatPrompt
 from cluster.engine.engine import EngineStats, RequestOutput, Usage
 from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
@@ -57,10 +58,10 @@ class _Requests:
         self.vocab_size = owner.path.info.vocab_size
         self.stats = EngineStats()
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    priority: int = 0, slo_class: str | None = None, ttft_s: float | None = None,
-                    tpot_s: float | None = None) -> None:
-        request = ApiRequest(prompt if isinstance(prompt, str) else list(prompt), request_id=request_id,
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | ChatPrompt,
+                    params: SamplingParams | None = None, priority: int = 0, slo_class: str | None = None,
+                    ttft_s: float | None = None, tpot_s: float | None = None) -> None:
+        request = ApiRequest(prompt if isinstance(prompt, (str, ChatPrompt)) else list(prompt), request_id=request_id,
                              sampling=params or SamplingParams(), priority=priority, slo_class=slo_class or "",
                              ttft_s=ttft_s, tpot_s=tpot_s)
         self.owner.path.check(request)  # raises InvalidRequestError naming what to fix

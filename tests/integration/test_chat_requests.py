@@ -28,10 +28,14 @@ GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoint, tmp_path_factory):
-    path = write_gguf(checkpoint("llama"), tmp_path_factory.mktemp("chat") / "chat.gguf",
+def chat_gguf(checkpoint, tmp_path_factory):
+    return write_gguf(checkpoint("llama"), tmp_path_factory.mktemp("chat") / "chat.gguf",
                       GGMLQuantizationType.Q8_0, chat_template=CHATML)
-    with LLM(str(path), verbose=False, num_kv_blocks=64, block_size=4) as engine:
+
+
+@pytest.fixture(scope="module")
+def llm(chat_gguf):
+    with LLM(str(chat_gguf), verbose=False, num_kv_blocks=64, block_size=4) as engine:
         yield engine
 
 
@@ -72,3 +76,23 @@ def test_bad_chat_lines_fail_alone_naming_the_field(llm, line, words):
     assert rows["bad"]["finish_reason"] == "error"
     for word in words:
         assert word in rows["bad"]["error"], rows["bad"]["error"]
+
+
+def test_disaggregated_runs_messages_as_the_colocated_engine_does(llm, chat_gguf):
+    """``tandem run --disaggregated`` with a ``messages`` line: the chat goes down the request
+    path templated, as it does in the colocated engine (it raised a TypeError instead)."""
+    from cluster.offline.disaggregated import DisaggregatedLLM
+    from cluster.runtime.ray_runtime import ensure_ray
+
+    lines = [{"id": "chat", "messages": FIRST, **GREEDY}]
+    ray = ensure_ray("tandem-chat-tests", num_cpus=4)
+    try:
+        with DisaggregatedLLM.from_args(str(chat_gguf), cluster_name="tandem-chat-tests", verbose=False,
+                                        num_kv_blocks=64, block_size=4) as disaggregated:
+            rows = run_lines(disaggregated, lines)
+    finally:
+        ray.shutdown()
+    expected = run_lines(llm, lines)["chat"]
+    assert rows["chat"]["error"] is None
+    assert (rows["chat"]["token_ids"], rows["chat"]["usage"]["prompt_tokens"]) == (
+        expected["token_ids"], expected["usage"]["prompt_tokens"])
