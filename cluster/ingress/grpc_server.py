@@ -282,9 +282,6 @@ class ApiServer:
         for name in ("", SERVICE):
             await self.health.set(name, status)
 
-    def set_serving(self, serving: bool) -> None:
-        self.submit(self.serving_changed(serving)).result(timeout=10)
-
     def stop(self, grace_s: float = 2.0) -> None:
         if not self._thread.is_alive():
             return

@@ -12,6 +12,7 @@ WorkerFailure does).
 from __future__ import annotations
 
 import dataclasses
+import re
 from enum import Enum
 from typing import Any
 
@@ -25,6 +26,22 @@ MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     RequestFailed)}
 
 
+# A field declared a scalar, or a list or tuple of scalars, is already msgpack's plain data: it
+# is passed as it is, not walked item by item (a 2,000-token prompt walked cost 0.7 ms to encode).
+_PLAIN = re.compile(r"(str|int|float|bool|list\[(str|int|float)\]|tuple\[(str|int|float), \.\.\.\])( \| None)?")
+
+# Each message's field names, those passed as they are, and those declared tuples, read once:
+# encoding and decoding run per token.
+FIELDS: dict[str, tuple[str, ...]] = {
+    tag: tuple(f.name for f in dataclasses.fields(cls)) for tag, cls in MESSAGES.items()}
+PLAIN_FIELDS: dict[str, frozenset[str]] = {
+    tag: frozenset(f.name for f in dataclasses.fields(cls) if _PLAIN.fullmatch(str(f.type)))
+    for tag, cls in MESSAGES.items()}
+TUPLE_FIELDS: dict[str, frozenset[str]] = {
+    tag: frozenset(f.name for f in dataclasses.fields(cls) if str(f.type).startswith("tuple"))
+    for tag, cls in MESSAGES.items()}
+
+
 class UnknownMessage(ValueError):
     """Data that is not one of the stream's messages."""
 
@@ -36,8 +53,10 @@ def encode_message(message: Any) -> Any:
         if MESSAGES.get(tag) is not type(message):
             raise UnknownMessage(f"{tag} is not a stream message; known: {', '.join(sorted(MESSAGES))}")
         data = {TAG: tag}
-        for field in dataclasses.fields(message):
-            data[field.name] = encode_message(getattr(message, field.name))
+        plain = PLAIN_FIELDS[tag]
+        for name in FIELDS[tag]:
+            value = getattr(message, name)
+            data[name] = value if name in plain else encode_message(value)
         return data
     if isinstance(message, Enum):
         return message.value
@@ -67,15 +86,16 @@ def _decode(data: Any) -> Any:
     cls = MESSAGES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise UnknownMessage(f"unknown message type {str(tag)[:40]!r}; known: {', '.join(sorted(MESSAGES))}")
-    fields = {field.name: field for field in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields) - {TAG})
+    unknown = sorted(set(data) - set(FIELDS[tag]) - {TAG})
     if unknown:
         raise UnknownMessage(f"{tag} has no field(s) {', '.join(map(str, unknown))}")
+    plain, tuples = PLAIN_FIELDS[tag], TUPLE_FIELDS[tag]
     values = {}
     for key, value in data.items():
         if key != TAG:
-            value = _decode(value)
-            if isinstance(value, list) and str(fields[key].type).startswith("tuple"):
+            if key not in plain:
+                value = _decode(value)
+            if key in tuples and isinstance(value, list):
                 value = tuple(value)
             values[key] = value
     try:
