@@ -1,0 +1,79 @@
+"""``x @ W.T`` with W a :class:`PackedWeight`: the native CPU kernel (``quantized_matmul.c``),
+or dequantize-then-matmul where it does not apply (no compiler, not float32, not on the CPU).
+
+Past ``DENSE_FROM_ROWS`` activation rows (a long prompt chunk) the weight is widened once and
+torch's matmul runs: there the arithmetic, not the weight's bytes, bounds the step, and the
+widening costs one pass over the weight against ``rows`` passes of arithmetic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+from cluster.engine.kernels.build import load_library, native_kernels_enabled
+from cluster.engine.quantization.packed import PackedWeight
+
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+DENSE_FROM_ROWS = 48  # measured on 2 AVX-512 cores: the kernel's time passes the widened matmul's near here
+
+
+class NativeQuantizedMatmul:
+    def __init__(self, lib: ctypes.CDLL):
+        self._q4 = lib.quantized_matmul_q4
+        self._q4.restype = _int
+        self._q4.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _int]
+        self._q8 = lib.quantized_matmul_q8
+        self._q8.restype = _int
+        self._q8.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _int]
+
+    def __call__(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor) -> None:
+        """``out[m, n] = x[m] . w[n]``; x [M, K] float32 with unit column stride, out [M, N] likewise."""
+        m, k = x.shape
+        n = weight.rows
+        sums = torch.empty(m * (k // weight.group), dtype=torch.float32)
+        mins = weight.mins.data_ptr() if weight.mins is not None else None
+        threads = torch.get_num_threads()
+        if weight.layout == "q4":
+            status = self._q4(x.data_ptr(), x.stride(0), m, k, n, weight.codes.data_ptr(), weight.scales.data_ptr(),
+                              mins, sums.data_ptr(), out.data_ptr(), out.stride(0), threads)
+        else:
+            status = self._q8(x.data_ptr(), x.stride(0), m, k, n, weight.group, weight.codes.data_ptr(),
+                              weight.scales.data_ptr(), mins, sums.data_ptr(), out.data_ptr(), out.stride(0), threads)
+        if status:
+            raise ValueError(f"quantized matmul: {k} columns do not fall on groups of {weight.group}")
+
+
+@cache
+def native_quantized_matmul() -> NativeQuantizedMatmul | None:
+    lib = load_library("quantized_matmul")
+    return NativeQuantizedMatmul(lib) if lib is not None else None
+
+
+def _fits_kernel(x: torch.Tensor, out: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu" and x.dtype == out.dtype == torch.float32
+        and x.dim() == 2 and x.stride(1) == 1 and out.stride(1) == 1
+    )
+
+
+def quantized_linear_into(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor) -> None:
+    """Writes ``x @ W.T`` into ``out`` ([M, N], possibly a column slice of a wider output)."""
+    if x.shape[0] < DENSE_FROM_ROWS and native_kernels_enabled() and _fits_kernel(x, out):
+        kernel = native_quantized_matmul()
+        if kernel is not None:
+            kernel(x, weight, out)
+            return
+    out.copy_(F.linear(x, weight.dequantize(x.dtype)))
+
+
+def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0], weight.rows)
+    quantized_linear_into(rows, weight, out)
+    return out.view(*x.shape[:-1], weight.rows)
