@@ -46,7 +46,9 @@ class EngineConfig:
     or ``triton`` (on a CPU only under ``TRITON_INTERPRET=1``, for tests). ``enforce_eager``
     turns off CUDA graphs for decode steps (on by default with the Triton backend on one
     rank). ``load_format="dummy"`` fills the weights with random values instead of reading
-    them (benchmarks on a model's shape).
+    them (benchmarks on a model's shape). ``quantization``: ``auto`` serves a GGUF on the CPU
+    in its own blocks, ``none`` widens every weight to ``dtype``, ``int8``/``int4`` quantize a
+    float checkpoint at load (:mod:`cluster.engine.quantization.choice`).
     """
 
     model: str
@@ -72,6 +74,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     load_format: str = "safetensors"
+    quantization: str = "auto"  # see cluster/engine/quantization/choice.py
 
     def __post_init__(self) -> None:
         positive = {
@@ -99,6 +102,12 @@ class EngineConfig:
             )
         if self.load_format not in LOAD_FORMATS:
             raise EngineConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        from cluster.engine.quantization.choice import CHOICES as QUANTIZATIONS
+
+        if self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quote(self.quantization)}"
+            )
         if not isinstance(self.enforce_eager, bool):
             raise EngineConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         share = self.kv_memory_share

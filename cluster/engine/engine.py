@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence, Union
 
@@ -24,6 +24,7 @@ from cluster.engine.model_runner import ModelRunner, device_memory_bytes
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.read_config import load_model_config
 from cluster.engine.models.source import ModelSource, resolve_model_source
+from cluster.engine.quantization.choice import QuantizationChoiceError, resolve_quantization
 from cluster.engine.request import FinishReason, Request, TransferTarget
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -143,7 +144,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         source = resolve_model_source(config.model)
         model_dir = source.path
-        self.model_config = load_model_config(source, config.dtype)
+        self.model_config = replace(load_model_config(source, config.dtype),
+                                    quantization=self._quantization(source.is_gguf))
         self.max_model_len = self._max_model_len()
         self.tokenizer = self._load_tokenizer(source, verbose)
         progress = (lambda done, total, unit: _log(f"loading weights: {done}/{total} {unit}")) if verbose else None
@@ -154,7 +156,7 @@ class LLMEngine:
         if verbose:
             _log(
                 f"{self.model_config.architecture} from {model_dir}: {self.runner.weight_bytes / 2**20:.1f} MiB of "
-                f"{str(self.model_config.dtype).removeprefix('torch.')} weights, {num_blocks} KV blocks of "
+                f"{self._weights_kind()} weights, {num_blocks} KV blocks of "
                 f"{config.block_size} tokens ({num_blocks * self.runner.block_bytes / 2**20:.0f} MiB), "
                 f"ready in {time.perf_counter() - started:.1f}s"
             )
@@ -171,6 +173,17 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
         self.transfer_errors: dict[str, str | None] = {}  # request id -> None (sent) or the error
+
+    def _weights_kind(self) -> str:
+        dtype = str(self.model_config.dtype).removeprefix("torch.")
+        kind = self.model_config.quantization
+        return {"none": dtype, "gguf": f"GGUF-packed ({dtype} activations)"}.get(kind, f"{kind} ({dtype} activations)")
+
+    def _quantization(self, is_gguf: bool) -> str:
+        try:
+            return resolve_quantization(self.config.quantization, is_gguf, torch.device(self.config.device).type)
+        except QuantizationChoiceError as exc:
+            raise EngineConfigError(str(exc)) from None
 
     def _make_runner(self, model_dir: Path, progress, make_runner: RunnerFactory | None) -> ModelRunner:
         cfg = self.config

@@ -36,6 +36,7 @@ from cluster.engine.models.attention import AttentionMetadata, PrefillSpan, visi
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup
 from cluster.engine.models.loader import build_model, parameter_bytes
+from cluster.engine.models.native_step import native_decode_step
 from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from cluster.engine.scheduler import SchedulerOutput
@@ -136,6 +137,7 @@ class ModelRunner:
         self.use_decode_graphs = self.attention_backend == "triton" and not enforce_eager and group.size == 1
         self.max_num_seqs = max_num_seqs
         self.graphs: DecodeGraphs | None = None
+        self.native_step = None  # the fused CPU decode step (models/native_step.py), once the KV cache exists
         self._sm_count = device_sm_count(self.device)
         self._kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
 
@@ -171,6 +173,8 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[index, 0]
             attn.v_cache = self.kv_cache[index, 1]
         self.num_blocks = num_blocks
+        if self.attention_backend == "torch":
+            self.native_step = native_decode_step(self.model, self.block_size)
         if self.attention_backend == "triton" and self.device.type == "cuda" and not interpreting():
             self.warm_up_kernels()
         if self.use_decode_graphs:
@@ -344,6 +348,12 @@ class ModelRunner:
             plan = inputs.plan
             hidden = self.graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens,
                                      plan.decode_block_table)
+            return self.model.compute_logits(hidden)
+        meta = inputs.meta
+        if self.native_step is not None and not meta.prefills and meta.after_layer is None and meta.num_decodes:
+            hidden = self.model.model.embed_tokens(inputs.input_ids).contiguous()
+            hidden = self.native_step(hidden, inputs.positions, meta.slot_mapping, meta.decode_block_table,
+                                      meta.decode_lens)
             return self.model.compute_logits(hidden)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))

@@ -52,9 +52,11 @@ def _cpu_model() -> str:
 
 
 def _build_key(compiler: str, source: bytes) -> str:
+    """Hashes the source with every C file of the folder (a kernel may include another)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    for part in (source, version.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_model().encode()):
+    included = b"".join(path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.c")))
+    for part in (source, included, version.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_model().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

@@ -25,7 +25,7 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TILE 4
 
-enum { Q4 = 0, Q8_G32 = 1, Q8_G16 = 2 };
+enum { Q4 = 0, Q8_G32 = 1, Q8_G16 = 2, F32 = 3 }; /* F32: plain float weights, for the fused decode step */
 
 /* Sums of x over each group of 32, [rows, k / 32] (groups of 16 sum in pairs: see min_term). */
 static void group_sums(const float *x, int64_t x_stride, int64_t rows, int64_t k, int64_t group, float *out) {
@@ -51,7 +51,10 @@ ALWAYS_INLINE float min_term(const float *mins, const float *sums, int64_t group
 /* The 32 weights of group block `b` (32 columns) of one row, scaled, as two vectors. */
 ALWAYS_INLINE void widen(const int kind, const uint8_t *codes, const float *scales, int64_t b, __m512 *lo,
                          __m512 *hi) {
-    if (kind == Q4) {
+    if (kind == F32) {
+        *lo = _mm512_loadu_ps((const float *)codes + b * 32);
+        *hi = _mm512_loadu_ps((const float *)codes + b * 32 + 16);
+    } else if (kind == Q4) {
         const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + b * 16));
         const __m128i mask = _mm_set1_epi8(15);
         const __m512 scale = _mm512_set1_ps(scales[b]);
@@ -92,6 +95,7 @@ ALWAYS_INLINE void tile(const int kind, const int MB, const int NB, const float 
 #else /* portable: plain loops the compiler vectorises */
 
 ALWAYS_INLINE float weight_at(const int kind, const uint8_t *codes, const float *scales, int64_t i) {
+    if (kind == F32) return ((const float *)codes)[i];
     if (kind == Q4) {
         const int64_t b = i / 32, j = i % 32;
         const uint8_t byte = codes[b * 16 + (j & 15)];
@@ -156,6 +160,8 @@ static void matmul(const int kind, const float *x, int64_t x_stride, int64_t m, 
                 any_tile(Q4, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
             else if (kind == Q8_G32)
                 any_tile(Q8_G32, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
+            else if (kind == F32)
+                any_tile(F32, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
             else
                 any_tile(Q8_G16, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
             for (int r = 0; r < mb; ++r)

@@ -77,3 +77,15 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     out = rows.new_empty(rows.shape[0], weight.rows)
     quantized_linear_into(rows, weight, out)
     return out.view(*x.shape[:-1], weight.rows)
+
+
+def packed_linear(x: torch.Tensor, parts: tuple[tuple[int, PackedWeight], ...], out_features: int) -> torch.Tensor:
+    """``x @ W.T`` for a weight kept as packed row blocks ``(first row, part)`` (q, k and v of one
+    layer may ship in different GGUF types), computed in float32 and returned in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+        rows = rows.to(torch.float32).contiguous()
+    out = rows.new_empty(rows.shape[0], out_features)
+    for first, part in parts:
+        quantized_linear_into(rows, part, out[:, first : first + part.rows])
+    return out.view(*x.shape[:-1], out_features).to(x.dtype)

@@ -81,6 +81,7 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    quantization: str = "none"  # how weights are held: none (floats), gguf (blocks repacked), int8, int4
 
     @property
     def q_size(self) -> int:

@@ -28,6 +28,7 @@ from cluster.engine.models.layers import (
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
+    ShardedLinear,
     VocabParallelEmbedding,
 )
 from cluster.engine.models.rotary import RopeRows, RotaryEmbedding, apply_rotary
@@ -56,12 +57,13 @@ class SelfAttention(nn.Module):
         dtype = config.dtype
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads,
-            bias=config.qkv_bias, dtype=dtype, group=group,
+            bias=config.qkv_bias, dtype=dtype, group=group, quantization=config.quantization,
         )
         self.num_heads = self.qkv_proj.local_heads
         self.num_kv_heads = self.qkv_proj.local_kv_heads
         self.head_dim = config.head_dim
-        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype, group=group)
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=config.o_bias, dtype=dtype, group=group,
+                                        quantization=config.quantization)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window)
@@ -96,9 +98,11 @@ class GatedMLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], bias=config.mlp_bias, dtype=config.dtype, group=group
+            config.hidden_size, [size, size], bias=config.mlp_bias, dtype=config.dtype, group=group,
+            quantization=config.quantization,
         )
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias, dtype=config.dtype, group=group)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias, dtype=config.dtype, group=group,
+                                           quantization=config.quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -141,7 +145,8 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, group: ParallelGroup):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.dtype, group)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.dtype, group,
+                                                   quantization=_table_quantization(config))
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, config.dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, group) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
@@ -169,15 +174,37 @@ class DecoderModel(nn.Module):
         return kernels.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
 
+def _table_quantization(config: ModelConfig) -> str:
+    """Embedding tables stay packed only as GGUF blocks; ``int8``/``int4`` quantize the linear layers."""
+    return "gguf" if config.quantization == "gguf" else "none"
+
+
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None, group: ParallelGroup = SINGLE_RANK):
         super().__init__()
         self.config = config
         self.group = group
         self.model = DecoderModel(config, max_positions or config.max_position_embeddings, group)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.dtype, group)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, config.dtype, group,
+                                      quantization=_table_quantization(config))
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def finish_loading(self) -> None:
+        """Once every tensor is read: packs the quantized layers (see ``layers``); a tied head
+        shares the embedding's packed table."""
+        for module in self.modules():
+            if isinstance(module, (ShardedLinear, VocabParallelEmbedding)) and module is not self.lm_head:
+                module.finish_loading()
+        if self.config.tie_word_embeddings:
+            self.lm_head.packed = self.model.embed_tokens.packed
+        else:
+            self.lm_head.finish_loading()
+
+    def packed_bytes(self) -> int:
+        tables = [self.model.embed_tokens] + ([] if self.config.tie_word_embeddings else [self.lm_head])
+        linears = [m for m in self.modules() if isinstance(m, ShardedLinear)]
+        return sum(m.packed_bytes() for m in tables + linears)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from cluster.engine.models.config import ModelConfig, ModelConfigError, RopeConfig, parse_dtype
+from cluster.engine.quantization.gguf_repack import repack, repackable
+from cluster.engine.quantization.packed import PackedWeight
 
 # general.architecture -> (our architecture name, family)
 GGUF_ARCHITECTURES = {
@@ -106,9 +108,8 @@ class GGUFTensorSlice:
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        from gguf.quants import dequantize
-
+    def _rows(self, index: Any) -> tuple[np.ndarray, slice, slice]:
+        """The raw rows ``index`` asks for (in Hugging Face order), and its row and column parts."""
         index = index if isinstance(index, tuple) else (index,)
         rows, cols = index[0], (index[1] if len(index) > 1 else slice(None))
         data = self.tensor.data
@@ -116,7 +117,28 @@ class GGUFTensorSlice:
             data = data[self.row_order[rows]]
         elif rows != slice(None):
             data = data[rows]
-        values = dequantize(np.ascontiguousarray(data), self.tensor.tensor_type)
+        return np.ascontiguousarray(data), rows, cols
+
+    def packed(self, index: Any) -> PackedWeight | None:
+        """``self[index]`` kept quantized (:mod:`cluster.engine.quantization.gguf_repack`), or
+        None when the type has no packed layout or a column cut does not fall on its groups."""
+        if len(self.shape) != 2 or not repackable(self.tensor.tensor_type):
+            return None
+        data, _, cols = self._rows(index)
+        weight = repack(data, self.tensor.tensor_type)
+        if cols == slice(None):
+            return weight
+        start, stop, _ = cols.indices(self.shape[1])
+        try:
+            return weight.col_slice(start, stop - start)
+        except ValueError:
+            return None
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        data, rows, cols = self._rows(index)
+        values = dequantize(data, self.tensor.tensor_type)
         if values.dtype != np.float32 or not values.flags.writeable:  # F32 comes back as the file's read-only map
             values = values.astype(np.float32)
         values = values.reshape([len(range(*rows.indices(self.shape[0])))] + self.shape[1:])

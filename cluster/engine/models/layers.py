@@ -5,6 +5,13 @@ rank's slice of a checkpoint tensor into it. ``loaded`` may be a tensor or a saf
 (anything with ``get_shape()`` and ``[...]`` indexing), so a rank can read only its own shard.
 With ``tp_size == 1`` no collective runs; the collectives of a larger group live in
 ``ParallelGroup`` (``reduce`` after a row-parallel layer, ``gather`` after a vocab-parallel head).
+
+Weights may be kept quantized (``ModelConfig.quantization``): ``gguf`` keeps a GGUF's blocks
+repacked (:mod:`cluster.engine.quantization.gguf_repack`), each rank repacking only its rows or
+group-aligned columns; ``int8``/``int4`` quantize a float weight once it is loaded. A packed
+linear layer multiplies through :func:`cluster.engine.kernels.quantized_matmul.packed_linear`;
+embeddings widen only the rows they look up. ``finish_loading`` turns what was read into that
+form, once every tensor is in.
 """
 
 from __future__ import annotations
@@ -15,6 +22,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cluster.engine.kernels.quantized_matmul import packed_linear
+from cluster.engine.quantization.packed import PackedWeight, stack_rows
+from cluster.engine.quantization.quantize import KINDS as LOAD_TIME_KINDS
+from cluster.engine.quantization.quantize import quantizable, quantize
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,31 @@ def _read_rows(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
     return loaded[index]
 
 
+def _read_packed(loaded: Any, dim: int, start: int, size: int) -> PackedWeight | None:
+    """``_read_rows`` kept quantized, or None when ``loaded`` cannot give it packed."""
+    packed = getattr(loaded, "packed", None)
+    if packed is None:
+        return None
+    index = (slice(start, start + size),) if dim == 0 else (slice(None), slice(start, start + size))
+    return packed(index)
+
+
+def _assemble(parts: dict[int, PackedWeight], rows: int) -> tuple[tuple[int, PackedWeight], ...] | None:
+    """Row blocks covering rows 0..rows-1 exactly, neighbours of one kind stacked; None if they do not."""
+    blocks: list[tuple[int, PackedWeight]] = []
+    expected = 0
+    for first in sorted(parts):
+        part = parts[first]
+        if first != expected:
+            return None
+        if blocks and blocks[-1][1].same_kind(part) and blocks[-1][1].cols == part.cols:
+            blocks[-1] = (blocks[-1][0], stack_rows([blocks[-1][1], part]))
+        else:
+            blocks.append((first, part))
+        expected = first + part.rows
+    return tuple(blocks) if expected == rows else None
+
+
 def _copy_into(target: torch.Tensor, source: torch.Tensor, what: str) -> None:
     if target.shape != source.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(source.shape)} does not match {tuple(target.shape)}")
@@ -66,48 +103,93 @@ def _set_loader(param: nn.Parameter | None, loader) -> None:
         param.weight_loader = loader
 
 
-class _Linear(nn.Module):
+class ShardedLinear(nn.Module):
     """A local matmul over this rank's slice; subclasses say how the slice is cut."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group: ParallelGroup):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group: ParallelGroup,
+                 quantization: str = "none"):
         super().__init__()
         self.group = group
+        self.quantization = quantization
+        self.out_features = out_features  # this rank's
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: tuple[tuple[int, PackedWeight], ...] = ()  # (first row, part), once loaded packed
+        self._packed_parts: dict[int, PackedWeight] = {}
+
+    def _load(self, param: nn.Parameter, loaded: Any, dim: int, start: int, size: int, offset: int | None,
+              what: str) -> None:
+        """Rows (dim 0) or columns (dim 1) [start, start + size) of ``loaded`` into ``param`` (at
+        row ``offset`` for a part of a fused weight); kept packed where this layer serves GGUF blocks."""
+        if param is self.weight and self.quantization == "gguf":
+            packed = _read_packed(loaded, dim, start, size)
+            if packed is not None:
+                rows = param.shape[0] if offset is None else size
+                if packed.shape != (rows, param.shape[1]):
+                    raise ValueError(f"{what}: checkpoint shape {packed.shape} does not match {(rows, param.shape[1])}")
+                self._packed_parts[offset or 0] = packed
+                return
+        target = param.data if offset is None else param.data.narrow(0, offset, size)
+        _copy_into(target, _read_rows(loaded, dim, start, size), what)
+
+    def finish_loading(self) -> None:
+        """Packs what was read: GGUF parts become the layer's weight (widened instead when some
+        part came as floats); with ``int8``/``int4`` the float weight is quantized."""
+        parts, self._packed_parts = self._packed_parts, {}
+        if parts:
+            blocks = _assemble(parts, self.out_features)
+            if blocks is None:
+                for first, part in parts.items():
+                    self.weight.data.narrow(0, first, part.rows).copy_(part.dequantize(self.weight.dtype))
+                return
+            self.packed = blocks
+        elif self.quantization in LOAD_TIME_KINDS and quantizable(self.weight):
+            self.packed = ((0, quantize(self.weight, self.quantization)),)
+        else:
+            return
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def packed_bytes(self) -> int:
+        return sum(part.nbytes for _, part in self.packed)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return packed_linear(x, self.packed, self.out_features)
+        return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = self._matmul(x)
+        return out + self.bias if self.bias is not None else out
 
 
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(ShardedLinear):
     """Output features split across ranks; no communication in the forward pass."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, group: ParallelGroup = SINGLE_RANK):
+                 dtype: torch.dtype = torch.float32, group: ParallelGroup = SINGLE_RANK, quantization: str = "none"):
         if out_features % group.size:
             raise ValueError(f"output size {out_features} is not divisible by tensor-parallel size {group.size}")
-        super().__init__(in_features, out_features // group.size, bias, dtype, group)
+        super().__init__(in_features, out_features // group.size, bias, dtype, group, quantization)
         _set_loader(self.weight, self.weight_loader)
         _set_loader(self.bias, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[0]
-        _copy_into(param.data, _read_rows(loaded, 0, self.group.rank * size, size), "column-parallel weight")
+        self._load(param, loaded, 0, self.group.rank * size, size, None, "column-parallel weight")
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up); shard_id is the part's index."""
 
     def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False,
-                 dtype: torch.dtype = torch.float32, group: ParallelGroup = SINGLE_RANK):
+                 dtype: torch.dtype = torch.float32, group: ParallelGroup = SINGLE_RANK, quantization: str = "none"):
         self.part_sizes = [p // group.size for p in part_sizes]
-        super().__init__(in_features, sum(part_sizes), bias, dtype, group)
+        super().__init__(in_features, sum(part_sizes), bias, dtype, group, quantization)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int = 0) -> None:
         offset = sum(self.part_sizes[:shard_id])
         size = self.part_sizes[shard_id]
-        part = _read_rows(loaded, 0, self.group.rank * size, size)
-        _copy_into(param.data.narrow(0, offset, size), part, f"merged part {shard_id}")
+        self._load(param, loaded, 0, self.group.rank * size, size, offset, f"merged part {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -115,7 +197,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     (each rank keeps the head it needs) when there are fewer KV heads than ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, group: ParallelGroup = SINGLE_RANK):
+                 dtype: torch.dtype = torch.float32, group: ParallelGroup = SINGLE_RANK, quantization: str = "none"):
         if num_heads % group.size:
             raise ValueError(f"{num_heads} attention heads are not divisible by tensor-parallel size {group.size}")
         if num_kv_heads % group.size and group.size % num_kv_heads:
@@ -125,7 +207,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.local_kv_heads = max(1, num_kv_heads // group.size)
         self.kv_replicas = max(1, group.size // num_kv_heads)
         out = (self.local_heads + 2 * self.local_kv_heads) * head_dim * group.size
-        super().__init__(hidden_size, out, bias, dtype, group)
+        super().__init__(hidden_size, out, bias, dtype, group, quantization)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str = "q") -> None:
         q_size = self.local_heads * self.head_dim
@@ -135,26 +217,26 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, (self.group.rank // self.kv_replicas) * kv_size
-        _copy_into(param.data.narrow(0, offset, size), _read_rows(loaded, 0, start, size), f"{shard_id}_proj")
+        self._load(param, loaded, 0, start, size, offset, f"{shard_id}_proj")
 
 
-class RowParallelLinear(_Linear):
+class RowParallelLinear(ShardedLinear):
     """Input features split across ranks; the partial outputs are summed with an all-reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, group: ParallelGroup = SINGLE_RANK):
+                 dtype: torch.dtype = torch.float32, group: ParallelGroup = SINGLE_RANK, quantization: str = "none"):
         if in_features % group.size:
             raise ValueError(f"input size {in_features} is not divisible by tensor-parallel size {group.size}")
-        super().__init__(in_features // group.size, out_features, bias, dtype, group)
+        super().__init__(in_features // group.size, out_features, bias, dtype, group, quantization)
         _set_loader(self.weight, self.weight_loader)
         _set_loader(self.bias, default_weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[1]
-        _copy_into(param.data, _read_rows(loaded, 1, self.group.rank * size, size), "row-parallel weight")
+        self._load(param, loaded, 1, self.group.rank * size, size, None, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self._matmul(x)
         out = self.group.all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
@@ -163,34 +245,68 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across ranks; a rank embeds the ids it owns and the group sums."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32,
-                 group: ParallelGroup = SINGLE_RANK):
+                 group: ParallelGroup = SINGLE_RANK, quantization: str = "none"):
         super().__init__()
         self.group = group
         self.vocab_size = vocab_size
+        self.quantization = quantization
         self.per_rank = -(-vocab_size // group.size)
         self.start = group.rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed: PackedWeight | None = None  # the table kept as GGUF blocks, once loaded
+        self._loaded_packed: PackedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         rows = min(self.per_rank, self.vocab_size - self.start)
+        packed = _read_packed(loaded, 0, self.start, rows) if self.quantization == "gguf" else None
+        if packed is not None and packed.cols == param.shape[1]:
+            self._loaded_packed = _pad_rows(packed, self.per_rank)
+            return
         _copy_into(param.data.narrow(0, 0, rows), _read_rows(loaded, 0, self.start, rows), "embedding")
+
+    def finish_loading(self) -> None:
+        if self._loaded_packed is not None:
+            self.packed, self._loaded_packed = self._loaded_packed, None
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+
+    def packed_bytes(self) -> int:
+        return self.packed.nbytes if self.packed is not None else 0
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.embedding(ids, self.weight)
+        rows = self.packed.dequantize_rows(ids.reshape(-1), self.weight.dtype)
+        return rows.view(*ids.shape, rows.shape[-1])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.group.all_reduce(out)
+
+
+def _pad_rows(packed: PackedWeight, rows: int) -> PackedWeight:
+    """``packed`` with zero rows added up to ``rows`` (the last rank's share of a vocabulary)."""
+    extra = rows - packed.rows
+    if extra <= 0:
+        return packed
+    zeros = lambda t: None if t is None else torch.zeros(extra, *t.shape[1:], dtype=t.dtype)  # noqa: E731
+    return stack_rows([packed, PackedWeight(packed.layout, packed.group, zeros(packed.codes), zeros(packed.scales),
+                                            zeros(packed.mins))])
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel output projection; logits are gathered so every rank sees all of them."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.packed is not None:
+            logits = packed_linear(hidden, ((0, self.packed),), self.per_rank)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.group.size > 1:
             logits = self.group.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

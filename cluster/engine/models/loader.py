@@ -133,6 +133,7 @@ def build_model(
         init_dummy_weights(model)
     else:
         load_weights(model, model_path, progress)
+    model.finish_loading()
     model.eval()
     return model
 
@@ -151,5 +152,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 1e-3) -> 
             param.uniform_(-scale, scale, generator=generator)
 
 
-def parameter_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def parameter_bytes(model: CausalLM) -> int:
+    """Bytes of the weights as held: float parameters and packed quantized ones."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + model.packed_bytes()
