@@ -45,6 +45,7 @@ class LocalCluster:
         self.env = {**os.environ, "TANDEM_CACHE_DIR": str(self.cache)}
         self.topology = {**topology, "cluster": {"name": name}}
         self.api: str | None = None
+        self.http: str | None = None  # the OpenAI-compatible API's base (``.../v1``), if the topology serves it
         self._starting: subprocess.Popen | None = None
 
     def start(self) -> str:
@@ -58,7 +59,8 @@ class LocalCluster:
         _, err = self._starting.communicate(timeout=START_TIMEOUT_S)
         if self._starting.returncode != 0:
             raise ClusterStartError(f"tandem up failed: {err.strip()[-2000:]}")
-        self.api = json.loads((self.cache / "clusters" / f"{self.name}.json").read_text())["api"]
+        state = json.loads((self.cache / "clusters" / f"{self.name}.json").read_text())
+        self.api, self.http = state["api"], state.get("http")
         return self.api
 
     def stop(self) -> None:
