@@ -1,0 +1,150 @@
+"""Model quality with quantized weights, teacher-forced over a fixed text of 2,048 tokens.
+
+The text is English prose the standard library ships (heapq's essay on heaps, argparse's and
+subprocess's module documentation, the Zen of Python), so it is the same wherever the suite runs.
+Our side runs every position as a decode step, so the fused CPU decode step and the quantized
+kernels produce every logit; the reference is ``transformers`` loading the same GGUF file
+(dequantized, float32). Goals: top-1 agreement >= 99% of positions, perplexity within 0.5%.
+A float checkpoint quantized at load (``quantization: int8 | int4``) is measured against the
+same checkpoint served in floats (one prompt chunk of the whole text, the torch path): perplexity
+within 1% (int8) and 5% (int4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import heapq
+import json
+import math
+import subprocess
+import this
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import save_file
+
+from cluster.engine.model_runner import PrefillPlan, StepPlan
+from cluster.offline.llm import LLM
+from test_gguf import gguf_file, gguf_model, transformers_model  # noqa: F401  (gguf_model is a fixture)
+
+pytestmark = pytest.mark.integration
+
+TEXT = "\n\n".join([heapq.__about__, argparse.__doc__, subprocess.__doc__, codecs.decode(this.s, "rot13")])
+TOKENS = 2048
+RANDOM_TOKENS = 512  # the tiny random checkpoints' max_position_embeddings
+
+
+def teacher_forced_logits(llm: LLM, token_ids: list[int], fused: bool = True) -> torch.Tensor:
+    """[len - 1, vocab]: the logits after each prefix, every position run as one decode step
+    (blocks 0.. of an otherwise idle engine), through the fused decode step unless ``fused`` is off."""
+    runner = llm.engine.runner
+    assert (runner.native_step is not None) == fused
+    bs = runner.block_size
+    rows = []
+    for position, token in enumerate(token_ids[:-1]):
+        blocks = list(range(position // bs + 1))
+        plan = StepPlan([token], [position], [position], [position + 1], [blocks], [], [0])
+        rows.append(runner.execute(runner.build_inputs(plan))[0].float())
+    return torch.stack(rows)
+
+
+def prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """[len - 1, vocab]: the same logits from one prompt chunk of the whole text (the torch path)."""
+    runner = llm.engine.runner
+    n, bs = len(token_ids) - 1, runner.block_size
+    blocks = tuple(range(-(-n // bs)))
+    plan = StepPlan(token_ids[:-1], list(range(n)), list(range(n)), [], [], [PrefillPlan(0, n, n, blocks)],
+                    list(range(n)))
+    return runner.execute(runner.build_inputs(plan)).float()
+
+
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0, :-1].float()
+
+
+def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
+    targets = torch.tensor(token_ids[1:])
+    nll = -torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).mean()
+    return math.exp(nll.item())
+
+
+def compare(ours: torch.Tensor, reference: torch.Tensor, token_ids: list[int]) -> tuple[float, float]:
+    """(top-1 agreement, relative perplexity difference)."""
+    agreement = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    ppl, ref_ppl = perplexity(ours, token_ids), perplexity(reference, token_ids)
+    return agreement, abs(ppl - ref_ppl) / ref_ppl
+
+
+def engine(path: Path, max_model_len: int = TOKENS + 64, **options) -> LLM:
+    return LLM(str(path), verbose=False, num_kv_blocks=max_model_len // 16 + 8, max_model_len=max_model_len, **options)
+
+
+@pytest.mark.registry
+def test_default_model_against_transformers_on_the_same_gguf():
+    import transformers
+
+    from cluster.default_model import default_model_path
+
+    path = default_model_path()
+    with engine(path) as llm:
+        token_ids = llm.engine.tokenize(TEXT)[:TOKENS]
+        assert len(token_ids) == TOKENS
+        ours = teacher_forced_logits(llm, token_ids)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    agreement, ppl_gap = compare(ours, reference_logits(model, token_ids), token_ids)
+    assert agreement >= 0.99 and ppl_gap <= 0.005, (agreement, ppl_gap)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=["Q8_0", "Q4_K"])
+def test_random_gguf_checkpoints_against_transformers(gguf_model, qtype):  # noqa: F811
+    folder = gguf_model("llama", qtype, "wide")
+    with engine(gguf_file(folder), max_model_len=RANDOM_TOKENS) as llm:
+        token_ids = llm.engine.tokenize(TEXT)[:RANDOM_TOKENS]
+        assert llm.engine.model_config.quantization == "gguf"
+        ours = teacher_forced_logits(llm, token_ids)
+    agreement, ppl_gap = compare(ours, reference_logits(transformers_model(folder), token_ids), token_ids)
+    assert agreement >= 0.99 and ppl_gap <= 0.005, (agreement, ppl_gap)
+
+
+@pytest.fixture(scope="module")
+def float_default_model(tmp_path_factory) -> Path:
+    """The default model's weights as a bfloat16 Hugging Face checkpoint (real trained weights,
+    which a random model would not test)."""
+    import transformers
+
+    from cluster.default_model import default_model_path
+
+    path = default_model_path()
+    folder = tmp_path_factory.mktemp("smollm2-bf16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.bfloat16)
+    # transformers will not save a model it read from a GGUF: write the tensors and config ourselves.
+    weights = {name: t.contiguous() for name, t in model.state_dict().items()
+               if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+    save_file(weights, str(folder / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.update(torch_dtype="bfloat16", architectures=[type(model).__name__])
+    (folder / "config.json").write_text(json.dumps(config))
+    transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.registry
+def test_quantized_at_load_against_the_float_weights(float_default_model):
+    with engine(float_default_model, dtype="float32", quantization="none") as llm:
+        token_ids = llm.engine.tokenize(TEXT)[:TOKENS]
+        float_bytes = llm.engine.runner.weight_bytes
+        reference = prefill_logits(llm, token_ids)
+    for kind, bound in (("int8", 0.01), ("int4", 0.05)):
+        with engine(float_default_model, dtype="float32", quantization=kind) as llm:
+            assert llm.engine.model_config.quantization == kind
+            assert llm.engine.runner.weight_bytes < float_bytes * (0.5 if kind == "int8" else 0.4)
+            ours = teacher_forced_logits(llm, token_ids)
+        _, ppl_gap = compare(ours, reference, token_ids)
+        assert ppl_gap <= bound, (kind, ppl_gap)
