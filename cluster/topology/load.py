@@ -381,6 +381,7 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
     is an error, unless the model is ``elsewhere`` (the topology joins a Ray cluster, whose
     nodes hold it, or ``tandem validate --model-elsewhere``): then a warning."""
     from cluster.engine.models.read_config import load_model_config
+    from cluster.engine.models.source import resolve_model_source
 
     if not spec.model.path:
         from cluster.default_model import default_model_config
@@ -391,6 +392,7 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
             ctx.error("model.path", f"the default model's config.json cannot be read: {exc}")
             return
         _check_against(ctx, spec, config)
+        _check_quantization(ctx, spec, is_gguf=True)
         return
     path = Path(spec.model.path).expanduser()
     if not path.exists():
@@ -407,6 +409,22 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
         ctx.error("model.path", str(exc))
         return
     _check_against(ctx, spec, config)
+    _check_quantization(ctx, spec, is_gguf=resolve_model_source(path).is_gguf)
+
+
+def _check_quantization(ctx: _Context, spec: ClusterSpec, is_gguf: bool) -> None:
+    """``model.quantization`` has a kernel on every pool's device (as each engine will resolve it)."""
+    from cluster.engine.quantization.choice import QuantizationChoiceError, resolve_quantization
+
+    for role in ROLES:
+        pool = spec.pool(role)
+        if not pool.replicas:
+            continue
+        try:
+            resolve_quantization(spec.model.quantization, is_gguf, pool.device.partition(":")[0])
+        except QuantizationChoiceError as exc:
+            ctx.error("model.quantization", f"{role} pool ({pool.device}): {exc}")
+            return
 
 
 def _check_against(ctx: _Context, spec: ClusterSpec, config) -> None:

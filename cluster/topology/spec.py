@@ -16,6 +16,7 @@ from router.config import RouterConfig
 
 DEFAULT_MODEL_NAME = "tandem-default"
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # cluster/engine/quantization/choice.py's CHOICES
 ROLES = ("prefill", "decode", "colocated")
 
 _REQUIRED = object()
@@ -72,6 +73,13 @@ class ModelSpec:
     max_model_len: int | None = key(None, checks.integer(1, null=True), """
         Longest context (prompt and answer) in tokens, a positive integer. Null: the model's
         ``max_position_embeddings``.""")
+    quantization: str = key("auto", checks.choice(QUANTIZATIONS), """
+        How the weights are held. ``auto``: a GGUF file on the CPU is served in its own
+        quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, repacked without loss),
+        anything else in ``dtype``. ``none``: every weight widened to ``dtype``. ``int8`` /
+        ``int4``: a float checkpoint quantized at load (groups of 32; int4 with a min per group).
+        The quantized kernels are CPU kernels so far: on a GPU pool a GGUF is widened, and
+        ``int8``/``int4`` are refused.""")
 
     def __post_init__(self) -> None:
         if self.name is None:
@@ -278,6 +286,7 @@ class ClusterSpec:
         pool = self.pool(role)
         return dict(
             dtype=self.model.dtype,
+            quantization=self.model.quantization,
             block_size=self.kv.block_size,
             max_num_batched_tokens=pool.max_num_batched_tokens,
             max_num_seqs=pool.max_num_seqs,

@@ -234,12 +234,12 @@ def test_yaml_anchors_and_merge_keys():
 def test_engine_args():
     spec = parse_topology(doc("""
         cluster: {name: east}
-        model: {dtype: bfloat16, max_model_len: 1024}
+        model: {dtype: bfloat16, max_model_len: 1024, quantization: none}
         prefill: {gpus_per_rank: 1, max_num_batched_tokens: 8192, max_num_seqs: 16, threads: 2}
         kv: {block_size: 32, num_blocks: 500, cache_memory_fraction: 0.5, prefix_caching: false}
     """))
     assert spec.engine_args("prefill") == dict(
-        dtype="bfloat16", block_size=32, max_num_batched_tokens=8192, max_num_seqs=16, max_model_len=1024,
+        dtype="bfloat16", quantization="none", block_size=32, max_num_batched_tokens=8192, max_num_seqs=16, max_model_len=1024,
         num_kv_blocks=500, kv_cache_memory_fraction=0.5, enable_prefix_caching=False, num_threads=2,
         device="cuda", cluster_name="east",
     )
@@ -408,6 +408,16 @@ def test_max_model_len_beyond_the_model(tmp_path):
     directory = model_dir(tmp_path, max_position_embeddings=8192)
     assert only_error(f"model:\n  path: {directory}\n  max_model_len: 16384\n") == (
         "model.max_model_len", 3, "16384 exceeds the model's max_position_embeddings 8192")
+
+
+def test_quantization_needs_a_kernel_on_the_pool_and_a_float_checkpoint(checkpoint):
+    assert only_error("model:\n  quantization: int4\n") == (
+        "model.quantization", 2, "prefill pool (cpu): quantization int4: the GGUF file is already quantized; "
+        "use auto (served as shipped) or none (widened)")
+    directory = checkpoint("llama")
+    assert only_error(f"model:\n  path: {directory}\n  quantization: int8\ndecode:\n  gpus_per_rank: 1\n") == (
+        "model.quantization", 3, "decode pool (cuda): quantization int8 has no kernel on cuda yet; use none")
+    assert parse_topology(f"model:\n  path: {directory}\n  quantization: int8\n").model.quantization == "int8"
 
 
 def test_missing_model_path_is_an_error_naming_its_line(tmp_path):
