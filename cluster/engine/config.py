@@ -75,6 +75,7 @@ class EngineConfig:
     enforce_eager: bool = False
     load_format: str = "safetensors"
     quantization: str = "auto"  # see cluster/engine/quantization/choice.py
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8_e4m3: cluster/engine/quantization/kv_format.py
 
     def __post_init__(self) -> None:
         positive = {
@@ -108,6 +109,15 @@ class EngineConfig:
             raise EngineConfigError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quote(self.quantization)}"
             )
+        from cluster.engine.quantization.kv_format import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {quote(self.kv_cache_dtype)}"
+            )
+        if self.kv_cache_dtype != "auto" and not self.device.startswith("cpu"):
+            raise EngineConfigError(f"kv_cache_dtype {self.kv_cache_dtype} has no attention kernel on {self.device} yet; "
+                                    "use auto")
         if not isinstance(self.enforce_eager, bool):
             raise EngineConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         share = self.kv_memory_share

@@ -145,7 +145,8 @@ class LLMEngine:
         source = resolve_model_source(config.model)
         model_dir = source.path
         self.model_config = replace(load_model_config(source, config.dtype),
-                                    quantization=self._quantization(source.is_gguf))
+                                    quantization=self._quantization(source.is_gguf),
+                                    kv_cache_dtype=config.kv_cache_dtype)
         self.max_model_len = self._max_model_len()
         self.tokenizer = self._load_tokenizer(source, verbose)
         progress = (lambda done, total, unit: _log(f"loading weights: {done}/{total} {unit}")) if verbose else None

@@ -37,6 +37,7 @@ from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup
 from cluster.engine.models.loader import build_model, parameter_bytes
 from cluster.engine.models.native_step import native_decode_step
+from cluster.engine.quantization.kv_format import KVCacheFormat
 from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from cluster.engine.scheduler import SchedulerOutput
@@ -153,25 +154,29 @@ class ModelRunner:
     # -- KV cache -------------------------------------------------------------------------
 
     @property
+    def kv_format(self) -> KVCacheFormat:
+        return KVCacheFormat(self.config.kv_cache_dtype, self.config.dtype)
+
+    @property
     def block_bytes(self) -> int:
         attn = self.model.attention_layers()[0]
-        element = torch.empty((), dtype=self.config.dtype).element_size()
-        return 2 * self.config.num_layers * self.block_size * attn.num_kv_heads * attn.head_dim * element
+        return 2 * self.config.num_layers * self.block_size * attn.num_kv_heads * self.kv_format.row_bytes(attn.head_dim)
 
     def blocks_for_memory_fraction(self, fraction: float) -> int:
         return int(device_memory_bytes(self.device) * fraction) // self.block_bytes
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         attention = self.model.attention_layers()
-        first = attention[0]
-        shape = (len(attention), 2, num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
+        first, fmt = attention[0], self.kv_format
+        shape = (len(attention), 2, num_blocks, self.block_size, first.num_kv_heads, fmt.row_width(first.head_dim))
         if self.device.type == "cpu":
-            self.kv_cache = empty_huge_paged(shape, self.config.dtype)
+            self.kv_cache = empty_huge_paged(shape, fmt.storage_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device)
         for index, attn in enumerate(attention):
             attn.k_cache = self.kv_cache[index, 0]
             attn.v_cache = self.kv_cache[index, 1]
+            attn.kv_format = fmt if fmt.quantized else None
         self.num_blocks = num_blocks
         if self.attention_backend == "torch":
             self.native_step = native_decode_step(self.model, self.block_size)

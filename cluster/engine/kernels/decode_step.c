@@ -29,11 +29,12 @@ typedef struct {
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL where the layer has none */
     weight_part qkv[3], o[1], gate_up[2], down[1];
     int64_t qkv_parts, gate_up_parts;
-    float *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim (+ 4 scale bytes for 8 bits)] */
 } layer_weights;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, window, max_blocks;
+    int64_t kv_kind; /* KV_FLOAT, KV_INT8 or KV_FP8: see cluster/engine/quantization/kv_format.py */
     float eps, scale;
     const float *cos, *sin; /* [positions, head_dim] */
     const float *final_norm;
@@ -57,6 +58,43 @@ static void linear(const weight_part *parts, int64_t count, const float *x, int6
     if (bias)
         for (int64_t r = 0; r < m; ++r)
             for (int64_t j = 0; j < y_stride; ++j) y[r * y_stride + j] += bias[j];
+}
+
+enum { KV_FLOAT = 0, KV_INT8 = 1, KV_FP8 = 2 };
+
+/* The e4m3fn code nearest to a (|a| <= 448), ties to the even code, as torch's conversion rounds;
+ * values: the 256 codes' values. */
+static uint8_t nearest_e4m3(float a, const float *values) {
+    const int negative = a < 0.0f;
+    a = fabsf(a);
+    int lo = 0, hi = 126; /* positive codes, increasing */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (values[mid] <= a) lo = mid; else hi = mid - 1;
+    }
+    if (lo < 126) {
+        const float below = a - values[lo], above = values[lo + 1] - a;
+        if (above < below || (above == below && (lo & 1))) ++lo;
+    }
+    return (uint8_t)(lo | (negative ? 0x80 : 0));
+}
+
+/* One head's row into an 8-bit cache row: codes then the float32 scale (amax / 127 or / 448). */
+static void store_8bit(const float *x, int64_t d, int64_t kind, const float *e4m3_values, int8_t *row) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float scale = amax / (kind == KV_INT8 ? 127.0f : 448.0f);
+    if (!(scale > 0.0f)) scale = 1.0f;
+    for (int64_t i = 0; i < d; ++i) {
+        const float scaled = x[i] / scale;
+        if (kind == KV_INT8) {
+            const float r = nearbyintf(scaled);
+            row[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        } else {
+            row[i] = (int8_t)nearest_e4m3(scaled, e4m3_values);
+        }
+    }
+    memcpy(row + d, &scale, sizeof scale);
 }
 
 /* out = weight * (x * rsqrt(mean(x^2) + eps)), row by row, as RMSNorm.forward does. */
@@ -91,6 +129,9 @@ int decode_step(const model_weights *m, float *hidden, int64_t rows, const int64
     float *normed = scratch, *qkv = normed + rows * H, *attended = qkv + rows * qkv_width;
     float *projected = attended + rows * q_width, *gate_up = projected + rows * H, *act = gate_up + rows * 2 * I;
     float *sums = act + rows * I;
+    float e4m3_values[256];
+    for (int b = 0; b < 256; ++b) e4m3_values[b] = e4m3fn_value((uint8_t)b);
+    const int64_t row_bytes = m->kv_kind == KV_FLOAT ? D * 4 : D + 4;
 
     for (int64_t l = 0; l < m->num_layers; ++l) {
         const layer_weights *w = &m->layers[l];
@@ -105,13 +146,27 @@ int decode_step(const model_weights *m, float *hidden, int64_t rows, const int64
             const float *cos = m->cos + positions[r] * D, *sin = m->sin + positions[r] * D;
             for (int64_t h = 0; h < m->heads; ++h) rotate(q + h * D, cos, sin, D);
             for (int64_t h = 0; h < m->kv_heads; ++h) rotate(k + h * D, cos, sin, D);
-            memcpy(w->k_cache + slots[r] * kv_width, k, sizeof(float) * kv_width);
-            memcpy(w->v_cache + slots[r] * kv_width, v, sizeof(float) * kv_width);
+            char *k_row = (char *)w->k_cache + slots[r] * m->kv_heads * row_bytes;
+            char *v_row = (char *)w->v_cache + slots[r] * m->kv_heads * row_bytes;
+            if (m->kv_kind == KV_FLOAT) {
+                memcpy(k_row, k, sizeof(float) * kv_width);
+                memcpy(v_row, v, sizeof(float) * kv_width);
+            } else {
+                for (int64_t h = 0; h < m->kv_heads; ++h) {
+                    store_8bit(k + h * D, D, m->kv_kind, e4m3_values, (int8_t *)k_row + h * row_bytes);
+                    store_8bit(v + h * D, D, m->kv_kind, e4m3_values, (int8_t *)v_row + h * row_bytes);
+                }
+            }
         }
-        if (paged_decode_attention_f32(qkv, qkv_width, w->k_cache, w->v_cache, block_table, m->max_blocks, lengths,
-                                       rows, m->heads, m->kv_heads, D, m->block_size, m->window, m->scale, attended,
-                                       q_width, threads))
-            return -1;
+        const int failed =
+            m->kv_kind == KV_FLOAT
+                ? paged_decode_attention_f32(qkv, qkv_width, w->k_cache, w->v_cache, block_table, m->max_blocks,
+                                             lengths, rows, m->heads, m->kv_heads, D, m->block_size, m->window,
+                                             m->scale, attended, q_width, threads)
+                : paged_decode_attention_8bit(qkv, qkv_width, w->k_cache, w->v_cache, block_table, m->max_blocks,
+                                              lengths, rows, m->heads, m->kv_heads, D, m->block_size, m->window,
+                                              m->scale, m->kv_kind == KV_FP8, attended, q_width, threads);
+        if (failed) return -1;
         linear(w->o, 1, attended, rows, q_width, projected, H, w->o_bias, sums, threads);
         for (int64_t i = 0; i < rows * H; ++i) hidden[i] += projected[i];
 

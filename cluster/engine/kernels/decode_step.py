@@ -18,6 +18,7 @@ from cluster.engine.quantization.packed import PackedWeight
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 Q4, Q8_G32, Q8_G16, F32 = 0, 1, 2, 3
+KV_KINDS = {"auto": 0, "int8": 1, "fp8_e4m3": 2}
 
 
 class _Part(ctypes.Structure):
@@ -37,7 +38,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [
         ("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-        ("intermediate", _i64), ("block_size", _i64), ("window", _i64), ("max_blocks", _i64),
+        ("intermediate", _i64), ("block_size", _i64), ("window", _i64), ("max_blocks", _i64), ("kv_kind", _i64),
         ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(_Layer)),
     ]
@@ -75,6 +76,7 @@ class StepShape:
     window: int  # 0: none
     eps: float
     scale: float
+    kv_cache_dtype: str = "auto"  # auto (float32 rows), int8 or fp8_e4m3: KVCacheFormat.name
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
@@ -93,7 +95,8 @@ class NativeDecodeStep:
         self._keep: list[torch.Tensor] = [cos, sin, final_norm]
         self._layers = (_Layer * len(layers))(*(self._layer(w) for w in layers))
         self._model = _Model(len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-                             shape.intermediate, shape.block_size, shape.window, 0, shape.eps, shape.scale,
+                             shape.intermediate, shape.block_size, shape.window, 0,
+                             KV_KINDS[shape.kv_cache_dtype], shape.eps, shape.scale,
                              cos.data_ptr(), sin.data_ptr(), final_norm.data_ptr(), self._layers)
         self.hidden = shape.hidden
         self._scratch = torch.empty(0)

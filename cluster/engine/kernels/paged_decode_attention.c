@@ -179,3 +179,116 @@ int paged_decode_attention_f32(
     }
     return failed ? -1 : 0;
 }
+
+/*
+ * The same attention over an 8-bit cache (cluster/engine/quantization/kv_format.py): each token's
+ * head row is head_dim codes then its float32 scale, x = scale * value(code). `codes` maps a
+ * code byte to its value (int8 or e4m3fn), built once per call. Scores and weights are computed
+ * as above; the scale multiplies each row's dot product and each value row's weight.
+ */
+#include <string.h>
+
+ALWAYS_INLINE const int8_t *row8(const int8_t *cache, const int64_t *block_table, int64_t t, int64_t block_size,
+                                 int64_t token_stride) {
+    return cache + (block_table[t / block_size] * block_size + t % block_size) * token_stride;
+}
+
+ALWAYS_INLINE float row_scale(const int8_t *row, int64_t head_dim) {
+    float scale;
+    memcpy(&scale, row + head_dim, sizeof scale);
+    return scale;
+}
+
+static void attend_one_8bit(const float *restrict q, const int8_t *restrict k_cache, const int8_t *restrict v_cache,
+                            const int64_t *restrict block_table, int64_t first, int64_t length, int64_t block_size,
+                            int64_t num_kv_heads, int64_t h0, int64_t h1, int64_t head_dim, int64_t group,
+                            float scale, const float *restrict codes, float *restrict out, float *restrict scores,
+                            float *restrict acc, float *restrict widened) {
+    const int64_t n = length - first, rows = (h1 - h0) * group, row_width = head_dim + 4;
+    const int64_t token_stride = num_kv_heads * row_width;
+    for (int64_t t = first; t < length; ++t) {
+        const int8_t *k = row8(k_cache, block_table, t, block_size, token_stride);
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+            const int8_t *kh = k + (h0 + h) * row_width;
+            for (int64_t d = 0; d < head_dim; ++d) widened[d] = codes[(uint8_t)kh[d]];
+            const float row = row_scale(kh, head_dim) * scale;
+            for (int64_t j = 0; j < group; ++j)
+                scores[(h * group + j) * n + (t - first)] = dot(q + (h * group + j) * head_dim, widened, head_dim) * row;
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        float *s = scores + r * n;
+        float peak = s[0];
+        for (int64_t i = 1; i < n; ++i) peak = s[i] > peak ? s[i] : peak;
+        float total = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+            s[i] = expf(s[i] - peak);
+            total += s[i];
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t i = 0; i < n; ++i) s[i] *= inverse;
+    }
+    for (int64_t i = 0; i < rows * head_dim; ++i) acc[i] = 0.0f;
+    for (int64_t t = first; t < length; ++t) {
+        const int8_t *v = row8(v_cache, block_table, t, block_size, token_stride);
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+            const int8_t *vh = v + (h0 + h) * row_width;
+            const float row = row_scale(vh, head_dim);
+            for (int64_t d = 0; d < head_dim; ++d) widened[d] = codes[(uint8_t)vh[d]] * row;
+            for (int64_t j = 0; j < group; ++j) {
+                const float w = scores[(h * group + j) * n + (t - first)];
+                float *a = acc + (h * group + j) * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) a[d] += w * widened[d];
+            }
+        }
+    }
+    for (int64_t i = 0; i < rows * head_dim; ++i) out[i] = acc[i];
+}
+
+static float e4m3fn_value(uint8_t byte) {
+    const int exponent = (byte >> 3) & 15, mantissa = byte & 7;
+    if (exponent == 15 && mantissa == 7) return NAN;
+    const float magnitude = exponent ? ldexpf(1.0f + mantissa / 8.0f, exponent - 7) : ldexpf(mantissa / 8.0f, -6);
+    return byte & 0x80 ? -magnitude : magnitude;
+}
+
+/* As paged_decode_attention_f32, over an 8-bit cache ([blocks, block_size, kv_heads, head_dim + 4]
+ * int8); fp8 nonzero: codes are e4m3fn, else int8. */
+int paged_decode_attention_8bit(
+    const float *q, int64_t q_row_stride, const int8_t *k_cache, const int8_t *v_cache,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *lengths, int64_t num_requests,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
+    float scale, int fp8, float *out, int64_t out_row_stride, int num_threads) {
+    float codes[256];
+    for (int b = 0; b < 256; ++b) codes[b] = fp8 ? e4m3fn_value((uint8_t)b) : (float)(int8_t)b;
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < num_requests; ++r) longest = lengths[r] > longest ? lengths[r] : longest;
+    int64_t splits = num_threads > 1 ? (4 * num_threads + num_requests - 1) / num_requests : 1;
+    if (splits > num_kv_heads) splits = num_kv_heads;
+    while (num_kv_heads % splits) --splits;
+    const int64_t heads_per_task = num_kv_heads / splits;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        const size_t rows = (size_t)(heads_per_task * group);
+        float *scratch = malloc(sizeof(float) * (rows * (size_t)(longest + head_dim) + (size_t)head_dim));
+        if (!scratch) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_requests * splits; ++task) {
+            if (!scratch) continue;
+            const int64_t r = task / splits, h0 = (task % splits) * heads_per_task;
+            const int64_t length = lengths[r];
+            const int64_t first = window > 0 && length > window ? length - window : 0;
+            attend_one_8bit(q + r * q_row_stride + h0 * group * head_dim, k_cache, v_cache,
+                            block_tables + r * max_blocks, first, length, block_size, num_kv_heads, h0,
+                            h0 + heads_per_task, head_dim, group, scale, codes,
+                            out + r * out_row_stride + h0 * group * head_dim, scratch,
+                            scratch + rows * (size_t)longest, scratch + rows * (size_t)(longest + head_dim));
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

@@ -29,6 +29,7 @@ from torch import nn
 
 from cluster.engine.kernels import native_kernels_enabled
 from cluster.engine.kernels.paged_attention import native_decode_attention
+from cluster.engine.quantization.kv_format import KVCacheFormat
 
 
 @dataclass
@@ -109,16 +110,25 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kv_format: KVCacheFormat | None = None  # set with the cache; None or "auto": rows in the model's dtype
+
+    def _cache_rows(self, x: torch.Tensor) -> torch.Tensor:
+        fmt = self.kv_format
+        return fmt.quantize_rows(x) if fmt is not None else x
+
+    def _read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        fmt = self.kv_format
+        return fmt.dequantize_rows(rows) if fmt is not None else rows
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads, D]; k, v: [T, kv_heads, D]. Returns [T, heads * D]."""
         if meta.fused is not None:
             return self._forward_fused(q, k, v, meta)
         num_tokens = q.shape[0]
-        kv, d = self.num_kv_heads, self.head_dim
+        kv, d, width = self.num_kv_heads, self.head_dim, self.k_cache.shape[-1]
         num_blocks = self.k_cache.shape[0]
-        self.k_cache.view(-1, kv, d).index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.view(-1, kv, d).index_copy_(0, meta.slot_mapping, v)
+        self.k_cache.view(-1, kv, width).index_copy_(0, meta.slot_mapping, self._cache_rows(k))
+        self.v_cache.view(-1, kv, width).index_copy_(0, meta.slot_mapping, self._cache_rows(v))
         out = q.new_empty(num_tokens, self.num_heads * d)
 
         if meta.num_decodes:
@@ -134,8 +144,8 @@ class PagedAttention(nn.Module):
                 if span.fresh:
                     keys, values = k[rows], v[rows]
                 else:
-                    keys = self._gather(self.k_cache, num_blocks, span.block_ids).view(-1, kv, d)[: span.context_len]
-                    values = self._gather(self.v_cache, num_blocks, span.block_ids).view(-1, kv, d)[: span.context_len]
+                    keys = self._gathered(self.k_cache, num_blocks, span.block_ids, 0, span.context_len)
+                    values = self._gathered(self.v_cache, num_blocks, span.block_ids, 0, span.context_len)
                 o = F.scaled_dot_product_attention(
                     span_q, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
                     attn_mask=span.mask, scale=self.scale, enable_gqa=True,
@@ -159,9 +169,9 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:
         kernel = native_decode_attention() if native_kernels_enabled() else None
-        if kernel is not None and kernel.supports(q, self.k_cache, out):
+        if kernel is not None and kernel.supports(q, self.k_cache, out, self.kv_format):
             kernel(q, self.k_cache, self.v_cache, meta.decode_block_table, meta.decode_lens, out,
-                   self.num_kv_heads, self.sliding_window, self.scale)
+                   self.num_kv_heads, self.sliding_window, self.scale, self.kv_format)
             return
         kv, d = self.num_kv_heads, self.head_dim
         num_blocks = self.k_cache.shape[0]
@@ -170,12 +180,14 @@ class PagedAttention(nn.Module):
         for row, length in enumerate(meta.decode_context_lens):
             block_ids = meta.decode_block_table[row, : -(-length // block_size)]
             first = length - window if window is not None and length > window else 0
-            keys = self._gather(self.k_cache, num_blocks, block_ids).view(-1, kv, d)[first:length]
-            values = self._gather(self.v_cache, num_blocks, block_ids).view(-1, kv, d)[first:length]
+            keys = self._gathered(self.k_cache, num_blocks, block_ids, first, length)
+            values = self._gathered(self.v_cache, num_blocks, block_ids, first, length)
             scores = torch.bmm(q[row].view(kv, self.group, d), keys.permute(1, 2, 0)) * self.scale
             weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
             out[row] = torch.bmm(weights, values.transpose(0, 1)).view(-1)
 
-    @staticmethod
-    def _gather(cache: torch.Tensor, num_blocks: int, block_ids: torch.Tensor) -> torch.Tensor:
-        return cache.view(num_blocks, -1).index_select(0, block_ids)
+    def _gathered(self, cache: torch.Tensor, num_blocks: int, block_ids: torch.Tensor, first: int,
+                  length: int) -> torch.Tensor:
+        """Tokens [first, length) of the blocks ``block_ids``, [tokens, kv_heads, head_dim] in the model's dtype."""
+        rows = cache.view(num_blocks, -1).index_select(0, block_ids).view(-1, self.num_kv_heads, cache.shape[-1])
+        return self._read_rows(rows[first:length])

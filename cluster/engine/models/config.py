@@ -82,6 +82,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quantization: str = "none"  # how weights are held: none (floats), gguf (blocks repacked), int8, int4
+    kv_cache_dtype: str = "auto"  # how the KV cache holds keys and values: auto (dtype), int8, fp8_e4m3
 
     @property
     def q_size(self) -> int:
