@@ -72,6 +72,7 @@ def write_gguf(
     out: Path,
     qtype: Q = Q.F32,
     embedding_qtype: Q | None = None,
+    leaf_qtypes: tuple[tuple[str, Q], ...] = (),
     pre: str = "gpt2",
     chat_template: str | None = None,
     add_bos: bool = False,
@@ -79,7 +80,8 @@ def write_gguf(
     eos_token_id: int = 3,
 ) -> Path:
     """Writes the checkpoint at ``checkpoint`` as a GGUF file ``out``: 2-D weights as ``qtype``
-    (the embedding as ``embedding_qtype``, default ``qtype``), norms as F32."""
+    (the embedding as ``embedding_qtype``, default ``qtype``; a tensor whose name's leaf is named
+    in ``leaf_qtypes``, e.g. ``("attn_v", Q.Q6_K)``, as that type, as llama.cpp's mixes do), norms as F32."""
     from safetensors.numpy import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -127,6 +129,7 @@ def write_gguf(
             writer.add_tensor(gguf_name, value)
             continue
         chosen = embedding_qtype if gguf_name.startswith("token_embd") and embedding_qtype is not None else qtype
+        chosen = dict(leaf_qtypes).get(gguf_name.split(".")[-2], chosen)
         data = encode_tensor(value, chosen, seed=index)
         writer.add_tensor(gguf_name, data, raw_dtype=None if chosen in (Q.F32, Q.F16) else chosen)
     writer.write_header_to_file()

@@ -108,3 +108,32 @@ def test_tensor_names_are_the_inverse_of_gguf_s_own_map(arch):
         for kind in ("weight", "bias"):
             assert hf_tensor_name(f"{names.get_name(name)}.{kind}") == f"{name}.{kind}"
     assert hf_tensor_name("blk.0.ssm_conv1d.weight") is None and hf_tensor_name("rope_freqs.weight") is None
+
+
+@pytest.mark.parametrize("tp_size", [16, 32])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_a_row_parallel_rank_keeps_its_columns_packed_only_on_32_column_blocks(tensors, qtype, tp_size):
+    """Rank 3's COLS / tp_size columns: 32 of them stay packed (the same codes and scales as those
+    columns of the whole weight); 16 are widened, even for Q6_K, whose groups of 16 they fall on,
+    because the kernel reads whole blocks of 32 columns. Both multiply to the same result."""
+    from cluster.engine.models.layers import ParallelGroup, RowParallelLinear
+    from cluster.engine.quantization.gguf_repack import repack
+
+    tensor = tensors[qtype.name]
+    layer = RowParallelLinear(COLS, ROWS, group=ParallelGroup(rank=3, size=tp_size), quantization="gguf")
+    layer.weight_loader(layer.weight, GGUFTensorSlice(tensor, torch.float32))
+    layer.finish_loading()
+    width = COLS // tp_size
+    columns = slice(3 * width, 4 * width)
+    full = GGUFTensorSlice(tensor, torch.float32)[:]
+    if width % 32 == 0:
+        ((first, part),) = layer.packed
+        expected = repack(np.asarray(tensor.data), qtype).col_slice(columns.start, width)
+        assert first == 0 and (part.layout, part.group) == (expected.layout, expected.group)
+        for ours, theirs in ((part.codes, expected.codes), (part.scales, expected.scales), (part.mins, expected.mins)):
+            assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+    else:
+        assert layer.packed == ()
+        assert torch.equal(layer.weight, full[:, columns])
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(layer._matmul(x), x @ full[:, columns].T, rtol=1e-5, atol=1e-5)

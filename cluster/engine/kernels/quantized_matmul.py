@@ -19,6 +19,7 @@ from cluster.engine.quantization.packed import PackedWeight
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 DENSE_FROM_ROWS = 48  # measured on 2 AVX-512 cores: the kernel's time passes the widened matmul's near here
+KERNEL_COLUMNS = 32  # the kernel reads K in blocks of this many columns, even for q8's groups of 16
 
 
 class NativeQuantizedMatmul:
@@ -44,7 +45,7 @@ class NativeQuantizedMatmul:
             status = self._q8(x.data_ptr(), x.stride(0), m, k, n, weight.group, weight.codes.data_ptr(),
                               weight.scales.data_ptr(), mins, sums.data_ptr(), out.data_ptr(), out.stride(0), threads)
         if status:
-            raise ValueError(f"quantized matmul: {k} columns do not fall on groups of {weight.group}")
+            raise ValueError(f"quantized matmul: {k} columns do not fall on blocks of {KERNEL_COLUMNS}")
 
 
 @cache

@@ -8,7 +8,9 @@ With ``tp_size == 1`` no collective runs; the collectives of a larger group live
 
 Weights may be kept quantized (``ModelConfig.quantization``): ``gguf`` keeps a GGUF's blocks
 repacked (:mod:`cluster.engine.quantization.gguf_repack`), each rank repacking only its rows or
-group-aligned columns; ``int8``/``int4`` quantize a float weight once it is loaded. A packed
+columns (a row-parallel cut off the kernel's 32-column blocks widens that layer on the rank);
+``int8``/``int4`` quantize a float weight once it is loaded (a cut through their groups keeps the
+rank's columns widened, with the values quantizing the whole weight gives). A packed
 linear layer multiplies through :func:`cluster.engine.kernels.quantized_matmul.packed_linear`;
 embeddings widen only the rows they look up. ``finish_loading`` turns what was read into that
 form, once every tensor is in.
@@ -23,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine.kernels.quantized_matmul import packed_linear
+from cluster.engine.kernels.quantized_matmul import KERNEL_COLUMNS, packed_linear
 from cluster.engine.quantization.packed import PackedWeight, stack_rows
+from cluster.engine.quantization.quantize import GROUP as LOAD_TIME_GROUP
 from cluster.engine.quantization.quantize import KINDS as LOAD_TIME_KINDS
 from cluster.engine.quantization.quantize import quantizable, quantize
 
@@ -63,10 +66,25 @@ def _read_rows(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
     return loaded[index]
 
 
+def _read_columns_as_quantized(loaded: Any, start: int, size: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
+    """Columns [start, start + size) of ``loaded`` as the whole weight quantized with ``kind`` holds
+    them: the groups the cut runs through are read whole, quantized and widened, then cut."""
+    first = start - start % LOAD_TIME_GROUP
+    stop = -(-(start + size) // LOAD_TIME_GROUP) * LOAD_TIME_GROUP
+    groups = _read_rows(loaded, 1, first, stop - first).to(dtype)
+    return quantize(groups, kind).dequantize(dtype)[:, start - first : start - first + size]
+
+
+def _width(loaded: Any) -> int:
+    return loaded.shape[1] if isinstance(loaded, torch.Tensor) else loaded.get_shape()[1]
+
+
 def _read_packed(loaded: Any, dim: int, start: int, size: int) -> PackedWeight | None:
-    """``_read_rows`` kept quantized, or None when ``loaded`` cannot give it packed."""
+    """``_read_rows`` kept quantized, or None when ``loaded`` cannot give it packed, or when a
+    column cut (a row-parallel rank's) does not fall on the kernel's blocks of 32 columns: a
+    cut on Q6_K's groups of 16 alone would load, then fail in the matmul."""
     packed = getattr(loaded, "packed", None)
-    if packed is None:
+    if packed is None or (dim == 1 and (start % KERNEL_COLUMNS or size % KERNEL_COLUMNS)):
         return None
     index = (slice(start, start + size),) if dim == 0 else (slice(None), slice(start, start + size))
     return packed(index)
@@ -130,7 +148,18 @@ class ShardedLinear(nn.Module):
                 self._packed_parts[offset or 0] = packed
                 return
         target = param.data if offset is None else param.data.narrow(0, offset, size)
-        _copy_into(target, _read_rows(loaded, dim, start, size), what)
+        if param is self.weight and dim == 1 and self._cuts_quantization_groups(loaded, start, size):
+            values = _read_columns_as_quantized(loaded, start, size, param.dtype, self.quantization)
+        else:
+            values = _read_rows(loaded, dim, start, size)
+        _copy_into(target, values, what)
+
+    def _cuts_quantization_groups(self, loaded: Any, start: int, size: int) -> bool:
+        """Whether columns [start, start + size) cut through the groups that ``int8``/``int4``
+        quantize the whole weight in. Such a rank cannot quantize its columns alone: it keeps
+        them widened, as quantizing the whole weight gives them, so TP serves the model TP 1 does."""
+        return (self.quantization in LOAD_TIME_KINDS and bool(start % LOAD_TIME_GROUP or size % LOAD_TIME_GROUP)
+                and _width(loaded) % LOAD_TIME_GROUP == 0)
 
     def finish_loading(self) -> None:
         """Packs what was read: GGUF parts become the layer's weight (widened instead when some
