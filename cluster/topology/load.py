@@ -413,7 +413,8 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
 
 
 def _check_quantization(ctx: _Context, spec: ClusterSpec, is_gguf: bool) -> None:
-    """``model.quantization`` has a kernel on every pool's device (as each engine will resolve it)."""
+    """``model.quantization`` and ``kv.cache_dtype`` have kernels on every pool's device (as each
+    engine will resolve them)."""
     from cluster.engine.quantization.choice import QuantizationChoiceError, resolve_quantization
 
     for role in ROLES:
@@ -424,6 +425,12 @@ def _check_quantization(ctx: _Context, spec: ClusterSpec, is_gguf: bool) -> None
             resolve_quantization(spec.model.quantization, is_gguf, pool.device.partition(":")[0])
         except QuantizationChoiceError as exc:
             ctx.error("model.quantization", f"{role} pool ({pool.device}): {exc}")
+            return
+    for role in ROLES:
+        pool = spec.pool(role)
+        if pool.replicas and spec.kv.cache_dtype != "auto" and not pool.device.startswith("cpu"):
+            ctx.error("kv.cache_dtype", f"{role} pool ({pool.device}): {spec.kv.cache_dtype} has no attention kernel "
+                      "on a GPU yet; use auto")
             return
 
 

@@ -17,6 +17,7 @@ from router.config import RouterConfig
 DEFAULT_MODEL_NAME = "tandem-default"
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # cluster/engine/quantization/choice.py's CHOICES
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # cluster/engine/quantization/kv_format.py's
 ROLES = ("prefill", "decode", "colocated")
 
 _REQUIRED = object()
@@ -142,6 +143,11 @@ class KVSpec:
         Exact number of KV blocks per worker, a positive integer; overrides the fraction.""")
     prefix_caching: bool = key(True, checks.boolean, """
         Keep the KV of finished prompts' full blocks for reuse.""")
+    cache_dtype: str = key("auto", checks.choice(KV_CACHE_DTYPES), """
+        How keys and values are held: ``auto`` (the model's dtype), ``int8`` or ``fp8_e4m3``
+        (codes and a float32 scale per token and KV head: 68 bytes a 64-wide head row against
+        128 in 16 bits). Prefill and decode share it; KV moves between workers in it. The 8-bit
+        caches have CPU kernels so far: a GPU pool is refused.""")
     transport: str = key("torch_distributed", checks.transport, """
         The KV transport, by registered name. ``torch_distributed``: gloo on CPUs, NCCL on GPUs.""")
     transfer_timeout_s: float = key(60.0, checks.number(0), """
@@ -294,6 +300,7 @@ class ClusterSpec:
             num_kv_blocks=self.kv.num_blocks,
             kv_cache_memory_fraction=self.kv.cache_memory_fraction,
             enable_prefix_caching=self.kv.prefix_caching,
+            kv_cache_dtype=self.kv.cache_dtype,
             num_threads=pool.threads,
             device=pool.device,
             cluster_name=self.name,

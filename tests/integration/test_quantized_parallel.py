@@ -89,6 +89,31 @@ def test_prefill_tp2_to_decode_tp1_equals_colocated(quantized, name):
         assert len(llm.transfers) == len(PROMPT_LENGTHS)  # every prompt's KV came from the TP 2 prefill group
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_an_8bit_kv_cache_travels_8bit_from_prefill_tp2_to_decode_tp1(quantized, kv_cache_dtype):
+    """The KV moves as the cache holds it (codes with their scales, re-sharded by head from two
+    prefill ranks to one decode rank): 68 bytes a 64-wide head row, against 256 in float32. With
+    int8 the decode worker continues exactly as one engine with the same cache does. With fp8 a
+    prompt's tokens depend on where its chunks were cut (a chunk attends to its own keys unrounded
+    and to earlier chunks' through the cache), which the two runs may do differently, and e4m3's
+    3-bit mantissa is coarse enough for that to show; only the bytes are compared there."""
+    path, _ = quantized("Q8_0")
+    config = load_model_config(path)
+    row_bytes = config.head_dim + 4
+    block_bytes = 2 * config.num_layers * 16 * config.num_kv_heads * row_bytes
+    with DisaggregatedLLM.from_args(str(path), cluster_name=CLUSTER, prefill_tp=TP, decode_tp=1, num_kv_blocks=64,
+                                    max_num_batched_tokens=96, local_prefill_max_tokens=0, verbose=False,
+                                    kv_cache_dtype=kv_cache_dtype) as llm:
+        outputs = llm.generate(random_prompts(PROMPT_LENGTHS, seed=1),
+                               SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(PROMPT_LENGTHS)
+        transfers = list(llm.transfers)
+    assert len(transfers) == len(PROMPT_LENGTHS)
+    assert all(t.blocks_sent > 0 and t.bytes == t.blocks_sent * block_bytes for t in transfers)
+    if kv_cache_dtype == "int8":
+        assert [o.token_ids for o in outputs] == run_batch(path, kv_cache_dtype=kv_cache_dtype).tokens
+
+
 # -- each rank's packed shard against the whole weight ---------------------------------------------
 
 

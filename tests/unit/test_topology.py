@@ -239,7 +239,7 @@ def test_engine_args():
         kv: {block_size: 32, num_blocks: 500, cache_memory_fraction: 0.5, prefix_caching: false}
     """))
     assert spec.engine_args("prefill") == dict(
-        dtype="bfloat16", quantization="none", block_size=32, max_num_batched_tokens=8192, max_num_seqs=16, max_model_len=1024,
+        dtype="bfloat16", quantization="none", block_size=32, max_num_batched_tokens=8192, kv_cache_dtype="auto", max_num_seqs=16, max_model_len=1024,
         num_kv_blocks=500, kv_cache_memory_fraction=0.5, enable_prefix_caching=False, num_threads=2,
         device="cuda", cluster_name="east",
     )
@@ -418,6 +418,13 @@ def test_quantization_needs_a_kernel_on_the_pool_and_a_float_checkpoint(checkpoi
     assert only_error(f"model:\n  path: {directory}\n  quantization: int8\ndecode:\n  gpus_per_rank: 1\n") == (
         "model.quantization", 3, "decode pool (cuda): quantization int8 has no kernel on cuda yet; use none")
     assert parse_topology(f"model:\n  path: {directory}\n  quantization: int8\n").model.quantization == "int8"
+
+
+def test_an_8bit_kv_cache_is_a_cpu_choice():
+    assert only_error("kv:\n  cache_dtype: fp8_e4m3\ndecode:\n  gpus_per_rank: 1\n") == (
+        "kv.cache_dtype", 2, "decode pool (cuda): fp8_e4m3 has no attention kernel on a GPU yet; use auto")
+    spec = parse_topology("kv:\n  cache_dtype: int8\n")
+    assert spec.engine_args("decode")["kv_cache_dtype"] == "int8"
 
 
 def test_missing_model_path_is_an_error_naming_its_line(tmp_path):
