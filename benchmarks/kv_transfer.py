@@ -12,6 +12,10 @@ goes over in two ways, alternating, several times each:
 
 Prints MB/s of both and their ratio (goal: ours >= 0.8x of bare).
 
+Then the bytes a token's KV costs on the wire by cache dtype (``kv.cache_dtype``): one request
+of the same shape sent by our path from a cache held in float32, bfloat16, int8 and fp8_e4m3
+(8-bit rows carry their float32 scale: 68 bytes a 64-wide head row against 128 in 16 bits).
+
 Then TTFT (a request with max_tokens=1, until its first token is available where it will be
 decoded) of 512- and 2048-token prompts on the ~30M benchmark checkpoint: colocated (one
 engine), and disaggregated (a prefill worker and a decode worker, one torch thread each) with
@@ -41,13 +45,15 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--ttft-repeats", type=int, default=5)
     parser.add_argument("--ttft-prompts", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--only", choices=["throughput", "ttft"], help="run one of the two parts")
+    parser.add_argument("--only", choices=["throughput", "dtypes", "ttft"], help="run one of the three parts")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print_table("Machine", machine_rows())
-    if args.only != "ttft":
+    if args.only in (None, "throughput"):
         throughput_table(args.prompts, args.repeats)
-    if args.only != "throughput":
+    if args.only in (None, "dtypes"):
+        cache_dtype_table(max(args.prompts[:2]), args.repeats)
+    if args.only in (None, "ttft"):
         ttft_table(args.ttft_prompts, args.ttft_repeats)
     return 0
 
@@ -110,6 +116,54 @@ def throughput_table(prompt_lengths: list[int], repeats: int) -> None:
     worst = min(float(r[-1].rstrip("x")) for r in rows)
     print(f"\nworst ratio ours / bare: {worst:.2f}x (goal >= 0.8x: {'met' if worst >= 0.8 else 'NOT met'})")
     ray.kill(receiver)
+
+
+def cache_dtype_table(prompt: int, repeats: int) -> None:
+    from cluster.engine.quantization.kv_format import KVCacheFormat
+    from cluster.kv_transfer.endpoint import KVEndpoint
+    from cluster.kv_transfer.kv_blocks import pack_layer
+    from cluster.kv_transfer.sender import TAG_STRIDE, layer_tag
+    from cluster.kv_transfer.transports import create_transport
+    from cluster.parallel.group import GroupSpec
+    from cluster.runtime.ray_runtime import ensure_ray
+
+    ray = ensure_ray("tandem-bench-kv")
+    n = prompt // BLOCK
+    num_blocks = 2 * n + 8
+    rows, rng, tag = [], random.Random(1), 0
+    formats = [("float32", KVCacheFormat("auto", torch.float32)), ("bfloat16", KVCacheFormat("auto", torch.bfloat16)),
+               ("int8", KVCacheFormat("int8", torch.float32)), ("fp8_e4m3", KVCacheFormat("fp8_e4m3", torch.float32))]
+    per_token = {}
+    for index, (label, fmt) in enumerate(formats):
+        values = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(fmt.dtype)
+        cache = fmt.quantize_rows(values).contiguous()
+        spec = GroupSpec(f"tandem-bench-kv-{index}", "transfer", 2, timeout_s=60)
+        receiver = ray.remote(KVEndpoint).options(num_cpus=0.5).remote("torch_distributed", spec, 1, tuple(cache.shape),
+                                                                       cache.dtype)
+        sender = create_transport("torch_distributed", spec=spec, rank=0)
+        times = []
+        for repeat in range(repeats + 1):
+            src, dst = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
+            started = time.perf_counter()
+            done = receiver.receive_layers.remote(0, dst, 0, KV_HEADS, 60, tag)
+            ids = torch.tensor(src)
+            for work in [sender.send(pack_layer(cache, layer, ids, 0, KV_HEADS), 1, layer_tag(tag, layer))
+                         for layer in range(LAYERS)]:
+                work.wait(60)
+            ray.get(done)
+            if repeat:
+                times.append(time.perf_counter() - started)
+            tag += LAYERS * TAG_STRIDE
+        ray.kill(receiver)
+        per_token[label] = LAYERS * 2 * KV_HEADS * fmt.row_bytes(HEAD_DIM)
+        print(f"[kv_transfer] cache dtype {label}: done", file=sys.stderr, flush=True)
+        rows.append((label, f"{per_token[label]:,}", f"{median(times) * 1e3:.1f}",
+                     f"{per_token[label] * prompt / median(times) / 1e6:,.0f}"))
+    rows = [row + (f"{per_token[row[0]] / per_token['bfloat16']:.2f}x",) for row in rows]
+    print_table(
+        f"KV transfer by cache dtype: one {prompt}-token request, our path, median of {repeats}",
+        rows, ("cache dtype", "bytes / token", "ms / request", "MB/s", "bytes vs bfloat16"),
+    )
 
 
 def ttft_table(prompt_lengths: list[int], repeats: int) -> None:
