@@ -46,8 +46,9 @@ class EngineConfig:
     or ``triton`` (on a CPU only under ``TRITON_INTERPRET=1``, for tests). ``enforce_eager``
     turns off CUDA graphs for decode steps (on by default with the Triton backend on one
     rank). ``load_format="dummy"`` fills the weights with random values instead of reading
-    them (benchmarks on a model's shape). ``quantization``: ``auto`` serves a GGUF on the CPU
-    in its own blocks, ``none`` widens every weight to ``dtype``, ``int8``/``int4`` quantize a
+    them (benchmarks on a model's shape). ``quantization``: ``auto`` serves a quantized checkpoint
+    on the CPU as it ships (a GGUF's blocks; a Hugging Face checkpoint's FP8, AWQ or GPTQ
+    tensors), ``none`` widens every weight to ``dtype``, ``int8``/``int4``/``fp8`` quantize a
     float checkpoint at load (:mod:`cluster.engine.quantization.choice`).
     """
 

@@ -144,8 +144,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         source = resolve_model_source(config.model)
         model_dir = source.path
-        self.model_config = replace(load_model_config(source, config.dtype),
-                                    quantization=self._quantization(source.is_gguf),
+        model_config = load_model_config(source, config.dtype)
+        shipped = "gguf" if source.is_gguf else model_config.quant_method
+        self.model_config = replace(model_config, quantization=self._quantization(shipped),
                                     kv_cache_dtype=config.kv_cache_dtype)
         self.max_model_len = self._max_model_len()
         self.tokenizer = self._load_tokenizer(source, verbose)
@@ -178,11 +179,13 @@ class LLMEngine:
     def _weights_kind(self) -> str:
         dtype = str(self.model_config.dtype).removeprefix("torch.")
         kind = self.model_config.quantization
+        if kind == "checkpoint":
+            kind = f"{self.model_config.quant_method}-packed"
         return {"none": dtype, "gguf": f"GGUF-packed ({dtype} activations)"}.get(kind, f"{kind} ({dtype} activations)")
 
-    def _quantization(self, is_gguf: bool) -> str:
+    def _quantization(self, shipped: str | None) -> str:
         try:
-            return resolve_quantization(self.config.quantization, is_gguf, torch.device(self.config.device).type)
+            return resolve_quantization(self.config.quantization, shipped, torch.device(self.config.device).type)
         except QuantizationChoiceError as exc:
             raise EngineConfigError(str(exc)) from None
 

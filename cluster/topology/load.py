@@ -392,7 +392,7 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
             ctx.error("model.path", f"the default model's config.json cannot be read: {exc}")
             return
         _check_against(ctx, spec, config)
-        _check_quantization(ctx, spec, is_gguf=True)
+        _check_quantization(ctx, spec, shipped="gguf")
         return
     path = Path(spec.model.path).expanduser()
     if not path.exists():
@@ -409,10 +409,10 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
         ctx.error("model.path", str(exc))
         return
     _check_against(ctx, spec, config)
-    _check_quantization(ctx, spec, is_gguf=resolve_model_source(path).is_gguf)
+    _check_quantization(ctx, spec, shipped="gguf" if resolve_model_source(path).is_gguf else config.quant_method)
 
 
-def _check_quantization(ctx: _Context, spec: ClusterSpec, is_gguf: bool) -> None:
+def _check_quantization(ctx: _Context, spec: ClusterSpec, shipped: str | None) -> None:
     """``model.quantization`` and ``kv.cache_dtype`` have kernels on every pool's device (as each
     engine will resolve them)."""
     from cluster.engine.quantization.choice import QuantizationChoiceError, resolve_quantization
@@ -422,7 +422,7 @@ def _check_quantization(ctx: _Context, spec: ClusterSpec, is_gguf: bool) -> None
         if not pool.replicas:
             continue
         try:
-            resolve_quantization(spec.model.quantization, is_gguf, pool.device.partition(":")[0])
+            resolve_quantization(spec.model.quantization, shipped, pool.device.partition(":")[0])
         except QuantizationChoiceError as exc:
             ctx.error("model.quantization", f"{role} pool ({pool.device}): {exc}")
             return

@@ -16,7 +16,7 @@ from router.config import RouterConfig
 
 DEFAULT_MODEL_NAME = "tandem-default"
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")  # cluster/engine/quantization/choice.py's CHOICES
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # cluster/engine/quantization/choice.py's CHOICES
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # cluster/engine/quantization/kv_format.py's
 ROLES = ("prefill", "decode", "colocated")
 
@@ -75,12 +75,14 @@ class ModelSpec:
         Longest context (prompt and answer) in tokens, a positive integer. Null: the model's
         ``max_position_embeddings``.""")
     quantization: str = key("auto", checks.choice(QUANTIZATIONS), """
-        How the weights are held. ``auto``: a GGUF file on the CPU is served in its own
-        quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, repacked without loss),
-        anything else in ``dtype``. ``none``: every weight widened to ``dtype``. ``int8`` /
-        ``int4``: a float checkpoint quantized at load (groups of 32; int4 with a min per group).
-        The quantized kernels are CPU kernels so far: on a GPU pool a GGUF is widened, and
-        ``int8``/``int4`` are refused.""")
+        How the weights are held. ``auto``: a quantized checkpoint on the CPU is served as it
+        ships: a GGUF file's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and a
+        Hugging Face checkpoint's FP8 (``quant_method`` fp8 or compressed-tensors), AWQ or GPTQ
+        tensors, repacked without loss; anything else in ``dtype``. ``none``: every weight
+        widened to ``dtype``. ``int8`` / ``int4`` / ``fp8``: a float checkpoint quantized at load
+        (groups of 32; int4 with a min per group; fp8 as e4m3 codes with a scale max/448). The
+        quantized kernels are CPU kernels so far: on a GPU pool a quantized checkpoint is
+        widened, and ``int8``/``int4``/``fp8`` are refused.""")
 
     def __post_init__(self) -> None:
         if self.name is None:

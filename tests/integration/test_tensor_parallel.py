@@ -66,10 +66,10 @@ def test_degree_that_does_not_divide_the_model_is_refused(checkpoint):
 
 def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch):
     """The loader hands each parameter a safetensors slice; count what a rank actually reads."""
-    import cluster.engine.models.loader as loader_module
+    import cluster.engine.models.hf_checkpoint as checkpoint_module
 
     read: dict[str, int] = {}
-    real_safe_open = loader_module.safe_open
+    real_safe_open = checkpoint_module.safe_open
 
     class CountingSlice:
         def __init__(self, name, inner):
@@ -100,7 +100,7 @@ def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch):
         def get_slice(self, name):
             return CountingSlice(name, self.file.get_slice(name))
 
-    monkeypatch.setattr(loader_module, "safe_open", CountingFile)
+    monkeypatch.setattr(checkpoint_module, "safe_open", CountingFile)
     model_dir = checkpoint("qwen2")
     config = load_model_config(model_dir, None)
     build_model(config, model_dir, group=ParallelGroup(rank=1, size=2))
@@ -126,6 +126,17 @@ def test_gguf_tp2_equals_tp1(checkpoint, tmp_path):
     from gguf_files import write_gguf
 
     path = write_gguf(checkpoint("qwen2"), tmp_path / "tiny.gguf", GGMLQuantizationType.Q8_0)
+    assert run_batch(path, **tp_args(2)).tokens == run_batch(path).tokens
+
+
+@pytest.mark.parametrize("method,options", [("awq", {}), ("fp8", {"block": (128, 128)})], ids=["awq", "fp8"])
+def test_quantized_hf_checkpoint_tp2_equals_tp1(checkpoint, tmp_path, method, options):
+    """A Hugging Face AWQ or FP8 checkpoint split over two ranks, each repacking only its rows or
+    columns, gives TP 1's tokens."""
+    from hf_quantized_files import write_quantized
+
+    path = tmp_path / method
+    write_quantized(checkpoint("llama", hidden_size=256, intermediate_size=512), path, method, **options)
     assert run_batch(path, **tp_args(2)).tokens == run_batch(path).tokens
 
 

@@ -1,18 +1,26 @@
-"""The native quantized matmul against dequantize-then-matmul in float32.
+"""The native quantized matmul against dequantize-then-matmul in float32, on the AVX-512 path and
+on the portable C path (the same source compiled without AVX-512).
 
 Each product in the kernel is the dequantized weight times x (the scale is applied before the
 multiply), and a group's min is added as min times the group's sum of x: the two differ only in
 the order of float32 additions. Tolerance: 1e-5 relative to the sum of |w| |x| of the output
-(a few units in the last place of a K-term float32 sum, K <= 1536)."""
+(a few units in the last place of a K-term float32 sum, K <= 1536). An f8 weight is widened
+exactly (scale times the e4m3fn value, one rounding), so it is held to the same bound."""
 
 from __future__ import annotations
+
+import ctypes
+import platform
+import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from cluster.engine.kernels.build import COMPILE_FLAGS, LINK_FLAGS, SOURCE_DIR, _compiler
 from cluster.engine.kernels.quantized_matmul import (
     DENSE_FROM_ROWS,
+    NativeQuantizedMatmul,
     native_quantized_matmul,
     quantized_linear,
     quantized_linear_into,
@@ -21,7 +29,8 @@ from cluster.engine.quantization.packed import PackedWeight, stack_rows
 
 pytestmark = pytest.mark.unit
 
-KINDS = ["q4", "q8g32", "q8g32min", "q8g16"]
+KINDS = ["q4", "q8g32", "q8g32min", "q8g16", "f8"]
+F8_NAN_CODES = (0x7F, 0xFF)
 
 
 def packed(kind: str, rows: int, cols: int, seed: int = 0) -> PackedWeight:
@@ -31,6 +40,10 @@ def packed(kind: str, rows: int, cols: int, seed: int = 0) -> PackedWeight:
     if kind == "q4":
         codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
         return PackedWeight("q4", 32, codes, scales, -8 * scales)
+    if kind == "f8":  # every code but the two NaNs, subnormals and +-0 among them
+        codes = torch.randint(0, 254, (rows, cols), dtype=torch.uint8, generator=g)
+        codes += (codes >= 0x7F).to(torch.uint8)
+        return PackedWeight("f8", 32, codes, scales, None)
     codes = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=g)
     mins = torch.randn(rows, cols // group, generator=g) * 0.1 if kind == "q8g32min" else None
     return PackedWeight("q8", group, codes, scales, mins)
@@ -45,6 +58,52 @@ def check_close(out: torch.Tensor, x: torch.Tensor, weight: PackedWeight) -> Non
 
 def test_the_native_kernel_builds_here():
     assert native_quantized_matmul() is not None
+
+
+@pytest.fixture(scope="module")
+def portable_kernel(tmp_path_factory) -> NativeQuantizedMatmul:
+    """quantized_matmul.c built without AVX-512: its plain-C path (the native build already is,
+    off x86)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return native_quantized_matmul()
+    target = tmp_path_factory.mktemp("portable") / "quantized_matmul.so"
+    subprocess.run([_compiler(), *COMPILE_FLAGS, "-mno-avx512f", *LINK_FLAGS, str(SOURCE_DIR / "quantized_matmul.c"),
+                    "-o", str(target), "-lm"], check=True, capture_output=True)
+    return NativeQuantizedMatmul(ctypes.CDLL(str(target)))
+
+
+def test_every_f8_code_dequantizes_as_torchs_float8_e4m3fn():
+    codes = torch.arange(256, dtype=torch.uint8).view(8, 32)
+    scales = torch.tensor([[1.0], [0.5], [3.0], [1e-3], [2.0**-20], [7.25], [1.0], [448.0]])
+    weight = PackedWeight("f8", 32, codes, scales, None)
+    expected = codes.view(torch.float8_e4m3fn).to(torch.float32) * scales
+    assert torch.equal(weight.dequantize().isnan(), expected.isnan())
+    assert weight.dequantize().isnan().sum() == len(F8_NAN_CODES)
+    assert torch.equal(torch.nan_to_num(weight.dequantize()), torch.nan_to_num(expected))
+
+
+def test_f8_kernels_widen_every_code_exactly(portable_kernel):
+    """One-hot activations read each weight back alone: both paths give scale * value exactly
+    (the NaN codes read as +-480, see quantized_matmul.c; the loader refuses them)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(8, 32)
+    scales = torch.rand(8, 1) + 0.5
+    weight = PackedWeight("f8", 32, codes, scales, None)
+    expected = codes.view(torch.float8_e4m3fn).to(torch.float32) * scales
+    expected.view(-1)[list(F8_NAN_CODES)] = torch.tensor([480.0, -480.0]) * scales[[3, 7], 0]
+    for kernel in (native_quantized_matmul(), portable_kernel):
+        out = torch.empty(32, 8)
+        kernel(torch.eye(32), weight, out)
+        assert torch.equal(out.T, expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_portable_path_matches_dequantize_then_matmul(portable_kernel, kind):
+    for rows, (n, k) in [(1, (13, 64)), (5, (70, 576)), (9, (8, 1536))]:
+        weight = packed(kind, n, k, seed=rows)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+        out = torch.full((rows, n), float("nan"))
+        portable_kernel(x, weight, out)
+        check_close(out, x, weight)
 
 
 @pytest.mark.parametrize("kind", KINDS)

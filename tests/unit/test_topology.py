@@ -427,6 +427,18 @@ def test_an_8bit_kv_cache_is_a_cpu_choice():
     assert spec.engine_args("decode")["kv_cache_dtype"] == "int8"
 
 
+def test_a_quantized_hugging_face_checkpoint_is_not_quantized_again(checkpoint, tmp_path):
+    from hf_quantized_files import write_quantized
+
+    directory = tmp_path / "fp8-channel"
+    write_quantized(checkpoint("llama"), directory, "compressed-tensors", strategy="channel")
+    assert only_error(f"model:\n  path: {directory}\n  quantization: fp8\n") == (
+        "model.quantization", 3, "prefill pool (cpu): quantization fp8: the checkpoint (compressed-tensors) is "
+        "already quantized; use auto (served as shipped) or none (widened)")
+    assert parse_topology(f"model:\n  path: {directory}\n  quantization: auto\n").model.quantization == "auto"
+    assert parse_topology(f"model:\n  path: {directory}\ndecode:\n  gpus_per_rank: 1\n").model.path == str(directory)
+
+
 def test_missing_model_path_is_an_error_naming_its_line(tmp_path):
     path = write(tmp_path, """
         cluster:

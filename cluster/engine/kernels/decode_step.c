@@ -17,7 +17,7 @@
 
 #include <math.h>
 
-/* One row block of a linear layer's weight: kind Q4, Q8_G32, Q8_G16 or F32. */
+/* One row block of a linear layer's weight: kind Q4, Q8_G32, Q8_G16, F8 or F32. */
 typedef struct {
     int64_t kind, first, rows;
     const void *codes;

@@ -17,7 +17,7 @@ from cluster.engine.kernels.build import load_library
 from cluster.engine.quantization.packed import PackedWeight
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-Q4, Q8_G32, Q8_G16, F32 = 0, 1, 2, 3
+Q4, Q8_G32, Q8_G16, F32, F8 = 0, 1, 2, 3, 4  # quantized_matmul.c's kinds
 KV_KINDS = {"auto": 0, "int8": 1, "fp8_e4m3": 2}
 
 
@@ -79,6 +79,12 @@ class StepShape:
     kv_cache_dtype: str = "auto"  # auto (float32 rows), int8 or fp8_e4m3: KVCacheFormat.name
 
 
+def _kind(part: PackedWeight) -> int:
+    if part.layout == "q8":
+        return Q8_G32 if part.group == 32 else Q8_G16
+    return {"q4": Q4, "f8": F8}[part.layout]
+
+
 def _pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -105,7 +111,7 @@ class NativeDecodeStep:
         array = (_Part * size)()
         for slot, (first, part) in enumerate(parts):
             if isinstance(part, PackedWeight):
-                kind = Q4 if part.layout == "q4" else (Q8_G32 if part.group == 32 else Q8_G16)
+                kind = _kind(part)
                 self._keep.extend(t for t in (part.codes, part.scales, part.mins) if t is not None)
                 array[slot] = _Part(kind, first, part.rows, part.codes.data_ptr(), part.scales.data_ptr(),
                                     _pointer(part.mins))

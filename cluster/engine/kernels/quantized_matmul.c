@@ -1,10 +1,12 @@
 /*
  * y = x @ W^T with W stored quantized, float32 activations and outputs, on the CPU.
  *
- * Two weight layouts, each row of W (an output feature) cut into groups along K:
+ * Three weight layouts, each row of W (an output feature) cut into groups along K:
  *   q4: 32 weights per group in 16 bytes; byte j holds weight j (low nibble) and j + 16 (high
  *       nibble), GGUF's Q4_0/Q4_1 order; w = scale * q + min, q in 0..15.
  *   q8: `group` (16 or 32) signed bytes per group; w = scale * q (+ min when mins is given).
+ *   f8: 32 bytes per group, each an FP8 e4m3fn code; w = scale * e4m3(code), widened exactly (see
+ *       f8_value; the NaN codes 0x7F/0xFF read as +-480, and are refused at load).
  * scales and mins are float32 [N, K / group]; K is a multiple of 32.
  *
  * A group of weights is widened to float32 with its scale applied once and multiplied into every
@@ -25,7 +27,7 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TILE 4
 
-enum { Q4 = 0, Q8_G32 = 1, Q8_G16 = 2, F32 = 3 }; /* F32: plain float weights, for the fused decode step */
+enum { Q4 = 0, Q8_G32 = 1, Q8_G16 = 2, F32 = 3, F8 = 4 }; /* F32: plain float weights, for the fused decode step */
 
 /* Sums of x over each group of 32, [rows, k / 32] (groups of 16 sum in pairs: see min_term). */
 static void group_sums(const float *x, int64_t x_stride, int64_t rows, int64_t k, int64_t group, float *out) {
@@ -48,12 +50,30 @@ ALWAYS_INLINE float min_term(const float *mins, const float *sums, int64_t group
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+/* 16 e4m3fn codes as the fp16 bits ((c & 0x80) << 8) | ((c & 0x7F) << 7): each value / 2^8. */
+ALWAYS_INLINE __m256i f8_as_half(__m128i bytes) {
+    const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
+    return _mm256_or_si256(sign, rest);
+}
+
 /* The 32 weights of group block `b` (32 columns) of one row, scaled, as two vectors. */
 ALWAYS_INLINE void widen(const int kind, const uint8_t *codes, const float *scales, int64_t b, __m512 *lo,
                          __m512 *hi) {
     if (kind == F32) {
         *lo = _mm512_loadu_ps((const float *)codes + b * 32);
         *hi = _mm512_loadu_ps((const float *)codes + b * 32 + 16);
+    } else if (kind == F8) {
+        /* e4m3 bits s.eeee.mmm moved into fp16 as s.0eeee.mmm0000000: the same exponent field
+         * under a bias of 15 instead of 7 (subnormals included), so the fp16 is the code's value / 2^8;
+         * the 2^8 goes into the scale (exact: a power of two), so each widened weight is the one
+         * rounding of scale * value that dequantize does. */
+        const __m512 scale = _mm512_set1_ps(scales[b] * 256.0f);
+        const __m128i first = _mm_loadu_si128((const __m128i *)(codes + b * 32));
+        const __m128i second = _mm_loadu_si128((const __m128i *)(codes + b * 32 + 16));
+        *lo = _mm512_mul_ps(_mm512_cvtph_ps(f8_as_half(first)), scale);
+        *hi = _mm512_mul_ps(_mm512_cvtph_ps(f8_as_half(second)), scale);
     } else if (kind == Q4) {
         const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + b * 16));
         const __m128i mask = _mm_set1_epi8(15);
@@ -94,8 +114,23 @@ ALWAYS_INLINE void tile(const int kind, const int MB, const int NB, const float 
 
 #else /* portable: plain loops the compiler vectorises */
 
+/* An e4m3fn code's value: normals as float32 bits (exponent rebiased from 7 to 127), subnormals
+ * as m * 2^-9; exact either way. */
+ALWAYS_INLINE float f8_value(uint8_t code) {
+    const uint32_t exponent = (code >> 3) & 15, mantissa = code & 7;
+    float magnitude;
+    if (exponent) {
+        const uint32_t bits = ((exponent + 120) << 23) | (mantissa << 20);
+        memcpy(&magnitude, &bits, sizeof magnitude);
+    } else {
+        magnitude = (float)mantissa * 0x1p-9f;
+    }
+    return code & 0x80 ? -magnitude : magnitude;
+}
+
 ALWAYS_INLINE float weight_at(const int kind, const uint8_t *codes, const float *scales, int64_t i) {
     if (kind == F32) return ((const float *)codes)[i];
+    if (kind == F8) return f8_value(codes[i]) * scales[i / 32];
     if (kind == Q4) {
         const int64_t b = i / 32, j = i % 32;
         const uint8_t byte = codes[b * 16 + (j & 15)];
@@ -162,6 +197,8 @@ static void matmul(const int kind, const float *x, int64_t x_stride, int64_t m, 
                 any_tile(Q8_G32, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
             else if (kind == F32)
                 any_tile(F32, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
+            else if (kind == F8)
+                any_tile(F8, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
             else
                 any_tile(Q8_G16, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
             for (int r = 0; r < mb; ++r)
@@ -192,5 +229,13 @@ int quantized_matmul_q8(const float *x, int64_t x_stride, int64_t m, int64_t k, 
     if (mins) group_sums(x, x_stride, m, k, group, sums);
     matmul(group == 32 ? Q8_G32 : Q8_G16, x, x_stride, m, k, n, (const uint8_t *)codes, k, scales, mins, k / group,
            sums, y, y_stride, num_threads);
+    return 0;
+}
+
+/* As above for f8 weights (groups of 32, no mins). */
+int quantized_matmul_f8(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t n, const uint8_t *codes,
+                        const float *scales, float *y, int64_t y_stride, int num_threads) {
+    if (k % 32) return 1;
+    matmul(F8, x, x_stride, m, k, n, codes, k, scales, 0, k / 32, 0, y, y_stride, num_threads);
     return 0;
 }

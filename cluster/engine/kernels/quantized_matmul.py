@@ -30,20 +30,29 @@ class NativeQuantizedMatmul:
         self._q8 = lib.quantized_matmul_q8
         self._q8.restype = _int
         self._q8.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _int]
+        self._f8 = lib.quantized_matmul_f8
+        self._f8.restype = _int
+        self._f8.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int]
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor) -> None:
         """``out[m, n] = x[m] . w[n]``; x [M, K] float32 with unit column stride, out [M, N] likewise."""
         m, k = x.shape
         n = weight.rows
-        sums = torch.empty(m * (k // weight.group), dtype=torch.float32)
-        mins = weight.mins.data_ptr() if weight.mins is not None else None
         threads = torch.get_num_threads()
-        if weight.layout == "q4":
-            status = self._q4(x.data_ptr(), x.stride(0), m, k, n, weight.codes.data_ptr(), weight.scales.data_ptr(),
-                              mins, sums.data_ptr(), out.data_ptr(), out.stride(0), threads)
+        if weight.layout == "f8":
+            status = self._f8(x.data_ptr(), x.stride(0), m, k, n, weight.codes.data_ptr(), weight.scales.data_ptr(),
+                              out.data_ptr(), out.stride(0), threads)
         else:
-            status = self._q8(x.data_ptr(), x.stride(0), m, k, n, weight.group, weight.codes.data_ptr(),
-                              weight.scales.data_ptr(), mins, sums.data_ptr(), out.data_ptr(), out.stride(0), threads)
+            sums = torch.empty(m * (k // weight.group), dtype=torch.float32)
+            mins = weight.mins.data_ptr() if weight.mins is not None else None
+            if weight.layout == "q4":
+                status = self._q4(x.data_ptr(), x.stride(0), m, k, n, weight.codes.data_ptr(),
+                                  weight.scales.data_ptr(), mins, sums.data_ptr(), out.data_ptr(), out.stride(0),
+                                  threads)
+            else:
+                status = self._q8(x.data_ptr(), x.stride(0), m, k, n, weight.group, weight.codes.data_ptr(),
+                                  weight.scales.data_ptr(), mins, sums.data_ptr(), out.data_ptr(), out.stride(0),
+                                  threads)
         if status:
             raise ValueError(f"quantized matmul: {k} columns do not fall on blocks of {KERNEL_COLUMNS}")
 

@@ -1,8 +1,9 @@
 """Reads a model's configuration into one frozen, architecture-neutral description.
 
 A Hugging Face ``config.json`` is read here, in the transformers 4 form (``rope_theta``,
-``rope_scaling``, ``torch_dtype``) or the transformers 5 form (``rope_parameters``, ``dtype``); a
-GGUF file's metadata is read by :mod:`cluster.engine.models.gguf_checkpoint`.
+``rope_scaling``, ``torch_dtype``) or the transformers 5 form (``rope_parameters``, ``dtype``),
+with its ``quantization_config`` (:mod:`cluster.engine.models.checkpoint_quantization`); a GGUF
+file's metadata is read by :mod:`cluster.engine.models.gguf_checkpoint`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from cluster.engine.models.checkpoint_quantization import (
+    CheckpointQuantization,
+    CheckpointQuantizationError,
+    parse_checkpoint_quantization,
+)
 
 
 class ModelConfigError(ValueError):
@@ -81,8 +88,16 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    quantization: str = "none"  # how weights are held: none (floats), gguf (blocks repacked), int8, int4
+    # How weights are held: none (floats), gguf (a GGUF's blocks repacked), checkpoint (a Hugging
+    # Face checkpoint's quantized tensors repacked), int8, int4, fp8 (quantized at load).
+    quantization: str = "none"
+    checkpoint_quantization: CheckpointQuantization | None = None  # how a Hugging Face checkpoint ships quantized
     kv_cache_dtype: str = "auto"  # how the KV cache holds keys and values: auto (dtype), int8, fp8_e4m3
+
+    @property
+    def quant_method(self) -> str | None:
+        """A Hugging Face checkpoint's ``quant_method``; None for floats (and for a GGUF file)."""
+        return self.checkpoint_quantization.method if self.checkpoint_quantization else None
 
     @property
     def q_size(self) -> int:
@@ -158,6 +173,10 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any], config_p
     head_dim = raw.get("head_dim") or hidden_size // num_heads
     checkpoint_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     sliding_window = raw.get("sliding_window") if family == "mistral" else None
+    try:
+        checkpoint_quantization = parse_checkpoint_quantization(raw.get("quantization_config"))
+    except CheckpointQuantizationError as exc:
+        raise ModelConfigError(f"{config_path}: {exc}") from None
     return ModelConfig(
         architecture=architecture,
         family=family,
@@ -180,4 +199,5 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any], config_p
         dtype=parse_dtype(dtype if dtype is not None else checkpoint_dtype),
         eos_token_ids=_eos_ids(raw, generation),
         bos_token_id=raw.get("bos_token_id"),
+        checkpoint_quantization=checkpoint_quantization,
     )

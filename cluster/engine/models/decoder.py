@@ -32,6 +32,7 @@ from cluster.engine.models.layers import (
     VocabParallelEmbedding,
 )
 from cluster.engine.models.rotary import RopeRows, RotaryEmbedding, apply_rotary
+from cluster.engine.quantization.choice import AS_SHIPPED
 
 
 @cache
@@ -175,8 +176,9 @@ class DecoderModel(nn.Module):
 
 
 def _table_quantization(config: ModelConfig) -> str:
-    """Embedding tables stay packed only as GGUF blocks; ``int8``/``int4`` quantize the linear layers."""
-    return "gguf" if config.quantization == "gguf" else "none"
+    """Embedding tables stay packed only as the checkpoint ships them; ``int8``/``int4``/``fp8``
+    quantize the linear layers."""
+    return config.quantization if config.quantization in AS_SHIPPED else "none"
 
 
 class CausalLM(nn.Module):

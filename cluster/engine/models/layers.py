@@ -7,13 +7,14 @@ With ``tp_size == 1`` no collective runs; the collectives of a larger group live
 ``ParallelGroup`` (``reduce`` after a row-parallel layer, ``gather`` after a vocab-parallel head).
 
 Weights may be kept quantized (``ModelConfig.quantization``): ``gguf`` keeps a GGUF's blocks
-repacked (:mod:`cluster.engine.quantization.gguf_repack`), each rank repacking only its rows or
-columns (a row-parallel cut off the kernel's 32-column blocks widens that layer on the rank);
-``int8``/``int4`` quantize a float weight once it is loaded (a cut through their groups keeps the
-rank's columns widened, with the values quantizing the whole weight gives). A packed
-linear layer multiplies through :func:`cluster.engine.kernels.quantized_matmul.packed_linear`;
-embeddings widen only the rows they look up. ``finish_loading`` turns what was read into that
-form, once every tensor is in.
+repacked (:mod:`cluster.engine.quantization.gguf_repack`), ``checkpoint`` a Hugging Face
+checkpoint's FP8/AWQ/GPTQ tensors (:mod:`cluster.engine.quantization.hf_repack`), each rank
+repacking only its rows or columns (a row-parallel cut off the kernel's 32-column blocks widens
+that layer on the rank); ``int8``/``int4``/``fp8`` quantize a float weight once it is loaded (a
+cut through their groups keeps the rank's columns widened, with the values quantizing the whole
+weight gives). A packed linear layer multiplies through
+:func:`cluster.engine.kernels.quantized_matmul.packed_linear`; embeddings widen only the rows
+they look up. ``finish_loading`` turns what was read into that form, once every tensor is in.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.engine.kernels.quantized_matmul import KERNEL_COLUMNS, packed_linear
+from cluster.engine.quantization.choice import AS_SHIPPED
 from cluster.engine.quantization.packed import PackedWeight, stack_rows
 from cluster.engine.quantization.quantize import GROUP as LOAD_TIME_GROUP
 from cluster.engine.quantization.quantize import KINDS as LOAD_TIME_KINDS
@@ -138,8 +140,9 @@ class ShardedLinear(nn.Module):
     def _load(self, param: nn.Parameter, loaded: Any, dim: int, start: int, size: int, offset: int | None,
               what: str) -> None:
         """Rows (dim 0) or columns (dim 1) [start, start + size) of ``loaded`` into ``param`` (at
-        row ``offset`` for a part of a fused weight); kept packed where this layer serves GGUF blocks."""
-        if param is self.weight and self.quantization == "gguf":
+        row ``offset`` for a part of a fused weight); kept packed where this layer serves the
+        checkpoint's quantized tensors as shipped."""
+        if param is self.weight and self.quantization in AS_SHIPPED:
             packed = _read_packed(loaded, dim, start, size)
             if packed is not None:
                 rows = param.shape[0] if offset is None else size
@@ -162,8 +165,8 @@ class ShardedLinear(nn.Module):
                 and _width(loaded) % LOAD_TIME_GROUP == 0)
 
     def finish_loading(self) -> None:
-        """Packs what was read: GGUF parts become the layer's weight (widened instead when some
-        part came as floats); with ``int8``/``int4`` the float weight is quantized."""
+        """Packs what was read: packed parts become the layer's weight (widened instead when some
+        part came as floats); with ``int8``/``int4``/``fp8`` the float weight is quantized."""
         parts, self._packed_parts = self._packed_parts, {}
         if parts:
             blocks = _assemble(parts, self.out_features)
@@ -283,12 +286,12 @@ class VocabParallelEmbedding(nn.Module):
         self.start = group.rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.packed: PackedWeight | None = None  # the table kept as GGUF blocks, once loaded
+        self.packed: PackedWeight | None = None  # the table kept as the checkpoint's codes, once loaded
         self._loaded_packed: PackedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         rows = min(self.per_rank, self.vocab_size - self.start)
-        packed = _read_packed(loaded, 0, self.start, rows) if self.quantization == "gguf" else None
+        packed = _read_packed(loaded, 0, self.start, rows) if self.quantization in AS_SHIPPED else None
         if packed is not None and packed.cols == param.shape[1]:
             self._loaded_packed = _pad_rows(packed, self.per_rank)
             return

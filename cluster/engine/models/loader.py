@@ -1,11 +1,12 @@
-"""Loads weights into a model, tensor by tensor: safetensors (one file or a sharded index) or
-a GGUF file (dequantized as it is read).
+"""Loads weights into a model, tensor by tensor: safetensors (one file or a sharded index, float
+or quantized) or a GGUF file (dequantized as it is read).
 
 Each checkpoint tensor goes to its parameter's ``weight_loader`` as a slice (a safetensors slice,
-or a :class:`~cluster.engine.models.gguf_checkpoint.GGUFTensorSlice`), so a tensor-parallel rank
-reads (and dequantizes) only the rows or columns it keeps. The ``dummy`` load format reads no
-weights: they are small seeded random values, for measuring speed on a model's shape (a
-directory with only ``config.json``, or a GGUF file, is enough).
+a :class:`~cluster.engine.models.hf_checkpoint.QuantizedWeightSlice` joining a quantized weight's
+tensors, or a :class:`~cluster.engine.models.gguf_checkpoint.GGUFTensorSlice`), so a
+tensor-parallel rank reads (and dequantizes, or repacks) only the rows or columns it keeps. The
+``dummy`` load format reads no weights: they are small seeded random values, for measuring speed
+on a model's shape (a directory with only ``config.json``, or a GGUF file, is enough).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.decoder import PACKED_MODULES, CausalLM
+from cluster.engine.models.hf_checkpoint import HFCheckpoint, QuantizedTensorError
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup, default_weight_loader
 from cluster.engine.models.source import ModelSource, resolve_model_source
 
@@ -72,6 +73,8 @@ def load_weights(
             return
         target, shard_id = _target(name)
         param = params.get(target)
+        if param is None and _zero_bias(name, tensor):  # GPTQ exports may give every linear layer one
+            return
         if param is None:
             raise WeightLoadError(f"{where}: tensor {name!r} does not belong to a {model.config.architecture}")
         loader = getattr(param, "weight_loader", default_weight_loader)
@@ -86,13 +89,20 @@ def load_weights(
         load_gguf_tensors(source.gguf_file, model.config.dtype, lambda n, t: visit(n, t, where), report)
     else:
         files = checkpoint_files(source.path)
-        for file_index, path in enumerate(files):
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    visit(name, f.get_slice(name), path.name)
-            if progress is not None:
-                progress(file_index + 1, len(files), "files")
+        with HFCheckpoint(files, model.config.checkpoint_quantization) as checkpoint:
+            for file_index, path in enumerate(files):
+                try:
+                    for name, tensor in checkpoint.tensors(path):
+                        visit(name, tensor, path.name)
+                except QuantizedTensorError as exc:
+                    raise WeightLoadError(f"{path.name}: {exc}") from None
+                if progress is not None:
+                    progress(file_index + 1, len(files), "files")
     _check_complete(model, loaded, source.path)
+
+
+def _zero_bias(name: str, tensor) -> bool:
+    return name.endswith(".bias") and not bool(tensor[:].any())
 
 
 def _expected_keys(model: CausalLM) -> set[str]:
