@@ -11,12 +11,17 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="local Hugging Face-format model directory (default: the built-in model)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "fp8"],
+                        help="auto: a quantized checkpoint on the CPU as shipped; none: widened; int8/int4/fp8: "
+                             "a float checkpoint quantized at load (default: auto)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, help="exact number of KV blocks")
+    kv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                    help="keys and values in the model's dtype, or 8-bit codes with a scale per token and head")
     kv.add_argument("--kv-cache-memory-fraction", type=float, default=0.25,
                     help="share of the node's memory (RAM on a CPU, each GPU's free memory on CUDA) for the KV "
                          "cache, split among the ranks on the node (default: 0.25)")
@@ -57,6 +62,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def _engine_args(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
