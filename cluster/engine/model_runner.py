@@ -36,11 +36,15 @@ from cluster.engine.models.attention import AttentionMetadata, PrefillSpan, visi
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup
 from cluster.engine.models.loader import build_model, parameter_bytes
+from cluster.engine.kernels.quantized_matmul import DENSE_FROM_ROWS
 from cluster.engine.models.native_step import native_decode_step
 from cluster.engine.quantization.kv_format import KVCacheFormat
 from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from cluster.engine.scheduler import SchedulerOutput
+
+
+NATIVE_MAX_ROWS = DENSE_FROM_ROWS - 1  # the fused step's widest step: beyond, the torch path's widened matmuls
 
 
 @dataclass(frozen=True)
@@ -354,19 +358,42 @@ class ModelRunner:
             hidden = self.graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens,
                                      plan.decode_block_table)
             return self.model.compute_logits(hidden)
-        meta = inputs.meta
-        if self.native_step is not None and not meta.prefills and meta.after_layer is None and meta.num_decodes:
-            hidden = self.model.model.embed_tokens(inputs.input_ids).contiguous()
-            hidden = self.native_step(hidden, inputs.positions, meta.slot_mapping, meta.decode_block_table,
-                                      meta.decode_lens)
-            return self.model.compute_logits(hidden)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        rows = self._native_rows(inputs.plan) if self.native_step is not None else None
+        if rows is not None:
+            hidden = self._execute_native(inputs, *rows)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
         if inputs.senders:
             started = time.perf_counter()
             inputs.transfer_errors = self.transfers.finish(inputs.senders)
             inputs.transfer_tail_s = time.perf_counter() - started
         return logits
+
+    def _native_rows(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's context length and block table for the fused CPU step, or None where the step
+        is the torch path's: more than ``NATIVE_MAX_ROWS`` rows (a long prompt chunk, where widened
+        weights and torch's matmul win). A prompt token is a row attending to the cache up to its
+        own position: every row's keys and values are written before any row attends."""
+        if not plan.input_ids or len(plan.input_ids) > NATIVE_MAX_ROWS:
+            return None
+        tables = list(plan.decode_block_table)
+        for prefill in plan.prefills:
+            tables.extend([list(prefill.block_ids)] * prefill.query_len)
+        widest = max(len(table) for table in tables)
+        table = torch.tensor([table + [0] * (widest - len(table)) for table in tables], dtype=torch.long)
+        lengths = torch.tensor([position + 1 for position in plan.positions], dtype=torch.long)
+        return lengths, table
+
+    def _execute_native(self, inputs: StepInputs, lengths: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """The step through the fused CPU step; layer hooks (KV streaming) run once it has written
+        every layer."""
+        hidden = self.model.model.embed_tokens(inputs.input_ids).contiguous()
+        hidden = self.native_step(hidden, inputs.positions, inputs.meta.slot_mapping, table, lengths)
+        if inputs.meta.after_layer is not None:
+            for layer in range(self.config.num_layers):
+                inputs.meta.after_layer(layer)
+        return hidden
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:

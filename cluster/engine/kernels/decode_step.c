@@ -1,5 +1,7 @@
 /*
- * A whole decode step of a Llama-family decoder in one call, float32 activations, on the CPU.
+ * A whole step of a Llama-family decoder in one call, float32 activations, on the CPU: decode
+ * tokens and short prompt chunks, each row attending to its request's cache up to its position
+ * (every row's keys and values are written before any row attends).
  *
  * Why: a 30-layer model's step run op by op from Python spends more time dispatching (about 40
  * torch ops and five ctypes calls a layer, ~6 ms a step on 2 cores for SmolLM2-135M) than reading
