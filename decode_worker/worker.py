@@ -40,17 +40,18 @@ import hmac
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import RequestOutput
 from cluster.engine.request import TransferTarget
 from cluster.engine.sampling_params import InvalidRequestError
 from cluster.worker.engine_worker import EngineWorker
-from cluster.kv_transfer.sender import TAG_STRIDE
 from cluster.protocol.messages import (FailureKind, Finished, PrefillResult, RequestFailed, TokenDelta,
                                        TransferReport, Usage, WorkerFailure, WorkerRequest)
 from cluster.protocol.stream import StreamServer
+
+if TYPE_CHECKING:
+    from cluster.engine.engine import RequestOutput
 
 TAG_LIMIT = 2**30
 CALL_THREADS = 4  # reserve, admit, release and status calls: each waits at most one step for the lock
@@ -302,6 +303,8 @@ class DecodeWorker(EngineWorker):
             return WorkerFailure(FailureKind.UNPAIRED, f"{self.name} has {state} KV transfer group with {prefill}",
                                  prefill)
         group = self._groups[pair][1]  # the group this transfer uses (a failure rebuilds only this one)
+        from cluster.kv_transfer.sender import TAG_STRIDE  # with torch: not loaded where only the class is
+
         tag_base = next(self._tags[pair]) * self.engine.model_config.num_layers * TAG_STRIDE % TAG_LIMIT
         target = TransferTarget(pair, tag_base, first_block, timeout_s, request.stream_layers)
         started = time.perf_counter()

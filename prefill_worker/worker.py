@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import RequestOutput
 from cluster.engine.request import TransferTarget
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.protocol.messages import PrefillResult
 from cluster.worker.engine_worker import EngineWorker
+
+if TYPE_CHECKING:
+    from cluster.engine.engine import RequestOutput
 
 
 class PrefillWorker(EngineWorker):

@@ -25,7 +25,7 @@ from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.models.read_config import load_model_config
 from cluster.kv_transfer.agent import PairLayout
 from cluster.kv_transfer.transport import TransportError
-from cluster.kv_transfer.transports import transport_class
+from cluster.kv_transfer.transports import check_transport
 from cluster.parallel.group import GroupSpec
 from cluster.parallel.tp_runner import check_tensor_parallel
 from cluster.protocol.messages import ServingInfo
@@ -107,7 +107,7 @@ class Deployment:
             except ValueError as exc:
                 raise EngineConfigError(f"{pool.role}: {exc}") from None
         try:
-            transport_class(self.spec.kv.transport)
+            check_transport(self.spec.kv.transport)
         except TransportError as exc:
             raise EngineConfigError(str(exc)) from None
         return config

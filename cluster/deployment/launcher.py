@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -182,6 +183,11 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     deployment = None
+    deployed = False
+    # Serve's controller starts while the workers load: it needs nothing of theirs.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="serve-start")
+    serve_starting = pool.submit(serve.start, proxy_location="Disabled")
+    pool.shutdown(wait=False)
     try:
         try:
             deployment = Deployment(spec).start()
@@ -189,9 +195,10 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
             _log(f"cluster {spec.name!r} did not start: {exc}")
             return 1
         info = deployment.info
-        serve.start(proxy_location="Disabled")
         try:
-            handle = serve.run(ingress_app(spec_yaml, info, spec.server.replicas), name=spec.name, route_prefix=None)
+            serve_starting.result()
+            deployed = True
+            handle = serve.run(ingress_app(spec, info), name=spec.name, route_prefix=None)
             api = handle.address.remote().result()
         except Exception as exc:  # noqa: BLE001 - Serve reports a replica that cannot start as a RuntimeError
             _log(f"cluster {spec.name!r} did not start: the gRPC API on {spec.server.host}:{spec.server.port} "
@@ -230,8 +237,11 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         return 0
     finally:
         try:
-            serve.delete(spec.name)
-            serve.shutdown()
+            serve_starting.result()  # not torn down half-started
+            if deployed:
+                serve.delete(spec.name)
+            if deployed or spec.ray.address:  # a local Ray stops below, Serve's controller with it (quietly)
+                serve.shutdown()
         except Exception:  # noqa: BLE001 - tearing down what may be half started
             pass
         if deployment is not None:
@@ -270,7 +280,7 @@ def _detach(spec: ClusterSpec, argv: list[str]) -> int:
             _log(f"`tandem up` exited with {child.returncode}: {said} (log: {log})" if said else
                  f"`tandem up` exited with {child.returncode}; its log {log} ends:\n" + _tail(log))
             return 1
-        time.sleep(0.5)
+        time.sleep(0.1)
     child.terminate()
     _log(f"cluster {spec.name!r} did not come up within {READY_TIMEOUT_S:.0f}s; log: {log}")
     return 1

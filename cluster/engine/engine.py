@@ -11,12 +11,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence
 
 import torch
 
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.chat_template import ChatPrompt, ChatTemplateError
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
 from cluster.engine.kv_port import KVPortFactory
@@ -29,7 +28,8 @@ from cluster.engine.request import FinishReason, Request, TransferTarget
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
-from cluster.engine.request_limits import check_request_id, check_stop_token_ids, quote
+from cluster.engine.request_limits import check_request_id, check_stop_token_ids
+from cluster.engine.prompt import Prompt, prompt_token_ids
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 
@@ -90,32 +90,6 @@ class EngineStats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-Prompt = Union[str, Sequence[int], ChatPrompt]
-
-
-def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
-    """A prompt's token ids, checked against the vocabulary: text is tokenized, chat messages are
-    rendered with the model's chat template and then tokenized. This is where every request
-    becomes the token ids the engine (and the router's block hashes) see. Raises
-    InvalidRequestError naming what to fix."""
-    if isinstance(prompt, (str, ChatPrompt)) and tokenizer is None:
-        what = "prompt_token_ids instead of prompt" if isinstance(prompt, str) else "prompt_token_ids instead of messages"
-        raise InvalidRequestError(f"this model has no tokenizer; send {what}")
-    if isinstance(prompt, str):
-        token_ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, ChatPrompt):
-        try:
-            token_ids = tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools)
-        except ChatTemplateError as exc:
-            raise InvalidRequestError(str(exc)) from None
-    else:
-        token_ids = list(prompt)
-    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab_size}); got {quote(bad[:5])}")
-    return token_ids
-
-
 def _log(message: str) -> None:
     print(f"[tandem] {message}", file=sys.stderr, flush=True)
 
@@ -135,9 +109,11 @@ def single_rank_runner(cfg: EngineConfig, model_config: ModelConfig, model_dir: 
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, verbose: bool = True, make_runner: RunnerFactory | None = None):
+    def __init__(self, config: EngineConfig, verbose: bool = True, make_runner: RunnerFactory | None = None,
+                 fault_kv_in_background: bool = False):
         """``make_runner`` builds the model runner (see :data:`RunnerFactory`); without it the
-        engine runs one rank and moves no KV."""
+        engine runs one rank and moves no KV. ``fault_kv_in_background``: the engine is ready
+        while a CPU KV cache's pages are still being faulted in (``runner.wait_for_kv_memory``)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -154,7 +130,7 @@ class LLMEngine:
         started = time.perf_counter()
         self.runner = self._make_runner(model_dir, progress, make_runner)
         num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks, fault_kv_in_background)
         if verbose:
             _log(
                 f"{self.model_config.architecture} from {model_dir}: {self.runner.weight_bytes / 2**20:.1f} MiB of "

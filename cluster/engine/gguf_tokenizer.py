@@ -9,14 +9,52 @@ become plain added tokens (matched whole).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Mapping
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from cluster.engine.models.gguf_checkpoint import GGUFTokenizerSpec
-
 CONTROL, USER_DEFINED = 3, 4
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerSpec:
+    """The tokenizer a GGUF file describes, as its metadata gives it."""
+
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (sentencepiece), ...
+    pre: str  # tokenizer.ggml.pre: names the pre-tokenizer's split rule
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+
+
+def tokenizer_spec(metadata: Mapping[str, Any]) -> GGUFTokenizerSpec | None:
+    """The tokenizer in a GGUF file's metadata, or None when the file has no vocabulary."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not tokens:
+        return None
+    model = metadata.get("tokenizer.ggml.model", "gpt2")
+    add_bos_default = model == "llama"  # llama.cpp adds BOS to a sentencepiece vocabulary unless told not to
+    return GGUFTokenizerSpec(
+        model=model,
+        pre=metadata.get("tokenizer.ggml.pre", "default"),
+        tokens=list(tokens),
+        token_types=list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)),
+        merges=list(metadata.get("tokenizer.ggml.merges") or []),
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        add_eos=bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=metadata.get("tokenizer.chat_template"),
+    )
+
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3 = (

@@ -31,7 +31,7 @@ from cluster.engine.kernels.triton_support import (
     resolve_attention_backend,
 )
 from cluster.engine.kv_port import KVPort, KVPortFactory, KVStream, LayerSender, NoKVPort
-from cluster.engine.memory import empty_huge_paged
+from cluster.engine.memory import HugePagedZeros
 from cluster.engine.models.attention import AttentionMetadata, PrefillSpan, visible_keys
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup
@@ -134,6 +134,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sliding_window = config.sliding_window
         self.kv_cache = torch.empty(0)
+        self._kv_memory: HugePagedZeros | None = None
         self.num_blocks = 0
         self.after_layer: Callable[[int], None] | None = None  # see AttentionMetadata.after_layer
         self.tp_rank = group.rank
@@ -169,12 +170,16 @@ class ModelRunner:
     def blocks_for_memory_fraction(self, fraction: float) -> int:
         return int(device_memory_bytes(self.device) * fraction) // self.block_bytes
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, fault_in_background: bool = False) -> None:
+        """``fault_in_background``: a CPU cache's pages are faulted in by a thread while the
+        engine already runs (:class:`~cluster.engine.memory.HugePagedZeros`); see
+        :meth:`wait_for_kv_memory`."""
         attention = self.model.attention_layers()
         first, fmt = attention[0], self.kv_format
         shape = (len(attention), 2, num_blocks, self.block_size, first.num_kv_heads, fmt.row_width(first.head_dim))
         if self.device.type == "cpu":
-            self.kv_cache = empty_huge_paged(shape, fmt.storage_dtype)
+            self._kv_memory = HugePagedZeros(shape, fmt.storage_dtype, background=fault_in_background)
+            self.kv_cache = self._kv_memory.tensor
         else:
             self.kv_cache = torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device)
         for index, attn in enumerate(attention):
@@ -191,6 +196,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, capture_sizes(self.max_num_seqs), blocks_per_seq, self._kv_heads,
                                        self.device)
             self.graphs.capture()
+
+    def wait_for_kv_memory(self) -> None:
+        """Until the KV cache's memory is all faulted in (at once unless it is being faulted in
+        the background)."""
+        if self._kv_memory is not None:
+            self._kv_memory.wait()
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:

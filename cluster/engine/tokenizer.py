@@ -58,10 +58,13 @@ class Tokenizer:
         self.chat_template = self._template(text, special, origin)
 
     def _load_gguf(self, source: ModelSource) -> None:
-        from cluster.engine.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
-        from cluster.engine.models.gguf_checkpoint import open_gguf
+        from cluster.engine.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer, tokenizer_spec
+        from cluster.engine.models.gguf_index import read_index
 
-        spec = open_gguf(source.gguf_file).tokenizer_spec()
+        try:
+            spec = tokenizer_spec(read_index(source.gguf_file).metadata)
+        except (ValueError, OSError, IndexError, KeyError) as exc:
+            raise TokenizerError(f"{source.gguf_file}: not a readable GGUF file ({exc})") from None
         if spec is None:
             raise TokenizerError(f"{source.gguf_file} has no vocabulary; pass prompt_token_ids instead of text")
         try:

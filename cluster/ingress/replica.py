@@ -25,7 +25,7 @@ from cluster.observability.metrics import IngressMetrics
 from cluster.runtime.ports import host_port
 from cluster.ingress.request_path import RequestPath
 from cluster.ingress.status import read_status
-from cluster.topology import parse_topology
+from cluster.topology import ClusterSpec
 from cluster.ingress.tracing import request_tracer
 
 INGRESS = "grpc-ingress"
@@ -37,8 +37,7 @@ HEAD_NODE = {"node:__internal_head__": 0.001}  # the API's address is the head n
 @serve.deployment(name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0.1, "resources": HEAD_NODE},
                   health_check_period_s=5, health_check_timeout_s=30)
 class GrpcIngress:
-    def __init__(self, spec_yaml: str, info: ServingInfo):
-        spec = parse_topology(spec_yaml)
+    def __init__(self, spec: ClusterSpec, info: ServingInfo):
         metrics = IngressMetrics(spec.name, info.workers)
         router = f"router-{serve.get_replica_context().rank.rank}"
         self.path = RequestPath(info, metrics, api="grpc", tracer=request_tracer(spec.observability.tracing, spec.name),
@@ -75,5 +74,7 @@ class GrpcIngress:
             server.stop(grace_s=2)
 
 
-def ingress_app(spec_yaml: str, info: ServingInfo, replicas: int):
-    return GrpcIngress.options(num_replicas=replicas).bind(spec_yaml, info)
+def ingress_app(spec: ClusterSpec, info: ServingInfo):
+    """The ingress for a validated topology (handed over whole: a replica does not check it again,
+    nor load the model's config to do so)."""
+    return GrpcIngress.options(num_replicas=spec.server.replicas).bind(spec, info)

@@ -39,7 +39,7 @@ from typing import AsyncIterator, Sequence
 from cluster.protocol.messages import (ApiRequest, Ending, FailureKind, Finished, Output, RequestFailed, ServingInfo,
                                        Timings, TokenDelta, TransferReport, Usage, WorkerFailure, WorkerRequest)
 from cluster.engine.block_manager import BlockManager
-from cluster.engine.engine import prompt_token_ids
+from cluster.engine.prompt import prompt_token_ids
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler

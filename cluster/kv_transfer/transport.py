@@ -9,9 +9,10 @@ the workers. Configuration names the transport (``kv_transport: torch_distribute
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Pending(Protocol):

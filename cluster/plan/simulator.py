@@ -8,7 +8,7 @@ What is the same code as the real cluster, not a copy:
   per step, ``max_num_seqs``, chunked prefill, preemption, the prefix cache by
   ``cluster.engine.block_hash``), driven by a stand-in engine whose steps take the time a
   ``router.cost_model.StepTimeModel`` predicts instead of running a model;
-- the start-up profile (``EngineWorker._profile``) and the load reports the router reads
+- the start-up profile (``step_profile.measure``) and the load reports the router reads
   (``EngineWorker._snapshot``), run on the simulated workers;
 - the workload, arrivals and metrics of ``tandem bench`` (``cluster/bench``).
 
@@ -47,6 +47,7 @@ from cluster.engine.engine import EngineStats, StepRecord
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
+from cluster.worker import step_profile
 from cluster.worker.engine_worker import EngineWorker
 from cluster.registry.load import WorkerLoad
 from cluster.registry.reporter import WorkerReporter
@@ -229,7 +230,7 @@ class _NoMetrics:
 
 class SimWorker:
     """A worker of the simulated cluster: a ``SimEngine`` stepped on the simulator's clock.
-    It has what ``EngineWorker._profile`` and ``_snapshot`` use (``engine``, ``name``,
+    It has what ``step_profile.measure`` and ``EngineWorker._snapshot`` use (``engine``, ``name``,
     ``role``, ``_lock``, ``metrics``), so the real ones run on it."""
 
     def __init__(self, name: str, role: str, spec: WorkerSpec, sim: "Simulator"):
@@ -243,7 +244,7 @@ class SimWorker:
         self.on_token: dict[str, Callable[[Request, int], None]] = {}
 
     def profile(self) -> None:
-        EngineWorker._profile(self)
+        step_profile.measure(self.engine, self.role)
 
     _unpaired_prefill = EngineWorker._unpaired_prefill  # its transfer pairs never fail
 

@@ -134,11 +134,11 @@ def resources(value: Any) -> dict[str, float]:
 
 def transport(value: Any) -> str:
     from cluster.kv_transfer.transport import TransportError
-    from cluster.kv_transfer.transports import transport_class
+    from cluster.kv_transfer.transports import check_transport
 
     name = string()(value)
     try:
-        transport_class(name)
+        check_transport(name)
     except TransportError as exc:
         raise Bad(str(exc)) from None
     return name

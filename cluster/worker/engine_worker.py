@@ -5,36 +5,35 @@ scheduler goes through ``_lock``. The loop steps whenever ``_has_work()`` says s
 each step's outputs to ``_on_outputs``; when idle it sleeps until a call has used the engine
 (every change to the engine's work goes through ``_lock``, whose release wakes it).
 
-On start a worker profiles itself (a few prompts of growing length, then a decode batch that
-shrinks by one sequence a step, from up to ``PROFILE_DECODE_BATCH`` sequences down to one), so
-the router's cost model has measured step times before the first request, over the batch sizes
-it will predict rather than a handful to extrapolate from (a fit from batches of 1 to 4 put
-16 sequences at 111 ms a step where they took about 30); the profile's blocks are dropped
-again. With a registry URL it then reports its KV events, a heartbeat and its load from a
-background thread (``cluster/registry/reporter.py``).
+On start a worker gives its engine a start-up profile, measured step times for the router's
+cost model before the first request: measured on a worker's first start, then kept per model,
+settings and machine (``cluster/worker/step_profile.py``). Its KV cache's pages are faulted in
+by a background thread meanwhile (``cluster/engine/memory.py``). With a registry URL it then
+reports its KV events, a heartbeat and its load from a background thread
+(``cluster/registry/reporter.py``).
 """
 
 from __future__ import annotations
 
 import os
-import random
 import threading
 import time
 from itertools import islice
 
+from typing import TYPE_CHECKING
+
 from cluster.engine.block_manager import KVEvent
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import EngineStats, LLMEngine, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
-from cluster.kv_transfer.agent import PairLayout, TransferAgent
 from cluster.observability.metrics import WorkerMetrics
-from cluster.parallel.group import GroupSpec
-from cluster.parallel.tp_runner import engine_runner
 from cluster.registry.load import STEPS_REPORTED, StepSample, WorkerLoad
 from cluster.registry.reporter import WorkerReporter
 
-PROFILE_PROMPT_TOKENS = (16, 64, 256, 512)
-PROFILE_DECODE_BATCH = 32  # the start-up profile's widest decode batch (less where max_num_seqs or the cache says)
+if TYPE_CHECKING:
+    from cluster.engine.engine import RequestOutput
+    from cluster.kv_transfer.agent import PairLayout
+    from cluster.parallel.group import GroupSpec
+
 IDLE_WAKE_S = 0.05
 
 
@@ -81,45 +80,25 @@ class EngineWorker:
     role = "prefill"
 
     def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
-        self.engine = LLMEngine(config, verbose=False, make_runner=engine_runner(kv_port=TransferAgent))
+        # Imported here, not with the class: a process that only holds a worker's handle (an
+        # ingress replica) loads the class, and should not load torch and the engine with it.
+        from cluster.engine.engine import LLMEngine
+        from cluster.kv_transfer.agent import TransferAgent
+        from cluster.parallel.tp_runner import engine_runner
+        from cluster.worker import step_profile
+
+        self.engine = LLMEngine(config, verbose=False, make_runner=engine_runner(kv_port=TransferAgent),
+                                fault_kv_in_background=True)
         self.name = config.engine_name
         self._lock = StepLock()
         self._stop = threading.Event()
         if profile:
-            self._profile()
+            step_profile.start_up(self.engine, self.role)
         self.metrics = WorkerMetrics(config.cluster_name, self.name, self.role)  # before the reporter sets it
         self.reporter = (WorkerReporter(registry_url, config.cluster_name, self.name, self._snapshot)
                          if registry_url else None)
         self._stepper = threading.Thread(target=self._run, name=f"{type(self).__name__}-loop", daemon=True)
         self._stepper.start()
-
-    def _profile(self) -> None:
-        engine, rng = self.engine, random.Random(0)
-        limit = min(engine.max_model_len - 16, engine.block_manager.num_blocks * engine.config.block_size // 2)
-        vocab = engine.model_config.vocab_size
-
-        def prompt(n: int) -> list[int]:
-            return [rng.randrange(vocab) for _ in range(min(n, limit))]
-
-        for i, n in enumerate(PROFILE_PROMPT_TOKENS):
-            engine.add_request(f"profile-prefill-{i}", prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
-            while engine.has_unfinished_requests():
-                engine.step()
-        if self.role != "prefill":
-            # Request i asks for i + 2 tokens, so the batch loses one sequence a step; prompt
-            # lengths vary so that context and batch size are not one measurement.
-            lengths = [16 + (37 * i) % 112 for i in range(PROFILE_DECODE_BATCH)]
-            width = min(PROFILE_DECODE_BATCH, engine.config.max_num_seqs)
-            while width > 1 and sum(lengths[i] + i + 2 for i in range(width)) > limit:
-                width -= 1
-            for i in range(width):
-                engine.add_request(f"profile-decode-{i}", prompt(lengths[i]),
-                                   SamplingParams(max_tokens=i + 2, ignore_eos=True))
-            while engine.has_unfinished_requests():
-                engine.step()
-        engine.block_manager.reset_prefix_cache()
-        engine.block_manager.drain_events()
-        engine.stats = EngineStats(steps=engine.stats.steps)
 
     def _snapshot(self) -> tuple[list[KVEvent], WorkerLoad]:
         engine = self.engine

@@ -41,7 +41,8 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (or its flags line), from /proc/cpuinfo where there is one."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("model name", "flags")):
@@ -56,7 +57,7 @@ def _build_key(compiler: str, source: bytes) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
     included = b"".join(path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.c")))
-    for part in (source, included, version.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_model().encode()):
+    for part in (source, included, version.encode(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), cpu_model().encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

@@ -16,7 +16,6 @@ holds. Qwen2 files are not reordered.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from cluster.engine.models.config import ModelConfig, ModelConfigError, RopeConfig, parse_dtype
+from cluster.engine.models.gguf_index import read_index
 from cluster.engine.quantization.gguf_repack import repack, repackable
 from cluster.engine.quantization.packed import PackedWeight
 
@@ -103,7 +103,7 @@ class GGUFTensorSlice:
         self.tensor = tensor
         self.dtype = dtype
         self.row_order = row_order
-        self.shape = [int(n) for n in reversed(tensor.shape.tolist())]  # ggml lists the innermost first
+        self.shape = [int(n) for n in reversed(list(tensor.shape))]  # ggml lists the innermost first
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
@@ -148,35 +148,18 @@ class GGUFTensorSlice:
         return out.to(self.dtype)
 
 
-@dataclass(frozen=True)
-class GGUFTokenizerSpec:
-    """The tokenizer a GGUF file describes, as its metadata gives it."""
-
-    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (sentencepiece), ...
-    pre: str  # tokenizer.ggml.pre: names the pre-tokenizer's split rule
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]
-    bos_token_id: int | None
-    eos_token_id: int | None
-    add_bos: bool
-    add_eos: bool
-    chat_template: str | None
-
-
 class GGUFCheckpoint:
     """An open GGUF file: metadata by key, the model config, the tensors under our names."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(str(self.path))
+            index = read_index(self.path)
         except (ValueError, OSError, IndexError, KeyError) as exc:
             raise GGUFError(f"{self.path}: not a readable GGUF file ({exc})") from None
-        self.fields = self.reader.fields
-        self.tensors_by_name = {t.name: t for t in self.reader.tensors}
+        self.metadata = index.metadata
+        self.all_tensors = index.tensors()
+        self.tensors_by_name = {t.name: t for t in self.all_tensors}
         self.arch = self.get("general.architecture")
         if self.arch not in GGUF_ARCHITECTURES:
             raise GGUFError(
@@ -187,8 +170,7 @@ class GGUFCheckpoint:
     # -- metadata -------------------------------------------------------------------------
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.fields.get(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -256,7 +238,7 @@ class GGUFCheckpoint:
         num_heads = int(self.require(f"{self.arch}.attention.head_count"))
         num_kv_heads = int(self._arch("attention.head_count_kv") or num_heads)
         heads_of = {"attn_q": num_heads, "attn_k": num_kv_heads}
-        for tensor in self.reader.tensors:
+        for tensor in self.all_tensors:
             if tensor.name in _CONFIG_TENSORS:
                 continue
             name = hf_tensor_name(tensor.name) or tensor.name
@@ -268,29 +250,7 @@ class GGUFCheckpoint:
 
     @property
     def num_tensors(self) -> int:
-        return sum(1 for t in self.reader.tensors if t.name not in _CONFIG_TENSORS)
-
-    # -- the tokenizer --------------------------------------------------------------------
-
-    def tokenizer_spec(self) -> GGUFTokenizerSpec | None:
-        """The tokenizer in the metadata, or None when the file has no vocabulary."""
-        tokens = self.get("tokenizer.ggml.tokens")
-        if not tokens:
-            return None
-        model = self.get("tokenizer.ggml.model", "gpt2")
-        add_bos_default = model == "llama"  # llama.cpp adds BOS to a sentencepiece vocabulary unless told not to
-        return GGUFTokenizerSpec(
-            model=model,
-            pre=self.get("tokenizer.ggml.pre", "default"),
-            tokens=list(tokens),
-            token_types=list(self.get("tokenizer.ggml.token_type") or [1] * len(tokens)),
-            merges=list(self.get("tokenizer.ggml.merges") or []),
-            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=self.get("tokenizer.ggml.eos_token_id"),
-            add_bos=bool(self.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-            add_eos=bool(self.get("tokenizer.ggml.add_eos_token", False)),
-            chat_template=self.get("tokenizer.chat_template"),
-        )
+        return sum(1 for t in self.all_tensors if t.name not in _CONFIG_TENSORS)
 
 
 @lru_cache(maxsize=4)
@@ -300,7 +260,7 @@ def _open(path: Path, mtime_ns: int, size: int) -> GGUFCheckpoint:
 
 def open_gguf(path: str | Path) -> GGUFCheckpoint:
     """The checkpoint at ``path``, opened once per process while the file is unchanged (config,
-    tokenizer and weights all read it; parsing the metadata takes a second or two)."""
+    tokenizer and weights all read it; its metadata is read once per machine: ``gguf_index.py``)."""
     resolved = Path(path).resolve()
     try:
         stat = resolved.stat()
