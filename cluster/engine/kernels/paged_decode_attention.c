@@ -143,6 +143,20 @@ static attend_fn pick(int64_t head_dim, int64_t group) {
  * window:       sliding window in tokens, 0 for none
  * Returns 0, or -1 when scratch memory could not be allocated.
  */
+static int64_t longest_length(const int64_t *lengths, int64_t num_requests) {
+    int64_t longest = 1;
+    for (int64_t r = 0; r < num_requests; ++r) longest = lengths[r] > longest ? lengths[r] : longest;
+    return longest;
+}
+
+/* Tasks per request: with few requests, each one's kv heads split over tasks so every thread has work. */
+static int64_t head_splits(int num_threads, int64_t num_requests, int64_t num_kv_heads) {
+    int64_t splits = num_threads > 1 ? (4 * num_threads + num_requests - 1) / num_requests : 1;
+    if (splits > num_kv_heads) splits = num_kv_heads;
+    while (num_kv_heads % splits) --splits;
+    return splits;
+}
+
 int paged_decode_attention_f32(
     const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *lengths, int64_t num_requests,
@@ -150,12 +164,8 @@ int paged_decode_attention_f32(
     float scale, float *out, int64_t out_row_stride, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const attend_fn attend = pick(head_dim, group);
-    int64_t longest = 1;
-    for (int64_t r = 0; r < num_requests; ++r) longest = lengths[r] > longest ? lengths[r] : longest;
-    /* Few requests: split each one's kv heads over tasks so every thread has work. */
-    int64_t splits = num_threads > 1 ? (4 * num_threads + num_requests - 1) / num_requests : 1;
-    if (splits > num_kv_heads) splits = num_kv_heads;
-    while (num_kv_heads % splits) --splits;
+    const int64_t longest = longest_length(lengths, num_requests);
+    const int64_t splits = head_splits(num_threads, num_requests, num_kv_heads);
     const int64_t heads_per_task = num_kv_heads / splits;
     int failed = 0;
 
@@ -263,11 +273,8 @@ int paged_decode_attention_8bit(
     float codes[256];
     for (int b = 0; b < 256; ++b) codes[b] = fp8 ? e4m3fn_value((uint8_t)b) : (float)(int8_t)b;
     const int64_t group = num_heads / num_kv_heads;
-    int64_t longest = 1;
-    for (int64_t r = 0; r < num_requests; ++r) longest = lengths[r] > longest ? lengths[r] : longest;
-    int64_t splits = num_threads > 1 ? (4 * num_threads + num_requests - 1) / num_requests : 1;
-    if (splits > num_kv_heads) splits = num_kv_heads;
-    while (num_kv_heads % splits) --splits;
+    const int64_t longest = longest_length(lengths, num_requests);
+    const int64_t splits = head_splits(num_threads, num_requests, num_kv_heads);
     const int64_t heads_per_task = num_kv_heads / splits;
     int failed = 0;
 
