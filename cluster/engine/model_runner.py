@@ -369,7 +369,7 @@ class ModelRunner:
             hidden = self.graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens,
                                      plan.decode_block_table)
             return self.model.compute_logits(hidden)
-        rows = self._native_rows(inputs.plan) if self.native_step is not None else None
+        rows = self._native_rows(inputs) if self.native_step is not None else None
         if rows is not None:
             hidden = self._execute_native(inputs, *rows)
         else:
@@ -381,13 +381,16 @@ class ModelRunner:
             inputs.transfer_tail_s = time.perf_counter() - started
         return logits
 
-    def _native_rows(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _native_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Each row's context length and block table for the fused CPU step, or None where the step
         is the torch path's: more than ``NATIVE_MAX_ROWS`` rows (a long prompt chunk, where widened
         weights and torch's matmul win). A prompt token is a row attending to the cache up to its
         own position: every row's keys and values are written before any row attends."""
+        plan, meta = inputs.plan, inputs.meta
         if not plan.input_ids or len(plan.input_ids) > NATIVE_MAX_ROWS:
             return None
+        if not plan.prefills:  # a decode-only step: build_inputs made both already
+            return meta.decode_lens, meta.decode_block_table
         tables = list(plan.decode_block_table)
         for prefill in plan.prefills:
             tables.extend([list(prefill.block_ids)] * prefill.query_len)
