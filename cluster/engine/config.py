@@ -116,9 +116,6 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {quote(self.kv_cache_dtype)}"
             )
-        if self.kv_cache_dtype != "auto" and not self.device.startswith("cpu"):
-            raise EngineConfigError(f"kv_cache_dtype {self.kv_cache_dtype} has no attention kernel on {self.device} yet; "
-                                    "use auto")
         if not isinstance(self.enforce_eager, bool):
             raise EngineConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         share = self.kv_memory_share

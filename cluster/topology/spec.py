@@ -148,8 +148,8 @@ class KVSpec:
     cache_dtype: str = key("auto", checks.choice(KV_CACHE_DTYPES), """
         How keys and values are held: ``auto`` (the model's dtype), ``int8`` or ``fp8_e4m3``
         (codes and a float32 scale per token and KV head: 68 bytes a 64-wide head row against
-        128 in 16 bits). Prefill and decode share it; KV moves between workers in it. The 8-bit
-        caches have CPU kernels so far: a GPU pool is refused.""")
+        128 in 16 bits). Prefill and decode share it; KV moves between workers in it. The
+        attention kernels read it directly: the native ones on a CPU, the Triton ones on a GPU.""")
     transport: str = key("torch_distributed", checks.transport, """
         The KV transport, by registered name. ``torch_distributed``: gloo on CPUs, NCCL on GPUs.""")
     transfer_timeout_s: float = key(60.0, checks.number(0), """

@@ -61,3 +61,15 @@ def test_half_precision_engine_is_close_to_the_torch_path(dtype, checkpoint):
     for a, b in zip(fused, plain):
         # First tokens come from identical prompts: their log-probabilities must agree closely.
         torch.testing.assert_close(torch.tensor(a.logprobs[0]), torch.tensor(b.logprobs[0]), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_an_8bit_cache_gives_the_torch_paths_tokens_with_graphs(kv_cache_dtype, checkpoint):
+    """The Triton kernels write and read 8-bit rows (decode graphs captured over them); the torch
+    path on CUDA quantizes with torch to the same bytes, so greedy tokens are equal."""
+    model_dir = checkpoint("llama")
+    _, reference = generate(model_dir, attention_backend="torch", enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
+    graphs, graph_tokens = generate(model_dir, kv_cache_dtype=kv_cache_dtype)
+    assert graphs.engine.runner.kv_cache.dtype == torch.int8
+    assert sorted(graphs.engine.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    assert graph_tokens == reference

@@ -81,3 +81,13 @@ def test_kernel_warm_up_writes_no_kv_and_changes_no_tokens(checkpoint, torch_tok
     assert torch.equal(runner.kv_cache, before)
     runner.kv_cache.zero_()
     assert two_rounds(llm) == torch_tokens("llama")
+
+
+def test_fused_path_reads_an_int8_cache_as_the_torch_path_does(checkpoint):
+    """With ``kv_cache_dtype="int8"`` the kernels quantize each new row as the torch path does and
+    attend to the same dequantized values, so greedy tokens match the torch path's with int8 KV
+    (decode graphs included: replayed on CUDA, their buffers run eagerly here)."""
+    path, int8 = str(checkpoint("llama")), dict(ENGINE, kv_cache_dtype="int8")
+    llm = LLM(path, attention_backend="triton", **int8)
+    assert llm.engine.runner.kv_cache.dtype == torch.int8 and llm.engine.runner.graphs is not None
+    assert two_rounds(llm) == two_rounds(LLM(path, attention_backend="torch", **int8))

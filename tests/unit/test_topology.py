@@ -420,9 +420,9 @@ def test_quantization_needs_a_kernel_on_the_pool_and_a_float_checkpoint(checkpoi
     assert parse_topology(f"model:\n  path: {directory}\n  quantization: int8\n").model.quantization == "int8"
 
 
-def test_an_8bit_kv_cache_is_a_cpu_choice():
-    assert only_error("kv:\n  cache_dtype: fp8_e4m3\ndecode:\n  gpus_per_rank: 1\n") == (
-        "kv.cache_dtype", 2, "decode pool (cuda): fp8_e4m3 has no attention kernel on a GPU yet; use auto")
+def test_an_8bit_kv_cache_is_read_on_cpu_and_gpu_pools():
+    spec = parse_topology("kv:\n  cache_dtype: fp8_e4m3\ndecode:\n  gpus_per_rank: 1\n")
+    assert spec.decode.device.startswith("cuda") and spec.engine_args("decode")["kv_cache_dtype"] == "fp8_e4m3"
     spec = parse_topology("kv:\n  cache_dtype: int8\n")
     assert spec.engine_args("decode")["kv_cache_dtype"] == "int8"
 

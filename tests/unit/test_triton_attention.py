@@ -5,7 +5,8 @@ imported); with CUDA, natively. Caches are random and blocks scattered, so a wro
 walk, head mapping, stride, split merge, mask or window shows as a mismatch. Shapes are small
 so the interpreter stays quick; the families cover head dims (64, 128, 256 and the padded 48
 and 96), GQA groups 1 to 8, page sizes, sliding windows, contexts around block edges, split counts, and
-mixed steps of decodes and prompt chunks through the attention layer.
+mixed steps of decodes and prompt chunks through the attention layer (with 16-bit and 8-bit caches;
+the 8-bit kernels' own tests are in test_triton_attention_8bit.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ pytest.importorskip("triton")
 from cluster.engine.fused_inputs import build_fused_step  # noqa: E402
 from cluster.engine.kernels import triton_attention as kernels  # noqa: E402
 from cluster.engine.models.attention import AttentionMetadata, PagedAttention, PrefillSpan, visible_keys  # noqa: E402
+from cluster.engine.quantization.kv_format import KVCacheFormat  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -135,18 +137,26 @@ CHUNKS = [(5, 5), (17, 40), (33, 33), (1, 70), (16, 48)]
 def test_prefill_chunks_match_reference(num_heads, num_kv_heads, head_dim, page, window):
     k_cache, v_cache, order = scattered_cache(sum(-(-n // page) for _, n in CHUNKS) + 2, page, num_kv_heads, head_dim,
                                               torch.float32, seed=head_dim + page)
-    tables = assign_blocks(order, [n for _, n in CHUNKS], page)
-    first = 3  # rows before the chunks (decodes), left alone
+    check_prefill(CHUNKS, k_cache, v_cache, (k_cache, v_cache), assign_blocks(order, [n for _, n in CHUNKS], page),
+                  num_heads, window)
+
+
+def check_prefill(chunks, k_cache, v_cache, reference_rows, tables, num_heads, window, kv_format=None):
+    """paged_prefill of ``chunks`` ((query rows, context length), after three rows of decodes that
+    it must leave alone) against the float64 reference over ``reference_rows`` (the caches' keys
+    and values as floats)."""
+    head_dim = reference_rows[0].shape[-1]
+    first = 3
     starts = [first]
-    for rows, _ in CHUNKS:
+    for rows, _ in chunks:
         starts.append(starts[-1] + rows)
     q = torch.randn(starts[-1], num_heads, head_dim, device=DEVICE)
     out = torch.full((starts[-1], num_heads * head_dim), 7.0, device=DEVICE)
     kernels.paged_prefill(q, k_cache, v_cache, table_tensor(tables), torch.tensor(starts, device=DEVICE),
-                          torch.tensor([n for _, n in CHUNKS], device=DEVICE), max(r for r, _ in CHUNKS), out,
-                          head_dim**-0.5, window)
-    for c, (rows, context) in enumerate(CHUNKS):
-        expected = reference(q[starts[c] : starts[c] + rows], k_cache, v_cache, tables[c], context,
+                          torch.tensor([n for _, n in chunks], device=DEVICE), max(r for r, _ in chunks), out,
+                          head_dim**-0.5, window, kv_format)
+    for c, (rows, context) in enumerate(chunks):
+        expected = reference(q[starts[c] : starts[c] + rows], *reference_rows, tables[c], context,
                              list(range(context - rows, context)), window).float()
         torch.testing.assert_close(out[starts[c] : starts[c] + rows], expected, rtol=2e-5, atol=2e-5)
     assert (out[:first] == 7.0).all()
@@ -186,16 +196,20 @@ def test_write_kv_cache_follows_slots_and_skips_negative_ones():
 
 
 @pytest.mark.parametrize("window", [None, 30])
-def test_mixed_step_through_the_layer_matches_the_torch_path(window):
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_mixed_step_through_the_layer_matches_the_torch_path(window, cache_dtype):
     """One step of three decodes and three prompt chunks (fresh, with cached context, a single
     token) through PagedAttention: fused metadata and the torch path give the same output and
-    write the same cache."""
+    write the same cache, the same bytes in an 8-bit cache too (the torch path quantizing with
+    KVCacheFormat, the kernels as they write, both attending to the rows as the cache holds them)."""
     num_heads, kv_heads, head_dim, page = 8, 2, 64, 16
     decode_lens = [1, 17, 64]
     chunks = [(12, 12), (20, 50), (1, 33)]  # (rows, context length)
     contexts = decode_lens + [n for _, n in chunks]
     num_blocks = sum(-(-n // page) for n in contexts) + 2
     base_k, base_v, order = scattered_cache(num_blocks, page, kv_heads, head_dim, torch.float32, seed=5)
+    fmt = KVCacheFormat(cache_dtype, torch.float32)
+    base_k, base_v = fmt.quantize_rows(base_k), fmt.quantize_rows(base_v)
     tables = assign_blocks(order, contexts, page)
     positions = [n - 1 for n in decode_lens] + [p for rows, n in chunks for p in range(n - rows, n)]
     owners = list(range(3)) + [3 + c for c, (rows, _) in enumerate(chunks) for _ in range(rows)]
@@ -205,6 +219,7 @@ def test_mixed_step_through_the_layer_matches_the_torch_path(window):
     k = torch.randn(tokens, kv_heads, head_dim, device=DEVICE)
     v = torch.randn(tokens, kv_heads, head_dim, device=DEVICE)
     layer = PagedAttention(num_heads, kv_heads, head_dim, window)
+    layer.kv_format = fmt if fmt.quantized else None
 
     starts = [3]
     for rows, _ in chunks:

@@ -13,7 +13,17 @@ through the block table (no gather, no per-request Python):
   context, the causal mask and the sliding window; chunks have any length.
 
 Scores are accumulated in float32 with an online softmax (exp2, the scale folded into log2 e).
-Head sizes need not be powers of two (they are padded and masked). This module imports triton
+Head sizes need not be powers of two (they are padded and masked).
+
+An 8-bit cache (:mod:`cluster.engine.quantization.kv_format`: each token-head row is its codes
+then its float32 scale in 4 bytes) is a constexpr variant of each kernel, so the 16-bit ones are
+unchanged: ``write_kv_cache`` quantizes each new row as ``KVCacheFormat.quantize_rows`` does
+(the same codes and scale bytes, bit for bit: 16-bit inputs are widened to float32 exactly
+first, so they match too), and the attention kernels load a tile of codes and scales and
+dequantize it in registers to the model's dtype, the values ``dequantize_rows`` gives. The e4m3
+codes are encoded and decoded with integer arithmetic rather than Triton's ``float8e4nv``: that
+type needs compute capability 8.9, and the interpreter's conversion rounds ties away from even,
+so integer code is what runs the same on every GPU and under the tests. This module imports triton
 at import time: import it only when the Triton backend is chosen (see ``triton_support``).
 
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) the kernels run on CPU tensors, which
@@ -28,8 +38,94 @@ import triton
 import triton.language as tl
 
 from cluster.engine.kernels.triton_support import interpreting
+from cluster.engine.quantization.kv_format import KVCacheFormat
 
 LOG2E = 1.4426950408889634
+# What a cache row holds (the kernels' KV constexpr): the model's dtype, or 8-bit codes and a scale.
+KV_PLAIN: tl.constexpr = tl.constexpr(0)
+KV_INT8: tl.constexpr = tl.constexpr(1)
+KV_FP8: tl.constexpr = tl.constexpr(2)
+_KV_KINDS = {"auto": KV_PLAIN.value, "int8": KV_INT8.value, "fp8_e4m3": KV_FP8.value}  # by KVCacheFormat.name
+
+
+@triton.jit
+def _round_half_even(x):
+    """x (float32, |x| < 2**22) rounded to the nearest integer, ties to even, as torch.round: adding
+    1.5 * 2**23 leaves no fraction bits, and IEEE addition rounds to nearest even."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _e4m3_codes(x):
+    """float32 values (|x| <= 448) to their float8_e4m3fn bit patterns (int32, 0..255), rounded to
+    nearest even as torch's conversion does."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude_bits = bits & 0x7FFFFFFF
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    # Below 2**-6 (subnormal codes, steps of 2**-9): 2**14's float32 ulp is 2**-9, so adding it rounds.
+    subnormal = (magnitude + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+    # Normal: keep 3 of float32's 23 mantissa bits, rounding to nearest even, and rebias 127 -> 7.
+    normal = ((magnitude_bits + 0x7FFFF + ((magnitude_bits >> 20) & 1)) >> 20) - (120 << 3)
+    return sign | tl.minimum(tl.where(magnitude < 0.015625, subnormal, normal), 0x7E)
+
+
+@triton.jit
+def _e4m3_values(codes):
+    """float8_e4m3fn bit patterns (int8) to their float32 values (exactly; no NaN codes expected)."""
+    bits = codes.to(tl.int32) & 0xFF
+    magnitude_bits = bits & 0x7F
+    normal = ((magnitude_bits << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    subnormal = magnitude_bits.to(tl.float32) * 0.001953125  # 2**-9 per step
+    magnitude = tl.where(magnitude_bits < 8, subnormal, normal)
+    return tl.where(bits >= 0x80, -magnitude, magnitude)
+
+
+@triton.jit
+def _store_rows(cache_ptr, row, x, row_ok, dims, dim_ok, HEAD_DIM: tl.constexpr, KV: tl.constexpr):
+    """Rows ``x`` ([R, BLOCK_D], zero past HEAD_DIM) into the cache rows at offsets ``row``: as they
+    are, or quantized as KVCacheFormat.quantize_rows (amax / limit -> scale, x / scale -> codes)."""
+    mask = row_ok[:, None] & dim_ok[None, :]
+    if KV == KV_PLAIN:
+        tl.store(cache_ptr + row[:, None] + dims[None, :], x, mask=mask)
+    else:
+        x = x.to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+        if KV == KV_INT8:
+            scale = tl.math.div_rn(amax, 127.0)
+        else:
+            scale = tl.math.div_rn(amax, 448.0)
+        scale = tl.where(scale > 0, scale, 1.0)
+        scaled = tl.math.div_rn(x, scale[:, None])
+        if KV == KV_INT8:
+            codes = tl.minimum(tl.maximum(_round_half_even(scaled), -127.0), 127.0).to(tl.int8)
+        else:
+            codes = _e4m3_codes(scaled).to(tl.int8)
+        tl.store(cache_ptr + row[:, None] + dims[None, :], codes, mask=mask)
+        shifts = tl.arange(0, 4) * 8  # the scale's 4 bytes, little-endian as torch views them
+        scale_bytes = ((scale.to(tl.int32, bitcast=True)[:, None] >> shifts[None, :]) & 0xFF).to(tl.int8)
+        tl.store(cache_ptr + row[:, None] + HEAD_DIM + tl.arange(0, 4)[None, :], scale_bytes, mask=row_ok[:, None])
+
+
+@triton.jit
+def _load_rows(cache_ptr, row, row_ok, dims, dim_ok, HEAD_DIM: tl.constexpr, KV: tl.constexpr):
+    """The cache rows at offsets ``row`` ([N]) as an [N, BLOCK_D] tile (zero where masked): as
+    stored, or 8-bit rows dequantized to float32 (codes times their row's scale)."""
+    mask = row_ok[:, None] & dim_ok[None, :]
+    if KV == KV_PLAIN:
+        tile = tl.load(cache_ptr + row[:, None] + dims[None, :], mask=mask, other=0.0)
+    else:
+        codes = tl.load(cache_ptr + row[:, None] + dims[None, :], mask=mask, other=0)
+        shifts = tl.arange(0, 4) * 8
+        scale_bytes = tl.load(cache_ptr + row[:, None] + HEAD_DIM + tl.arange(0, 4)[None, :], mask=row_ok[:, None],
+                              other=0)
+        scale = tl.sum((scale_bytes.to(tl.int32) & 0xFF) << shifts[None, :], 1).to(tl.float32, bitcast=True)
+        if KV == KV_INT8:
+            values = codes.to(tl.float32)
+        else:
+            values = _e4m3_values(codes)
+        tile = values * scale[:, None]
+    return tile
 
 
 @triton.jit
@@ -46,20 +142,20 @@ def _dot(a, b, FP32: tl.constexpr):
 @triton.jit
 def _attend_tile(q, k_cache_ptr, v_cache_ptr, table_ptr, pos, key_ok, visible, kv_head, dims, dim_ok,
                  stride_c_block, stride_c_slot, stride_c_head, m_i, l_i, acc, qk_scale,
-                 PAGE: tl.constexpr, FP32_DOT: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, KV: tl.constexpr, FP32_DOT: tl.constexpr):
     """Folds one tile of keys into the running softmax of the queries ``q``: the keys at context
     positions ``pos`` (``key_ok`` of them exist), found through one request's block-table row
-    ``table_ptr``; ``visible`` masks scores per query. Returns the new (max, sum, accumulator)."""
+    ``table_ptr``; ``visible`` masks scores per query. Keys and values come in ``q``'s dtype
+    (8-bit rows dequantized to it). Returns the new (max, sum, accumulator)."""
     block = tl.load(table_ptr + pos // PAGE, mask=key_ok, other=0).to(tl.int64)
     base = block * stride_c_block + (pos % PAGE) * stride_c_slot + kv_head * stride_c_head
-    kv_mask = key_ok[:, None] & dim_ok[None, :]
-    k = tl.load(k_cache_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    k = _load_rows(k_cache_ptr, base, key_ok, dims, dim_ok, HEAD_DIM, KV).to(q.dtype)
     scores = tl.where(visible, _dot(q, tl.trans(k), FP32_DOT) * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no visible key yet
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
-    v = tl.load(v_cache_ptr + base[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = _load_rows(v_cache_ptr, base, key_ok, dims, dim_ok, HEAD_DIM, KV).to(q.dtype)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
 
 
@@ -68,7 +164,7 @@ def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_c_block, stride_c_slot, stride_c_head,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, KV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -76,13 +172,16 @@ def _write_kv_kernel(
     if slot >= 0:
         heads = tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
-        mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-        dst = ((slot // PAGE) * stride_c_block + (slot % PAGE) * stride_c_slot
-               + heads[:, None] * stride_c_head + dims[None, :])
-        k = tl.load(k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask)
-        v = tl.load(v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
-        tl.store(k_cache_ptr + dst, k, mask=mask)
-        tl.store(v_cache_ptr + dst, v, mask=mask)
+        head_ok = heads < NUM_KV_HEADS
+        dim_ok = dims < HEAD_DIM
+        mask = head_ok[:, None] & dim_ok[None, :]
+        row = (slot // PAGE) * stride_c_block + (slot % PAGE) * stride_c_slot + heads * stride_c_head
+        k = tl.load(k_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask,
+                    other=0.0)
+        _store_rows(k_cache_ptr, row, k, head_ok, dims, dim_ok, HEAD_DIM, KV)
+        v = tl.load(v_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask,
+                    other=0.0)
+        _store_rows(v_cache_ptr, row, v, head_ok, dims, dim_ok, HEAD_DIM, KV)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block table's width changes from step to step
@@ -90,7 +189,7 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     stride_q_tok, stride_q_head, stride_c_block, stride_c_slot, stride_c_head, stride_bt, stride_o_tok,
     qk_scale, window,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, KV: tl.constexpr,
     SLIDING: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
@@ -123,7 +222,7 @@ def _decode_kernel(
         valid = pos < end
         m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, block_table_ptr + seq * stride_bt, pos, valid,
                                      valid[None, :], kv_head, dims, dim_ok, stride_c_block, stride_c_slot,
-                                     stride_c_head, m_i, l_i, acc, qk_scale, PAGE, FP32_DOT)
+                                     stride_c_head, m_i, l_i, acc, qk_scale, HEAD_DIM, PAGE, KV, FP32_DOT)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a split (or a padding row) with no keys: zeros
     store_mask = row_ok[:, None] & dim_ok[None, :]
@@ -166,7 +265,7 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_starts_ptr, context_lens_ptr, out_ptr,
     stride_q_tok, stride_q_head, stride_c_block, stride_c_slot, stride_c_head, stride_bt, stride_o_tok,
     qk_scale, window,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SLIDING: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, KV: tl.constexpr, SLIDING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     tile_m = tl.program_id(0)
@@ -202,7 +301,7 @@ def _prefill_kernel(
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _attend_tile(q, k_cache_ptr, v_cache_ptr, block_table_ptr + chunk * stride_bt, pos, key_ok,
                                          visible, kv_head, dims, dim_ok, stride_c_block, stride_c_slot, stride_c_head,
-                                         m_i, l_i, acc, qk_scale, PAGE, FP32_DOT)
+                                         m_i, l_i, acc, qk_scale, HEAD_DIM, PAGE, KV, FP32_DOT)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_o_tok + head * HEAD_DIM + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -216,44 +315,54 @@ def _fp32_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _cache_kind(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int, kv_format: KVCacheFormat | None) -> int:
+    """The kernels' KV constexpr for these caches, once their layout is checked."""
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("key and value caches must share strides, with head_dim contiguous")
+    if kv_format is None or not kv_format.quantized:
+        return _KV_KINDS["auto"]
+    width = kv_format.row_width(head_dim)
+    if k_cache.shape[-1] != width or k_cache.dtype != kv_format.storage_dtype:
+        raise ValueError(f"{kv_format.name} cache rows of head_dim {head_dim} are {width} int8 values, "
+                         f"got {k_cache.shape[-1]} of {k_cache.dtype}")
+    return _KV_KINDS[kv_format.name]
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, kv_format: KVCacheFormat | None = None) -> None:
     """k, v: [T, kv_heads, D] (any token and head strides, D contiguous); caches [blocks, page,
-    kv_heads, D]; ``slot_mapping[t]`` is block * page + offset, or -1 for nothing."""
+    kv_heads, D], or [..., D + 4] int8 rows for an 8-bit ``kv_format``; ``slot_mapping[t]`` is
+    block * page + offset, or -1 for nothing."""
     tokens, kv_heads, head_dim = k.shape
     if tokens == 0:
         return
-    _check_cache(k_cache, v_cache)
+    kind = _cache_kind(k_cache, v_cache, head_dim, kv_format)
     _write_kv_kernel[(tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], KV=kind,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 num_splits: int = 1) -> None:
+                 num_splits: int = 1, kv_format: KVCacheFormat | None = None) -> None:
     """Attention of one query per request: q [B, heads, D] (rows 0..B-1 of the step), written
     into ``out[:B]`` ([T, heads * D]). ``block_table`` [B, W] and ``seq_lens`` [B] (keys each
-    request attends to, its new one included; 0 for a padding row, which gets zeros)."""
+    request attends to, its new one included; 0 for a padding row, which gets zeros). Caches as
+    in :func:`write_kv_cache`."""
     batch, num_heads, head_dim = q.shape
     if batch == 0:
         return
-    _check_cache(k_cache, v_cache)
+    kind = _cache_kind(k_cache, v_cache, head_dim, kv_format)
     kv_heads = k_cache.shape[2]
     group = num_heads // kv_heads
     block_d = _pow2(head_dim)
     block_n = 64 if block_d <= 128 else 32
     common = dict(
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], KV=kind,
         SLIDING=sliding_window is not None, NUM_SPLITS=num_splits,
         BLOCK_H=_pow2(group), BLOCK_D=block_d, BLOCK_N=block_n, FP32_DOT=_fp32_dot(q.dtype),
     )
@@ -278,16 +387,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                   query_starts: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, out: torch.Tensor,
-                  scale: float, sliding_window: int | None = None) -> None:
+                  scale: float, sliding_window: int | None = None, kv_format: KVCacheFormat | None = None) -> None:
     """Causal attention of C prompt chunks: chunk c's queries are rows
     ``query_starts[c]:query_starts[c + 1]`` of q ([T, heads, D]) and of ``out`` ([T, heads * D]);
     it attends to the first ``context_lens[c]`` tokens of its blocks (``block_table[c]``), its
-    own keys included (they must already be in the cache)."""
+    own keys included (they must already be in the cache). Caches as in :func:`write_kv_cache`."""
     chunks = context_lens.shape[0]
     if chunks == 0 or max_query_len == 0:
         return
-    _check_cache(k_cache, v_cache)
     num_heads, head_dim = q.shape[1], q.shape[2]
+    kind = _cache_kind(k_cache, v_cache, head_dim, kv_format)
     group = num_heads // k_cache.shape[2]
     block_d = _pow2(head_dim)
     block = 64 if block_d <= 128 else 32
@@ -297,7 +406,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, block_table, query_starts, context_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), out.stride(0), scale * LOG2E, sliding_window or 0,
-        GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], SLIDING=sliding_window is not None,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], KV=kind, SLIDING=sliding_window is not None,
         BLOCK_M=block, BLOCK_D=block_d, BLOCK_N=block, FP32_DOT=_fp32_dot(q.dtype),
         num_warps=4,
     )

@@ -6,8 +6,10 @@ chunks. New keys and values are written into their cache slots.
 When the step's metadata carries :class:`FusedMetadata` (the Triton backend, chosen on CUDA),
 three kernels do the whole layer: one writes the new keys and values, one attends every decode
 and one every prompt chunk, each reading the cache in place through the block table
-(:mod:`cluster.engine.kernels.triton_attention`). Otherwise the plain-torch path below runs,
-which is the reference the kernels are tested against.
+(:mod:`cluster.engine.kernels.triton_attention`); an 8-bit cache (``kv_format``) is quantized as
+it is written and read as it is stored, codes and scales dequantized in registers. Otherwise the
+plain-torch path below runs, which is the reference the kernels are tested against: it quantizes
+and dequantizes 8-bit rows with torch (:mod:`cluster.engine.quantization.kv_format`), on any device.
 
 Decodes use the native kernel (:mod:`cluster.engine.kernels`) when it fits: it reads keys and
 values in place through the block table, once each. Otherwise each decode gathers only its own
@@ -127,8 +129,11 @@ class PagedAttention(nn.Module):
         num_tokens = q.shape[0]
         kv, d, width = self.num_kv_heads, self.head_dim, self.k_cache.shape[-1]
         num_blocks = self.k_cache.shape[0]
-        self.k_cache.view(-1, kv, width).index_copy_(0, meta.slot_mapping, self._cache_rows(k))
-        self.v_cache.view(-1, kv, width).index_copy_(0, meta.slot_mapping, self._cache_rows(v))
+        k_rows, v_rows = self._cache_rows(k), self._cache_rows(v)
+        self.k_cache.view(-1, kv, width).index_copy_(0, meta.slot_mapping, k_rows)
+        self.v_cache.view(-1, kv, width).index_copy_(0, meta.slot_mapping, v_rows)
+        if self.kv_format is not None:  # fresh prompts attend to their keys as the cache holds them, as the kernels do
+            k, v = self._read_rows(k_rows), self._read_rows(v_rows)
         out = q.new_empty(num_tokens, self.num_heads * d)
 
         if meta.num_decodes:
@@ -155,16 +160,16 @@ class PagedAttention(nn.Module):
 
     def _forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
-        kernels, fused = _fused_kernels(), meta.fused
-        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        kernels, fused, fmt = _fused_kernels(), meta.fused, self.kv_format
+        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, fmt)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if meta.num_decodes:
             kernels.paged_decode(q[: meta.num_decodes], self.k_cache, self.v_cache, fused.decode_block_table,
-                                 fused.decode_seq_lens, out, self.scale, self.sliding_window, fused.decode_splits)
+                                 fused.decode_seq_lens, out, self.scale, self.sliding_window, fused.decode_splits, fmt)
         if fused.prefill_max_query_len:
             kernels.paged_prefill(q, self.k_cache, self.v_cache, fused.prefill_block_table, fused.prefill_query_starts,
                                   fused.prefill_context_lens, fused.prefill_max_query_len, out, self.scale,
-                                  self.sliding_window)
+                                  self.sliding_window, fmt)
         return out
 
     def _decode(self, q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata) -> None:

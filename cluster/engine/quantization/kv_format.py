@@ -10,6 +10,8 @@ The scale is per token and head rather than per block and head: a block fills a 
 and a block-wide scale would have to be re-derived (and the block re-quantized) whenever a later
 token is larger. Codes: ``int8`` rounds ``x / (amax / 127)`` to the nearest integer; ``fp8_e4m3``
 rounds ``x / (amax / 448)`` to the nearest e4m3fn value (torch's ``float8_e4m3fn`` conversion).
+Both divisions are IEEE float32 divisions on every device, so the same floats give the same bytes
+on a CPU, from the native kernels, and from the Triton kernels on a GPU.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ class KVCacheFormat:
         if not self.quantized:
             return x
         x32 = x.float()
-        scale = x32.abs().amax(-1, keepdim=True) / _LIMIT[self.name]
+        # The limit as a tensor on x's device: CUDA would multiply by a Python number's reciprocal,
+        # which can differ from the division in the last bit (the CPU and the kernels divide).
+        limit = torch.full((), _LIMIT[self.name], device=x.device)
+        scale = x32.abs().amax(-1, keepdim=True) / limit
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         scaled = x32 / scale
         if self.name == "int8":
