@@ -160,6 +160,8 @@ def _spec_source(args, spec, state):
             raise UsageError("--model-shape: --hardware needs the model's shape (a name or a local model)")
         hw, shape = hardware(args.hardware), model_shape(args.model_shape)
         block = spec.kv.block_size if spec is not None else 16
+        if spec is not None:  # KV bytes per token as the topology's cache holds them
+            shape = replace(shape, kv_cache_dtype=spec.kv.cache_dtype)
         cache = {}
 
         def spec_for(role: str, tp: int):

@@ -14,12 +14,17 @@ For a worker of TP degree ``t`` (each rank holds 1/t of the weights and of the K
 
 FLOP/s and bandwidth are derated by ``mfu`` and ``mbu`` (what kernels reach in practice).
 The KV blocks a worker holds: the GPUs' memory times ``memory_fraction``, less the weights.
+KV bytes per token are those of the cache's dtype (``kv_cache_dtype``, the topology's
+``kv.cache_dtype``): an 8-bit cache holds ``head_dim + 4`` bytes a token and head against
+``2 x head_dim`` in 16 bits (:func:`cluster.engine.quantization.kv_format.row_bytes`), so it
+holds about twice the blocks, reads about half the bytes a decode step and sends half a transfer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.engine.quantization.kv_format import row_bytes
 from cluster.plan.errors import RooflineError
 from cluster.plan.simulator import WorkerSpec
 from router.cost_model import StepTimeModel
@@ -56,7 +61,8 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    bytes_per_element: int = 2
+    bytes_per_element: int = 2  # of the weights and activations, and of a cache in the model's dtype
+    kv_cache_dtype: str = "auto"  # auto (bytes_per_element), int8 or fp8_e4m3
 
     @property
     def weight_bytes(self) -> float:
@@ -64,7 +70,7 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_element
+        return 2 * self.layers * self.kv_heads * row_bytes(self.kv_cache_dtype, self.head_dim, self.bytes_per_element)
 
 
 MODELS = {

@@ -3,11 +3,14 @@ them directly (the native kernel) against dense attention over the dequantized r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from cluster.engine.kernels.paged_attention import native_decode_attention
-from cluster.engine.quantization.kv_format import KVCacheFormat
+from cluster.engine.models.read_config import load_model_config
+from cluster.engine.quantization.kv_format import KVCacheFormat, row_bytes
 from test_paged_decode_attention import dense_reference, scattered_case
 
 pytestmark = pytest.mark.unit
@@ -35,6 +38,18 @@ def test_rows_hold_codes_then_their_scale(name):
     else:  # e4m3 keeps 3 mantissa bits: half an ulp, 2^-4 of the value, or of the smallest normal's step
         bound = torch.maximum(x.abs() * 2.0**-4, scale.unsqueeze(-1) * 2.0**-10)
         assert (error <= bound * (1 + 1e-6)).all()
+
+
+def test_bytes_per_token_follow_the_cache_dtype(checkpoint):
+    """What the engine and the planner count: a row of head_dim + 4 bytes in 8 bits, of head_dim
+    elements in the model's dtype."""
+    assert row_bytes("auto", 128, 2) == 256 and row_bytes("int8", 128, 2) == row_bytes("fp8_e4m3", 128, 4) == 132
+    config = load_model_config(checkpoint("llama"))  # float32, 2 layers, 2 KV heads, head dim 16
+    layers, heads, dim = config.num_layers, config.num_kv_heads, config.head_dim
+    assert config.kv_bytes_per_token() == 2 * layers * heads * dim * 4
+    assert replace(config, kv_cache_dtype="int8").kv_bytes_per_token() == 2 * layers * heads * (dim + 4)
+    with pytest.raises(ValueError, match="kv cache dtype must be one of auto, int8, fp8_e4m3"):
+        row_bytes("fp4", 128, 2)
 
 
 def test_the_model_dtype_format_is_a_pass_through():

@@ -1,11 +1,14 @@
 """The simulator against hand-computed cases: fixed step times, one worker (or one pair), every
 time worked out by hand from the step-time model and the request path's messages."""
 
+import argparse
+from dataclasses import replace
+
 import pytest
 
 from cluster.bench.arrivals import Arrivals
 from cluster.bench.workloads import Session, Turn, Workload
-from cluster.plan.roofline import MODELS, hardware, step_model
+from cluster.plan.roofline import MODELS, hardware, step_model, worker_spec
 from cluster.plan.search import candidates, search, topology_for
 from cluster.plan.simulator import Pools, SimConfig, WorkerSpec, simulate, step_seconds
 from cluster.plan.step_models import Profile, RoleProfile, StepCollector, hop_from_corrections
@@ -161,3 +164,31 @@ def test_roofline_decode_reads_weights_and_kv():
     extra = model.decode_step_seconds(1, 100_000) - idle
     assert extra == pytest.approx(100_000 * shape.kv_bytes_per_token / (3.35e12 * 0.8), rel=1e-6)
     assert step_model(hardware("h100"), shape, tp=2).decode_step_seconds(1, 0) < idle
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3"])
+def test_roofline_counts_the_kv_bytes_of_the_cache_dtype(cache_dtype):
+    """Llama-3-8B (32 layers, 8 KV heads, head dim 128): 2 x 32 x 8 x 128 x 2 = 131,072 bytes a
+    token in 16 bits; 2 x 32 x 8 x (128 + 4) = 67,584 in 8 bits (codes and a float32 scale a row).
+    The blocks that fit, the KV a decode step reads and a transfer's tail all follow."""
+    hw, wide = hardware("h100"), MODELS["llama-3-8b"]
+    narrow = replace(wide, kv_cache_dtype=cache_dtype)
+    assert wide.kv_bytes_per_token == 131_072 and narrow.kv_bytes_per_token == 67_584
+    free = 80e9 * 0.9 - 8.03e9 * 2  # memory_fraction 0.9, less the 16-bit weights
+    assert worker_spec(hw, wide).num_blocks == int(free // (16 * 131_072)) == 26_674
+    assert worker_spec(hw, narrow).num_blocks == int(free // (16 * 67_584)) == 51_731
+    bandwidth = 3.35e12 * 0.8
+    assert step_model(hw, narrow).decode[2] == pytest.approx(67_584 / bandwidth, rel=1e-12)
+    assert step_model(hw, narrow).transfer_s_per_block == pytest.approx(16 * 67_584 / 32 / 50e9, rel=1e-12)
+
+
+def test_a_roofline_plan_takes_the_topologys_cache_dtype():
+    from cluster.cli.plan import _spec_source
+
+    args = argparse.Namespace(from_cluster=None, profile=None, hardware="h100", model_shape="llama-3-8b")
+    blocks = {}
+    for cache_dtype in ("auto", "int8"):
+        spec = parse_topology(f"model:\n  max_model_len: 4096\nkv:\n  cache_dtype: {cache_dtype}\n")
+        spec_for = _spec_source(args, spec, None)[0]
+        blocks[cache_dtype] = spec_for("decode", 1).num_blocks
+    assert blocks == {"auto": 26_674, "int8": 51_731}

@@ -20,6 +20,7 @@ from cluster.engine.models.checkpoint_quantization import (
     CheckpointQuantizationError,
     parse_checkpoint_quantization,
 )
+from cluster.engine.quantization.kv_format import row_bytes
 
 
 class ModelConfigError(ValueError):
@@ -108,8 +109,9 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one token's keys and values over every layer, as the cache holds them (``kv_cache_dtype``)."""
         element = torch.empty((), dtype=dtype or self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_layers * self.num_kv_heads * row_bytes(self.kv_cache_dtype, self.head_dim, element)
 
 
 def _require(raw: dict[str, Any], key: str, path: Path) -> Any:

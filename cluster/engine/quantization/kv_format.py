@@ -25,14 +25,26 @@ SCALE_BYTES = 4
 _LIMIT = {"int8": 127.0, "fp8_e4m3": 448.0}
 
 
+def _check_name(cache_dtype: str) -> None:
+    if cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {cache_dtype!r}")
+
+
+def row_bytes(cache_dtype: str, head_dim: int, element_bytes: int) -> int:
+    """Bytes of one token's one KV head in a ``cache_dtype`` cache (one of KV_CACHE_DTYPES) of a
+    model whose dtype is ``element_bytes`` wide: what capacity arithmetic (the planner's
+    roofline, the runner's block size) counts, without a tensor in hand."""
+    _check_name(cache_dtype)
+    return head_dim * element_bytes if cache_dtype == "auto" else head_dim + SCALE_BYTES
+
+
 @dataclass(frozen=True)
 class KVCacheFormat:
     name: str  # auto (the model's dtype), int8 or fp8_e4m3
     dtype: torch.dtype  # the model's dtype: what rows are quantized from and dequantized to
 
     def __post_init__(self) -> None:
-        if self.name not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.name!r}")
+        _check_name(self.name)
 
     @property
     def quantized(self) -> bool:
@@ -47,7 +59,7 @@ class KVCacheFormat:
         return head_dim + SCALE_BYTES if self.quantized else head_dim
 
     def row_bytes(self, head_dim: int) -> int:
-        return self.row_width(head_dim) * torch.empty((), dtype=self.storage_dtype).element_size()
+        return row_bytes(self.name, head_dim, torch.empty((), dtype=self.dtype).element_size())
 
     def quantize_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[..., head_dim] floats -> [..., row_width] cache rows."""
