@@ -414,7 +414,7 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
 
 def _check_quantization(ctx: _Context, spec: ClusterSpec, shipped: str | None) -> None:
     """``model.quantization`` and ``kv.cache_dtype`` have kernels on every pool's device (as each
-    engine will resolve them)."""
+    engine will resolve them; a GPU pool's engine on its default backend, Triton)."""
     from cluster.engine.quantization.choice import QuantizationChoiceError, resolve_quantization
 
     for role in ROLES:
