@@ -18,22 +18,26 @@ included; the 2^8 joins the scale); the two NaN codes read as +-480, as on the C
 FP8 activations (f8 weights, 16-bit activations, a GPU with FP8 tensor cores: compute capability
 >= 8.9): each activation row is quantized in the kernel, per group of 32 columns (the weight's
 groups), to e4m3 with a scale of ``max |x| / 448``, and each group is one FP8 product of 32 terms
-scaled by the row's and the weight row's group scales. The rounding to e4m3 is done with integer
-arithmetic to the nearest even value (exact before the conversion: Triton's interpreter converts
-float32 to e4m3 wrongly where the rounding carries into the exponent). ``torch._scaled_mm`` does
+scaled by the row's and the weight row's group scales (a multiply-add per output per 32 columns,
+the price of keeping the weight's own groups). Elsewhere, and for other layouts, weight-only.
+The rounding to e4m3 is done with integer arithmetic to the nearest even value (exact before the
+conversion: Triton's interpreter converts float32 to e4m3 wrongly where the rounding carries into
+the exponent). ``torch._scaled_mm`` does
 not fit this layout: its float32 scales are per tensor, per row/column or per 1x128/128x128 block,
 and its 1x32 blocks (MXFP8) take power-of-two e8m0 scales, which would change the weights.
 
-Tiles, from the number of activation rows M (each plan a few compiled variants):
+Tiles, from the number of activation rows M (M itself is not specialised on: one compiled
+variant per tile plan and layout). They are first choices, not yet measured on a GPU (none was
+at hand when this was written); ``benchmarks/quantized_gpu.py`` is the measure to tune them by.
 
 - M <= 64 (decode batches): one tile of 16, 32 or 64 rows covers the batch, 64 weight rows by
   128 columns a step (64 bytes of q4 codes per weight row). Few weight rows give few programs
-  (an 4096-row o_proj: 64), too few to keep every SM reading memory, so K is split (split-K)
+  (a 4096-row o_proj: 64), too few to keep every SM reading memory, so K is split (split-K)
   until there are about two programs per SM, each split a run of at least 4 tiles, into float32
   partial sums that a second small kernel adds (in a fixed order: the result does not depend on
   timing, unlike atomics).
-- M > 64 (prompt chunks): 128 x 128 tiles, 64 columns a step, no split (the partial sums of
-  a split would be as many bytes as the chunk's output again), programs grouped along M so a
+- M > 64 (prompt chunks): 128 x 128 tiles, 64 columns a step, no split (each split would
+  write and read back a float32 copy of the chunk's output), programs grouped along M so a
   weight tile is reused from L2 by neighbouring row tiles. The weight is still widened in the
   kernel: its cost is one conversion per weight per 128 rows, against 128 multiply-adds, and
   there is no full-width copy of the weight (a 16-bit gate/up projection of Llama-3-8B is
