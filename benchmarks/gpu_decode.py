@@ -101,7 +101,9 @@ def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 
 
 def run_ours(model_dir: Path, batches: list[int], context: int, new_tokens: int, enforce_eager: bool,
-             device: str = "cuda") -> dict:
+             device: str = "cuda", quantization: str = "none") -> dict:
+    """``quantization``: the engine's (``none``, or ``int8``/``int4``/``fp8``: the random weights
+    quantized at load; see benchmarks/quantized_gpu.py)."""
     from cluster.offline.llm import LLM
     from cluster.engine.sampling_params import SamplingParams
 
@@ -112,7 +114,8 @@ def run_ours(model_dir: Path, batches: list[int], context: int, new_tokens: int,
     started = time.perf_counter()
     llm = LLM(str(model_dir), verbose=False, dtype="bfloat16", device=device, load_format="dummy",
               block_size=BLOCK_SIZE, max_num_seqs=largest, max_model_len=max_len, num_kv_blocks=blocks,
-              max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=enforce_eager)
+              max_num_batched_tokens=8192, enable_prefix_caching=False, enforce_eager=enforce_eager,
+              quantization=quantization)
     engine = llm.engine
     runner = engine.runner
     log(f"ours: ready in {time.perf_counter() - started:.1f}s; backend {runner.attention_backend}, "

@@ -47,9 +47,10 @@ class EngineConfig:
     turns off CUDA graphs for decode steps (on by default with the Triton backend on one
     rank). ``load_format="dummy"`` fills the weights with random values instead of reading
     them (benchmarks on a model's shape). ``quantization``: ``auto`` serves a quantized checkpoint
-    on the CPU as it ships (a GGUF's blocks; a Hugging Face checkpoint's FP8, AWQ or GPTQ
-    tensors), ``none`` widens every weight to ``dtype``, ``int8``/``int4``/``fp8`` quantize a
-    float checkpoint at load (:mod:`cluster.engine.quantization.choice`).
+    as it ships (a GGUF's blocks; a Hugging Face checkpoint's FP8, AWQ or GPTQ tensors) on the
+    CPU and on CUDA's Triton backend, ``none`` widens every weight to ``dtype``,
+    ``int8``/``int4``/``fp8`` quantize a float checkpoint at load (on CUDA: not with
+    ``attention_backend="torch"``; :mod:`cluster.engine.quantization.choice`).
     """
 
     model: str

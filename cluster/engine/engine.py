@@ -160,9 +160,12 @@ class LLMEngine:
         return {"none": dtype, "gguf": f"GGUF-packed ({dtype} activations)"}.get(kind, f"{kind} ({dtype} activations)")
 
     def _quantization(self, shipped: str | None) -> str:
+        """On CUDA the quantized kernels are the Triton backend's: the backend is resolved first."""
+        device = torch.device(self.config.device)
         try:
-            return resolve_quantization(self.config.quantization, shipped, torch.device(self.config.device).type)
-        except QuantizationChoiceError as exc:
+            backend = resolve_attention_backend(self.config.attention_backend, device)
+            return resolve_quantization(self.config.quantization, shipped, device.type, backend)
+        except (BackendUnavailableError, QuantizationChoiceError) as exc:
             raise EngineConfigError(str(exc)) from None
 
     def _make_runner(self, model_dir: Path, progress, make_runner: RunnerFactory | None) -> ModelRunner:

@@ -130,6 +130,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.attention_backend = resolve_attention_backend(attention_backend, self.device)
         self.model = build_model(config, model_dir, max_model_len, group, self.device, progress, load_format)
+        if self.attention_backend == "triton":
+            self.model.use_triton_matmuls()
         self.weight_bytes = parameter_bytes(self.model)
         self.sampler = Sampler()
         self.sliding_window = config.sliding_window
@@ -209,11 +211,21 @@ class ModelRunner:
         one step of a decode and a one-token prompt chunk per decode split count, through the
         whole model. They write no KV (slot -1) and read only block 0; the outputs are dropped.
         Without this, a step that first meets a split count (a batch size, a context length)
-        stalls for the compilation, in the middle of serving."""
+        stalls for the compilation, in the middle of serving. With packed weights, a prompt chunk
+        longer than a decode tile also runs once: the quantized matmul's prompt tiles."""
         for splits in decode_split_choices():
             step = build_fused_step([0, 0], [0, 0], [-1, -1], [0, 1], [1], [[0]], [(1, 1, 1, [0])], splits,
                                     self.device)
             meta = AttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=1, fused=step.fused)
+            self.model.compute_logits(self.model(step.input_ids, step.positions, meta))
+        if self.model.packed_bytes():
+            from cluster.engine.kernels.triton_quantized_matmul import DECODE_ROWS
+
+            rows = min(DECODE_ROWS + 1, self.max_model_len)
+            blocks = [0] * -(-rows // self.block_size)
+            step = build_fused_step([0] * rows, range(rows), [-1] * rows, [rows - 1], [], [], [(0, rows, rows, blocks)],
+                                    1, self.device)
+            meta = AttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=0, fused=step.fused)
             self.model.compute_logits(self.model(step.input_ids, step.positions, meta))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -413,10 +413,10 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
 
 
 def _check_quantization(ctx: _Context, spec: ClusterSpec, shipped: str | None) -> None:
-    """``model.quantization`` has kernels on every pool's device (as each engine will resolve it).
-    ``kv.cache_dtype`` needs no check: every attention path reads an 8-bit cache (the native CPU
-    kernels, the Triton kernels on a GPU, and the plain-torch path, which dequantizes rows with
-    torch on any device)."""
+    """``model.quantization`` has kernels on every pool's device (as each engine will resolve it;
+    a GPU pool's engine on its default backend, Triton). ``kv.cache_dtype`` needs no check: every
+    attention path reads an 8-bit cache (the native CPU kernels, the Triton kernels on a GPU, and
+    the plain-torch path, which dequantizes rows with torch on any device)."""
     from cluster.engine.quantization.choice import QuantizationChoiceError, resolve_quantization
 
     for role in ROLES:

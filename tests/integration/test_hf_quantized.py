@@ -112,13 +112,14 @@ def test_none_widens_to_the_same_weights(quantized):
             assert torch.equal(ours[fused].weight, expected_layer(dequantized, layer, parts))
 
 
-def test_auto_on_cuda_and_none_widen(quantized):
+def test_auto_on_cudas_torch_backend_and_none_widen(quantized):
     from cluster.engine.quantization.choice import resolve_quantization
 
     path, _, _ = quantized("ct-channel")
     method = load_model_config(path).quant_method
     assert method == "compressed-tensors"
-    assert resolve_quantization("auto", method, "cuda") == resolve_quantization("none", method, "cpu") == "none"
+    assert resolve_quantization("auto", method, "cuda", "torch") == resolve_quantization("none", method, "cpu") == "none"
+    assert resolve_quantization("auto", method, "cuda", "triton") == "checkpoint"
     with pytest.raises(ValueError, match=r"int8: the checkpoint \(compressed-tensors\) is already quantized"):
         resolve_quantization("int8", method, "cpu")
 

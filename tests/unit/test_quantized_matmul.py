@@ -26,27 +26,11 @@ from cluster.engine.kernels.quantized_matmul import (
     quantized_linear_into,
 )
 from cluster.engine.quantization.packed import PackedWeight, stack_rows
+from packed_weights import KINDS, packed
 
 pytestmark = pytest.mark.unit
 
-KINDS = ["q4", "q8g32", "q8g32min", "q8g16", "f8"]
 F8_NAN_CODES = (0x7F, 0xFF)
-
-
-def packed(kind: str, rows: int, cols: int, seed: int = 0) -> PackedWeight:
-    g = torch.Generator().manual_seed(seed)
-    group = 16 if kind == "q8g16" else 32
-    scales = torch.rand(rows, cols // group, generator=g) * 0.02 + 0.001
-    if kind == "q4":
-        codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
-        return PackedWeight("q4", 32, codes, scales, -8 * scales)
-    if kind == "f8":  # every code but the two NaNs, subnormals and +-0 among them
-        codes = torch.randint(0, 254, (rows, cols), dtype=torch.uint8, generator=g)
-        codes += (codes >= 0x7F).to(torch.uint8)
-        return PackedWeight("f8", 32, codes, scales, None)
-    codes = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=g)
-    mins = torch.randn(rows, cols // group, generator=g) * 0.1 if kind == "q8g32min" else None
-    return PackedWeight("q8", group, codes, scales, mins)
 
 
 def check_close(out: torch.Tensor, x: torch.Tensor, weight: PackedWeight) -> None:

@@ -1,5 +1,7 @@
 """``x @ W.T`` with W a :class:`PackedWeight`: the native CPU kernel (``quantized_matmul.c``),
-or dequantize-then-matmul where it does not apply (no compiler, not float32, not on the CPU).
+or dequantize-then-matmul where it does not apply (no compiler, not float32). On CUDA, and on
+the CPU for an engine on the Triton backend (under ``TRITON_INTERPRET=1``, in tests),
+:func:`packed_linear` takes the Triton kernel (``triton_quantized_matmul``) instead.
 
 Past ``DENSE_FROM_ROWS`` activation rows (a long prompt chunk) the weight is widened once and
 torch's matmul runs: there the arithmetic, not the weight's bytes, bounds the step, and the
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +92,21 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     return out.view(*x.shape[:-1], weight.rows)
 
 
-def packed_linear(x: torch.Tensor, parts: tuple[tuple[int, PackedWeight], ...], out_features: int) -> torch.Tensor:
+@cache
+def _triton_kernel() -> ModuleType:
+    """The Triton kernel's module, imported on first use (Triton is optional)."""
+    from cluster.engine.kernels import triton_quantized_matmul
+
+    return triton_quantized_matmul
+
+
+def packed_linear(x: torch.Tensor, parts: tuple[tuple[int, PackedWeight], ...], out_features: int,
+                  triton: bool = False) -> torch.Tensor:
     """``x @ W.T`` for a weight kept as packed row blocks ``(first row, part)`` (q, k and v of one
-    layer may ship in different GGUF types), computed in float32 and returned in x's dtype."""
+    layer may ship in different GGUF types), returned in x's dtype: on CUDA or with ``triton``
+    through the Triton kernel (float32 accumulation), else computed in float32 on the CPU."""
+    if triton or x.device.type == "cuda":
+        return _triton_kernel().packed_linear(x, parts, out_features)
     rows = x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.float32 or rows.stride(-1) != 1:
         rows = rows.to(torch.float32).contiguous()

@@ -203,6 +203,13 @@ class CausalLM(nn.Module):
         else:
             self.lm_head.finish_loading()
 
+    def use_triton_matmuls(self) -> None:
+        """Packed layers multiply with the Triton kernel: on an engine on the Triton backend (on
+        CUDA they do anyway; on the CPU this is the interpreter's engine, in tests)."""
+        for module in self.modules():
+            if isinstance(module, (ShardedLinear, ParallelLMHead)):
+                module.triton_matmul = True
+
     def packed_bytes(self) -> int:
         tables = [self.model.embed_tokens] + ([] if self.config.tie_word_embeddings else [self.lm_head])
         linears = [m for m in self.modules() if isinstance(m, ShardedLinear)]

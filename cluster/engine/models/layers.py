@@ -13,8 +13,10 @@ repacking only its rows or columns (a row-parallel cut off the kernel's 32-colum
 that layer on the rank); ``int8``/``int4``/``fp8`` quantize a float weight once it is loaded (a
 cut through their groups keeps the rank's columns widened, with the values quantizing the whole
 weight gives). A packed linear layer multiplies through
-:func:`cluster.engine.kernels.quantized_matmul.packed_linear`; embeddings widen only the rows
-they look up. ``finish_loading`` turns what was read into that form, once every tensor is in.
+:func:`cluster.engine.kernels.quantized_matmul.packed_linear` (the Triton kernel on CUDA, or
+where ``triton_matmul`` is set: an engine on the Triton backend); embeddings widen only the rows
+they look up. ``finish_loading`` turns what was read into that form, on the layer's device, once
+every tensor is in.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class ShardedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: tuple[tuple[int, PackedWeight], ...] = ()  # (first row, part), once loaded packed
+        self.triton_matmul = False  # multiply packed weights with the Triton kernel (also off CUDA)
         self._packed_parts: dict[int, PackedWeight] = {}
 
     def _load(self, param: nn.Parameter, loaded: Any, dim: int, start: int, size: int, offset: int | None,
@@ -179,14 +182,16 @@ class ShardedLinear(nn.Module):
             self.packed = ((0, quantize(self.weight, self.quantization)),)
         else:
             return
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        device = self.weight.device
+        self.packed = tuple((first, part.to(device)) for first, part in self.packed)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device)
 
     def packed_bytes(self) -> int:
         return sum(part.nbytes for _, part in self.packed)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return packed_linear(x, self.packed, self.out_features)
+            return packed_linear(x, self.packed, self.out_features, self.triton_matmul)
         return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,6 +292,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.packed: PackedWeight | None = None  # the table kept as the checkpoint's codes, once loaded
+        self.triton_matmul = False  # an output head multiplies by a packed table with the Triton kernel
         self._loaded_packed: PackedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -299,7 +305,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def finish_loading(self) -> None:
         if self._loaded_packed is not None:
-            self.packed, self._loaded_packed = self._loaded_packed, None
+            self.packed, self._loaded_packed = self._loaded_packed.to(self.weight.device), None
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def packed_bytes(self) -> int:
@@ -336,7 +342,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            logits = packed_linear(hidden, ((0, self.packed),), self.per_rank)
+            logits = packed_linear(hidden, ((0, self.packed),), self.per_rank, self.triton_matmul)
         else:
             logits = F.linear(hidden, self.weight)
         if self.group.size > 1:

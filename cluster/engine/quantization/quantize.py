@@ -35,7 +35,7 @@ def quantize(weight: torch.Tensor, kind: str) -> PackedWeight:
     if not quantizable(weight):
         raise ValueError(f"a weight of shape {tuple(weight.shape)} does not split into groups of {GROUP}")
     rows = weight.shape[0]
-    w = weight.detach().to(torch.float32).cpu().view(rows, -1, GROUP)
+    w = weight.detach().to(torch.float32).view(rows, -1, GROUP)  # on the weight's device
     if kind == "fp8":
         scales = _scales(w.abs().amax(-1), F8_MAX)
         values = (w / scales.unsqueeze(-1)).clamp_(-F8_MAX, F8_MAX)
