@@ -215,6 +215,9 @@ def engine_runner(kv_port: KVPortFactory | None = None) -> RunnerFactory:
     def make(cfg: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int,
              progress) -> ModelRunner:
         if cfg.tensor_parallel_size == 1:
+            # Ray starts actors with OMP_NUM_THREADS=1 (fractional CPUs): without this a one-rank
+            # worker would step on one thread whatever the machine has.
+            torch.set_num_threads(cfg.num_threads or threads_per_rank(1))
             return single_rank_runner(cfg, model_config, model_dir, max_model_len, progress, kv_port)
         try:
             check_tensor_parallel(model_config, cfg.tensor_parallel_size)

@@ -53,6 +53,11 @@ def ensure_ray(cluster: str, address: str | None = None, num_cpus: int | None = 
 
     if ray.is_initialized():
         return ray
+    # Ray starts worker processes at nice 15 so that its driver stays responsive. Here the
+    # workers are the service: at 15 every process at 0 (the API's clients, Ray's own daemons)
+    # preempted the decode step (1 stream: 128 against 141 tokens/s at 0, 2 cores). Read by the
+    # raylet this process starts; a node started by `ray start` takes it from its environment.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     if address:
         ray.init(address=address, namespace=cluster, log_to_driver=True)
     else:

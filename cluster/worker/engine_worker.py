@@ -142,12 +142,14 @@ class EngineWorker:
         """What ``tandem status`` shows of this worker. Its state is ``alive`` while the thread
         that steps its engine runs, ``stopped`` once it ended (a step raised): such a worker
         answers calls but cannot generate, and the ingress's health check counts it out."""
+        import torch  # loaded with the engine already; not with the class (see __init__)
+
         engine = self.engine
         state = "alive" if self._stepper.is_alive() else "stopped"
         with self._lock:
             scheduler, blocks, stats = engine.scheduler, engine.block_manager, engine.stats
             return {"name": self.name, "role": self.role, "tp": engine.config.tensor_parallel_size, "state": state,
-                    "pid": os.getpid(),
+                    "pid": os.getpid(), "threads": torch.get_num_threads(),
                     "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks, "kv_blocks": blocks.num_blocks,
                     "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                     "receiving": len(scheduler.receiving), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,

@@ -231,3 +231,18 @@ def test_a_transfer_group_closed_by_a_timeout_is_rebuilt_and_carries_kv_again(ch
         assert [sent[o.request_id] for o in after] == [("prefill-0", 4), ("prefill-0", 3)]
         wait_for(lambda: llm.worker_free_blocks() == ([BLOCKS], [BLOCKS]), timeout_s=60,
                  what="every block to be free again", every_s=0.2)
+
+
+def test_workers_run_at_nice_0_on_every_cpu_they_were_given(checkpoint):
+    """Ray starts its workers at nice 15 and with OMP_NUM_THREADS=1: a worker left so would step
+    on one thread, behind every other process on its node (ensure_ray and engine_runner undo both)."""
+    import os
+
+    from cluster.parallel.tp_runner import threads_per_rank
+
+    with disaggregated(checkpoint("llama")) as llm:
+        statuses = llm.worker_status()
+        assert {s["role"] for s in statuses} == {"prefill", "decode"}
+        for status in statuses:
+            assert status["threads"] == threads_per_rank(status["tp"]), status
+            assert os.getpriority(os.PRIO_PROCESS, status["pid"]) == 0, status

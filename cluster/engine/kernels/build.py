@@ -25,8 +25,8 @@ from cluster.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
-LINK_FLAGS = ("-shared", "-fopenmp")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-fPIC", "-std=c11", "-D_POSIX_C_SOURCE=200809L")
+LINK_FLAGS = ("-shared", "-pthread")
 
 
 class NativeKernelError(RuntimeError):

@@ -61,5 +61,5 @@ class NativeDecodeAttention:
 
 @cache
 def native_decode_attention() -> NativeDecodeAttention | None:
-    lib = load_library("paged_decode_attention")
+    lib = load_library("decode_step")  # it holds every CPU kernel: one library, so one thread pool (thread_pool.c)
     return NativeDecodeAttention(lib) if lib is not None else None

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "thread_pool.c"
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define PREFETCH_DISTANCE 8 /* tokens ahead; measured best of 0, 2, 4, 8, 16 */
 
@@ -149,6 +151,45 @@ static int64_t longest_length(const int64_t *lengths, int64_t num_requests) {
     return longest;
 }
 
+/* One call's inputs, for its tasks (a task: one request's share of kv heads). k_cache, v_cache:
+ * float or int8 rows; codes: the 8-bit cache's code values (NULL for float); per_slot: scratch
+ * floats of each thread, scores first (`scores` of them), then the accumulator. */
+typedef struct {
+    const float *q;
+    int64_t q_row_stride;
+    const void *k_cache, *v_cache;
+    const int64_t *block_tables;
+    int64_t max_blocks;
+    const int64_t *lengths;
+    int64_t splits, heads_per_task, group, num_kv_heads, head_dim, block_size, window;
+    float scale;
+    float *out;
+    int64_t out_row_stride;
+    float *scratch;
+    size_t per_slot, scores;
+    const float *codes;
+    attend_fn attend;
+} attention_args;
+
+/* The task's request, its first kv head and the first key it sees. */
+ALWAYS_INLINE void task_span(const attention_args *a, int64_t task, int64_t *r, int64_t *h0, int64_t *first) {
+    *r = task / a->splits;
+    *h0 = (task % a->splits) * a->heads_per_task;
+    const int64_t length = a->lengths[*r];
+    *first = a->window > 0 && length > a->window ? length - a->window : 0;
+}
+
+static void attention_task_f32(void *ctx, int64_t task, int slot) {
+    const attention_args *a = ctx;
+    int64_t r, h0, first;
+    task_span(a, task, &r, &h0, &first);
+    float *scratch = a->scratch + (size_t)slot * a->per_slot;
+    a->attend(a->q + r * a->q_row_stride + h0 * a->group * a->head_dim, a->k_cache, a->v_cache,
+              a->block_tables + r * a->max_blocks, first, a->lengths[r], a->block_size, a->num_kv_heads, h0,
+              h0 + a->heads_per_task, a->head_dim, a->group, a->scale,
+              a->out + r * a->out_row_stride + h0 * a->group * a->head_dim, scratch, scratch + a->scores);
+}
+
 /* Tasks per request: with few requests, each one's kv heads split over tasks so every thread has work. */
 static int64_t head_splits(int num_threads, int64_t num_requests, int64_t num_kv_heads) {
     int64_t splits = num_threads > 1 ? (4 * num_threads + num_requests - 1) / num_requests : 1;
@@ -167,27 +208,15 @@ int paged_decode_attention_f32(
     const int64_t longest = longest_length(lengths, num_requests);
     const int64_t splits = head_splits(num_threads, num_requests, num_kv_heads);
     const int64_t heads_per_task = num_kv_heads / splits;
-    int failed = 0;
-
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        const size_t rows = (size_t)(heads_per_task * group);
-        float *scratch = malloc(sizeof(float) * rows * (size_t)(longest + head_dim));
-        if (!scratch) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_requests * splits; ++task) {
-            if (!scratch) continue;
-            const int64_t r = task / splits, h0 = (task % splits) * heads_per_task;
-            const int64_t length = lengths[r];
-            const int64_t first = window > 0 && length > window ? length - window : 0;
-            attend(q + r * q_row_stride + h0 * group * head_dim, k_cache, v_cache, block_tables + r * max_blocks,
-                   first, length, block_size, num_kv_heads, h0, h0 + heads_per_task, head_dim, group, scale,
-                   out + r * out_row_stride + h0 * group * head_dim, scratch,
-                   scratch + rows * (size_t)longest);
-        }
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+    const size_t rows = (size_t)(heads_per_task * group), per_slot = rows * (size_t)(longest + head_dim);
+    float *scratch = malloc(sizeof(float) * per_slot * (size_t)(num_threads > 1 ? num_threads : 1));
+    if (!scratch) return -1;
+    attention_args args = {q, q_row_stride, k_cache, v_cache, block_tables, max_blocks, lengths, splits,
+                           heads_per_task, group, num_kv_heads, head_dim, block_size, window, scale, out,
+                           out_row_stride, scratch, per_slot, rows * (size_t)longest, NULL, attend};
+    pool_run(num_requests * splits, attention_task_f32, &args, num_threads);
+    free(scratch);
+    return 0;
 }
 
 /*
@@ -265,6 +294,18 @@ static float e4m3fn_value(uint8_t byte) {
 
 /* As paged_decode_attention_f32, over an 8-bit cache ([blocks, block_size, kv_heads, head_dim + 4]
  * int8); fp8 nonzero: codes are e4m3fn, else int8. */
+static void attention_task_8bit(void *ctx, int64_t task, int slot) {
+    const attention_args *a = ctx;
+    int64_t r, h0, first;
+    task_span(a, task, &r, &h0, &first);
+    float *scratch = a->scratch + (size_t)slot * a->per_slot;
+    attend_one_8bit(a->q + r * a->q_row_stride + h0 * a->group * a->head_dim, a->k_cache, a->v_cache,
+                    a->block_tables + r * a->max_blocks, first, a->lengths[r], a->block_size, a->num_kv_heads, h0,
+                    h0 + a->heads_per_task, a->head_dim, a->group, a->scale, a->codes,
+                    a->out + r * a->out_row_stride + h0 * a->group * a->head_dim, scratch, scratch + a->scores,
+                    scratch + a->scores + (size_t)(a->heads_per_task * a->group * a->head_dim));
+}
+
 int paged_decode_attention_8bit(
     const float *q, int64_t q_row_stride, const int8_t *k_cache, const int8_t *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *lengths, int64_t num_requests,
@@ -276,26 +317,14 @@ int paged_decode_attention_8bit(
     const int64_t longest = longest_length(lengths, num_requests);
     const int64_t splits = head_splits(num_threads, num_requests, num_kv_heads);
     const int64_t heads_per_task = num_kv_heads / splits;
-    int failed = 0;
-
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        const size_t rows = (size_t)(heads_per_task * group);
-        float *scratch = malloc(sizeof(float) * (rows * (size_t)(longest + head_dim) + (size_t)head_dim));
-        if (!scratch) failed = 1;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_requests * splits; ++task) {
-            if (!scratch) continue;
-            const int64_t r = task / splits, h0 = (task % splits) * heads_per_task;
-            const int64_t length = lengths[r];
-            const int64_t first = window > 0 && length > window ? length - window : 0;
-            attend_one_8bit(q + r * q_row_stride + h0 * group * head_dim, k_cache, v_cache,
-                            block_tables + r * max_blocks, first, length, block_size, num_kv_heads, h0,
-                            h0 + heads_per_task, head_dim, group, scale, codes,
-                            out + r * out_row_stride + h0 * group * head_dim, scratch,
-                            scratch + rows * (size_t)longest, scratch + rows * (size_t)(longest + head_dim));
-        }
-        free(scratch);
-    }
-    return failed ? -1 : 0;
+    const size_t rows = (size_t)(heads_per_task * group);
+    const size_t per_slot = rows * (size_t)(longest + head_dim) + (size_t)head_dim;
+    float *scratch = malloc(sizeof(float) * per_slot * (size_t)(num_threads > 1 ? num_threads : 1));
+    if (!scratch) return -1;
+    attention_args args = {q, q_row_stride, k_cache, v_cache, block_tables, max_blocks, lengths, splits,
+                           heads_per_task, group, num_kv_heads, head_dim, block_size, window, scale, out,
+                           out_row_stride, scratch, per_slot, rows * (size_t)longest, codes, NULL};
+    pool_run(num_requests * splits, attention_task_8bit, &args, num_threads);
+    free(scratch);
+    return 0;
 }

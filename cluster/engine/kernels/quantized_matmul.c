@@ -15,7 +15,7 @@
  * dequantized weight only in the order of additions.
  *
  * A tile is up to 4 output features by up to 4 activation rows: 16 accumulators, each x vector
- * loaded once for 4 features and each widened weight used for 4 rows. Threads split the features.
+ * loaded once for 4 features and each widened weight used for 4 rows. The pool's threads (thread_pool.c) take 16 features at a time, each from its own share first.
  *
  * Why not torch's packed kernels: on a 2-core AVX-512 machine (torch 2.13) _weight_int8pack_mm
  * takes 564 us and _weight_int4pack_mm_for_cpu 1267 us for a 576 x 3072 weight at one row, against
@@ -23,6 +23,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "thread_pool.c"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TILE 4
@@ -180,27 +182,37 @@ ALWAYS_INLINE void any_tile(const int kind, int mb, int nb, const float *x, int6
     }
 }
 
-static void matmul(const int kind, const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t n,
-                   const uint8_t *codes, int64_t code_stride, const float *scales, const float *mins, int64_t groups,
-                   const float *sums, float *y, int64_t y_stride, int num_threads) {
-    const int64_t scale_stride = groups, tiles = (n + TILE - 1) / TILE;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t n0 = t * TILE;
+typedef struct {
+    int kind;
+    const float *x;
+    int64_t x_stride, m, k, n;
+    const uint8_t *codes;
+    int64_t code_stride;
+    const float *scales, *mins;
+    int64_t groups;
+    const float *sums;
+    float *y;
+    int64_t y_stride;
+} matmul_args;
+
+#define TILES_PER_TASK 4 /* 16 features: a thread reads its share in order (thread_pool.c), so tasks can be small */
+
+/* Output features [task * TILES_PER_TASK * TILE, ...) for every activation row; one function per
+ * kind, so each is compiled with its kind a constant. */
+ALWAYS_INLINE void matmul_features(const int kind, const matmul_args *a, int64_t task) {
+    const float *x = a->x, *scales = a->scales, *mins = a->mins, *sums = a->sums;
+    const uint8_t *codes = a->codes;
+    float *y = a->y;
+    const int64_t n = a->n, m = a->m, k = a->k, groups = a->groups, x_stride = a->x_stride;
+    const int64_t code_stride = a->code_stride, y_stride = a->y_stride;
+    const int64_t first = task * TILES_PER_TASK * TILE;
+    const int64_t last = first + TILES_PER_TASK * TILE < n ? first + TILES_PER_TASK * TILE : n;
+    for (int64_t n0 = first; n0 < last; n0 += TILE) {
         const int nb = n - n0 < TILE ? (int)(n - n0) : TILE;
         for (int64_t m0 = 0; m0 < m; m0 += TILE) {
             const int mb = m - m0 < TILE ? (int)(m - m0) : TILE;
             float out[TILE][TILE];
-            if (kind == Q4)
-                any_tile(Q4, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
-            else if (kind == Q8_G32)
-                any_tile(Q8_G32, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
-            else if (kind == F32)
-                any_tile(F32, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
-            else if (kind == F8)
-                any_tile(F8, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
-            else
-                any_tile(Q8_G16, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out);
+            any_tile(kind, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, groups, n0, out);
             for (int r = 0; r < mb; ++r)
                 for (int j = 0; j < nb; ++j) {
                     float total = out[r][j];
@@ -209,6 +221,23 @@ static void matmul(const int kind, const float *x, int64_t x_stride, int64_t m, 
                 }
         }
     }
+}
+
+#define MATMUL_TASK(KIND) \
+    static void matmul_task_##KIND(void *ctx, int64_t task, int slot) { (void)slot; matmul_features(KIND, ctx, task); }
+MATMUL_TASK(Q4)
+MATMUL_TASK(Q8_G32)
+MATMUL_TASK(Q8_G16)
+MATMUL_TASK(F32)
+MATMUL_TASK(F8)
+
+static void matmul(const int kind, const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t n,
+                   const uint8_t *codes, int64_t code_stride, const float *scales, const float *mins, int64_t groups,
+                   const float *sums, float *y, int64_t y_stride, int num_threads) {
+    matmul_args args = {kind, x, x_stride, m, k, n, codes, code_stride, scales, mins, groups, sums, y, y_stride};
+    static const pool_task tasks[] = {[Q4] = matmul_task_Q4, [Q8_G32] = matmul_task_Q8_G32,
+                                      [Q8_G16] = matmul_task_Q8_G16, [F32] = matmul_task_F32, [F8] = matmul_task_F8};
+    pool_run(task_count(n, TILES_PER_TASK * TILE), tasks[kind], &args, num_threads);
 }
 
 /* x: [m, k] (rows x_stride apart), y: [m, n] (rows y_stride apart), sums: scratch of m * k / 32 floats. */

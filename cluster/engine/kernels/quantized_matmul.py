@@ -62,7 +62,7 @@ class NativeQuantizedMatmul:
 
 @cache
 def native_quantized_matmul() -> NativeQuantizedMatmul | None:
-    lib = load_library("quantized_matmul")
+    lib = load_library("quantized_matmul")  # XXX
     return NativeQuantizedMatmul(lib) if lib is not None else None
 
 

@@ -236,6 +236,9 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
 {{- define "tandem.rayEnv" -}}
 - name: TANDEM_CACHE_DIR
   value: /var/cache/tandem
+{{- /* Ray starts its workers at nice 15; Tandem's workers are the service (see cluster/runtime/ray_runtime.py). */}}
+- name: RAY_worker_niceness
+  value: "0"
 {{- if .Values.ray.auth.enabled }}
 - name: RAY_AUTH_MODE
   value: token
