@@ -198,25 +198,39 @@ static int64_t head_splits(int num_threads, int64_t num_requests, int64_t num_kv
     return splits;
 }
 
+/* Cuts a call into tasks (a request's share of kv heads each), gives each thread its scratch and
+ * runs them on the pool; codes: an 8-bit cache's code values, NULL for a float cache. 0, or -1
+ * when the scratch memory could not be allocated. */
+static int run_attention(const float *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                         const int64_t *block_tables, int64_t max_blocks, const int64_t *lengths, int64_t num_requests,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
+                         float scale, float *out, int64_t out_row_stride, int num_threads, const float *codes,
+                         pool_task task) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t longest = longest_length(lengths, num_requests);
+    const int64_t splits = head_splits(num_threads, num_requests, num_kv_heads);
+    const int64_t heads_per_task = num_kv_heads / splits;
+    const size_t rows = (size_t)(heads_per_task * group);
+    const size_t per_slot = rows * (size_t)(longest + head_dim) + (codes ? (size_t)head_dim : 0); /* + widened row */
+    float *scratch = malloc(sizeof(float) * per_slot * (size_t)(num_threads > 1 ? num_threads : 1));
+    if (!scratch) return -1;
+    attention_args args = {q, q_row_stride, k_cache, v_cache, block_tables, max_blocks, lengths, splits,
+                           heads_per_task, group, num_kv_heads, head_dim, block_size, window, scale, out,
+                           out_row_stride, scratch, per_slot, rows * (size_t)longest, codes,
+                           codes ? NULL : pick(head_dim, group)};
+    pool_run(num_requests * splits, task, &args, num_threads);
+    free(scratch);
+    return 0;
+}
+
 int paged_decode_attention_f32(
     const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *lengths, int64_t num_requests,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
     float scale, float *out, int64_t out_row_stride, int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const attend_fn attend = pick(head_dim, group);
-    const int64_t longest = longest_length(lengths, num_requests);
-    const int64_t splits = head_splits(num_threads, num_requests, num_kv_heads);
-    const int64_t heads_per_task = num_kv_heads / splits;
-    const size_t rows = (size_t)(heads_per_task * group), per_slot = rows * (size_t)(longest + head_dim);
-    float *scratch = malloc(sizeof(float) * per_slot * (size_t)(num_threads > 1 ? num_threads : 1));
-    if (!scratch) return -1;
-    attention_args args = {q, q_row_stride, k_cache, v_cache, block_tables, max_blocks, lengths, splits,
-                           heads_per_task, group, num_kv_heads, head_dim, block_size, window, scale, out,
-                           out_row_stride, scratch, per_slot, rows * (size_t)longest, NULL, attend};
-    pool_run(num_requests * splits, attention_task_f32, &args, num_threads);
-    free(scratch);
-    return 0;
+    return run_attention(q, q_row_stride, k_cache, v_cache, block_tables, max_blocks, lengths, num_requests, num_heads,
+                         num_kv_heads, head_dim, block_size, window, scale, out, out_row_stride, num_threads, NULL,
+                         attention_task_f32);
 }
 
 /*
@@ -313,18 +327,7 @@ int paged_decode_attention_8bit(
     float scale, int fp8, float *out, int64_t out_row_stride, int num_threads) {
     float codes[256];
     for (int b = 0; b < 256; ++b) codes[b] = fp8 ? e4m3fn_value((uint8_t)b) : (float)(int8_t)b;
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t longest = longest_length(lengths, num_requests);
-    const int64_t splits = head_splits(num_threads, num_requests, num_kv_heads);
-    const int64_t heads_per_task = num_kv_heads / splits;
-    const size_t rows = (size_t)(heads_per_task * group);
-    const size_t per_slot = rows * (size_t)(longest + head_dim) + (size_t)head_dim;
-    float *scratch = malloc(sizeof(float) * per_slot * (size_t)(num_threads > 1 ? num_threads : 1));
-    if (!scratch) return -1;
-    attention_args args = {q, q_row_stride, k_cache, v_cache, block_tables, max_blocks, lengths, splits,
-                           heads_per_task, group, num_kv_heads, head_dim, block_size, window, scale, out,
-                           out_row_stride, scratch, per_slot, rows * (size_t)longest, codes, NULL};
-    pool_run(num_requests * splits, attention_task_8bit, &args, num_threads);
-    free(scratch);
-    return 0;
+    return run_attention(q, q_row_stride, k_cache, v_cache, block_tables, max_blocks, lengths, num_requests, num_heads,
+                         num_kv_heads, head_dim, block_size, window, scale, out, out_row_stride, num_threads, codes,
+                         attention_task_8bit);
 }

@@ -51,7 +51,7 @@ static struct {
     pool_task fn;
     void *ctx;
     int active; /* threads that take tasks in this run, the caller included */
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} pool = {.run = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
 
 static int64_t now_ns(void) {
     struct timespec t;
