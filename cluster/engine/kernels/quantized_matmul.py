@@ -62,7 +62,7 @@ class NativeQuantizedMatmul:
 
 @cache
 def native_quantized_matmul() -> NativeQuantizedMatmul | None:
-    lib = load_library("quantized_matmul")  # XXX
+    lib = load_library("decode_step")  # it holds every CPU kernel: one library, so one thread pool (thread_pool.c)
     return NativeQuantizedMatmul(lib) if lib is not None else None
 
 
