@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -394,6 +395,46 @@ def test_a_dead_worker_is_unavailable_then_down_stops_everything(default_cluster
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+class Throttle:
+    """Keeps processes stopped (SIGSTOP) but for a short run every ``period_s`` (SIGCONT), from a
+    thread, until ``end``; leaving the ``with`` ends it too, every process running again."""
+
+    def __init__(self, pids: list[int], run_s: float = 0.002, period_s: float = 0.025):
+        self.pids, self.run_s, self.period_s = pids, run_s, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def __enter__(self) -> "Throttle":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end()
+
+    def _signal(self, sig: int, pids) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _cycle(self) -> None:
+        while not self._stop.is_set():
+            self._signal(signal.SIGSTOP, self.pids)
+            time.sleep(self.period_s - self.run_s)
+            self._signal(signal.SIGCONT, self.pids)
+            time.sleep(self.run_s)
+
+    def end(self, keep_stopped: int | None = None) -> None:
+        """Stops cycling, with ``keep_stopped`` stopped and the others running."""
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+        if keep_stopped is not None:
+            self._signal(signal.SIGSTOP, [keep_stopped])
+        self._signal(signal.SIGCONT, [p for p in self.pids if p != keep_stopped])
+
+
 def self_signed(tmp: Path) -> tuple[Path, Path]:
     key, cert = tmp / "server.key", tmp / "server.crt"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
@@ -437,7 +478,11 @@ def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(m
         with cluster.driver() as ask:
             # A decode worker dies mid-stream: its streams resume on the other one, token-exact.
             pids = {w["name"]: w["pid"] for w in status["workers"]}
-            with client() as c, ThreadPoolExecutor(max_workers=STREAMS) as pool:
+            # Both decode workers run in short bursts while the streams start: a tiny model decodes its
+            # streams in well under the second that 12 streams' first messages take to come through
+            # the prefill workers and the ingress on a busy machine.
+            throttle = Throttle([pids["decode-0"], pids["decode-1"]])
+            with throttle, client() as c, ThreadPoolExecutor(max_workers=STREAMS) as pool:
                 streams = [iter(c.generate(LONG_PROMPT, max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True))
                            for _ in range(STREAMS)]
                 starting = [pool.submit(next, stream) for stream in streams]  # a first message says where it runs
@@ -445,14 +490,16 @@ def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(m
                 # however fast it decodes and however slowly this client reads (tokens reach the ingress
                 # as they are made; waiting for every first message let a worker finish some first).
                 victim = next(as_completed(starting)).result().decode_worker
-                os.kill(pids[victim], signal.SIGSTOP)
+                throttle.end(keep_stopped=pids[victim])
                 ask(f"ray.kill(ray.get_actor({victim!r}))")
                 firsts = [f.result() for f in starting]
                 rests = list(pool.map(list, streams))
             for first, rest in zip(firsts, rests):
                 assert [t for m in [first, *rest] for t in m.token_ids] == reference["long"]
             moved = [rest[-1].decode_worker for first, rest in zip(firsts, rests) if first.decode_worker == victim]
-            assert moved and all(worker not in ("", victim) for worker in moved)
+            where = [(first.decode_worker, [m.decode_worker for m in rest if m.decode_worker])  # for a failure
+                     for first, rest in zip(firsts, rests)]
+            assert moved and all(worker not in ("", victim) for worker in moved), (victim, where)
             # An ingress replica dies: new calls are served at once by the other.
             replicas = [p for p in psutil.process_iter(["cmdline"])
                         if "ServeReplica:e2e-tp2:grpc-ingress" in " ".join(p.info["cmdline"] or [])]
