@@ -14,9 +14,10 @@ Q4_1, ``cluster/default_model``) from the same file; they run one at a time, nev
 
 The workload is the same for both: a story prompt of about 20 tokens, greedy, ``ignore_eos`` so
 that every request produces exactly ``--max-tokens`` tokens, streamed from ``/v1/completions``
-(``stream: true``, usage in the last chunk; httpx, a connection per request). A warm-up request first, then for each concurrency
-level c (closed loop: c streams, each sending its next request when the last one ended)
-``--requests-per-stream`` x c requests (at least 3 at one stream). Both servers keep a prefix
+(``stream: true``, usage in the last chunk; httpx, a connection per request). A warm-up request
+first, then for each concurrency level c (closed loop: c streams, each sending its next request
+when the last one ended) ``--requests-per-stream`` x c requests (at least 10 at one stream: the
+goals compare its medians, and a median of 3 swung by 2x between runs). Both servers keep a prefix
 cache, and every request has the same prompt, so both serve it from their cache after the first.
 
 Reported per server and level, at the client: TTFT p50 (to the first chunk with text), the
@@ -74,6 +75,7 @@ GOAL_ONE_STREAM = 1.0  # Tandem's per-stream tokens/s over llama.cpp's, one stre
 GOAL_AGGREGATE = 1.2  # ... aggregate tokens/s, 32 streams
 GOAL_AGGREGATE_STREAMS = 32
 GOAL_TTFT = 1.0  # ... TTFT p50, at most
+MIN_SINGLE_STREAM_REQUESTS = 10
 
 
 def log(message: str) -> None:
@@ -221,7 +223,7 @@ async def measure(run: ServerRun, base: str, args) -> None:
         if not warm.ok:
             raise RuntimeError(f"{run.name}: the warm-up request failed")
         for concurrency in args.concurrency:
-            requests = max(3 if concurrency == 1 else 1, args.requests_per_stream * concurrency)
+            requests = max(MIN_SINGLE_STREAM_REQUESTS if concurrency == 1 else 1, args.requests_per_stream * concurrency)
             run.levels.append(await run_level(client, base, body, concurrency, requests,
                                               f"{run.name}, {concurrency} streams", args.request_timeout))
 
@@ -411,7 +413,7 @@ def report(runs: list[ServerRun], model: Path, args, llama_note: str) -> None:
     print_table("start-up", [(run.name, f"{run.startup_s:.1f}", STARTUP_SPANS[run.name]) for run in runs],
                 ("server", "seconds", "from ... to ..."))
     print_table(f"per server and level (closed loop; {args.requests_per_stream} requests per stream, "
-                "at least 3 at one; rates in tokens/s at the client)", level_rows(runs),
+                f"at least {MIN_SINGLE_STREAM_REQUESTS} at one; rates in tokens/s at the client)", level_rows(runs),
                 ("server", "streams", "requests", "failed", "seconds", "TTFT p50 ms", "per-stream decode tok/s",
                  "aggregate tok/s"))
     by_name = {run.name: run for run in runs}
@@ -445,7 +447,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=concurrency_levels, default=[1, 8, 32],
                         help="concurrent streams per level, comma-separated (default 1,8,32)")
     parser.add_argument("--requests-per-stream", type=int, default=2,
-                        help="requests per level: this x its streams (at least 3 at one stream)")
+                        help=f"requests per level: this x its streams (at least {MIN_SINGLE_STREAM_REQUESTS} at one stream)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens out of every request")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take")
     parser.add_argument("--llama-server", type=Path,

@@ -36,15 +36,12 @@ from cluster.engine.models.attention import AttentionMetadata, PrefillSpan, visi
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.layers import SINGLE_RANK, ParallelGroup
 from cluster.engine.models.loader import build_model, parameter_bytes
-from cluster.engine.kernels.quantized_matmul import DENSE_FROM_ROWS
 from cluster.engine.models.native_step import native_decode_step
 from cluster.engine.quantization.kv_format import KVCacheFormat
 from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from cluster.engine.scheduler import SchedulerOutput
 
-
-NATIVE_MAX_ROWS = DENSE_FROM_ROWS - 1  # the fused step's widest step: beyond, the torch path's widened matmuls
 
 
 @dataclass(frozen=True)
@@ -394,12 +391,13 @@ class ModelRunner:
         return logits
 
     def _native_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Each row's context length and block table for the fused CPU step, or None where the step
-        is the torch path's: more than ``NATIVE_MAX_ROWS`` rows (a long prompt chunk, where widened
-        weights and torch's matmul win). A prompt token is a row attending to the cache up to its
-        own position: every row's keys and values are written before any row attends."""
+        """Each row's context length and block table for the fused CPU step (None for an empty
+        step). A prompt token is a row attending to the cache up to its own position: every row's
+        keys and values are written before any row attends. Steps of every width run there: its
+        matmuls beat widened weights and torch's from 1 row to 2,048 (``quantized_matmul.py``), and
+        a 512-token prompt of the default model took 599 ms against 883 through the torch path."""
         plan, meta = inputs.plan, inputs.meta
-        if not plan.input_ids or len(plan.input_ids) > NATIVE_MAX_ROWS:
+        if not plan.input_ids:
             return None
         if not plan.prefills:  # a decode-only step: build_inputs made both already
             return meta.decode_lens, meta.decode_block_table

@@ -28,7 +28,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import save_file
 
-from cluster.engine.model_runner import NATIVE_MAX_ROWS, PrefillPlan, StepPlan
+from cluster.engine.model_runner import PrefillPlan, StepPlan
 from cluster.offline.llm import LLM
 from test_gguf import gguf_file, gguf_model, transformers_model  # noqa: F401  (gguf_model is a fixture)
 
@@ -45,7 +45,6 @@ def teacher_forced_logits(llm: LLM, token_ids: list[int], fused: bool = True) ->
     otherwise idle engine), through the fused decode step unless ``fused`` is off."""
     runner = llm.engine.runner
     assert (runner.native_step is not None) == fused
-    assert CHUNK <= NATIVE_MAX_ROWS  # a wider step would leave the fused step for the torch path
     bs, n = runner.block_size, len(token_ids) - 1
     chunks = []
     for start in range(0, n, CHUNK):

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from cluster.engine.kernels.build import COMPILE_FLAGS, LINK_FLAGS, SOURCE_DIR, _compiler
 from cluster.engine.kernels.quantized_matmul import (
-    DENSE_FROM_ROWS,
     NativeQuantizedMatmul,
     native_quantized_matmul,
     quantized_linear,
@@ -112,11 +111,11 @@ def test_strided_rows_and_a_column_slice_of_the_output(kind):
     assert (out[:, :10] == 0).all() and (out[:, 31:] == 0).all()
 
 
-def test_long_prompt_chunks_take_the_widened_matmul():
-    weight = packed("q4", 40, 128)
-    x = torch.randn(DENSE_FROM_ROWS + 3, 128)
-    out = quantized_linear(x, weight)
-    torch.testing.assert_close(out, F.linear(x, weight.dequantize()), rtol=0, atol=0)
+@pytest.mark.parametrize("kind", KINDS)
+def test_long_prompt_chunks_run_the_kernel_in_row_blocks(kind):
+    weight = packed(kind, 40, 128)
+    x = torch.randn(64 * 3 + 7, 128)  # row blocks of 64 (ROW_BLOCK), and a tail of one part-filled tile
+    check_close(quantized_linear(x, weight), x, weight)
 
 
 def test_batched_input_and_stacked_parts():

@@ -196,9 +196,12 @@ typedef struct {
 } matmul_args;
 
 #define TILES_PER_TASK 4 /* 16 features: a thread reads its share in order (thread_pool.c), so tasks can be small */
+#define ROW_BLOCK 64     /* rows of x a task's features go through before the next rows: 147 KB of x at K = 576 */
 
-/* Output features [task * TILES_PER_TASK * TILE, ...) for every activation row; one function per
- * kind, so each is compiled with its kind a constant. */
+/* Output features [task * TILES_PER_TASK * TILE, ...) for every activation row, ROW_BLOCK rows at a
+ * time, so that a long prompt chunk's rows stay in the L2 cache while the task's features go over
+ * them (all rows at once re-read x from memory for every 4 features: 512 rows took 15 ms against
+ * 4 ms at 256); one function per kind, so each is compiled with its kind a constant. */
 ALWAYS_INLINE void matmul_features(const int kind, const matmul_args *a, int64_t task) {
     const float *x = a->x, *scales = a->scales, *mins = a->mins, *sums = a->sums;
     const uint8_t *codes = a->codes;
@@ -207,10 +210,12 @@ ALWAYS_INLINE void matmul_features(const int kind, const matmul_args *a, int64_t
     const int64_t code_stride = a->code_stride, y_stride = a->y_stride;
     const int64_t first = task * TILES_PER_TASK * TILE;
     const int64_t last = first + TILES_PER_TASK * TILE < n ? first + TILES_PER_TASK * TILE : n;
+    for (int64_t block = 0; block < m; block += ROW_BLOCK)
     for (int64_t n0 = first; n0 < last; n0 += TILE) {
         const int nb = n - n0 < TILE ? (int)(n - n0) : TILE;
-        for (int64_t m0 = 0; m0 < m; m0 += TILE) {
-            const int mb = m - m0 < TILE ? (int)(m - m0) : TILE;
+        const int64_t block_end = block + ROW_BLOCK < m ? block + ROW_BLOCK : m;
+        for (int64_t m0 = block; m0 < block_end; m0 += TILE) {
+            const int mb = block_end - m0 < TILE ? (int)(block_end - m0) : TILE;
             float out[TILE][TILE];
             any_tile(kind, mb, nb, x, x_stride, m0, k, codes, code_stride, scales, groups, n0, out);
             for (int r = 0; r < mb; ++r)

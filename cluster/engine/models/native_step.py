@@ -1,11 +1,10 @@
 """Describes a loaded model to the fused CPU decode step (:mod:`cluster.engine.kernels.decode_step`),
 or says why it cannot run there.
 
-The fused step serves steps of up to ``ModelRunner``'s ``NATIVE_MAX_ROWS`` rows (decode tokens
-and short prompt chunks, each prompt token a row attending to the cache up to its position) of a
-single-rank float32 model on the CPU whose weights are held quantized (``ModelConfig.quantization``
-other than ``none``); wider steps, and every other model, run the torch path, which stays the
-reference the fused step is tested against.
+The fused step serves every step (decode tokens and prompt chunks, each prompt token a row
+attending to the cache up to its position) of a single-rank float32 model on the CPU whose
+weights are held quantized (``ModelConfig.quantization`` other than ``none``); every other model
+runs the torch path, which stays the reference the fused step is tested against.
 """
 
 from __future__ import annotations
