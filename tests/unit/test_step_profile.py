@@ -127,3 +127,38 @@ def test_a_fresh_profile_stops_at_its_time_limits(model, measured, monkeypatch):
     step_profile.start_up(llm, "decode")
     assert list(llm.stats.steps) == []
     assert_nothing_left(llm)
+
+
+def test_workers_on_one_machine_measure_one_at_a_time(monkeypatch, tmp_path):
+    """A second profile waits for the first to end (another process holds the lock here), and
+    measures anyway once its wait is over."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom cluster.worker.step_profile import measuring_alone\n"
+         "with measuring_alone():\n    print('held', flush=True)\n    time.sleep(float(sys.argv[1]))", "1.5"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "TANDEM_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with step_profile.measuring_alone():
+            waited = time.monotonic() - started
+        assert waited > 1.0  # the holder kept the lock 1.5 s after it said so
+        holder.wait(timeout=60)
+    finally:
+        holder.kill()
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom cluster.worker.step_profile import measuring_alone\n"
+         "with measuring_alone():\n    print('held', flush=True)\n    time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "TANDEM_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with step_profile.measuring_alone(wait_s=0.2):
+            assert holder.poll() is None  # a holder that does not let go delays a profile, never stops it
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
