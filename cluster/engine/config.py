@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from cluster.engine.request_limits import quote
+from cluster.engine.speculative.config import SpeculativeConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
@@ -78,6 +79,7 @@ class EngineConfig:
     load_format: str = "safetensors"
     quantization: str = "auto"  # see cluster/engine/quantization/choice.py
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8_e4m3: cluster/engine/quantization/kv_format.py
+    speculative: SpeculativeConfig | None = None  # several tokens per decode step: cluster/engine/speculative
 
     def __post_init__(self) -> None:
         positive = {
@@ -117,6 +119,8 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {quote(self.kv_cache_dtype)}"
             )
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise EngineConfigError(f"speculative must be a SpeculativeConfig or None, got {quote(self.speculative)}")
         if not isinstance(self.enforce_eager, bool):
             raise EngineConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         share = self.kv_memory_share

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -17,6 +18,7 @@ import torch
 
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.config import EngineConfig, EngineConfigError
+from cluster.engine.kernels.threads import torch_ops_single_threaded
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
 from cluster.engine.kv_port import KVPortFactory
 from cluster.engine.model_runner import ModelRunner, device_memory_bytes
@@ -28,6 +30,9 @@ from cluster.engine.request import FinishReason, Request, TransferTarget
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.speculative.ngram import NgramIndex
+from cluster.engine.speculative.policy import StepCost, plan_guesses, update_acceptance
+from cluster.engine.speculative.verify import accepted_prefix
 from cluster.engine.request_limits import check_request_id, check_stop_token_ids
 from cluster.engine.prompt import Prompt, prompt_token_ids
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
@@ -72,6 +77,7 @@ class StepRecord:
     prefill_attention: int = 0  # sum over prefill chunks of chunk tokens x tokens attended (the quadratic term)
     kv_blocks_sent: int = 0
     transfer_tail_s: float = 0.0  # of ``seconds``, the wait for sends after the last layer
+    guess_tokens: int = 0  # rows that checked a speculative guess (counted in neither of the above)
 
 
 @dataclass
@@ -84,6 +90,18 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: deque = field(default_factory=lambda: deque(maxlen=4096))
+    proposed_tokens: int = 0  # speculative decoding: guesses checked ...
+    accepted_tokens: int = 0  # ... and kept ...
+    verify_steps: int = 0  # ... over this many request-steps
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens a request's step emitted when it checked guesses (1 + kept guesses)."""
+        return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -148,6 +166,7 @@ class LLMEngine:
             extra_hash_keys=(self.model_config.architecture, source.name),
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.speculative = config.speculative  # None: one token per decode step
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
         self.transfer_errors: dict[str, str | None] = {}  # request id -> None (sent) or the error
@@ -325,44 +344,120 @@ class LLMEngine:
                 request.times.first_scheduled = now
                 self.stats.prompt_tokens += request.num_prompt_tokens
                 self.stats.cached_prompt_tokens += request.num_cached_tokens
-        inputs = self.runner.prepare(out)
-        logits = self.runner.execute(inputs)
+        draws = {id(r): r.generator.get_state() for r, _ in out.verifies if r.generator is not None and not r.params.greedy}
+        with self._torch_threads():
+            inputs = self.runner.prepare(out)
+            logits = self.runner.execute(inputs)
+            sampled = self.runner.sample(logits, inputs.sampling_requests) if inputs.sampling_requests else None
         self.transfer_errors.update(inputs.transfer_errors)
-        sampled = self.runner.sample(logits, inputs.sampling_requests) if inputs.sampling_requests else None
 
-        tokens: dict[str, int] = {}
+        tokens: dict[str, list[int]] = {}
         stopped: set[str] = set()
-        if sampled is not None:
-            for row, request in enumerate(inputs.sampling_requests):
-                token = tokens[request.request_id] = sampled.token_ids[row]
+        sampling: list[Request] = []  # each once, in row order
+        row = 0
+        while sampled is not None and row < len(inputs.sampling_requests):
+            request = inputs.sampling_requests[row]
+            rows = 1
+            while row + rows < len(inputs.sampling_requests) and inputs.sampling_requests[row + rows] is request:
+                rows += 1
+            sampling.append(request)
+            emitted = sampled.token_ids[row : row + rows]
+            if rows > 1:  # a verify: its guesses checked against its rows' samples, cut at a stop
+                emitted = accepted_prefix(emitted, request.spec_token_ids)
+                emitted = emitted[: self.scheduler.tokens_before_stop(request, emitted)]
+                self._count_guesses(request, rows - 1, len(emitted) - 1, draws.get(id(request)), len(emitted))
+            detokenizer = self.detokenizers.get(request.request_id)
+            for index, token in enumerate(emitted):
                 if sampled.logprobs is not None and request.params.logprobs is not None:
-                    request.logprobs.append(sampled.logprobs[row])
-                    request.top_logprobs.append(sampled.top_logprobs[row] if sampled.top_logprobs else [])
-                detokenizer = self.detokenizers.get(request.request_id)
+                    request.logprobs.append(sampled.logprobs[row + index])
+                    request.top_logprobs.append(sampled.top_logprobs[row + index] if sampled.top_logprobs else [])
                 if detokenizer is not None and detokenizer.append(token):
                     stopped.add(request.request_id)
+                    emitted = emitted[: index + 1]
+                    break
+            tokens[request.request_id] = emitted
+            row += rows
         self.scheduler.update(out, tokens, frozenset(stopped))
+        if self.speculative is not None:
+            self._propose()
 
         now = time.monotonic()
         outputs = []
-        for request in inputs.sampling_requests:
+        for request in sampling:
             if request.times.first_token is None:
                 request.times.first_token = now
-            outputs.append(self._output(request, [tokens[request.request_id]]))
-        self.stats.generated_tokens += len(tokens)
+            outputs.append(self._output(request, list(request.token_ids[-len(tokens[request.request_id]):])))
+        self.stats.generated_tokens += sum(len(t) for t in tokens.values())
         self.stats.num_steps += 1
         self.stats.steps.append(
             StepRecord(
-                num_decode_tokens=len(out.decodes),
-                num_prefill_tokens=out.num_tokens - len(out.decodes),
+                num_decode_tokens=len(out.decodes) + len(out.verifies),
+                num_prefill_tokens=out.num_tokens - len(out.decodes) - sum(n for _, n in out.verifies),
                 seconds=time.perf_counter() - started,
                 context_tokens=sum(r.num_computed_tokens for r in out.decodes),
                 prefill_attention=sum(n * r.num_computed_tokens for r, n in out.prefills),  # counts are past the step
                 kv_blocks_sent=sum(len(s.src_blocks) for s in inputs.plan.streams),
                 transfer_tail_s=inputs.transfer_tail_s,
+                guess_tokens=sum(n - 1 for _, n in out.verifies),
             )
         )
         return outputs
+
+    def _torch_threads(self):
+        """Where the fused native step runs the model, torch's own ops around it run single-threaded
+        (``kernels/threads.py``: its OpenMP threads spun through the kernels' next step)."""
+        if getattr(self.runner, "native_step", None) is not None:
+            return torch_ops_single_threaded()
+        return nullcontext()
+
+    # -- speculative decoding ---------------------------------------------------------------
+
+    def _count_guesses(self, request: Request, proposed: int, accepted: int, draws, emitted: int) -> None:
+        """Counts a verify's guesses; a seeded request's generator is put back to where one draw
+        per emitted token leaves it, as without guesses (rows past the first miss drew too)."""
+        request.num_proposed_tokens += proposed
+        request.num_accepted_tokens += accepted
+        request.acceptance = update_acceptance(request.acceptance, proposed, accepted)
+        self.stats.proposed_tokens += proposed
+        self.stats.accepted_tokens += accepted
+        self.stats.verify_steps += 1
+        if draws is not None:
+            request.generator.set_state(draws)
+            for _ in range(emitted):
+                skip_one_draw(request.generator, self.model_config.vocab_size)
+
+    def _propose(self) -> None:
+        """Guesses for the next step of every decoding request that may speculate, as many as
+        :func:`plan_guesses` finds worth their rows."""
+        spec, scheduler = self.speculative, self.scheduler
+        candidates, proposals = [], []
+        rows = 0
+        for request in scheduler.running:
+            remaining = request.num_tokens - request.num_computed_tokens
+            rows += remaining
+            if remaining != 1 or not request.num_output_tokens or not request.params.speculative:
+                continue
+            request.acceptance = update_acceptance(request.acceptance, 0, 0)  # drifts back while not guessing
+            room = min(spec.num_tokens, request.params.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens - 1)
+            if room <= 0:
+                continue
+            if request.proposer_state is None:
+                request.proposer_state = NgramIndex(spec.ngram_min, spec.ngram_max)
+            proposal = request.proposer_state.propose(request.token_ids, room)
+            if proposal:
+                candidates.append(request)
+                proposals.append(proposal)
+        if not candidates:
+            return
+        if spec.adaptive:
+            cost = StepCost.fit((s.num_decode_tokens + s.num_prefill_tokens + s.guess_tokens, s.seconds)
+                                for s in self.stats.steps if s.num_prefill_tokens <= self.config.max_num_seqs)
+            counts = plan_guesses([r.acceptance for r in candidates], [len(p) for p in proposals], rows, cost)
+        else:
+            counts = [len(p) for p in proposals]
+        for request, proposal, count in zip(candidates, proposals, counts):
+            request.spec_token_ids = proposal[:count]
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         finished = request.finished

@@ -277,6 +277,18 @@ class ModelRunner:
                 blocks = tuple(blocks[target.first_block : -(-end // bs)])
                 streams.append(KVStream(target.pair, request.request_id, blocks, target.tag_base, target.timeout_s,
                                         target.streaming))
+        for request, count in out.verifies:
+            # The last token and the guesses, each a row attending up to itself; every row samples.
+            start, end = request.num_computed_tokens, request.num_computed_tokens + count
+            blocks = request.block_ids
+            prefills.append(PrefillPlan(
+                query_start=len(input_ids), query_len=count, context_len=end, block_ids=tuple(blocks[: -(-end // bs)]),
+            ))
+            input_ids.extend([request.token_ids[start], *request.spec_token_ids[: count - 1]])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            sample_rows.extend(range(len(input_ids) - count, len(input_ids)))
+            sampling.extend([request] * count)
         plan = StepPlan(input_ids, positions, slots, decode_lens, decode_table, prefills, sample_rows, tuple(streams))
         return plan, sampling
 
@@ -421,11 +433,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """One token per row; a request with several rows in a row (a verify) has its guesses
+        before each row counted in that row's output, for penalties."""
         penalised = [r.params.has_penalties for r in requests]
+        outputs = []
+        for row, (request, penalties) in enumerate(zip(requests, penalised)):
+            if not penalties:
+                outputs.append(())
+                continue
+            guess = 0
+            while row - guess - 1 >= 0 and requests[row - guess - 1] is request:
+                guess += 1
+            outputs.append(request.output_token_ids + request.spec_token_ids[:guess])
         batch = SamplingBatch.build(
             [r.params for r in requests],
             [r.prompt_token_ids if p else () for r, p in zip(requests, penalised)],
-            [r.output_token_ids if p else () for r, p in zip(requests, penalised)],
+            outputs,
             [r.generator for r in requests],
             self.config.vocab_size,
             device=self.device,

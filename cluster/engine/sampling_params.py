@@ -22,7 +22,9 @@ class SamplingParams:
     Processing order (see DESIGN.md): penalties on the logits, then temperature, then top-k,
     top-p and min-p truncation, then the draw. ``temperature == 0`` is greedy.
     ``logprobs=n`` returns the sampled token's log-probability plus the top ``n``; the values
-    are those of the model's raw distribution, before any processing.
+    are those of the model's raw distribution, before any processing. ``speculative=False``
+    keeps the request out of speculative decoding where the engine speculates (its tokens are
+    the same either way: this only trades the guesses' rows for one token a step).
     """
 
     max_tokens: int = 16
@@ -38,6 +40,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -68,6 +71,8 @@ class SamplingParams:
             _check_int(self.logprobs, "logprobs", minimum=0, maximum=20)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be true or false, got {quote(self.ignore_eos)}")
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequestError(f"speculative must be true or false, got {quote(self.speculative)}")
         check_stops(self.stop, self.stop_token_ids)
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")

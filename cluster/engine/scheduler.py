@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from cluster.engine.block_hash import ExtraKey, cacheable_prefix_blocks, hash_token_blocks, request_hash_keys
 from cluster.engine.block_manager import BlockManager
@@ -22,23 +22,26 @@ from cluster.engine.request_limits import InvalidRequestError, quote
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: decodes (one token each) first, then prompt chunks."""
+    """One step's work: decodes (one token each) first, then prompt chunks, then verifies:
+    decodes with guesses (``Request.spec_token_ids``), their last token and each guess a row."""
 
     decodes: list[Request] = field(default_factory=list)
     prefills: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    verifies: list[tuple[Request, int]] = field(default_factory=list)  # (request, 1 + guesses)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + sum(n for _, n in self.prefills) + sum(n for _, n in self.verifies)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
     def scheduled(self) -> Iterable[tuple[Request, int]]:
         yield from ((r, 1) for r in self.decodes)
         yield from self.prefills
+        yield from self.verifies
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -145,7 +148,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            count = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
+            del request.spec_token_ids[max(0, count - 1):]  # the guesses the budget leaves room for
+            if request.spec_token_ids and not self._reserve(request, request.num_computed_tokens + count):
+                request.spec_token_ids.clear()  # guesses never take another request's blocks
+                count = 1
             if not self._reserve_until_fits(request, request.num_computed_tokens + count, out):
                 break
             self._emit(out, request, count)
@@ -226,13 +233,17 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, request: Request, count: int) -> None:
         # A decode feeds back a sampled token; the last token of a prompt (a one-token prompt,
         # a prompt one token past a cached prefix, a chunk's tail) is still a prompt chunk.
-        if count == 1 and request.num_computed_tokens == request.num_tokens - 1 and request.num_output_tokens:
+        decoding = request.num_computed_tokens == request.num_tokens - 1 and request.num_output_tokens
+        if decoding and request.spec_token_ids:
+            out.verifies.append((request, count))
+        elif count == 1 and decoding:
             out.decodes.append(request)
         else:
             out.prefills.append((request, count))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.spec_token_ids.clear()
         self.blocks.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
@@ -243,34 +254,65 @@ class Scheduler:
 
     # -- after the model ran --------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], stopped: frozenset[str] = frozenset()) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]],
+               stopped: frozenset[str] = frozenset()) -> list[Request]:
         """Advances computed counts, caches blocks that became full, appends sampled tokens and
         finishes requests that hit a stop: a token-level one, or a stop string completed by this
-        step's token (``stopped``, found by the detokenizer). Returns the requests that finished."""
+        step's last token (``stopped``, found by the detokenizer). A verify's tokens are the ones
+        its step emits (``speculative.verify``): the KV of its last token and of the guesses kept
+        is computed, and the blocks held for the others go back. Returns the requests that finished."""
         finished = []
+        verifying = {id(r) for r, _ in out.verifies}
         for request, count in out.scheduled():
-            request.num_computed_tokens += count
+            tokens = sampled.get(request.request_id)
+            tokens = [] if tokens is None else [tokens] if isinstance(tokens, int) else list(tokens)
+            guessed = id(request) in verifying
+            request.num_computed_tokens += len(tokens) if guessed else count
+            request.spec_token_ids.clear()
             self._register_full_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.token_ids.append(token)
-            reason = FinishReason.STOP if request.request_id in stopped else self._stop_reason(request, token)
-            if reason is not None:
-                self.finish(request, reason)
-                finished.append(request)
+            for index, token in enumerate(tokens):
+                request.token_ids.append(token)
+                last = index == len(tokens) - 1
+                reason = (FinishReason.STOP if last and request.request_id in stopped
+                          else self._stop_reason(request, token))
+                if reason is not None:
+                    self._register_full_blocks(request)  # a kept guess may have filled a block
+                    self.finish(request, reason)
+                    finished.append(request)
+                    break
+            if guessed and not request.finished:
+                self._register_full_blocks(request)
+                self._release_unused_blocks(request)
         return finished
+
+    def _release_unused_blocks(self, request: Request) -> None:
+        """Frees the blocks past those the request's tokens need (held for guesses not kept)."""
+        needed = _cdiv(request.num_tokens, self.block_size)
+        if len(request.block_ids) > needed:
+            self.blocks.free(request.block_ids[needed:])
+            del request.block_ids[needed:]
 
     def _register_full_blocks(self, request: Request) -> None:
         if not self.blocks.enable_prefix_caching:
             return
-        full = request.num_computed_tokens // self.block_size
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size  # a verify's kept guesses
         if full <= request.num_registered_blocks:
             return
         self._extend_hashes(request, full)
         for i in range(request.num_registered_blocks, full):
             self.blocks.cache_block(request.block_ids[i], request.block_hashes[i])
         request.num_registered_blocks = full
+
+    def tokens_before_stop(self, request: Request, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, appended in order, the request takes: up to and including the
+        first that ends it (an end-of-sequence or stop token, ``max_tokens``, the context)."""
+        params = request.params
+        for index, token in enumerate(tokens):
+            if ((token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+                    or request.num_output_tokens + index + 1 >= params.max_tokens
+                    or request.num_tokens + index + 1 >= self.max_model_len):
+                return index + 1
+        return len(tokens)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params

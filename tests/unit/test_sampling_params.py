@@ -137,7 +137,7 @@ def test_defaults_are_valid():
 def test_field_names():
     assert SamplingParams.field_names() == {
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-        "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
+        "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "speculative",
     }
 
 
@@ -163,7 +163,7 @@ def test_from_mapping_builds_every_field():
     values = {
         "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 11,
         "stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": True, "repetition_penalty": 1.1,
-        "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": 3,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": 3, "speculative": False,
     }
     params = SamplingParams.from_mapping(values)
     as_dict = dataclasses.asdict(params)

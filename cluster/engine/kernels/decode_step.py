@@ -14,6 +14,7 @@ from functools import cache
 import torch
 
 from cluster.engine.kernels.build import load_library
+from cluster.engine.kernels.threads import kernel_threads
 from cluster.engine.quantization.packed import PackedWeight
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -141,7 +142,7 @@ class NativeDecodeStep:
             self._scratch = torch.empty(needed, dtype=torch.float32)
         status = self._step(ctypes.byref(self._model), hidden.data_ptr(), rows, positions.data_ptr(), slots.data_ptr(),
                             block_table.data_ptr(), lengths.data_ptr(), self._scratch.data_ptr(),
-                            torch.get_num_threads())
+                            kernel_threads())
         if status == -1:
             raise MemoryError("native decode step could not allocate attention scratch memory")
         if status:

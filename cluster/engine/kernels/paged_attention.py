@@ -8,6 +8,7 @@ from functools import cache
 import torch
 
 from cluster.engine.kernels.build import load_library
+from cluster.engine.kernels.threads import kernel_threads
 from cluster.engine.quantization.kv_format import KVCacheFormat
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -50,7 +51,7 @@ class NativeDecodeAttention:
         common = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                   block_table.data_ptr(), block_table.shape[1], lengths.data_ptr(), num_requests,
                   heads, num_kv_heads, head_dim, k_cache.shape[1], sliding_window or 0, scale)
-        tail = (out.data_ptr(), out.stride(0), torch.get_num_threads())
+        tail = (out.data_ptr(), out.stride(0), kernel_threads())
         if kv_format is not None and kv_format.quantized:
             status = self._fn8(*common, int(kv_format.name == "fp8_e4m3"), *tail)
         else:

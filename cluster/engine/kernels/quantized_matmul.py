@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.engine.kernels.build import load_library, native_kernels_enabled
+from cluster.engine.kernels.threads import kernel_threads
 from cluster.engine.quantization.packed import PackedWeight
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -41,7 +42,7 @@ class NativeQuantizedMatmul:
         """``out[m, n] = x[m] . w[n]``; x [M, K] float32 with unit column stride, out [M, N] likewise."""
         m, k = x.shape
         n = weight.rows
-        threads = torch.get_num_threads()
+        threads = kernel_threads()
         if weight.layout == "f8":
             status = self._f8(x.data_ptr(), x.stride(0), m, k, n, weight.codes.data_ptr(), weight.scales.data_ptr(),
                               out.data_ptr(), out.stride(0), threads)

@@ -1,0 +1,81 @@
+"""How many guesses each request gets in the next step: as many as raise the step's expected
+tokens per second, from the engine's measured step times and each request's measured acceptance.
+
+A step of ``R`` rows takes about ``fixed + per_row * R`` seconds (fitted to the engine's recent
+steps, start-up profile included). A request whose guesses are each kept with probability ``a``
+emits ``1 + a + a^2 + ... + a^k`` tokens for ``k`` guesses, so its ``j``-th guess adds ``a^j``
+expected tokens and one row. Guesses are added best first while each adds more tokens than the
+rows it costs are worth at the current rate (``gain > per_row * tokens / seconds``): at batch 1
+on a CPU a row is cheap against the step's fixed cost and a well-guessed request gets several;
+in a wide batch the step is already compute-bound and a guess must be nearly sure to be made.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+ACCEPTANCE_PRIOR = 0.5  # a request's acceptance before any of its guesses were checked
+ACCEPTANCE_WEIGHT = 0.3  # weight of the latest step in a request's running acceptance
+RECOVERY = 0.05  # per step without guesses, of the gap back to the prior
+FITTED_STEPS = 256  # the most recent steps the step cost is fitted to
+MIN_FITTED_STEPS = 4
+
+
+@dataclass(frozen=True)
+class StepCost:
+    fixed_s: float
+    per_row_s: float
+
+    @classmethod
+    def fit(cls, steps: Iterable[tuple[int, float]]) -> "StepCost | None":
+        """Least squares of seconds on rows over ``(rows, seconds)``; None with too few steps or
+        a single width (then nothing says what a row costs)."""
+        points = list(steps)[-FITTED_STEPS:]
+        if len(points) < MIN_FITTED_STEPS:
+            return None
+        n = len(points)
+        mean_rows = sum(r for r, _ in points) / n
+        mean_s = sum(s for _, s in points) / n
+        spread = sum((r - mean_rows) ** 2 for r, _ in points)
+        if spread == 0:
+            return None
+        per_row = max(0.0, sum((r - mean_rows) * (s - mean_s) for r, s in points) / spread)
+        fixed = max(mean_s - per_row * mean_rows, 1e-6)
+        return cls(fixed, per_row)
+
+
+def update_acceptance(current: float, proposed: int, accepted: int) -> float:
+    """A request's running acceptance after a step that checked ``proposed`` of its guesses.
+    A step without guesses moves it back toward the prior by ``RECOVERY`` of the gap: a request
+    whose guesses stopped paying is tried again now and then, as its text may change."""
+    if not proposed:
+        return current + RECOVERY * (ACCEPTANCE_PRIOR - current) if current < ACCEPTANCE_PRIOR else current
+    return (1 - ACCEPTANCE_WEIGHT) * current + ACCEPTANCE_WEIGHT * accepted / proposed
+
+
+def plan_guesses(acceptance: Sequence[float], available: Sequence[int], rows: int,
+                 cost: StepCost | None) -> list[int]:
+    """Guesses per request: ``acceptance[i]`` and ``available[i]`` (the most request ``i`` can
+    have: its proposal's length) for the requests that may speculate; ``rows``: the step's rows
+    without guesses (every decode and prompt token). Without a fitted cost (every step so far
+    had one width), one guess each: the wider steps it makes are what the fit needs."""
+    guesses = [0] * len(acceptance)
+    if cost is None:
+        return [min(1, n) for n in available]
+    tokens = float(rows)
+    seconds = cost.fixed_s + cost.per_row_s * rows
+    heap = [(-a, i) for i, (a, n) in enumerate(zip(acceptance, available)) if n > 0 and a > 0]
+    heapq.heapify(heap)
+    while heap:
+        gain, i = heapq.heappop(heap)
+        gain = -gain
+        if gain <= cost.per_row_s * tokens / seconds:
+            break  # the best remaining guess is worth less than the row it takes
+        guesses[i] += 1
+        tokens += gain
+        seconds += cost.per_row_s
+        if guesses[i] < available[i]:
+            heapq.heappush(heap, (-gain * acceptance[i], i))
+    return guesses
