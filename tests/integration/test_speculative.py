@@ -1,0 +1,123 @@
+"""Speculative decoding through the engine: the tokens are the tokens without it.
+
+Greedy output with n-gram guesses equals ``transformers``' greedy output on random checkpoints of
+every architecture (ties aside, as in test_reference_equivalence.py) and the same engine's output
+without guesses; on the default model (the fused CPU step, where a row's logits do not depend on
+the rows beside it) greedy and seeded sampled output are identical with and without guesses,
+logprobs included. Prompts repeat themselves so that guesses are made, and every test checks that
+they were. Blocks: none held once every request ended, after rejected guesses and cancellations.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.speculative.config import SpeculativeConfig
+from cluster.offline.llm import LLM
+from conftest import ARCHITECTURES, random_prompts
+from reference_checks import assert_equivalent, reference_greedy
+
+pytestmark = pytest.mark.integration
+
+FIXED = SpeculativeConfig(num_tokens=4, adaptive=False)  # every proposal checked: the bookkeeping's test
+MAX_TOKENS = 32
+
+
+def repeating_prompts(seed: int = 3) -> list[list[int]]:
+    """Random prompts whose second half repeats their first: guesses from the first step."""
+    return [p + p for p in random_prompts([6, 11, 20, 35], seed=seed)]
+
+
+def greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS, **params) -> list[list[int]]:
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params))
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_greedy_with_guesses_equals_transformers_and_the_engine_without_them(architecture, checkpoint,
+                                                                            reference_model):
+    model_dir = checkpoint(architecture)
+    prompts = repeating_prompts()
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64) as plain:
+        expected = greedy(plain, prompts)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, speculative=FIXED) as llm:
+        ours = greedy(llm, prompts)
+        stats = llm.engine.stats
+        assert stats.proposed_tokens > 0 and stats.verify_steps > 0, "no guess was made: nothing was tested"
+        assert llm.engine.block_manager.num_free_blocks == 64
+    reference = reference_model(model_dir)
+    for prompt, tokens, plain_tokens in zip(prompts, ours, expected):
+        wanted, scores = reference_greedy(reference, prompt, MAX_TOKENS)
+        assert_equivalent(tokens, wanted, scores, reference.dtype, f"{architecture} with guesses")
+        assert_equivalent(plain_tokens, wanted, scores, reference.dtype, f"{architecture} without")
+
+
+def code_edit_prompt() -> str:
+    source = (
+        "def accepted_prefix(sampled, proposed):\n"
+        "    emitted = []\n"
+        "    for j, token in enumerate(sampled):\n"
+        "        emitted.append(token)\n"
+        "        if j >= len(proposed) or token != proposed[j]:\n"
+        "            break\n"
+        "    return emitted\n"
+    )
+    return (f"<|im_start|>user\nRepeat this code exactly, with the function renamed to kept_prefix:\n{source}"
+            "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.registry
+@pytest.mark.parametrize("speculative", [FIXED, SpeculativeConfig(num_tokens=4)], ids=["fixed", "adaptive"])
+def test_the_default_model_gives_the_same_tokens_and_logprobs_greedy_and_seeded(speculative):
+    from cluster.default_model import default_model_path
+
+    prompts = [code_edit_prompt(), "Once upon a time, in a small village at the edge of a great forest, there lived a"]
+    sampled = dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, logprobs=2)
+    runs = {}
+    for name, spec in (("off", None), ("on", speculative)):
+        with LLM(str(default_model_path()), verbose=False, num_kv_blocks=64, speculative=spec) as llm:
+            greedy_out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48))
+            seeded_out = llm.generate(prompts, [SamplingParams(max_tokens=48, seed=seed, **sampled) for seed in (1, 2)])
+            runs[name] = ([(o.token_ids, o.logprobs) for o in greedy_out], [(o.token_ids, o.logprobs)
+                                                                           for o in seeded_out])
+            if spec is not None:
+                assert llm.engine.stats.accepted_tokens > 0, "no guess was kept: nothing was tested"
+            assert llm.engine.block_manager.num_free_blocks == 64
+    assert runs["on"][0] == runs["off"][0]
+    assert runs["on"][1] == runs["off"][1]
+
+
+def test_tensor_parallel_ranks_check_guesses_as_one_rank_does(checkpoint):
+    model_dir = checkpoint("qwen2")
+    prompts = repeating_prompts(seed=5)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64) as plain:
+        expected = greedy(plain, prompts)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, speculative=FIXED, tensor_parallel_size=2,
+             cluster_name="spec-tp", engine_name="spec-tp2") as tp2:
+        assert greedy(tp2, prompts) == expected
+        assert tp2.engine.stats.verify_steps > 0
+
+
+def test_no_block_is_held_after_300_requests_with_a_third_cancelled(checkpoint):
+    model_dir = checkpoint("llama")
+    rng = random.Random(7)
+    prompts = [p + p for p in random_prompts([rng.randrange(2, 30) for _ in range(300)], seed=11)]
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=96, max_num_seqs=16, speculative=FIXED) as llm:
+        engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        cancelled = set(rng.sample(range(300), 100))
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+            for i in [i for i in cancelled if rng.random() < 0.2]:
+                engine.abort_request(f"r{i}")
+                cancelled.discard(i)
+        assert engine.stats.verify_steps > 0 and engine.stats.proposed_tokens > engine.stats.accepted_tokens
+        assert engine.block_manager.num_free_blocks == 96
+        assert not engine.scheduler.requests

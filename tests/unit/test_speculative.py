@@ -1,0 +1,165 @@
+"""Speculative decoding's parts without a model: the n-gram index, what a verify emits, the
+adaptive policy's arithmetic, the config's refusals, and the scheduler's guesses and blocks
+(block size 4, as in test_scheduler.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine.block_manager import BlockManager
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.scheduler import Scheduler
+from cluster.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
+from cluster.engine.speculative.ngram import NgramIndex
+from cluster.engine.speculative.policy import StepCost, plan_guesses, update_acceptance
+from cluster.engine.speculative.verify import accepted_prefix
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+EOS = 2
+
+
+# -- proposals ------------------------------------------------------------------------------
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_longest_first():
+    index = NgramIndex(2, 3)
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 5, 6, 7]
+    # the 3-gram [5, 6, 7] occurred at 0..2, followed by 8 9 1; the 2-gram [6, 7] last at 6..7, followed by 3
+    assert index.propose(tokens, 3) == [8, 9, 1]
+    index = NgramIndex(2, 2)
+    assert index.propose(tokens, 3) == [3, 4, 5]
+
+
+def test_ngram_never_matches_its_own_suffix_and_runs_to_the_end():
+    index = NgramIndex(2, 2)
+    assert index.propose([1, 2, 3], 4) == []  # [2, 3] only occurs as the suffix
+    assert index.propose([1, 2, 3, 1, 2], 4) == [3, 1, 2]  # what follows runs into the suffix itself
+
+
+def test_ngram_index_extended_step_by_step_equals_one_built_at_once():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    grown = NgramIndex(1, 3)
+    for end in range(1, len(tokens) + 1):
+        proposal = grown.propose(tokens[:end], 4)
+        assert proposal == NgramIndex(1, 3).propose(tokens[:end], 4), end
+
+
+def test_a_verify_emits_samples_while_they_equal_the_guesses_then_the_first_that_does_not():
+    assert accepted_prefix([7, 8, 9], [7, 8]) == [7, 8, 9]  # both kept, and the last row's token
+    assert accepted_prefix([7, 5, 9], [7, 8]) == [7, 5]  # the second row disagreed: its sample instead
+    assert accepted_prefix([4, 8, 9], [7, 8]) == [4]
+    assert accepted_prefix([4], []) == [4]
+
+
+# -- the policy ------------------------------------------------------------------------------
+
+def test_step_cost_is_the_least_squares_line_of_seconds_on_rows():
+    cost = StepCost.fit([(1, 0.006), (2, 0.007), (3, 0.008), (5, 0.010)])
+    assert cost.fixed_s == pytest.approx(0.005) and cost.per_row_s == pytest.approx(0.001)
+    assert StepCost.fit([(1, 0.006)] * 10) is None  # one width: nothing says what a row costs
+    assert StepCost.fit([(1, 0.006), (2, 0.007)]) is None  # too few steps
+
+
+def test_guesses_are_added_while_each_is_worth_its_row():
+    cost = StepCost(fixed_s=0.005, per_row_s=0.001)
+    # one request, acceptance 0.8: gains 0.8, 0.64, 0.512, ... against 0.001 * tokens / seconds:
+    # 0.8 > 1/6 ms.. -> 1.8 tokens in 7 ms (0.257); 0.64 > 0.257 -> 2.44 in 8 ms (0.305);
+    # 0.512 > 0.305 -> 2.952 in 9 ms (0.328); 0.4096 > 0.328 -> 3.3616 in 10 ms (0.336);
+    # 0.32768 < 0.336: stop at 4
+    assert plan_guesses([0.8], [8], rows=1, cost=cost) == [4]
+    assert plan_guesses([0.8], [2], rows=1, cost=cost) == [2]  # no more than the proposal has
+    assert plan_guesses([0.1], [8], rows=1, cost=cost) == [0]  # 0.1 < 1/6: not worth a row
+    # 32 rows already: a row is worth 32/37 = 0.86 tokens, more than any guess adds
+    assert plan_guesses([0.8] * 32, [8] * 32, rows=32, cost=cost) == [0] * 32
+    assert plan_guesses([0.8, 0.3], [4, 4], rows=2, cost=None) == [1, 1]  # no fit yet: one each, to measure
+
+
+def test_acceptance_follows_the_checked_guesses_and_drifts_back_while_none_are_made():
+    assert update_acceptance(0.5, 4, 4) == pytest.approx(0.65)
+    assert update_acceptance(0.5, 4, 0) == pytest.approx(0.35)
+    assert update_acceptance(0.1, 0, 0) == pytest.approx(0.12)  # 5% of the gap back to the prior 0.5
+    assert update_acceptance(0.9, 0, 0) == 0.9
+
+
+def test_the_config_refuses_what_it_cannot_serve_with_one_line():
+    with pytest.raises(SpeculativeConfigError, match="draft models are not served yet"):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(SpeculativeConfigError, match=r"speculative.num_tokens must be an integer in \[1, 16\], got 0"):
+        SpeculativeConfig(num_tokens=0)
+    with pytest.raises(SpeculativeConfigError, match="ngram_min .3. must not exceed"):
+        SpeculativeConfig(ngram_min=3, ngram_max=2)
+    with pytest.raises(SpeculativeConfigError, match="adaptive must be true or false"):
+        SpeculativeConfig(adaptive="yes")
+
+
+# -- the scheduler -----------------------------------------------------------------------------
+
+def make_scheduler(num_blocks: int = 16, budget: int = 16) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BS, enable_prefix_caching=True), budget, 8, 64)
+
+
+def decoding(sched: Scheduler, rid: str, prompt: list[int], max_tokens: int = 16, **params) -> Request:
+    """A request past its prompt step: its prompt's KV computed, one output token sampled."""
+    request = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=frozenset({EOS}))
+    sched.add(request)
+    out = sched.schedule()  # every other running request decodes a token too
+    sched.update(out, {r.request_id: 50 for r, n in out.scheduled() if r.num_computed_tokens + n == r.num_tokens})
+    assert request.status is RequestStatus.RUNNING and request.num_computed_tokens == len(prompt)
+    return request
+
+
+def test_a_decode_with_guesses_is_scheduled_as_one_row_per_guess_and_its_blocks_held_for_them():
+    sched = make_scheduler()
+    request = decoding(sched, "a", [10, 11, 12])  # 3 prompt tokens + 1 output: 4 tokens, block 0 full
+    assert request.block_ids == [0]
+    request.spec_token_ids = [60, 61, 62]
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.verifies] == [("a", 4)] and not out.decodes
+    assert out.num_tokens == 4
+    assert request.block_ids == [0, 1]  # positions 3..6: the last token's and three guesses' slots
+    # two guesses kept, the third not: the step emits 60, 61 and the third row's own token 70
+    sched.update(out, {"a": [60, 61, 70]})
+    assert request.token_ids == [10, 11, 12, 50, 60, 61, 70]
+    assert request.num_computed_tokens == 6 and request.spec_token_ids == []
+    assert request.block_ids == [0, 1]  # 7 tokens need both blocks: nothing to give back
+    request.spec_token_ids = [71, 72, 73, 74]
+    out = sched.schedule()
+    assert request.block_ids == [0, 1, 2]  # positions 6..10
+    sched.update(out, {"a": [80]})  # the first guess was wrong
+    assert request.num_computed_tokens == 7 and request.token_ids[-1] == 80
+    assert request.block_ids == [0, 1]  # 8 tokens: block 2, held for the guesses, went back
+    assert sched.blocks.num_free_blocks == 14
+
+
+def test_guesses_fit_the_token_budget_and_never_take_blocks_from_another_request():
+    sched = make_scheduler(budget=3)
+    request = decoding(sched, "a", [10, 11, 12])
+    request.spec_token_ids = [60, 61, 62, 63]
+    out = sched.schedule()
+    assert [(r.request_id, n) for r, n in out.verifies] == [("a", 3)]  # budget 3: two guesses
+    assert request.spec_token_ids == [60, 61]
+
+    sched = make_scheduler(num_blocks=2)
+    a = decoding(sched, "a", [10, 11], max_tokens=4)
+    b = decoding(sched, "b", [20, 21], max_tokens=4)  # a decoded once more meanwhile: 4 tokens in block 0
+    assert (a.num_tokens, a.block_ids, b.block_ids, sched.blocks.num_free_blocks) == (4, [0], [1], 0)
+    a.spec_token_ids = [60, 61]
+    out = sched.schedule()
+    # no free block for the guesses' slots: a decodes plainly, and b is not preempted for them
+    assert not out.preempted and not out.verifies
+    assert sorted(r.request_id for r in out.decodes) == ["a", "b"] and a.spec_token_ids == []
+
+
+def test_a_stop_among_the_emitted_tokens_finishes_the_request_and_frees_its_blocks():
+    sched = make_scheduler()
+    request = decoding(sched, "a", [10, 11, 12])
+    request.spec_token_ids = [60, 61, 62]
+    out = sched.schedule()
+    finished = sched.update(out, {"a": [60, EOS]})
+    assert finished == [request] and request.token_ids[-2:] == [60, EOS]
+    assert request.block_ids == [] and sched.blocks.num_free_blocks == 16
+    request = decoding(sched, "b", [30, 31, 32], max_tokens=3)
+    assert sched.tokens_before_stop(request, [60, 61, 62]) == 2  # one output so far, max_tokens 3
+    assert sched.tokens_before_stop(request, [EOS, 61]) == 1
