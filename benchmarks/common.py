@@ -7,6 +7,7 @@ matter"): on a shared CPU an absolute time means little, a ratio measured in one
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shutil
@@ -147,6 +148,18 @@ def percentile(values, q: float) -> float:
     if not ordered:
         return float("nan")
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type``: positive integers separated by commas (batch sizes, stream counts)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas, e.g. 1,8,32; got {text[:100]!r}")
+    return values
 
 
 def fmt_ms(seconds: float) -> str:

@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import median, print_table  # (importing common puts the repository on sys.path)
+from common import median, positive_ints, print_table  # (importing common puts the repository on sys.path)
 
 import torch
 
@@ -204,20 +204,10 @@ def machine_rows(bandwidth: float) -> list[tuple[str, str]]:
     ]
 
 
-def parse_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text[:100]!r}")
-    return sizes
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=parse_sizes, default=[1, 8, 64, 256], help="default: 1,8,64,256")
-    parser.add_argument("--hf-batches", type=parse_sizes, default=[1, 8, 64], help="default: 1,8,64")
+    parser.add_argument("--batches", type=positive_ints, default=[1, 8, 64, 256], help="default: 1,8,64,256")
+    parser.add_argument("--hf-batches", type=positive_ints, default=[1, 8, 64], help="default: 1,8,64")
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens per request (default: 1024)")
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per request (default: 128)")
     parser.add_argument("--skip-hf", action="store_true", help="ours only")

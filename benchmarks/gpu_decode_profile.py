@@ -18,11 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import median  # noqa: F401  (puts the repository on sys.path)
+from common import positive_ints  # (importing common puts the repository on sys.path)
 
 import torch
 
-from gpu_decode import BLOCK_SIZE, LLAMA3_8B, make_prompts, parse_sizes
+from gpu_decode import BLOCK_SIZE, LLAMA3_8B, make_prompts
 
 
 def event_ms(fn, repeats: int = 30) -> float:
@@ -41,7 +41,7 @@ def event_ms(fn, repeats: int = 30) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=parse_sizes, default=[1, 64])
+    parser.add_argument("--batches", type=positive_ints, default=[1, 64])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=5)

@@ -57,7 +57,7 @@ from typing import Iterator
 
 import httpx
 
-from common import machine_rows, median, num_cores, print_table
+from common import machine_rows, median, num_cores, positive_ints, print_table
 from local_cluster import LocalCluster, free_port, stop_on_sigterm
 
 PROMPT = "Once upon a time, in a small village at the edge of a great forest, there lived a"
@@ -434,17 +434,10 @@ def run_server(name: str, server, threads: str, args) -> ServerRun:
     return run
 
 
-def concurrency_levels(text: str) -> list[int]:
-    levels = [int(x) for x in text.split(",")]
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError("positive integers separated by commas, e.g. 1,8,32")
-    return levels
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=concurrency_levels, default=[1, 8, 32],
+    parser.add_argument("--concurrency", type=positive_ints, default=[1, 8, 32],
                         help="concurrent streams per level, comma-separated (default 1,8,32)")
     parser.add_argument("--requests-per-stream", type=int, default=2,
                         help=f"requests per level: this x its streams (at least {MIN_SINGLE_STREAM_REQUESTS} at one stream)")

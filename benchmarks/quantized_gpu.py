@@ -40,12 +40,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import median, print_table  # (importing common puts the repository on sys.path)
+from common import median, positive_ints, print_table  # (importing common puts the repository on sys.path)
 
 import torch
 import torch.nn.functional as F
 
-from gpu_decode import LLAMA3_8B, copy_bandwidth, log, machine_rows, parse_sizes, run_ours
+from gpu_decode import LLAMA3_8B, copy_bandwidth, log, machine_rows, run_ours
 
 # Bytes per second a device's memory is sold for, by a substring of its name (first match).
 NOMINAL_BANDWIDTH = (
@@ -217,7 +217,7 @@ def engine_table(results: dict, bandwidth: float) -> list[tuple]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=parse_sizes, default=[1, 8, 64], help="default: 1,8,64")
+    parser.add_argument("--batches", type=positive_ints, default=[1, 8, 64], help="default: 1,8,64")
     parser.add_argument("--repeats", type=int, default=30, help="replays timed per format and batch (default: 30)")
     parser.add_argument("--engine", action="store_true", help="also the whole engine's decode step per format")
     parser.add_argument("--context", type=int, default=512, help="--engine: prompt tokens per request (default: 512)")

@@ -1,0 +1,427 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, side by side in one run,
+on in-process engines (``tandem.LLM``) of the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
+
+Three engines per device, alive together, get the same requests one after another, so that a
+change in the machine's load weighs on all three:
+
+- ``off``: ``speculative=None``, one token per decode step;
+- ``ngram``: ``SpeculativeConfig(num_tokens=4)``, the adaptive policy sizing each request's guesses
+  from the engine's fitted step cost and the request's acceptance (none where they would not pay);
+- ``ngram-fixed``: the same with ``adaptive=False``: every proposal checked in full, to show what
+  the policy buys.
+
+A draft model is not served yet (``SpeculativeConfig`` refuses ``method="draft"``), so it has no
+column. On the CPU every engine takes torch threads for every usable core.
+
+Two workloads, every prompt rendered with the model's chat template, several distinct prompts
+each (cycled to fill a batch):
+
+- (a) output that repeats its prompt: a Python module of this repository (60-80 lines) to be
+  rewritten with one identifier renamed, alternating with a text of the standard library
+  (``heapq.__about__``, sections of the Python reference from ``pydoc_data``) to be summarised
+  with quotes or restated sentence by sentence;
+- (b) free chat: open questions with nothing to copy.
+
+Greedy, ``--max-tokens`` out (EOS may end a request sooner: the tokens counted are those made).
+Per engine and workload, one warm-up generate of every distinct prompt computes their KV, which
+the prefix cache then serves: a measured generate is decoding, which speculation changes, and not
+the prompts' prefill, which it does not. At batch 1 the ``--single-requests`` requests run one at
+a time, each on the three engines in turn; at a batch above 1, ``--rounds`` generates of that many
+requests, each on the three engines in turn; each engine goes first in turn.
+
+Reported per workload, batch and configuration: tokens/s (tokens over the wall time of
+``llm.generate``) and its ratio to ``off``; TPOT p50 (per request, its time after the first token
+over its tokens after the first) and its ratio; the share of guesses kept, tokens per verify
+(1 + kept guesses per request-step that checked guesses), decode tokens per request-step and the
+share of request-steps that guessed (``llm.engine.stats``, differences over the generate); and
+the requests whose greedy tokens differ from ``off``'s (must be 0). Goals (issue 24), for
+``ngram``: >= 2x ``off``'s tokens/s at batch 1 on (a), >= 1.0x at every batch on both workloads.
+A CUDA device, when there is one, runs the same at ``--gpu-batch`` (default 1, 8, 64).
+
+    .venv/bin/python benchmarks/speculative.py                                  # batches 1, 8, 32; 128 tokens
+    .venv/bin/python benchmarks/speculative.py --batch 1,8 --max-tokens 48         # about a minute on 2 cores
+    .venv/bin/python benchmarks/speculative.py --workloads a --batch 1 --single-requests 2 --max-tokens 16  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import heapq
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import REPO_ROOT, machine_rows, median, positive_ints, print_table, use_all_cores
+
+# (a): modules of this repository (60-80 lines each) and prose of the standard library.
+CODE_FILES = (
+    "cluster/kv_transfer/torch_transport.py",
+    "cluster/parallel/group.py",
+    "cluster/registry/load.py",
+    "cluster/engine/models/source.py",
+)
+REFERENCE_TOPICS = ("for", "exceptions", "booleans")  # sections of the Python reference (pydoc_data)
+HEAPQ_ABOUT_CHARS = 1800  # the first paragraphs of heapq.__about__, up to about this many characters
+TEXT_TASKS = (  # (name, instruction), taken in turn
+    ("summarise", "Summarise the following text, quoting its key sentences word for word."),
+    ("restate", "Restate the following text as a bulleted list, one bullet per sentence, keeping each sentence's "
+                "wording."),
+)
+# (b): open questions, nothing in the prompt to copy.
+CHAT_QUESTIONS = (
+    "Why do cats purr? Explain in a few paragraphs.",
+    "What makes a good teacher?",
+    "How do airplanes stay in the air?",
+    "Give me some advice for sleeping better.",
+    "Why is the sky blue?",
+    "What are the benefits of learning a second language?",
+    "Describe a walk through a forest in autumn.",
+    "How does a refrigerator keep food cold?",
+)
+COPY, CHAT = "a: edit/summarise", "b: chat"
+OFF, NGRAM, NGRAM_FIXED = "off", "ngram", "ngram-fixed"
+CONFIGS = (OFF, NGRAM, NGRAM_FIXED)
+GOAL_BATCH_ONE = 2.0  # ngram's tokens/s over off's at batch 1 on (a)
+GOAL_EVERY_BATCH = 1.0  # ... at every batch on both workloads
+WARM_UP_TOKENS = 4  # the warm-up generate: prefill and a few decode steps (and verifies)
+MAX_TOKENS_LIMIT = 4096
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+# -- the workloads ------------------------------------------------------------------------------
+
+def code_edit_prompt(path: str) -> str:
+    """The module at ``path`` with its first top-level function (else class) to be renamed."""
+    file = REPO_ROOT / path
+    if not file.is_file():
+        raise SystemExit(f"speculative.py: the workload's module {path} is missing; update CODE_FILES")
+    source = file.read_text()
+    tree = ast.parse(source).body
+    names = [n.name for n in tree if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))] or \
+        [n.name for n in tree if isinstance(n, ast.ClassDef)]
+    if not names:
+        raise SystemExit(f"speculative.py: {path} defines no top-level function or class to rename; update CODE_FILES")
+    return (f"Here is the Python module `{path}`:\n\n```python\n{source}```\n\nRewrite the whole module with "
+            f"`{names[0]}` renamed to `{names[0]}_renamed` everywhere. Reply with the complete code only.")
+
+
+def reference_texts() -> list[tuple[str, str]]:
+    """(where from, text): the first paragraphs of ``heapq.__about__``, sections of the Python reference."""
+    from pydoc_data.topics import topics
+
+    about = ""
+    for paragraph in heapq.__about__.split("\n\n"):
+        if about and len(about) + len(paragraph) > HEAPQ_ABOUT_CHARS:
+            break
+        about += paragraph + "\n\n"
+    return [("heapq.__about__", about)] + [(f"Python reference: {name!r}", topics[name]) for name in REFERENCE_TOPICS]
+
+
+def copy_prompts() -> list[tuple[str, str]]:
+    """(what, prompt): code edits alternating with texts to summarise or restate, so that any
+    few prompts hold both."""
+    edits = [(f"edit {path}", code_edit_prompt(path)) for path in CODE_FILES]
+    texts = []
+    for i, (source, text) in enumerate(reference_texts()):
+        task, instruction = TEXT_TASKS[i % len(TEXT_TASKS)]
+        texts.append((f"{task} {source}", f'{instruction}\n\n"""\n{text.strip()}\n"""'))
+    return [prompt for pair in zip(edits, texts) for prompt in pair]
+
+
+def chat_token_ids(model: Path, contents: list[str]) -> list[list[int]]:
+    """Each message as a one-turn chat, rendered with the model's template and tokenized."""
+    from cluster.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
+            for c in contents]
+
+
+def batch_of(prompts: list[list[int]], size: int, start: int = 0) -> list[list[int]]:
+    return [prompts[(start + i) % len(prompts)] for i in range(size)]
+
+
+# -- the engines --------------------------------------------------------------------------------
+
+def speculative_config(name: str, num_tokens: int):
+    from cluster.engine.speculative.config import SpeculativeConfig
+
+    return {OFF: None, NGRAM: SpeculativeConfig(num_tokens=num_tokens),
+            NGRAM_FIXED: SpeculativeConfig(num_tokens=num_tokens, adaptive=False)}[name]
+
+
+def kv_blocks(workloads: dict[str, list[list[int]]], batch: int, max_tokens: int, num_tokens: int,
+              block_size: int) -> int:
+    """Room for the largest batch of the longest requests (no sharing counted) and for every
+    distinct prompt to stay in the prefix cache between generates."""
+    prompts = [p for ps in workloads.values() for p in ps]
+    per_request = -(-(max(map(len, prompts)) + max_tokens + num_tokens + 1) // block_size)
+    return batch * per_request + sum(-(-len(p) // block_size) for p in prompts)
+
+
+def make_engines(model: Path, device: str, threads: int, workloads: dict[str, list[list[int]]], batch: int,
+                 max_tokens: int, num_tokens: int) -> dict:
+    from cluster.offline.llm import LLM
+
+    block_size = 16
+    longest = max(len(p) for ps in workloads.values() for p in ps)
+    engines = {}
+    for name in CONFIGS:
+        log(f"{device}: loading the {name} engine")
+        engines[name] = LLM(str(model), verbose=False, device=device, num_threads=threads, block_size=block_size,
+                            max_num_seqs=batch, max_model_len=longest + max_tokens + num_tokens + block_size,
+                            num_kv_blocks=kv_blocks(workloads, batch, max_tokens, num_tokens, block_size),
+                            speculative=speculative_config(name, num_tokens))
+    return engines
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+@dataclass
+class Cell:
+    """One configuration's requests at one workload and batch, summed over its generates."""
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    tpots: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    verifies: int = 0
+    request_steps: int = 0  # decode rows of requests (plain or verifying) over the generates' steps
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def tpot(self) -> float:
+        return median(self.tpots)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return 1 + self.accepted / self.verifies if self.verifies else float("nan")
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens after each request's first over the request-steps that decoded them."""
+        return (self.tokens - self.requests) / self.request_steps if self.request_steps else float("nan")
+
+    @property
+    def guessed_share(self) -> float:
+        return self.verifies / self.request_steps if self.request_steps else float("nan")
+
+
+def generate_into(cell: Cell, llm, prompts: list[list[int]], max_tokens: int) -> None:
+    from cluster.offline.llm import greedy
+
+    stats = llm.engine.stats
+    before = (stats.proposed_tokens, stats.accepted_tokens, stats.verify_steps, stats.num_steps)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, greedy(max_tokens))
+    cell.seconds += time.perf_counter() - started
+    steps = stats.num_steps - before[3]
+    cell.request_steps += sum(s.num_decode_tokens for s in list(stats.steps)[-steps:]) if steps else 0
+    cell.proposed += stats.proposed_tokens - before[0]
+    cell.accepted += stats.accepted_tokens - before[1]
+    cell.verifies += stats.verify_steps - before[2]
+    for output in outputs:
+        if output.error:
+            raise RuntimeError(f"a request failed: {output.error}")
+        made = len(output.token_ids)
+        cell.requests += 1
+        cell.tokens += made
+        cell.outputs.append(list(output.token_ids))
+        if made > 1 and output.first_token_time is not None and output.finish_time is not None:
+            cell.tpots.append((output.finish_time - output.first_token_time) / (made - 1))
+
+
+@dataclass
+class Result:
+    device: str
+    workload: str
+    batch: int
+    cells: dict[str, Cell]
+
+    def ratio(self, config: str) -> float:
+        return self.cells[config].rate / self.cells[OFF].rate
+
+    def mismatches(self, config: str) -> int:
+        return sum(a != b for a, b in zip(self.cells[config].outputs, self.cells[OFF].outputs))
+
+
+def rotated(names: tuple[str, ...], index: int) -> tuple[str, ...]:
+    """The configurations in the order round ``index`` runs them: each goes first in turn, so
+    that none always meets the machine right after another's run."""
+    shift = index % len(names)
+    return names[shift:] + names[:shift]
+
+
+def measure_device(model: Path, device: str, threads: int, workloads: dict[str, list[list[int]]],
+                   batches: list[int], args) -> list[Result]:
+    """Every workload and batch on the three engines of ``device``; the engines go at the end."""
+    from cluster.offline.llm import greedy
+
+    engines = make_engines(model, device, threads, workloads, max(batches), args.max_tokens, args.num_tokens)
+    results = []
+    try:
+        for workload, prompts in workloads.items():
+            for name, llm in engines.items():
+                log(f"{device}, {workload}: warm-up generate of {len(prompts)} prompts on {name}")
+                llm.generate(prompts, greedy(WARM_UP_TOKENS))
+            for batch in batches:
+                cells = {name: Cell() for name in CONFIGS}
+                rounds = [[p] for p in batch_of(prompts, args.single_requests)] if batch == 1 else \
+                    [batch_of(prompts, batch, start=i * batch) for i in range(args.rounds)]
+                for index, requests in enumerate(rounds):
+                    for name in rotated(CONFIGS, index):
+                        generate_into(cells[name], engines[name], requests, args.max_tokens)
+                    if len(rounds) > 1:
+                        log(f"{device}, {workload}, batch {batch}: round {index + 1}/{len(rounds)} done")
+                result = Result(device, workload, batch, cells)
+                log(f"{device}, {workload}, batch {batch}: " + ", ".join(
+                    f"{name} {cell.rate:.1f} tok/s" for name, cell in cells.items())
+                    + f"; ngram {result.ratio(NGRAM):.2f}x, ngram-fixed {result.ratio(NGRAM_FIXED):.2f}x")
+                results.append(result)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+        engines.clear()
+        gc.collect()
+    return results
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+def fmt(value: float, spec: str, suffix: str = "") -> str:
+    return "-" if value != value else f"{value:{spec}}{suffix}"  # NaN (nothing to show): a dash
+
+
+def result_rows(results: list[Result]) -> list[tuple]:
+    rows = []
+    for result in results:
+        off = result.cells[OFF]
+        for name, cell in result.cells.items():
+            spec = name != OFF
+            rows.append((result.workload, result.batch, name, cell.requests, cell.tokens, f"{cell.seconds:.2f}",
+                         f"{cell.rate:.1f}", f"{cell.rate / off.rate:.2f}x", fmt(cell.tpot * 1e3, ".2f"),
+                         fmt(cell.tpot / off.tpot, ".2f", "x"),
+                         fmt(cell.acceptance * 100, ".0f", "%") if spec else "-",
+                         fmt(cell.tokens_per_verify, ".2f") if spec else "-",
+                         fmt(cell.tokens_per_step, ".2f"),
+                         fmt(cell.guessed_share * 100, ".0f", "%") if spec else "-",
+                         result.mismatches(name) if spec else "-"))
+    return rows
+
+
+def verdict(ratio: float, goal: float) -> str:
+    return f"{ratio:.2f}x (goal >= {goal:.1f}x): " + ("met" if ratio >= goal else "NOT met")
+
+
+def goal_lines(device: str, results: list[Result]) -> list[str]:
+    """The goals for ``ngram``, and for reference ``ngram-fixed``'s worst ratio and the greedy check."""
+    lines = []
+    at_one = [r for r in results if r.workload == COPY and r.batch == 1]
+    if at_one:
+        lines.append(f"{device}: ngram / off tokens/s at batch 1 on ({COPY}): "
+                     + verdict(at_one[0].ratio(NGRAM), GOAL_BATCH_ONE))
+    else:
+        lines.append(f"{device}: ngram / off tokens/s at batch 1 on ({COPY}): not measured (batch 1 was not run)")
+    for name, judged in ((NGRAM, True), (NGRAM_FIXED, False)):
+        worst = min(results, key=lambda r: r.ratio(name))
+        where = f"({worst.workload}, batch {worst.batch})"
+        lines.append(f"{device}: {name} / off tokens/s, worst of every batch and workload {where}: "
+                     + (verdict(worst.ratio(name), GOAL_EVERY_BATCH) if judged
+                        else f"{worst.ratio(name):.2f}x (no adaptive policy; not a goal, for reference)"))
+    differ = sum(r.mismatches(name) for r in results for name in (NGRAM, NGRAM_FIXED))
+    compared = sum(r.cells[name].requests for r in results for name in (NGRAM, NGRAM_FIXED))
+    lines.append(f"{device}: greedy tokens with speculation that differ from off's: {differ} of {compared} requests"
+                 + (" (must be 0)" if differ else ""))
+    return lines
+
+
+def report(results: list[Result], device: str, args) -> None:
+    print_table(f"{device}: side by side (greedy, up to {args.max_tokens} tokens per request; batch 1: "
+                f"{args.single_requests} requests one at a time, above: {args.rounds} generates; ratios over off)",
+                result_rows(results),
+                ("workload", "batch", "config", "requests", "tokens", "seconds", "tok/s", "vs off",
+                 "TPOT p50 ms", "TPOT vs off", "accepted", "tok/verify", "tok/step", "guessed steps", "differ"))
+    print("\n" + "\n".join(goal_lines(device, results)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=positive_ints, default=[1, 8, 32],
+                        help="CPU batch sizes, comma-separated (default 1,8,32)")
+    parser.add_argument("--gpu-batch", type=positive_ints, default=[1, 8, 64],
+                        help="GPU batch sizes when CUDA is available (default 1,8,64)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens out of every request, at most")
+    parser.add_argument("--num-tokens", type=int, default=4, help="speculative num_tokens: most guesses per step")
+    parser.add_argument("--single-requests", type=int, default=8,
+                        help="requests at batch 1, one at a time (default 8: every distinct prompt once)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="generates of each batch above 1 per configuration, taken in turn (default 2)")
+    parser.add_argument("--workloads", choices=["both", "a", "b"], default="both",
+                        help="a: edit/summarise (output repeats the prompt), b: free chat")
+    args = parser.parse_args()
+    if not 2 <= args.max_tokens <= MAX_TOKENS_LIMIT:
+        parser.error(f"--max-tokens must be in [2, {MAX_TOKENS_LIMIT}], got {args.max_tokens}")
+    for flag, value in (("--single-requests", args.single_requests), ("--rounds", args.rounds)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    from cluster.engine.speculative.config import SpeculativeConfigError
+
+    try:
+        speculative_config(NGRAM, args.num_tokens)
+    except SpeculativeConfigError as exc:
+        parser.error(f"--num-tokens: {exc}")
+
+    import torch
+    from cluster.default_model import default_model_path
+
+    threads = use_all_cores()
+    model = default_model_path()
+    chosen = {"both": (COPY, CHAT), "a": (COPY,), "b": (CHAT,)}[args.workloads]
+    sources, contents = {}, {}
+    if COPY in chosen:
+        sources[COPY], contents[COPY] = zip(*copy_prompts())
+    if CHAT in chosen:
+        sources[CHAT], contents[CHAT] = CHAT_QUESTIONS, CHAT_QUESTIONS
+    workloads = {name: chat_token_ids(model, list(contents[name])) for name in chosen}
+
+    runs = {"cpu": args.batch}
+    gpu_note = None
+    if torch.cuda.is_available():
+        runs["cuda"] = args.gpu_batch
+    else:
+        gpu_note = "GPU: skipped (no CUDA device here: torch.cuda.is_available() is False)"
+    results = {device: measure_device(model, device, threads, workloads, batches, args)
+               for device, batches in runs.items()}
+
+    print_table("machine", machine_rows() + [
+        ("model file", f"{model} ({model.stat().st_size / 2**20:.0f} MiB)"),
+        ("engines", f"{', '.join(CONFIGS)} (speculative num_tokens {args.num_tokens}), {threads} torch threads each"),
+    ])
+    print_table("prompts (distinct; cycled to fill a batch)",
+                [(name, source, len(ids)) for name in workloads for source, ids in zip(sources[name], workloads[name])],
+                ("workload", "prompt", "tokens (chat template)"))
+    for device in results:
+        report(results[device], device, args)
+    if gpu_note:
+        print(f"\n{gpu_note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
