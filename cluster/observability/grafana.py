@@ -109,6 +109,23 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
               "batch, and receiving (their KV still landing).",
               ((f"max by (worker, state) (ray_tandem_worker_requests{C})", "{{worker}} {{state}}"),), width=8),
     )),
+    ("Speculative decoding", (
+        Panel("Guessed tokens proposed and accepted", "Tokens per second that each speculating worker guessed and "
+              "checked (proposed), and those it kept because they equal the model's own (accepted).",
+              ((f"sum by (worker) (rate(ray_tandem_spec_proposed_tokens_total{C}{RATE}))", "{{worker}} proposed"),
+               (f"sum by (worker) (rate(ray_tandem_spec_accepted_tokens_total{C}{RATE}))", "{{worker}} accepted")),
+              width=8),
+        Panel("Speculative acceptance rate per worker", "Share of guessed tokens kept, per worker; not drawn while "
+              "it guesses none (a worker without decode.speculative, or an adaptive one whose batch is too busy "
+              "for guesses to pay).",
+              ((f"sum by (worker) (rate(ray_tandem_spec_accepted_tokens_total{C}{RATE})) / sum by (worker) "
+                f"(rate(ray_tandem_spec_proposed_tokens_total{C}{RATE}))", "{{worker}}"),),
+              unit="percentunit", width=8, max_value=1),
+        Panel("Tokens per verify step", "Tokens a request's step emitted when it checked guesses (1 + accepted "
+              "guesses per verifying request-step), per worker: the speed-up of those steps before their cost.",
+              ((f"1 + sum by (worker) (rate(ray_tandem_spec_accepted_tokens_total{C}{RATE})) / sum by (worker) "
+                f"(rate(ray_tandem_spec_verify_steps_total{C}{RATE}))", "{{worker}}"),), width=8),
+    )),
     ("KV transfer", (
         Panel("KV received per decode worker", "Bytes of KV per second that each decode worker received from prefill "
               "workers.",
@@ -177,7 +194,7 @@ def dashboard(default_cluster: str | None = None) -> dict:
         "schemaVersion": 39, "version": 1, "refresh": "10s", "time": {"from": "now-30m", "to": "now"},
         "graphTooltip": 1,
         "description": "Tandem: goodput and SLO attainment per class, latency, router decisions, workers' KV cache "
-                       "and queues, KV transfers, migrations and failures. Panel by panel: "
+                       "and queues, speculative decoding, KV transfers, migrations and failures. Panel by panel: "
                        "helm/tandem/dashboards/README.md.",
         "annotations": {"list": []},
         "templating": {"list": [
@@ -227,7 +244,7 @@ def metric_names(board: dict) -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     """Writes tandem.json and README.md into OUT_DIR (default: helm/tandem/dashboards)."""
     argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "helm" / "tandem" / "dashboards"
+    out = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / "helm" / "tandem" / "dashboards"
     out.mkdir(parents=True, exist_ok=True)
     (out / "tandem.json").write_text(dashboard_json())
     (out / "README.md").write_text(panel_doc())
