@@ -216,6 +216,7 @@ def build_generate_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     logprobs: int | None = None,
+    speculative: bool | None = None,
     slo_class: str = "",
     ttft_ms: float | None = None,
     tpot_ms: float | None = None,
@@ -241,7 +242,8 @@ def build_generate_request(
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("min_p", min_p), ("seed", seed),
                         ("repetition_penalty", repetition_penalty), ("presence_penalty", presence_penalty),
-                        ("frequency_penalty", frequency_penalty), ("logprobs", logprobs)):
+                        ("frequency_penalty", frequency_penalty), ("logprobs", logprobs),
+                        ("speculative", speculative)):
         if value is not None:
             setattr(sampling, name, value)
     sampling.stop.extend([stop] if isinstance(stop, str) else list(stop))

@@ -38,6 +38,11 @@ def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashb
     for other in routers[1:]:
         for key in ROUTER_SUMS:
             router[key] += other[key]
+    for worker in raw.get("workers", []):
+        speculation = worker.setdefault("speculation", None)
+        if speculation is not None:
+            for key in ("proposed_tokens", "accepted_tokens", "verify_steps"):  # uint64: strings in JSON
+                speculation[key] = int(speculation.get(key, 0))
     goodput = None
     if message.HasField("last_minute"):
         goodput = {window: _windows(raw[window]) for window in ("last_minute", "last_hour")}
@@ -73,6 +78,19 @@ def worker_rows(status: dict) -> list[tuple[str, ...]]:
     return rows
 
 
+def speculation_lines(status: dict) -> list[str]:
+    """A line for each worker that decodes speculatively: its guessed tokens since it started."""
+    lines = []
+    for w in status["workers"]:
+        spec = w.get("speculation")
+        if w.get("state") == "alive" and spec:
+            sizing = "adaptive" if spec["adaptive"] else "fixed"
+            lines.append(f"{w['name']}: speculative decoding ({spec['method']}, up to {spec['num_tokens']} tokens, "
+                         f"{sizing}): {spec['accepted_tokens']} of {spec['proposed_tokens']} guessed tokens accepted "
+                         f"({spec['acceptance_rate']:.0%}), {spec['tokens_per_verify']:.2f} tokens per verify step")
+    return lines
+
+
 def table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip() for row in rows]
@@ -89,6 +107,7 @@ def format_status(status: dict) -> str:
              f"router {router['policy']} (registry {router['registry']}): {status['queued']} waiting for placement, "
              f"{status['in_flight']} placed and not finished"]
     lines += table(worker_rows(status))
+    lines += speculation_lines(status)
     lines += [f"{w['name']}: takes no KV from {', '.join(w['unpaired'])} now (rebuilding the transfer group)"
               for w in status["workers"] if w.get("unpaired")]
     goodput = status.get("goodput")

@@ -15,7 +15,9 @@ from __future__ import annotations
 import sys
 import time
 
-from cluster.cli.status import ApiTarget, fetch_status, goodput_lines, health_line, table, worker_rows
+from cluster.cli.status import (
+    ApiTarget, fetch_status, goodput_lines, health_line, speculation_lines, table, worker_rows,
+)
 
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -35,6 +37,7 @@ def render(status: dict, previous: dict | None, elapsed_s: float | None, now: fl
     for i, w in enumerate(status["workers"], start=1):
         rows[i] = (*rows[i], _bar(w["kv_blocks_used"], w["kv_blocks"]) if w.get("state") == "alive" else "")
     lines += table(rows)
+    lines += speculation_lines(status)
 
     def rate(key: str) -> str:
         if previous is None or not elapsed_s:

@@ -43,7 +43,7 @@ CODES = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "logprobs")
+                   "presence_penalty", "frequency_penalty", "logprobs", "speculative")
 START_TIMEOUT_S = 30.0
 
 

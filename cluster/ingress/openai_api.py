@@ -4,8 +4,9 @@ the path's messages become OpenAI responses, stream chunks and error bodies.
 
 Pure functions over dicts (no server here: ``cluster/ingress/http_server.py`` serves them), so every
 field's handling is tested alone. Tandem's own sampling and scheduling fields (``top_k``,
-``min_p``, ``repetition_penalty``, ``ignore_eos``, ``priority``, ``slo_class``, ``ttft_ms``,
-``tpot_ms``) are accepted as extra body fields, as vLLM accepts its own.
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``speculative`` (false: this request is not
+decoded speculatively), ``priority``, ``slo_class``, ``ttft_ms``, ``tpot_ms``) are accepted as
+extra body fields, as vLLM accepts its own.
 
 An error a caller can fix is an :class:`ApiError` with OpenAI's body ``{"error": {"message",
 "type", "param", "code"}}`` and its status: 400 naming the field, 401, 404 for another model,
@@ -39,8 +40,8 @@ _NEUTRAL = {
     "modalities": lambda v: v in (None, ["text"]),
     "reasoning_effort": lambda v: v is None,
 }
-_EXTRA = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "slo_class", "ttft_ms", "tpot_ms",
-          "stop_token_ids", "request_id")
+_EXTRA = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "speculative", "priority", "slo_class", "ttft_ms",
+          "tpot_ms", "stop_token_ids", "request_id")
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
            "frequency_penalty", "stream", "stream_options", "user", "logprobs") + _EXTRA
 COMPLETION_FIELDS = frozenset(_COMMON + ("prompt",)) | set(_NEUTRAL)
@@ -200,10 +201,11 @@ def _common(body: Mapping, model_name: str, default_max_tokens: int | None) -> d
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise invalid("stop_token_ids", "must be a list of token ids")
         sampling["stop_token_ids"] = ids
-    if body.get("ignore_eos") is not None:
-        if not isinstance(body["ignore_eos"], bool):
-            raise invalid("ignore_eos", "must be true or false")
-        sampling["ignore_eos"] = body["ignore_eos"]
+    for name in ("ignore_eos", "speculative"):
+        if body.get(name) is not None:
+            if not isinstance(body[name], bool):
+                raise invalid(name, f"must be true or false, got {quote(body[name])}")
+            sampling[name] = body[name]
     fields: dict[str, Any] = {"model": model, "sampling": sampling}
     slo_class = body.get("slo_class")
     if slo_class is not None:

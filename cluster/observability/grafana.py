@@ -52,6 +52,13 @@ def _quantiles(metric: str) -> tuple[tuple[str, str], ...]:
                   f"p{round(q * 100)} {{{{slo_class}}}}") for q in (0.5, 0.9, 0.99))
 
 
+def _worker_rate(metric: str) -> str:
+    """A counter's rate per worker (summed over the series Ray exports for it)."""
+    return f"sum by (worker) (rate(ray_{metric}_total{C}{RATE}))"
+
+
+PROPOSED, ACCEPTED = _worker_rate("tandem_spec_proposed_tokens"), _worker_rate("tandem_spec_accepted_tokens")
+
 ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
     ("Service level", (
         Panel("Serving", "1 while every ingress replica can serve: a decode (or colocated) worker can generate; "
@@ -109,14 +116,26 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
               "batch, and receiving (their KV still landing).",
               ((f"max by (worker, state) (ray_tandem_worker_requests{C})", "{{worker}} {{state}}"),), width=8),
     )),
+    ("Speculative decoding", (
+        Panel("Guessed tokens proposed and accepted", "Tokens per second that each speculating worker guessed and "
+              "checked (proposed), and those it kept because they equal the model's own (accepted).",
+              ((PROPOSED, "{{worker}} proposed"), (ACCEPTED, "{{worker}} accepted")), width=8),
+        Panel("Speculative acceptance rate per worker", "Share of guessed tokens kept, per worker; not drawn while "
+              "it guesses none (a worker without decode.speculative, or an adaptive one whose batch is too busy "
+              "for guesses to pay).",
+              ((f"{ACCEPTED} / {PROPOSED}", "{{worker}}"),), unit="percentunit", width=8, max_value=1),
+        Panel("Tokens per verify step", "Tokens a request's step emitted when it checked guesses (1 + accepted "
+              "guesses per verifying request-step), per worker: the speed-up of those steps before their cost.",
+              ((f"1 + {ACCEPTED} / {_worker_rate('tandem_spec_verify_steps')}", "{{worker}}"),), width=8),
+    )),
     ("KV transfer", (
         Panel("KV received per decode worker", "Bytes of KV per second that each decode worker received from prefill "
               "workers.",
-              ((f"sum by (worker) (rate(ray_tandem_kv_transfer_bytes_total{C}{RATE}))", "{{worker}}"),), unit="Bps"),
+              ((_worker_rate("tandem_kv_transfer_bytes"), "{{worker}}"),), unit="Bps"),
         Panel("Mean KV transfer time", "Mean seconds from the start of a transfer's receive to its last layer "
               "landing (the prefill computes meanwhile when layers stream), per decode worker.",
-              ((f"sum by (worker) (rate(ray_tandem_kv_transfer_seconds_total{C}{RATE})) / sum by (worker) "
-                f"(rate(ray_tandem_kv_transfers_total{C}{RATE}))", "{{worker}}"),), unit="s"),
+              ((f"{_worker_rate('tandem_kv_transfer_seconds')} / {_worker_rate('tandem_kv_transfers')}", "{{worker}}"),),
+              unit="s"),
     )),
     ("Failures", (
         Panel("Migrations", "Placements after the first, per second: worker_failed (a worker died under the request; "
@@ -177,7 +196,7 @@ def dashboard(default_cluster: str | None = None) -> dict:
         "schemaVersion": 39, "version": 1, "refresh": "10s", "time": {"from": "now-30m", "to": "now"},
         "graphTooltip": 1,
         "description": "Tandem: goodput and SLO attainment per class, latency, router decisions, workers' KV cache "
-                       "and queues, KV transfers, migrations and failures. Panel by panel: "
+                       "and queues, speculative decoding, KV transfers, migrations and failures. Panel by panel: "
                        "helm/tandem/dashboards/README.md.",
         "annotations": {"list": []},
         "templating": {"list": [
@@ -227,7 +246,7 @@ def metric_names(board: dict) -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     """Writes tandem.json and README.md into OUT_DIR (default: helm/tandem/dashboards)."""
     argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "helm" / "tandem" / "dashboards"
+    out = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / "helm" / "tandem" / "dashboards"
     out.mkdir(parents=True, exist_ok=True)
     (out / "tandem.json").write_text(dashboard_json())
     (out / "README.md").write_text(panel_doc())

@@ -5,8 +5,8 @@ the ``cluster`` tag. Each ingress replica records requests (by outcome, SLO clas
 and TPOT histograms, the migrations and worker failures its requests met, and whether it is
 serving; the router counts its decisions by policy, action and path, and keeps the queue length,
 requests in flight, and goodput and SLO attainment per class; each worker records its KV
-blocks, prefix-cache hit rate and requests, and decode workers the KV bytes and seconds they
-receive.
+blocks, prefix-cache hit rate and requests, decode workers the KV bytes and seconds they
+receive, and decode and colocated workers the guessed tokens of speculative decoding.
 
 Ray exports a gauge only while it is set again within two report intervals: every gauge here is
 set on a timer, busy or idle (the router's every ``GAUGES_EVERY_S``, the workers' with each
@@ -104,7 +104,14 @@ class SloMetrics:
 
 
 class WorkerMetrics:
-    def __init__(self, cluster: str, worker: str, role: str):
+    """A worker's: its KV blocks, prefix-cache hit rate and requests; a decode worker's KV received
+    and transfer groups rebuilt; and a generating worker's speculative decoding (guessed tokens
+    proposed and accepted, and the request-steps that checked them: acceptance rate =
+    accepted / proposed, tokens per verify = 1 + accepted / verify steps). ``generates``: the
+    worker decodes (decode or colocated), so its speculation counters are exported from 0, as
+    0 where it does not speculate."""
+
+    def __init__(self, cluster: str, worker: str, role: str, generates: bool = False):
         self.tags = {"cluster": cluster, "worker": worker, "role": role}
         keys = ("cluster", "worker", "role")
         self.used = metrics.Gauge("tandem_kv_blocks_used", "KV blocks in use", tag_keys=keys)
@@ -120,6 +127,16 @@ class WorkerMetrics:
                                       tag_keys=(*keys, "state"))
         self.pair_rebuilds = metrics.Counter("tandem_kv_pair_rebuilds", "KV transfer groups a decode worker "
                                              "rebuilt (or tried to) after one failed", tag_keys=(*keys, "prefill"))
+        self.spec_proposed = metrics.Counter("tandem_spec_proposed_tokens", "speculative decoding: guessed tokens "
+                                             "checked", tag_keys=keys)
+        self.spec_accepted = metrics.Counter("tandem_spec_accepted_tokens", "speculative decoding: guessed tokens "
+                                             "kept (equal to the model's own)", tag_keys=keys)
+        self.spec_verifies = metrics.Counter("tandem_spec_verify_steps", "speculative decoding: request-steps that "
+                                             "checked guesses", tag_keys=keys)
+        self._spec_totals = (0, 0, 0)
+        if generates:
+            for counter in (self.spec_proposed, self.spec_accepted, self.spec_verifies):
+                _start_at_zero(counter, self.tags)
 
     def blocks(self, used: int, free: int, hit_rate: float, waiting: int = 0, running: int = 0,
                receiving: int = 0) -> None:
@@ -128,6 +145,15 @@ class WorkerMetrics:
         self.hit_rate.set(hit_rate, self.tags)
         for state, n in (("waiting", waiting), ("running", running), ("receiving", receiving)):
             self.requests.set(n, {**self.tags, "state": state})
+
+    def speculation(self, proposed: int, accepted: int, verify_steps: int) -> None:
+        """The engine's speculation totals now: each counter grows by what was added since the last call."""
+        totals = (proposed, accepted, verify_steps)
+        for counter, now, before in zip((self.spec_proposed, self.spec_accepted, self.spec_verifies), totals,
+                                        self._spec_totals):
+            if now > before:
+                counter.inc(now - before, self.tags)
+        self._spec_totals = totals
 
     def pair_rebuilt(self, prefill: str) -> None:
         self.pair_rebuilds.inc(1, {**self.tags, "prefill": prefill})

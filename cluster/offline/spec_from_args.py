@@ -4,12 +4,17 @@ settings a topology does not hold."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping
 
 from cluster.deployment.pools import EngineOverrides, PoolResources
 from cluster.engine.config import EngineConfigError
-from cluster.topology import ClusterSpec, KVSpec, ModelSpec, NodeConstraints, PoolSpec, RaySpec, RegistrySpec
+from cluster.engine.request_limits import quote
+from cluster.engine.speculative.config import SpeculativeConfig
+from cluster.topology import (
+    ClusterSpec, KVSpec, ModelSpec, NodeConstraints, PoolSpec, RaySpec, RegistrySpec, SpeculativeSpec,
+)
 from router.config import RouterConfig, RouterConfigError
 
 # EngineConfig fields that have a place in the topology: model.*, kv.* and each pool's.
@@ -42,7 +47,9 @@ def disaggregated_spec(
     """``engine_args`` are EngineConfig fields for both roles, ``role_args["prefill"]`` and
     ``role_args["decode"]`` override them per role; ``pools`` sets each role's resources.
     ``local_prefill_max_tokens`` (default: the router's) bounds the prompts a decode worker may
-    prefill itself; 0 sends every prompt to a prefill worker."""
+    prefill itself; 0 sends every prompt to a prefill worker. ``speculative`` (a
+    :class:`~cluster.engine.speculative.config.SpeculativeConfig`) is the decode pool's
+    (``decode.speculative``): prefill workers never speculate."""
     if model is None:
         from cluster.default_model import default_model_path
 
@@ -60,17 +67,21 @@ def disaggregated_spec(
     model_args = {key: common.pop(arg) for arg, key in _MODEL_ARGS.items() if arg in common}
     kv_args = {key: common.pop(arg) for arg, key in _KV_ARGS.items() if arg in common}
     pool_args = {key: common.pop(arg) for arg, key in _POOL_ARGS.items() if arg in common}
+    speculative = common.pop("speculative", None)
+    if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+        raise EngineConfigError(f"speculative must be a SpeculativeConfig or None, got {quote(speculative)}")
 
-    def pool(role: str, replicas: int, tp: int) -> PoolSpec:
+    def pool(role: str, replicas: int, tp: int, **more) -> PoolSpec:
         resources = pools.get(role, PoolResources())
         return PoolSpec(replicas, tp, resources.gpus_per_rank, resources.cpus_per_rank,
-                        NodeConstraints(resources=dict(resources.resources)), **pool_args)
+                        NodeConstraints(resources=dict(resources.resources)), **pool_args, **more)
 
     spec = ClusterSpec(
         name=cluster_name,
         model=ModelSpec(path=str(model), name=Path(model).name, **model_args),
         prefill=pool("prefill", prefill_workers, prefill_tp),
-        decode=pool("decode", decode_workers, decode_tp),
+        decode=pool("decode", decode_workers, decode_tp,
+                    speculative=SpeculativeSpec(**asdict(speculative)) if speculative is not None else None),
         kv=KVSpec(transport=kv_transport, transfer_timeout_s=transfer_timeout_s, stream_layers=stream_layers,
                   **kv_args),
         router=router_config,

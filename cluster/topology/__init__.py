@@ -30,12 +30,13 @@ from cluster.topology.spec import (
     RaySpec,
     RegistrySpec,
     ServerSpec,
+    SpeculativeSpec,
     TLSSpec,
     TracingSpec,
 )
 
 __all__ = [
     "DEFAULT_MODEL_NAME", "DTYPES", "ROLES", "ClusterSpec", "KVSpec", "ModelSpec", "NodeConstraints",
-    "ObservabilitySpec", "PoolSpec", "RaySpec", "RegistrySpec", "ServerSpec", "TLSSpec", "TopologyError",
+    "ObservabilitySpec", "PoolSpec", "RaySpec", "RegistrySpec", "ServerSpec", "SpeculativeSpec", "TLSSpec", "TopologyError",
     "TopologyIssue", "TracingSpec", "default_topology", "load_topology", "parse_topology", "validate_file",
 ]

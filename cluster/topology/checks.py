@@ -9,6 +9,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from cluster.engine.request_limits import quote
+from cluster.engine.speculative.config import METHODS
 
 Check = Callable[[Any], Any]
 
@@ -91,6 +92,12 @@ def choice(choices: tuple, null: bool = False, names: str = "") -> Check:
         return value
 
     return check
+
+
+def speculative_method(value: Any) -> str:
+    if value == "draft":
+        raise Bad(f"draft models are not served yet; use {' or '.join(METHODS)}")
+    return choice(METHODS)(value)
 
 
 def boolean(value: Any) -> bool:

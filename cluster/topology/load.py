@@ -25,8 +25,10 @@ from cluster.topology.spec import (
     ObservabilitySpec,
     PoolSpec,
     RaySpec,
+    SPECULATING_ROLES,
     RegistrySpec,
     ServerSpec,
+    SpeculativeSpec,
     TLSSpec,
     TracingSpec,
     checked_keys,
@@ -248,13 +250,30 @@ def _check(text: str, source: str, model_elsewhere: bool = False
 def _pool(top: _Section, role: str, default_replicas: int = 1) -> PoolSpec:
     section = top.section(role)
     node_section = section.section("node")
-    pool = PoolSpec(node=NodeConstraints(**node_section.values()), **{"replicas": default_replicas,
-                                                                       **section.values()})
+    pool = PoolSpec(node=NodeConstraints(**node_section.values()), speculative=_speculative(section, role),
+                    **{"replicas": default_replicas, **section.values()})
     gpus = pool.node.gpus
     if gpus is not None and pool.tp * pool.gpus_per_rank > gpus and "tp" not in section.bad:
         ranks = f"{pool.tp} ranks of 1 GPU do" if pool.tp != 1 else "1 rank of 1 GPU does"
         top.ctx.error(f"{role}.tp", f"{ranks} not fit on a node of {gpus} GPU{'s' if gpus != 1 else ''}")
     return pool
+
+
+def _speculative(pool: _Section, role: str) -> SpeculativeSpec | None:
+    """The pool's ``speculative`` mapping (null or absent: off); a prefill pool has none."""
+    section = pool.section("speculative")
+    if pool.data.get("speculative") is None or section.bad:
+        return None
+    if role not in SPECULATING_ROLES:
+        pool.ctx.error(section.where, "prefill workers never speculate (each request leaves them at its first "
+                       f"token); set it on {' or '.join(SPECULATING_ROLES)}")
+        return None
+    values = section.values()
+    low, high = values.get("ngram_min", SpeculativeSpec.ngram_min), values.get("ngram_max", SpeculativeSpec.ngram_max)
+    if low > high:
+        pool.ctx.error(f"{section.where}.ngram_min", f"must not exceed ngram_max ({high}); got {low}")
+        return None
+    return SpeculativeSpec(**values)
 
 
 def _check_pools(ctx: _Context, spec: ClusterSpec) -> None:

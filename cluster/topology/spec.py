@@ -11,6 +11,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import yaml
 
+from cluster.engine.speculative.config import MAX_NGRAM, MAX_NUM_TOKENS, SpeculativeConfig
 from cluster.topology import checks
 from router.config import RouterConfig
 
@@ -19,6 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")  # cluster/engine/quantization/choice.py's CHOICES
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # cluster/engine/quantization/kv_format.py's
 ROLES = ("prefill", "decode", "colocated")
+SPECULATING_ROLES = ("decode", "colocated")  # a prefill worker stops at each prompt's first token
 
 _REQUIRED = object()
 
@@ -102,6 +104,28 @@ class NodeConstraints:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    method: str = key("ngram", checks.speculative_method, """
+        Where guesses come from. ``ngram``: prompt lookup, the tokens that followed the last
+        occurrence of the request's latest tokens earlier in its prompt and output (no extra
+        model; strong where the answer repeats its prompt: code edits, summaries, RAG). ``draft``
+        (a smaller model's guesses) is refused: draft models are not served yet.""")
+    num_tokens: int = key(4, checks.integer(1, MAX_NUM_TOKENS), f"""
+        The most tokens guessed for a request in one step, an integer in 1..{MAX_NUM_TOKENS}.""")
+    adaptive: bool = key(True, checks.boolean, """
+        Guess fewer tokens, or none, where the worker's measured step times and each request's
+        measured acceptance say that checking them would cost more than it saves (a busy batch).
+        False: every proposal is checked in full, up to ``num_tokens``.""")
+    ngram_min: int = key(2, checks.integer(1, MAX_NGRAM), f"""
+        The shortest suffix of the request's tokens looked up, an integer in 1..{MAX_NGRAM}.""")
+    ngram_max: int = key(4, checks.integer(1, MAX_NGRAM), f"""
+        The longest (tried first), an integer in 1..{MAX_NGRAM}, at least ``ngram_min``.""")
+
+    def config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(**asdict(self))
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     replicas: int = key(1, checks.integer(0), shown="1 for prefill and decode, 0 for colocated", doc="""
         Number of workers, at least 0. Prefill and decode workers come together (both 0 or
@@ -123,6 +147,14 @@ class PoolSpec:
     threads: int | None = key(None, checks.integer(1, null=True), """
         torch CPU threads of each rank, a positive integer. Null: the CPUs divided among the
         ranks.""")
+    speculative: SpeculativeSpec | None = section(SpeculativeSpec, """
+        Speculative decoding, on decode and colocated pools (a prefill pool refuses it): each
+        step checks guessed tokens of a decoding request as extra rows of the same step, keeps
+        those the model itself samples, and so emits several tokens for one read of the weights.
+        The tokens are exactly those without it (greedy output token for token; sampled output
+        from the same distribution). Null: off; a mapping (``{}`` for the defaults): on. A
+        request opts out with ``speculative: false`` among its sampling fields.""",
+                                                  factory=lambda: None)
 
     @property
     def device(self) -> str:
@@ -306,6 +338,7 @@ class ClusterSpec:
             num_threads=pool.threads,
             device=pool.device,
             cluster_name=self.name,
+            speculative=pool.speculative.config() if pool.speculative and role in SPECULATING_ROLES else None,
         )
 
     def model_dir(self) -> Path:

@@ -94,7 +94,8 @@ class EngineWorker:
         self._stop = threading.Event()
         if profile:
             step_profile.start_up(self.engine, self.role)
-        self.metrics = WorkerMetrics(config.cluster_name, self.name, self.role)  # before the reporter sets it
+        self.metrics = WorkerMetrics(config.cluster_name, self.name, self.role,  # before the reporter sets it
+                                     generates=not self.prefill_side)
         self.reporter = (WorkerReporter(registry_url, config.cluster_name, self.name, self._snapshot)
                          if registry_url else None)
         self._stepper = threading.Thread(target=self._run, name=f"{type(self).__name__}-loop", daemon=True)
@@ -124,6 +125,7 @@ class EngineWorker:
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
                                 load.waiting, load.running, load.receiving)
+            self.metrics.speculation(stats.proposed_tokens, stats.accepted_tokens, stats.verify_steps)
             return engine.block_manager.drain_events(), load
 
     def describe(self) -> dict:
@@ -153,7 +155,18 @@ class EngineWorker:
                     "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks, "kv_blocks": blocks.num_blocks,
                     "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                     "receiving": len(scheduler.receiving), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
-                    "registry": "ok" if self.reporter is None or self.reporter.connected else "unreachable"}
+                    "registry": "ok" if self.reporter is None or self.reporter.connected else "unreachable",
+                    "speculation": self._speculation()}
+
+    def _speculation(self) -> dict | None:
+        """Speculative decoding since the worker started, where its engine speculates (else None)."""
+        spec, stats = self.engine.speculative, self.engine.stats
+        if spec is None:
+            return None
+        return {"method": spec.method, "num_tokens": spec.num_tokens, "adaptive": spec.adaptive,
+                "proposed_tokens": stats.proposed_tokens, "accepted_tokens": stats.accepted_tokens,
+                "verify_steps": stats.verify_steps, "acceptance_rate": stats.acceptance_rate,
+                "tokens_per_verify": stats.tokens_per_verify}
 
     def free_blocks(self) -> int:
         return self._free_blocks()

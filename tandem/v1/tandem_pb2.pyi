@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "speculative")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class SamplingParams(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -34,7 +35,8 @@ class SamplingParams(_message.Message):
     presence_penalty: float
     frequency_penalty: float
     logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class Objectives(_message.Message):
     __slots__ = ("ttft_ms", "tpot_ms")
@@ -203,7 +205,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds")
+    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds", "speculation")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +220,7 @@ class WorkerStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     UNPAIRED_FIELD_NUMBER: _ClassVar[int]
     PAIR_REBUILDS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -232,7 +235,28 @@ class WorkerStatus(_message.Message):
     pid: int
     unpaired: _containers.RepeatedScalarFieldContainer[str]
     pair_rebuilds: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ...) -> None: ...
+    speculation: Speculation
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+
+class Speculation(_message.Message):
+    __slots__ = ("method", "num_tokens", "adaptive", "proposed_tokens", "accepted_tokens", "verify_steps", "acceptance_rate", "tokens_per_verify")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_tokens: int
+    adaptive: bool
+    proposed_tokens: int
+    accepted_tokens: int
+    verify_steps: int
+    acceptance_rate: float
+    tokens_per_verify: float
+    def __init__(self, method: _Optional[str] = ..., num_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_verify: _Optional[float] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
     __slots__ = ("name", "policy", "registry", "waiting", "in_flight", "placed", "local_prefills", "rejected", "queued_decisions", "placed_by_load_only", "placed_after_waiting", "last_rejection", "live_workers", "failed_workers", "waiting_by_class", "ttft_correction_s", "ttft_prediction_error", "goodput_records_waiting")

@@ -363,6 +363,11 @@ BAD_VALUES = [
                  ["redis.external.url holds a password"], id="redis-password-twice"),
     pytest.param({"prefill": {"rayStartParams": {"num-cpus": "8"}}}, ["/prefill/rayStartParams/num-cpus"],
                  id="managed-param"),
+    pytest.param({"decode": {"speculative": {"method": "draft"}}}, ["/decode/speculative/method"],
+                 id="draft-speculation"),
+    pytest.param({"decode": {"speculative": {"numTokens": 0}}}, ["/decode/speculative/numTokens"],
+                 id="speculative-tokens"),
+    pytest.param({"prefill": {"speculative": {}}}, ["/prefill", "speculative"], id="prefill-speculation"),
     pytest.param({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
                  ["prefill.resources.limits.nvidia.com/gpu: leave the GPUs out"], id="gpus-in-resources"),
 ]
@@ -796,3 +801,16 @@ def test_router_settings_reach_the_topology(helm, tmp_path):
     router = parse_topology(topology_of(template(helm, *values_args("local-cpu", tmp_path, overrides)))).router
     assert (router.prefill_shortlist, router.migration_limit, router.local_prefill_max_tokens, router.queue_limit) == (
         4, 1, 64, 9)
+
+
+def test_speculative_decoding_reaches_the_decode_pool(helm, tmp_path):
+    from cluster.topology import SpeculativeSpec
+
+    overrides = {"decode": {"speculative": {"numTokens": 6, "adaptive": False, "ngramMax": 5}}}
+    spec = parse_topology(topology_of(template(helm, *values_args("local-cpu", tmp_path, overrides))))
+    assert spec.decode.speculative == SpeculativeSpec(num_tokens=6, adaptive=False, ngram_max=5)
+    assert spec.prefill.speculative is None
+    defaults = {"decode": {"speculative": {}}}
+    spec = parse_topology(topology_of(template(helm, *values_args("local-cpu", tmp_path, defaults))))
+    assert spec.decode.speculative == SpeculativeSpec()
+    assert parse_topology(topology_of(template(helm, *values_args("local-cpu")))).decode.speculative is None

@@ -9,11 +9,13 @@ within its deadline, with no leaked blocks on any live worker.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from cluster.offline.disaggregated import DisaggregatedLLM
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.speculative.config import SpeculativeConfig
 from cluster.registry.load import read_loads
 from cluster.registry.reporter import connect
 from cluster.runtime.ray_runtime import ensure_ray
@@ -70,6 +72,37 @@ def test_disaggregated_output_equals_colocated(checkpoint, architecture, prefill
         block = 16
         sent = {t.request_id: t.blocks_sent for t in llm.transfers}  # transfers end in any order
         assert [sent[o.request_id] for o in outputs] == [-(-n // block) for n in PROMPT_LENGTHS]
+        assert_no_leaks(llm)
+
+
+def test_speculating_decode_workers_give_the_tokens_of_decoding_without_guesses(checkpoint):
+    """decode.speculative (n-gram, 4 tokens a step, every proposal checked) reaches the decode
+    worker only: on prompts that repeat themselves it guesses, keeps some guesses (several tokens
+    a step cross the stream), and its greedy tokens are those of the same requests opted out
+    (``speculative: false``) and of the engine without speculation; its status counts the
+    guesses, and opted-out requests make none."""
+    model_dir = checkpoint("llama")
+    bases = [base for seed in range(3) for base in random_prompts([8, 5], seed=seed)]
+    prompts = [base * (48 // len(base)) for base in bases]
+    params = greedy(32)
+    expected = colocated_tokens(model_dir, prompts, params)
+    # Without a prefix cache each pass sends every prompt's KV whole: both passes take the same path.
+    with disaggregated(model_dir, speculative=SpeculativeConfig(num_tokens=4, adaptive=False),
+                       enable_prefix_caching=False) as llm:
+        opted_out = llm.generate(prompts, replace(params, speculative=False))
+        assert [o.token_ids for o in opted_out] == expected
+        workers = {w["role"]: w for w in llm.worker_status()}
+        assert workers["decode"]["speculation"]["proposed_tokens"] == 0
+        assert workers["prefill"]["speculation"] is None
+
+        outputs = llm.generate(prompts, params)
+        assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(prompts)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in opted_out] == expected
+        speculation = {w["role"]: w for w in llm.worker_status()}["decode"]["speculation"]
+        assert (speculation["method"], speculation["num_tokens"], speculation["adaptive"]) == ("ngram", 4, False)
+        assert speculation["proposed_tokens"] > 0 and speculation["accepted_tokens"] > 0
+        assert speculation["acceptance_rate"] == speculation["accepted_tokens"] / speculation["proposed_tokens"]
+        assert speculation["tokens_per_verify"] > 1
         assert_no_leaks(llm)
 
 

@@ -62,6 +62,8 @@ def test_a_chat_body_renders_through_the_template_and_maps_logprobs():
     ({"prompt": "x"}, 400, "model", "the model's name is required"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "model", "model 'gpt-9' is not served here"),
     ({"model": MODEL, "prompt": "x", "ttft_ms": 0}, 400, "ttft_ms", "must be positive"),
+    ({"model": MODEL, "prompt": "x", "speculative": "no"}, 400, "speculative", "must be true or false, got 'no'"),
+    ({"model": MODEL, "prompt": "x", "speculative": 0}, 400, "speculative", "must be true or false, got 0"),
 ])
 def test_bad_completion_bodies_name_the_field(body, status, param, words):
     with pytest.raises(ApiError) as caught:
@@ -71,6 +73,17 @@ def test_bad_completion_bodies_name_the_field(body, status, param, words):
     error = caught.value.body()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == ("model_not_found" if status == 404 else None)
+
+
+def test_speculative_is_a_sampling_field_of_both_endpoints():
+    from cluster.engine.sampling_params import SamplingParams
+
+    completion = parse_completion({"model": MODEL, "prompt": "x", "speculative": False}, MODEL)
+    assert completion.request.sampling == {"max_tokens": 16, "speculative": False}
+    assert SamplingParams.from_mapping(completion.request.sampling).speculative is False
+    chat = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "speculative": True}, MODEL)
+    assert chat.request.sampling == {"speculative": True}
+    assert "speculative" not in parse_completion({"model": MODEL, "prompt": "x"}, MODEL).request.sampling
 
 
 def test_bad_chat_bodies_name_the_field():

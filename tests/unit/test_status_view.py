@@ -124,3 +124,46 @@ def test_addr_needs_no_state_and_a_missing_cluster_says_what_to_give(state, monk
         api_target("nowhere", None, None, None)
     with pytest.raises(LookupError, match="environment variable UNSET_TOKEN_VAR"):
         api_target("nowhere", "h:1", "UNSET_TOKEN_VAR", None)
+
+
+def speculating_worker(**counts) -> dict:
+    """A decode worker's status() as the worker answers it, speculation included."""
+    from types import SimpleNamespace
+
+    from cluster.engine.engine import EngineStats
+    from cluster.engine.speculative.config import SpeculativeConfig
+    from cluster.worker.engine_worker import EngineWorker
+
+    stats = EngineStats(**counts)
+    speculation = EngineWorker._speculation(SimpleNamespace(engine=SimpleNamespace(
+        speculative=SpeculativeConfig(num_tokens=4, adaptive=False), stats=stats)))
+    return {"name": "decode-1", "role": "decode", "tp": 1, "state": "alive", "pid": 7, "threads": 2,
+            "kv_blocks_used": 2, "kv_blocks": 64, "waiting": 0, "running": 1, "receiving": 0,
+            "prefix_cache_hit_rate": 0.0, "registry": "ok", "speculation": speculation}
+
+
+def test_a_worker_that_speculates_shows_its_guesses_through_the_api():
+    from cluster.ingress.status import _fields
+
+    worker = speculating_worker(proposed_tokens=300, accepted_tokens=120, verify_steps=100)
+    assert worker["speculation"] == {"method": "ngram", "num_tokens": 4, "adaptive": False, "proposed_tokens": 300,
+                                     "accepted_tokens": 120, "verify_steps": 100, "acceptance_rate": 0.4,
+                                     "tokens_per_verify": 2.2}
+    m = tandem_pb2.ClusterStatus(cluster="c1", model="m", serving=True)
+    m.workers.add(**_fields(tandem_pb2.WorkerStatus, worker))  # as the ingress reads it
+    m.workers.add(**_fields(tandem_pb2.WorkerStatus, {**worker, "name": "decode-2", "speculation": None}))
+    status = status_dict(m)
+    json.dumps(status)
+    first, second = status["workers"]
+    assert first["speculation"] == worker["speculation"] and second["speculation"] is None
+    text = format_status(status)
+    line = ("decode-1: speculative decoding (ngram, up to 4 tokens, fixed): 120 of 300 guessed tokens accepted (40%), "
+            "2.20 tokens per verify step")
+    assert line in text.splitlines() and "decode-2: speculative" not in text
+    assert line in render(status, None, None, 0.0).splitlines()
+
+
+def test_a_worker_that_has_not_guessed_yet_shows_zeros():
+    worker = speculating_worker()
+    assert (worker["speculation"]["proposed_tokens"], worker["speculation"]["acceptance_rate"],
+            worker["speculation"]["tokens_per_verify"]) == (0, 0.0, 0.0)

@@ -241,7 +241,7 @@ def test_engine_args():
     assert spec.engine_args("prefill") == dict(
         dtype="bfloat16", quantization="none", block_size=32, max_num_batched_tokens=8192, kv_cache_dtype="auto", max_num_seqs=16, max_model_len=1024,
         num_kv_blocks=500, kv_cache_memory_fraction=0.5, enable_prefix_caching=False, num_threads=2,
-        device="cuda", cluster_name="east",
+        device="cuda", cluster_name="east", speculative=None,
     )
     decode = spec.engine_args("decode")
     assert (decode["device"], decode["max_num_seqs"], decode["num_threads"]) == ("cpu", 128, None)
@@ -250,6 +250,80 @@ def test_engine_args():
     assert config.cluster_name == "east" and config.block_size == 32
     with pytest.raises(ValueError, match="role"):
         spec.engine_args("router")
+
+
+def test_speculative_decoding_reaches_the_engines_of_decode_and_colocated_workers_only():
+    from cluster.engine.speculative.config import SpeculativeConfig
+
+    spec = parse_topology(doc("""
+        decode:
+          speculative: {num_tokens: 6, adaptive: false, ngram_min: 1, ngram_max: 3}
+        colocated:
+          replicas: 1
+          speculative: {}
+    """))
+    assert spec.engine_args("decode")["speculative"] == SpeculativeConfig("ngram", 6, False, 1, 3)
+    assert spec.engine_args("colocated")["speculative"] == SpeculativeConfig()
+    assert spec.engine_args("prefill")["speculative"] is None
+    config = EngineConfig(model="m", **spec.engine_args("decode"))
+    assert config.speculative == SpeculativeConfig("ngram", 6, False, 1, 3)
+    assert parse_topology(spec.to_yaml()) == spec
+    off = default_topology()
+    assert off.decode.speculative is None and off.engine_args("decode")["speculative"] is None
+    assert parse_topology("decode:\n  speculative: null\nprefill:\n  speculative: null\n") == off
+
+
+def test_the_pools_engine_settings_carry_speculation_to_decode_workers_only():
+    from cluster.deployment.pools import pools_of
+    from cluster.engine.speculative.config import SpeculativeConfig
+
+    spec = parse_topology("decode:\n  speculative: {num_tokens: 2}\n")
+    settings = {pool.role: dict(pool.engine_args) for pool in pools_of(spec)}
+    assert settings["decode"]["speculative"] == SpeculativeConfig(num_tokens=2)
+    assert settings["prefill"]["speculative"] is None
+    from cluster.offline.spec_from_args import disaggregated_spec
+
+    spec, overrides = disaggregated_spec("/models/m", speculative=SpeculativeConfig(num_tokens=3, adaptive=False))
+    assert spec.decode.speculative.config() == SpeculativeConfig(num_tokens=3, adaptive=False)
+    assert spec.prefill.speculative is None and "speculative" not in overrides.common
+
+
+def test_validate_prints_speculation_back_and_refuses_a_draft_model(tmp_path, capsys):
+    code, out, _ = run_validate(write(tmp_path, "decode:\n  speculative: {num_tokens: 8}\n"), capsys)
+    assert code == 0 and yaml.safe_load(out)["decode"]["speculative"] == dict(
+        method="ngram", num_tokens=8, adaptive=True, ngram_min=2, ngram_max=4)
+    code, _, err = run_validate(write(tmp_path, "decode:\n  speculative:\n    method: draft\n"), capsys)
+    assert code != 0 and err.strip() == (f"{tmp_path / 't.yaml'}:3: decode.speculative.method: draft models are not "
+                                         "served yet; use ngram")
+
+
+@pytest.mark.parametrize("text, key, message", [
+    ("decode:\n  speculative: {num_tokens: 0}\n", "decode.speculative.num_tokens",
+     "must be an integer in 1..16; got 0"),
+    ("decode:\n  speculative: {num_tokens: 17}\n", "decode.speculative.num_tokens",
+     "must be an integer in 1..16; got 17"),
+    ("decode:\n  speculative: {num_tokens: '4'}\n", "decode.speculative.num_tokens",
+     "must be an integer in 1..16; got '4' (a string)"),
+    ("decode:\n  speculative: {method: draft}\n", "decode.speculative.method",
+     "draft models are not served yet; use ngram"),
+    ("decode:\n  speculative: {method: eagle}\n", "decode.speculative.method",
+     "must be one of ngram; got 'eagle' (a string)"),
+    ("decode:\n  speculative: {adaptive: sometimes}\n", "decode.speculative.adaptive",
+     "must be true or false; got 'sometimes' (a string)"),
+    ("decode:\n  speculative: {ngram_max: 65}\n", "decode.speculative.ngram_max",
+     "must be an integer in 1..64; got 65"),
+    ("decode:\n  speculative: {ngram_min: 5}\n", "decode.speculative.ngram_min",
+     "must not exceed ngram_max (4); got 5"),
+    ("decode:\n  speculative: {num_token: 4}\n", "decode.speculative.num_token",
+     "unknown key; did you mean 'num_tokens'? known: adaptive, method, ngram_max, ngram_min, num_tokens"),
+    ("decode:\n  speculative: true\n", "decode.speculative",
+     "must be a mapping with the keys adaptive, method, ngram_max, ngram_min, num_tokens; got true"),
+    ("prefill:\n  speculative: {}\n", "prefill.speculative",
+     "prefill workers never speculate (each request leaves them at its first token); set it on decode or "
+     "colocated"),
+])
+def test_speculative_mistakes(text, key, message):
+    assert only_error(text) == (key, 2, message)
 
 
 # -- mistakes, each with its key and line ---------------------------------------------------
@@ -302,7 +376,7 @@ def test_unknown_keys(text, key, line):
 def test_unknown_key_suggests_and_lists_the_known():
     message = only_error("prefill:\n  replica: 2\n")[2]
     assert message == ("unknown key; did you mean 'replicas'? known: cpus_per_rank, gpus_per_rank, "
-                       "max_num_batched_tokens, max_num_seqs, node, replicas, threads, tp")
+                       "max_num_batched_tokens, max_num_seqs, node, replicas, speculative, threads, tp")
 
 
 @pytest.mark.parametrize("text, key, line, fragment", [

@@ -8,6 +8,7 @@ from cluster.engine.request_limits import quote
 
 METHODS = ("ngram",)  # "draft" (a smaller model's guesses) is not served yet: refused, not ignored
 MAX_NUM_TOKENS = 16
+MAX_NGRAM = 64  # the longest suffix looked up
 
 
 class SpeculativeConfigError(ValueError):
@@ -32,7 +33,7 @@ class SpeculativeConfig:
             extra = " (draft models are not served yet)" if self.method == "draft" else ""
             raise SpeculativeConfigError(
                 f"speculative.method must be one of {', '.join(METHODS)}, got {quote(self.method)}{extra}")
-        for name, low, high in (("num_tokens", 1, MAX_NUM_TOKENS), ("ngram_min", 1, 64), ("ngram_max", 1, 64)):
+        for name, low, high in (("num_tokens", 1, MAX_NUM_TOKENS), ("ngram_min", 1, MAX_NGRAM), ("ngram_max", 1, MAX_NGRAM)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise SpeculativeConfigError(f"speculative.{name} must be an integer in [{low}, {high}], got {quote(value)}")

@@ -183,6 +183,17 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
 {{- $p := index $v $role -}}
 {{- $node := dict "gpus" $p.gpusPerNode "resources" (dict (include "tandem.poolResource" $role) 1) -}}
 {{- $pool := dict "replicas" $p.replicas "tp" $p.tp "gpus_per_rank" $p.gpusPerRank "cpus_per_rank" $p.cpusPerRank "node" $node "max_num_batched_tokens" $p.maxNumBatchedTokens "max_num_seqs" $p.maxNumSeqs "threads" $p.threads -}}
+{{- if not (kindIs "invalid" $p.speculative) -}}
+{{- $s := $p.speculative -}}
+{{- $spec := dict -}}
+{{- range $key := list "method" "adaptive" -}}
+{{- if hasKey $s $key -}}{{- $_ := set $spec $key (index $s $key) -}}{{- end -}}
+{{- end -}}
+{{- range $from, $to := dict "numTokens" "num_tokens" "ngramMin" "ngram_min" "ngramMax" "ngram_max" -}}
+{{- if hasKey $s $from -}}{{- $_ := set $spec $to (int (index $s $from)) -}}{{- end -}}
+{{- end -}}
+{{- $_ := set $pool "speculative" $spec -}}
+{{- end -}}
 {{- $_ := set $t $role $pool -}}
 {{- end -}}
 {{- $kv := $v.kv -}}
