@@ -63,6 +63,9 @@ class KVSender:
             self._ids = torch.tensor(list(self.block_ids())[self.first_block:], dtype=torch.long,
                                      device=self.kv_cache.device)
         sends = []
+        if not len(self._ids):  # the receiver holds every block already and posts no receive
+            self._pending.append(sends)
+            return
         try:
             for dest in self.destinations:
                 message = pack_layer(self.kv_cache, layer, self._ids, dest.first_head, dest.num_heads)

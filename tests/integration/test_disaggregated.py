@@ -235,6 +235,23 @@ def break_pair(ray, prefill_worker, pair: str, prompt: list[int]):
                                                  TransferTarget(pair, 2**29, 0, 5.0)))
 
 
+def test_a_prompt_the_decode_worker_holds_whole_sends_no_block_and_breaks_no_pair(checkpoint):
+    """The same prompt again (3 full blocks, cached on both sides): the decode worker reserves no
+    block to receive into, so the prefill worker sends none (a send with no receive waited out the
+    transfer timeout, failed the attempt and had the pair rebuilt)."""
+    model_dir = checkpoint("llama")
+    prompt = random_prompts([48], seed=6)[0]
+    expected = colocated_tokens(model_dir, [prompt], greedy(8))[0]
+    with disaggregated(model_dir, transfer_timeout_s=60) as llm:
+        assert [llm.generate([prompt], greedy(8))[0].token_ids for _ in range(2)] == [expected, expected]
+        first, second = llm.transfers
+        assert (first.blocks_cached_on_decode, first.blocks_sent) == (0, 3)
+        assert (second.blocks_cached_on_decode, second.blocks_sent) == (3, 0)
+        decode = next(w for w in llm.worker_status() if w["name"] == "decode-0")
+        assert (decode["pair_rebuilds"], decode["unpaired"]) == (0, [])
+        assert_no_leaks(llm)
+
+
 def test_a_transfer_group_closed_by_a_timeout_is_rebuilt_and_carries_kv_again(checkpoint, ray_session):
     """A transfer that timed out closes its gloo group for good. The decode worker reports the
     pair unusable (the router places around it: here the decode worker prefills itself), builds
