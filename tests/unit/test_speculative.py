@@ -163,3 +163,12 @@ def test_a_stop_among_the_emitted_tokens_finishes_the_request_and_frees_its_bloc
     request = decoding(sched, "b", [30, 31, 32], max_tokens=3)
     assert sched.tokens_before_stop(request, [60, 61, 62]) == 2  # one output so far, max_tokens 3
     assert sched.tokens_before_stop(request, [EOS, 61]) == 1
+
+
+def test_a_step_too_wide_for_any_guess_skips_the_lookups():
+    from cluster.engine.speculative.policy import worth_a_row
+
+    cost = StepCost(fixed_s=0.005, per_row_s=0.001)
+    assert worth_a_row(0.9, rows=1, cost=cost)  # 0.9 > 1/6
+    assert not worth_a_row(0.8, rows=32, cost=cost)  # 0.8 < 32/37
+    assert worth_a_row(0.9, rows=32, cost=cost)  # 0.9 > 32/37 = 0.865

@@ -19,7 +19,8 @@ from typing import Iterable, Sequence
 ACCEPTANCE_PRIOR = 0.5  # a request's acceptance before any of its guesses were checked
 ACCEPTANCE_WEIGHT = 0.3  # weight of the latest step in a request's running acceptance
 RECOVERY = 0.05  # per step without guesses, of the gap back to the prior
-FITTED_STEPS = 256  # the most recent steps the step cost is fitted to
+FITTED_STEPS = 256  # the most recent steps the step cost is fitted to ...
+REFIT_STEPS = 16  # ... every this many steps
 MIN_FITTED_STEPS = 4
 
 
@@ -55,6 +56,11 @@ def update_acceptance(current: float, proposed: int, accepted: int) -> float:
     return (1 - ACCEPTANCE_WEIGHT) * current + ACCEPTANCE_WEIGHT * accepted / proposed
 
 
+def worth_a_row(gain: float, rows: int, cost: StepCost) -> bool:
+    """Whether a guess adding ``gain`` expected tokens to a step of ``rows`` rows pays for its row."""
+    return gain > cost.per_row_s * rows / (cost.fixed_s + cost.per_row_s * rows)
+
+
 def plan_guesses(acceptance: Sequence[float], available: Sequence[int], rows: int,
                  cost: StepCost | None) -> list[int]:
     """Guesses per request: ``acceptance[i]`` and ``available[i]`` (the most request ``i`` can
@@ -71,7 +77,7 @@ def plan_guesses(acceptance: Sequence[float], available: Sequence[int], rows: in
     while heap:
         gain, i = heapq.heappop(heap)
         gain = -gain
-        if gain <= cost.per_row_s * tokens / seconds:
+        if gain <= cost.per_row_s * tokens / seconds:  # the rate is tokens / seconds, not rows / seconds
             break  # the best remaining guess is worth less than the row it takes
         guesses[i] += 1
         tokens += gain
