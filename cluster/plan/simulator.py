@@ -224,7 +224,12 @@ def _token(request: Request) -> int:
 
 
 class _NoMetrics:
+    """What ``EngineWorker._snapshot`` updates on a worker's metrics: nothing, in the simulator."""
+
     def blocks(self, *args) -> None:
+        pass
+
+    def speculation(self, *args) -> None:
         pass
 
 
