@@ -91,3 +91,18 @@ def test_fused_path_reads_an_int8_cache_as_the_torch_path_does(checkpoint):
     llm = LLM(path, attention_backend="triton", **int8)
     assert llm.engine.runner.kv_cache.dtype == torch.int8 and llm.engine.runner.graphs is not None
     assert two_rounds(llm) == two_rounds(LLM(path, attention_backend="torch", **int8))
+
+
+def test_guesses_checked_on_the_fused_path_give_the_torch_paths_tokens(checkpoint):
+    """Speculative decoding on the Triton backend: a verify's rows are a prompt span of the fused
+    kernels (decode-only steps still replay as graphs); greedy tokens are the torch path's."""
+    from cluster.engine.speculative.config import SpeculativeConfig
+
+    model_dir = str(checkpoint("llama"))
+    prompts = [p + p for p in random_prompts([5, 12, 21], seed=8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, attention_backend="torch", **ENGINE).generate(prompts, params)]
+    llm = LLM(model_dir, attention_backend="triton", speculative=SpeculativeConfig(num_tokens=3, adaptive=False),
+              **ENGINE)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.stats.verify_steps > 0 and llm.engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
