@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def stop_on_sigterm() -> None:
 class LocalCluster:
     def __init__(self, name: str, topology: dict, cache: Path | None = None):
         self.name = name
+        self._own_cache = cache is None  # a private cache made here goes when the cluster stops well
         self.cache = cache or Path(tempfile.mkdtemp(prefix=f"tandem-{name}-"))
         self.env = {**os.environ, "TANDEM_CACHE_DIR": str(self.cache)}
         self.topology = {**topology, "cluster": {"name": name}}
@@ -87,8 +89,11 @@ class LocalCluster:
             self.start()
         except BaseException:
             self.stop()
+            print(f"[bench] the cluster's logs stay in {self.cache / 'clusters'}", file=sys.stderr, flush=True)
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.stop()
+        if self._own_cache and exc_type is None:
+            shutil.rmtree(self.cache, ignore_errors=True)
