@@ -151,6 +151,10 @@ class LLMEngine:
         self.runner = self._make_runner(model_dir, progress, make_runner)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks, fault_kv_in_background)
+        # Where the fused native step runs the model, torch's own ops around it run single-threaded
+        # (kernels/threads.py: its OpenMP threads spun through the kernels' next step).
+        fused = getattr(self.runner, "native_step", None) is not None
+        self._torch_threads = torch_ops_single_threaded if fused else nullcontext
         if verbose:
             _log(
                 f"{self.model_config.architecture} from {model_dir}: {self.runner.weight_bytes / 2**20:.1f} MiB of "
@@ -406,13 +410,6 @@ class LLMEngine:
             )
         )
         return outputs
-
-    def _torch_threads(self):
-        """Where the fused native step runs the model, torch's own ops around it run single-threaded
-        (``kernels/threads.py``: its OpenMP threads spun through the kernels' next step)."""
-        if getattr(self.runner, "native_step", None) is not None:
-            return torch_ops_single_threaded()
-        return nullcontext()
 
     # -- speculative decoding ---------------------------------------------------------------
 

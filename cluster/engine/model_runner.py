@@ -437,14 +437,10 @@ class ModelRunner:
         before each row counted in that row's output, for penalties."""
         penalised = [r.params.has_penalties for r in requests]
         outputs = []
+        guess = 0  # the row's place among its request's rows: the guesses before it
         for row, (request, penalties) in enumerate(zip(requests, penalised)):
-            if not penalties:
-                outputs.append(())
-                continue
-            guess = 0
-            while row - guess - 1 >= 0 and requests[row - guess - 1] is request:
-                guess += 1
-            outputs.append(request.output_token_ids + request.spec_token_ids[:guess])
+            guess = guess + 1 if row and requests[row - 1] is request else 0
+            outputs.append(request.output_token_ids + request.spec_token_ids[:guess] if penalties else ())
         batch = SamplingBatch.build(
             [r.params for r in requests],
             [r.prompt_token_ids if p else () for r, p in zip(requests, penalised)],

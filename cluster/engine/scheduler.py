@@ -269,19 +269,19 @@ class Scheduler:
             guessed = id(request) in verifying
             request.num_computed_tokens += len(tokens) if guessed else count
             request.spec_token_ids.clear()
-            self._register_full_blocks(request)
+            reason = None
             for index, token in enumerate(tokens):
                 request.token_ids.append(token)
                 last = index == len(tokens) - 1
                 reason = (FinishReason.STOP if last and request.request_id in stopped
                           else self._stop_reason(request, token))
                 if reason is not None:
-                    self._register_full_blocks(request)  # a kept guess may have filled a block
-                    self.finish(request, reason)
-                    finished.append(request)
                     break
-            if guessed and not request.finished:
-                self._register_full_blocks(request)
+            self._register_full_blocks(request)  # a verify's kept guesses may have filled blocks too
+            if reason is not None:
+                self.finish(request, reason)
+                finished.append(request)
+            elif guessed:
                 self._release_unused_blocks(request)
         return finished
 
@@ -295,7 +295,7 @@ class Scheduler:
     def _register_full_blocks(self, request: Request) -> None:
         if not self.blocks.enable_prefix_caching:
             return
-        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size  # a verify's kept guesses
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size  # tokens past a stop: no KV
         if full <= request.num_registered_blocks:
             return
         self._extend_hashes(request, full)
@@ -306,19 +306,19 @@ class Scheduler:
     def tokens_before_stop(self, request: Request, tokens: Sequence[int]) -> int:
         """How many of ``tokens``, appended in order, the request takes: up to and including the
         first that ends it (an end-of-sequence or stop token, ``max_tokens``, the context)."""
-        params = request.params
         for index, token in enumerate(tokens):
-            if ((token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-                    or request.num_output_tokens + index + 1 >= params.max_tokens
-                    or request.num_tokens + index + 1 >= self.max_model_len):
+            if self._stop_reason(request, token, ahead=index + 1) is not None:
                 return index + 1
         return len(tokens)
 
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+    def _stop_reason(self, request: Request, token: int, ahead: int = 0) -> FinishReason | None:
+        """Why ``token`` ends the request, or None; ``ahead``: tokens the request is still to take
+        up to and including this one (0: it has been appended)."""
         params = request.params
         if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (request.num_output_tokens + ahead >= params.max_tokens
+                or request.num_tokens + ahead >= self.max_model_len):
             return FinishReason.LENGTH
         return None
 

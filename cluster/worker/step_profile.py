@@ -90,23 +90,15 @@ def measuring_alone(wait_s: float = ALONE_WAIT_S):
     except OSError:
         yield
         return
-    with handle:
+    with handle:  # closing it lets go of the lock
         deadline = time.monotonic() + wait_s
-        while True:
+        while time.monotonic() < deadline:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                locked = True
                 break
             except OSError:
-                if time.monotonic() >= deadline:
-                    locked = False
-                    break
                 time.sleep(0.05)
-        try:
-            yield
-        finally:
-            if locked:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def measure(engine, role: str) -> None:

@@ -31,9 +31,10 @@ class StepCost:
 
     @classmethod
     def fit(cls, steps: Iterable[tuple[int, float]]) -> "StepCost | None":
-        """Least squares of seconds on rows over ``(rows, seconds)``; None with too few steps or
-        a single width (then nothing says what a row costs)."""
-        points = list(steps)[-FITTED_STEPS:]
+        """Least squares of seconds on rows over ``(rows, seconds)`` (the caller picks the steps:
+        the latest ``FITTED_STEPS``); None with too few steps or a single width (then nothing
+        says what a row costs)."""
+        points = list(steps)
         if len(points) < MIN_FITTED_STEPS:
             return None
         n = len(points)
