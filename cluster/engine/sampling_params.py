@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from cluster.engine.request_limits import InvalidRequestError, check_stops, clip, quote
+from cluster.engine.structured.spec import StructuredOutput
 
 __all__ = ["InvalidRequestError", "SamplingParams"]
 
@@ -25,6 +26,7 @@ class SamplingParams:
     are those of the model's raw distribution, before any processing. ``speculative=False``
     keeps the request out of speculative decoding where the engine speculates (its tokens are
     the same either way: this only trades the guesses' rows for one token a step).
+    ``structured`` holds the output to a schema, regex, grammar or choice (``structured/spec.py``).
     """
 
     max_tokens: int = 16
@@ -41,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     speculative: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -73,6 +76,8 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos must be true or false, got {quote(self.ignore_eos)}")
         if not isinstance(self.speculative, bool):
             raise InvalidRequestError(f"speculative must be true or false, got {quote(self.speculative)}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError(f"structured must be a StructuredOutput, got {quote(self.structured)}")
         check_stops(self.stop, self.stop_token_ids)
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
