@@ -10,6 +10,7 @@ import msgpack
 import pytest
 
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.structured.spec import StructuredOutput
 from cluster.protocol.codec import MESSAGES, TAG, UnknownMessage, decode_message, encode_message
 from cluster.protocol.messages import (FailureKind, Finished, Hello, RequestFailed, TokenDelta, TransferReport, Usage,
                                        WorkerFailure, WorkerRequest)
@@ -23,6 +24,8 @@ EXAMPLES = [
                                                     seed=3, logprobs=2), 4, "prefill-1", 12.5, False),
     WorkerRequest("r2", [9], SamplingParams()),
     SamplingParams(top_k=4),
+    SamplingParams(structured=StructuredOutput("grammar", 'root ::= "yes" | "no"', syntax="ebnf")),
+    StructuredOutput("json_schema", '{"type": "object"}', source="tools"),
     TokenDelta([4, 5], "ab", [[-0.5, [[4, -0.5], [6, -1.0]]], [-0.1, []]]),
     TokenDelta([], "", transfer=TRANSFER),
     TokenDelta([7], "c", end=Finished("length", Usage(3, 1, 8))),
