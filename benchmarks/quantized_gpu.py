@@ -8,7 +8,8 @@ served partly from L2), in the engine's forms:
 - bf16: ``F.linear`` on bfloat16 weights (cuBLAS);
 - fp8: the f8 layout (e4m3 codes, a float32 scale per 32 weights, as ``model.quantization: fp8``
   makes it), through the Triton kernel with FP8 activations where the GPU has FP8 tensor cores
-  (compute capability >= 8.9); ``fp8 w-only``: the same weights, activations kept bf16;
+  (compute capability >= 8.9); ``fp8 w-only``: the same weights, activations kept bf16 (what the
+  engine runs: FP8 activations measured slower);
 - int8: q8, a byte and a float32 scale per 32 weights; int4: q4, half a byte and a float32 scale
   and min per 32 (``cluster/engine/quantization/quantize.py``).
 
@@ -38,6 +39,7 @@ import gc
 import json
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from common import median, positive_ints, print_table  # (importing common puts the repository on sys.path)
@@ -108,7 +110,7 @@ def step_fn(fmt: str, weights: list, batch: int):
     widths = {w.shape[1] if isinstance(w, torch.Tensor) else w.cols for w in weights}
     device = weights[0].device if isinstance(weights[0], torch.Tensor) else weights[0].codes.device
     inputs = {k: torch.randn(batch, k, dtype=torch.bfloat16, device=device) for k in widths}
-    fp8_activations = None if fmt == "fp8" else False
+    fp8_activations = fmt == "fp8"
 
     def step() -> None:
         for w in weights:
@@ -160,11 +162,36 @@ def run_linear(batches: list[int], repeats: int) -> dict:
     return results
 
 
+@contextmanager
+def swept_plans(paths: list[Path]):
+    """plan_tiles answers with the sweeps' best plans, by layout, FP8 activations and shape."""
+    from cluster.engine.kernels import triton_quantized_matmul as kernel
+
+    best = {}
+    for path in paths:
+        for by_batch in json.loads(path.read_text())["results"].values():
+            for batch, by_shape in by_batch.items():
+                for row in by_shape.values():
+                    key = (row["layout"], row["fp8_activations"], int(batch), row["n"], row["k"])
+                    best[key] = kernel.TilePlan(**row["best"])
+    rule = kernel.plan_tiles
+
+    def lookup(m, n, k, num_sms, splits=None, layout="q4", fp8_activations=False):
+        return best.get((layout, bool(fp8_activations), m, n, k)) or rule(m, n, k, num_sms, splits, layout,
+                                                                          fp8_activations)
+
+    kernel.plan_tiles = lookup
+    try:
+        yield
+    finally:
+        kernel.plan_tiles = rule
+
+
 def linear_table(results: dict, batches: list[int], bandwidth: float) -> list[tuple]:
     rows = []
     for batch in batches:
         base = results["bf16"]["rows"][batch]["step_s"]
-        for fmt in FORMATS:
+        for fmt in ["bf16"] + [f for f in results if f != "bf16"]:
             row = results[fmt]["rows"][batch]
             rows.append((batch, fmt, f"{row['step_s'] * 1e3:.3f}", f"{row['step_s'] / base:.2f}x",
                          f"{results[fmt]['weight_bytes'] / 1e9:.2f}", f"{row['bytes'] / row['step_s'] / bandwidth:.1%}",
@@ -178,16 +205,23 @@ def goal_rows(results: dict, bandwidth: float) -> list[tuple[str, str]]:
 
     batches = results["bf16"]["rows"]
     goals = []
-    if 1 in batches:
-        bf16 = at("bf16", 1)["step_s"]
-        goals.append(("INT4 batch-1 step over bf16's (goal <= 0.4x)", f"{at('int4', 1)['step_s'] / bf16:.2f}x"))
-        goals.append(("FP8 batch-1 step over bf16's (goal <= 0.6x)", f"{at('fp8', 1)['step_s'] / bf16:.2f}x"))
-        for fmt in ("fp8", "int8", "int4"):
-            row = at(fmt, 1)
-            goals.append((f"{fmt} MBU at batch 1 (goal >= 60%)", f"{row['bytes'] / row['step_s'] / bandwidth:.1%}"))
-    if 64 in batches:
-        ratio = at("bf16", 64)["step_s"] / at("fp8", 64)["step_s"]
-        goals.append(("FP8 tokens/s at batch 64 over bf16's (goal >= 1.3x)", f"{ratio:.2f}x"))
+    for plans in ("", " (swept)"):
+        if f"int4{plans}" not in results:
+            continue
+        if 1 in batches:
+            bf16 = at("bf16", 1)["step_s"]
+            goals.append((f"INT4{plans} batch-1 step over bf16's (goal <= 0.4x)",
+                          f"{at(f'int4{plans}', 1)['step_s'] / bf16:.2f}x"))
+            goals.append((f"FP8{plans} batch-1 step over bf16's (goal <= 0.6x)",
+                          f"{min(at(f'fp8{plans}', 1)['step_s'], at(f'fp8 w-only{plans}', 1)['step_s']) / bf16:.2f}x"))
+            for fmt in ("fp8", "fp8 w-only", "int8", "int4"):
+                row = at(f"{fmt}{plans}", 1)
+                goals.append((f"{fmt}{plans} MBU at batch 1 (goal >= 60%)",
+                              f"{row['bytes'] / row['step_s'] / bandwidth:.1%}"))
+        if 64 in batches:
+            fp8 = min(at(f"fp8{plans}", 64)["step_s"], at(f"fp8 w-only{plans}", 64)["step_s"])
+            goals.append((f"FP8{plans} tokens/s at batch 64 over bf16's (goal >= 1.3x)",
+                          f"{at('bf16', 64)['step_s'] / fp8:.2f}x"))
     return goals
 
 
@@ -223,6 +257,9 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512, help="--engine: prompt tokens per request (default: 512)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="--engine: tokens per request (default: 64)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--plans", type=Path, nargs="*", default=[],
+                        help="quantized_gpu_tiles.py --json files: also time each format with the best plans found "
+                             "there (shapes and batches not swept keep plan_tiles' plan)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("quantized_gpu.py: skipped, no CUDA device here (torch.cuda.is_available() is False)")
@@ -236,6 +273,10 @@ def main() -> int:
     nominal = nominal_bandwidth(name)
     bandwidth = nominal or measured
     linear = run_linear(args.batches, args.repeats)
+    if args.plans:
+        with swept_plans(args.plans):
+            tuned = run_linear(args.batches, args.repeats)
+        linear.update({f"{fmt} (swept)": row for fmt, row in tuned.items() if fmt != "bf16"})
     engine = run_engine(args.batches, args.context, args.decode_tokens) if args.engine else None
 
     machine = machine_rows(measured)

@@ -1,6 +1,6 @@
 """The Triton quantized matmul on a real GPU: every layout at Llama-like widths with the tile and
 split-K plans the device gets (the interpreter never splits by itself), FP8 activations where the
-GPU has FP8 tensor cores, capture in a CUDA graph, and bfloat16 engines quantized at load whose
+GPU has FP8 tensor cores (asked for: not the default), capture in a CUDA graph, and bfloat16 engines quantized at load whose
 decode graphs give the tokens of their eager steps. Tolerances as in
 tests/unit/test_triton_quantized_matmul.py. Skipped without CUDA."""
 
@@ -51,7 +51,7 @@ def test_fp8_activations_on_fp8_tensor_cores(rows):
     weight = packed("f8", 1001, 4096, seed=rows).to(DEVICE)
     for dtype in (torch.bfloat16, torch.float16):
         x = activations(rows, 4096, dtype)
-        out = kernel.packed_linear(x, ((0, weight),), 1001)  # the default here: FP8 activations
+        out = kernel.packed_linear(x, ((0, weight),), 1001, fp8_activations=True)
         assert_close(out, x, weight, extra=fp8_rounding_bound(x, weight))
 
 
@@ -85,8 +85,8 @@ def test_engines_quantized_at_load_give_the_cpu_paths_tokens_with_decode_graphs(
 
 @pytest.mark.parametrize("quantization", ["int4", "fp8"])
 def test_bfloat16_decode_graphs_agree_with_eager_steps(quantization, checkpoint):
-    """In bfloat16 (FP8 activations for fp8 where the GPU has them) graphs and eager steps split
-    attention differently: their first tokens' log-probabilities must agree closely."""
+    """In bfloat16 graphs and eager steps split attention differently: their first tokens'
+    log-probabilities must agree closely."""
     model_dir = str(checkpoint("llama"))
     prompts = random_prompts([40, 7], seed=3)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)

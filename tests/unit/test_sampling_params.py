@@ -138,6 +138,7 @@ def test_field_names():
     assert SamplingParams.field_names() == {
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
         "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "speculative",
+        "structured",
     }
 
 
@@ -167,7 +168,7 @@ def test_from_mapping_builds_every_field():
     }
     params = SamplingParams.from_mapping(values)
     as_dict = dataclasses.asdict(params)
-    assert as_dict == {**values, "stop": ("\n\n",), "stop_token_ids": (2,)}
+    assert as_dict == {**values, "stop": ("\n\n",), "stop_token_ids": (2,), "structured": None}
 
 
 def test_frozen():

@@ -83,6 +83,27 @@ def test_a_split_k_sums_its_parts(kind):
     assert_close(out, x, weight)
 
 
+def gemv_plan(k: int, splits: int, block_n: int = 16, block_k: int = 64) -> "kernel.TilePlan":
+    k_tiles = -(-k // block_k)
+    per_split = -(-k_tiles // splits)
+    return kernel.TilePlan(16, block_n, block_k, -(-k_tiles // per_split), per_split * block_k, 4, 3, gemv=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_gemv_kernel_matches_dequantize_then_matmul(kind, rows, splits):
+    """One row a program, no tensor cores: a partial last tile of rows (37 of 48) and of columns
+    (160 in tiles of 64), with and without a split of K."""
+    weight = weight_for(kind, seed=rows)
+    plan = gemv_plan(weight.cols, splits)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = activations(rows, weight.cols, dtype)
+        out = torch.full((rows, ODD_N), float("nan"), dtype=dtype, device=DEVICE)
+        kernel.quantized_matmul_into(x, weight, out, plan=plan)
+        assert_close(out, x, weight)
+
+
 def test_parts_of_several_layouts_fill_their_columns_of_one_output():
     """q, k and v of one layer may ship in different types: each part writes its own column slice."""
     parts = ((0, weight_for("q4", n=40)), (40, weight_for("q8g32min", n=24)), (64, weight_for("f8", n=8)))
@@ -110,17 +131,29 @@ def test_every_f8_code_widens_exactly():
 def test_the_tiles_follow_the_batch():
     """Decode batches: one tile of rows, K split until there are about two programs per SM
     (132: an H100), each split at least four tiles; prompt chunks: 128 x 128 tiles, no split."""
-    o_proj = kernel.plan_tiles(1, 4096, 4096, num_sms=132)
+    o_proj = kernel.plan_tiles(8, 4096, 4096, num_sms=132)
     assert (o_proj.block_m, o_proj.block_n, o_proj.block_k, o_proj.splits) == (16, 64, 128, 8)
     assert o_proj.splits * o_proj.k_per_split == 4096
-    assert kernel.plan_tiles(1, 28672, 4096, num_sms=132).splits == 1  # 448 programs already
+    assert kernel.plan_tiles(8, 28672, 4096, num_sms=132).splits == 1  # 448 programs already
     down = kernel.plan_tiles(33, 4096, 14336, num_sms=132)
     assert (down.block_m, down.splits) == (64, 8) and down.k_per_split % down.block_k == 0
     assert down.splits * down.k_per_split >= 14336 > (down.splits - 1) * down.k_per_split
-    assert kernel.plan_tiles(1, 4096, 512, num_sms=132).splits == 1  # four tiles in all
+    assert kernel.plan_tiles(8, 4096, 512, num_sms=132).splits == 1  # four tiles in all
     prefill = kernel.plan_tiles(512, 4096, 4096, num_sms=132)
     assert (prefill.block_m, prefill.block_n, prefill.splits) == (128, 128, 1)
+    assert kernel.plan_tiles(8, 4096, 4096, num_sms=1).splits == 1  # the interpreter
+
+
+def test_one_row_takes_the_gemv_kernel_with_k_in_runs_of_1024_columns():
+    """The plan the H200 sweep chose for one row (benchmarks/quantized_gpu_tiles.py)."""
+    qkv = kernel.plan_tiles(1, 6144, 4096, num_sms=132)
+    assert (qkv.gemv, qkv.block_n, qkv.block_k, qkv.splits, qkv.k_per_split) == (True, 32, 256, 4, 1024)
+    down = kernel.plan_tiles(1, 4096, 14336, num_sms=132)
+    assert (down.splits, down.k_per_split) == (14, 1024)
+    assert kernel.plan_tiles(1, 64, 512, num_sms=132).splits == 1  # two tiles in all
     assert kernel.plan_tiles(1, 4096, 4096, num_sms=1).splits == 1  # the interpreter
+    assert not kernel.plan_tiles(2, 4096, 4096, num_sms=132).gemv
+    assert not kernel.plan_tiles(1, 4096, 4096, num_sms=132, layout="f8", fp8_activations=True).gemv
 
 
 @triton.jit
