@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from cluster.engine.request_limits import clip
 from cluster.ingress.openai_api import ApiError
 
 _MESSAGES = {
@@ -26,8 +27,9 @@ def protocol_error_message(status: int, message: str | None) -> str:
     """One line for what aiohttp answered with ``status``: its own first line for a request
     that is not HTTP, without the bytes it quotes."""
     text = _MESSAGES.get(status, f"HTTP {status}")
-    detail = (message or "").strip().splitlines()[0].rstrip(":").strip() if status == 400 and message else ""
-    return f"{text}: {detail}" if detail else text
+    detail = message.strip().splitlines()[0].rstrip(":").strip() if status == 400 and message and message.strip() \
+        else ""
+    return f"{text}: {clip(detail)}" if detail else text
 
 
 class _Connection(web.RequestHandler):

@@ -57,7 +57,7 @@ CODES = {404: "model_not_found", 429: "rate_limit_exceeded", 503: "service_unava
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        message = " ".join(message.split())  # one line, whatever the cause's text held
+        message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # one line, always
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code or CODES.get(status)

@@ -199,3 +199,14 @@ def test_logprobs_in_both_shapes():
 def test_models_list():
     assert models(MODEL, 512, 1000) == {"object": "list", "data": [
         {"id": MODEL, "object": "model", "created": 1000, "owned_by": "tandem", "max_model_len": 512}]}
+
+
+def test_what_aiohttp_answers_itself_is_one_line_without_the_bytes_it_quotes():
+    from cluster.ingress.http_connection import protocol_error_message
+
+    assert protocol_error_message(400, "Invalid method encountered:\n\n  b'{}garbage'\n    ^") == \
+        "the request is not valid HTTP/1.1: Invalid method encountered"
+    assert protocol_error_message(400, None) == "the request is not valid HTTP/1.1"
+    assert protocol_error_message(500, "Server got itself in trouble") == \
+        "the server failed on this request (an internal error; the server's log has the details)"
+    assert protocol_error_message(400, "x" * 500).endswith("(400 more characters)")
