@@ -10,6 +10,13 @@ the client:
 
 ``send`` never raises for a failed request: the result carries ``error`` (a gRPC status name,
 ``HTTP <status>`` or ``timeout``) with the server's message.
+
+A benchmark measures the server, not its own connection pool: a server may close a kept-alive
+connection (llama.cpp's ``llama-server`` does, after a streamed response) just as the pool hands
+it to the next request. A request that fails on a reused connection before the server answered
+anything (the peer had closed it, or reset it while the request was written) is sent once more, on
+a new connection, and counted (``RequestResult.retried``); one that fails after any answer, or on
+a new connection, fails as it is.
 """
 
 from __future__ import annotations
@@ -121,7 +128,13 @@ class OpenAIBackend:
         self.chat = chat
         self.detokenize = detokenize
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None))
+        reuse = aiohttp.TraceConfig()
+        reuse.on_connection_reuseconn.append(_mark_reused)
+        self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None),
+                                              trace_configs=[reuse])
+        # where a request is sent again: a connection of its own, closed after its answer
+        self._fresh = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None),
+                                            connector=aiohttp.TCPConnector(force_close=True))
 
     async def model_info(self) -> dict:
         """The served model's name (``/v1/models``); the vocabulary is not part of the API."""
@@ -171,10 +184,24 @@ class OpenAIBackend:
                 result.completion_tokens = chunks
         return result
 
+    async def _post(self, path: str, body: dict, result: RequestResult):
+        """The response (its status and headers read), sent again on a new connection when a
+        reused one failed before the server answered anything."""
+        import aiohttp
+
+        attempt = _Attempt()
+        try:
+            return await self._session.post(self.base_url + path, json=body, trace_request_ctx=attempt)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if not attempt.reused or not _nothing_answered(exc):
+                raise
+        result.retried += 1
+        return await self._fresh.post(self.base_url + path, json=body)
+
     async def _stream(self, path: str, body: dict, result: RequestResult, clock: Clock) -> int:
         """Reads one streamed answer into ``result``; returns the chunks that carried text."""
         chunks = 0
-        async with self._session.post(self.base_url + path, json=body) as response:
+        async with await self._post(path, body, result) as response:
             if response.status != 200:
                 text = await response.text()
                 result.error = f"HTTP {response.status}: {text[:300]}"
@@ -208,6 +235,31 @@ class OpenAIBackend:
 
     async def close(self) -> None:
         await self._session.close()
+        await self._fresh.close()
+
+
+@dataclass
+class _Attempt:
+    """One sending of a request: whether the pool gave it a connection used before."""
+
+    reused: bool = False
+
+
+async def _mark_reused(session, context, params) -> None:
+    attempt = context.trace_request_ctx
+    if isinstance(attempt, _Attempt):
+        attempt.reused = True
+
+
+def _nothing_answered(exc: Exception) -> bool:
+    """Whether a failure to get a response came before any of it: aiohttp names what it had
+    read of a response in ``ServerDisconnectedError.message``, else only "Server disconnected";
+    a reset (``ClientOSError``) while the request was written or awaited its answer has none."""
+    import aiohttp
+
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return isinstance(exc.message, str)
+    return True
 
 
 async def _sse_data(stream):

@@ -41,6 +41,7 @@ class RequestResult:
     error: str | None = None  # a status name (RESOURCE_EXHAUSTED, ...) or a short reason
     output_token_ids: list[int] = field(default_factory=list)
     placement: tuple[str, str] | None = None
+    retried: int = 0  # sent again on a new connection: a kept-alive one failed before any answer
 
     @property
     def ok(self) -> bool:
@@ -187,6 +188,7 @@ def summarize(results: Sequence[RequestResult], objectives: Objectives | None = 
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": errors,
+        "retried": sum(r.retried for r in results),
         "duration_s": duration,
         "request_throughput_rps": len(ok) / duration if duration else 0.0,
         "input_token_throughput": prompt / duration if duration else 0.0,

@@ -19,7 +19,8 @@ def format_summary(summary: dict, title: str) -> str:
     lines = [title, "-" * len(title)]
     g = summary["goodput"]
     lines.append(f"requests: {summary['requests']} sent, {summary['completed']} completed, {summary['failed']} failed"
-                 + (f" ({', '.join(f'{n} {k}' for k, n in summary['errors'].items())})" if summary["errors"] else ""))
+                 + (f" ({', '.join(f'{n} {k}' for k, n in summary['errors'].items())})" if summary["errors"] else "")
+                 + f"; {summary.get('retried', 0)} retried on a new connection (a kept-alive one was closed)")
     lines.append(f"duration: {summary['duration_s']:.1f} s; throughput {summary['request_throughput_rps']:.2f} req/s, "
                  f"{summary['input_token_throughput']:.0f} input tok/s, {summary['output_token_throughput']:.0f} "
                  f"output tok/s")

@@ -19,6 +19,10 @@ MAX_SLO_CLASS_CHARS = 64  # also the longest class name a topology may declare
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_USER_CHARS = 256  # the OpenAI API's ``user`` (an end user's id)
+MAX_UINT32 = 2**32 - 1  # max_tokens and top_k: the gRPC API's uint32
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # the gRPC API's int32
+MAX_BODY_DEPTH = 64  # levels of nested arrays and objects in an HTTP API body
 
 
 class InvalidRequestError(ValueError):
@@ -48,6 +52,16 @@ def check_length(name: str, value: str, limit: int) -> None:
 
 def check_request_id(request_id: str) -> None:
     check_length("request_id", request_id, MAX_REQUEST_ID_CHARS)
+
+
+def check_user(user: str) -> None:
+    check_length("user", user, MAX_USER_CHARS)
+
+
+def check_priority(priority: int) -> None:
+    low, high = PRIORITY_RANGE
+    if not low <= priority <= high:
+        raise InvalidRequestError(f"priority must be in [{low}, {high}], got {quote(priority)}")
 
 
 def check_slo_class(name: str | None) -> None:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from cluster.engine.request_limits import InvalidRequestError, check_stops, clip, quote
+from cluster.engine.request_limits import MAX_UINT32, InvalidRequestError, check_stops, clip, quote
 from cluster.engine.structured.spec import StructuredOutput
 
 __all__ = ["InvalidRequestError", "SamplingParams"]
@@ -48,14 +48,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int))
-        _check_int(self.max_tokens, "max_tokens", minimum=1)
+        _check_int(self.max_tokens, "max_tokens", minimum=1, maximum=MAX_UINT32)
         _check_number(self.temperature, "temperature")
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0 (0 means greedy), got {quote(self.temperature)}")
         _check_number(self.top_p, "top_p")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {quote(self.top_p)}")
-        _check_int(self.top_k, "top_k", minimum=0)
+        _check_int(self.top_k, "top_k", minimum=0, maximum=MAX_UINT32)
         _check_number(self.min_p, "min_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {quote(self.min_p)}")

@@ -10,6 +10,11 @@ The server binds ``server.host``:``server.http_port`` with ``SO_REUSEPORT`` (eve
 replica shares the port), serves TLS with the gRPC API's certificate and asks for the same
 bearer token (``Authorization: Bearer <token>``) on every route but ``/health``. A client that
 disconnects aborts its request on every worker.
+
+Every answer but a success is OpenAI's error body with a one-line message: a body is read as
+strict JSON (``json_body.py``; at most ``MAX_BODY_BYTES``, ``Content-Type: application/json``
+when a type is given), and what aiohttp answers by itself (a request that is not HTTP, a fault of
+the server's own) is answered in the same body (``http_connection.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from cluster.ingress import openai_api
+from cluster.ingress.http_connection import ApiRunner, protocol_error_message
+from cluster.ingress.json_body import BodyError, parse_json_body
 from cluster.ingress.openai_api import ApiError, Choice, OpenAIRequest
-from cluster.engine.request_limits import MAX_ECHO_CHARS
+from cluster.engine.request_limits import clip, quote
 from cluster.protocol.messages import ApiRequest, Ending, Output, RequestFailed
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -53,11 +61,12 @@ class OpenAIServer:
         try:
             return await handler(request)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)
+            return web.json_response(exc.body(), status=exc.status)  # (aiohttp drains a body left unread)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            error = ApiError(exc.status, f"{request.method} {request.path[:MAX_ECHO_CHARS]}: {exc.reason}")
+            error = ApiError(exc.status, f"{request.method} {clip(request.path)}: {exc.reason}",
+                             code="unknown_url" if exc.status == 404 else None)
             return web.json_response(error.body(), status=exc.status)
 
     @web.middleware
@@ -86,10 +95,7 @@ class OpenAIServer:
 
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
         arrival = time.time()
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        body = await _json_body(request)
         req = parse(body, self.path.info.model_name)
         requests = [replace(r, arrival=arrival, api="http") for r in req.choice_requests()]
         if req.stream:
@@ -197,6 +203,32 @@ class OpenAIServer:
         return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
 
+async def _json_body(request: web.Request):
+    """The request's body as strict JSON (``json_body.py``), or the 4xx that says what is wrong with it."""
+    content_type = request.headers.get("Content-Type")
+    if content_type is not None and not _is_json(request.content_type):
+        raise ApiError(415, f"the request body must be JSON (Content-Type: application/json), got Content-Type "
+                            f"{quote(content_type)}")
+    too_large = ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes, the most this server reads")
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise too_large
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    except HttpProcessingError as exc:  # a broken chunk, a body shorter than its Content-Length
+        raise ApiError(400, protocol_error_message(400, exc.message)) from None
+    try:
+        return parse_json_body(raw)
+    except BodyError as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+
+
+def _is_json(media_type: str) -> bool:
+    return media_type == "application/json" or (media_type.startswith("application/") and
+                                                 media_type.endswith("+json"))
+
+
 def _ending(end: Ending) -> tuple[str, list[int]]:
     """A choice's finish reason and usage ([prompt, cached, completion]) from its last message."""
     usage = end.usage
@@ -211,7 +243,7 @@ async def start_http(path, host: str, port: int, token: str | None, tls=None) ->
     """Starts the HTTP API on the running event loop; returns its runner, the port it got and
     the server (whose ``serving`` the health checks set)."""
     server = OpenAIServer(path, token)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = ApiRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     context = None
     if tls is not None and tls.cert_file:

@@ -15,37 +15,39 @@ An error a caller can fix is an :class:`ApiError` with OpenAI's body ``{"error":
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from cluster.engine.chat_template import ChatPrompt
-from cluster.engine.request_limits import quote
+from cluster.engine.request_limits import InvalidRequestError, check_user, quote
 from cluster.protocol.messages import ApiRequest, RequestFailed
 
 MAX_CHOICES = 16
 # Fields OpenAI defines that Tandem accepts only at their neutral value.
 _NEUTRAL = {
-    "logit_bias": lambda v: not v,
-    "echo": lambda v: not v,
-    "best_of": lambda v: v in (None, 1),
+    "logit_bias": lambda v: v is None or v == {},
+    "echo": lambda v: v is None or v is False,
+    "best_of": lambda v: v is None or (type(v) is int and v == 1),
     "suffix": lambda v: v in (None, ""),
     "response_format": lambda v: v is None or (isinstance(v, Mapping) and v.get("type") in (None, "text")),
-    "parallel_tool_calls": lambda v: True,
+    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "service_tier": lambda v: v in (None, "auto", "default"),
-    "store": lambda v: not v,
-    "metadata": lambda v: True,
+    "store": lambda v: v is None or v is False,
     "modalities": lambda v: v in (None, ["text"]),
     "reasoning_effort": lambda v: v is None,
 }
 _EXTRA = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "speculative", "priority", "slo_class", "ttft_ms",
           "tpot_ms", "stop_token_ids", "request_id")
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
-           "frequency_penalty", "stream", "stream_options", "user", "logprobs") + _EXTRA
+           "frequency_penalty", "stream", "stream_options", "user", "metadata", "logprobs") + _EXTRA
 COMPLETION_FIELDS = frozenset(_COMMON + ("prompt",)) | set(_NEUTRAL)
 CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "top_logprobs", "tools")) | set(_NEUTRAL)
+# OpenAI's limits on ``metadata`` (kept by OpenAI with ``store``; accepted and not kept here)
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 STATUS = {"invalid": 400, "not_found": 404, "rejected": 429, "unavailable": 503}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -55,6 +57,7 @@ CODES = {404: "model_not_found", 429: "rate_limit_exceeded", 503: "service_unava
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # one line, always
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code or CODES.get(status)
@@ -111,7 +114,7 @@ def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
             raise invalid("prompt", "the prompt is empty")
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         prompt = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid("prompt", "give one prompt per request (a string or a list of token ids)")
     else:
         raise invalid("prompt", "must be a non-empty string or a list of token ids")
@@ -132,7 +135,7 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid("tools", "must be a list of tool definitions")
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+    if _optional_int(body, "max_completion_tokens", 1, None) is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
     fields = _common(body, model_name, default_max_tokens=None)
     fields["prompt"] = ChatPrompt(messages, True, tools)
@@ -227,14 +230,39 @@ def _common(body: Mapping, model_name: str, default_max_tokens: int | None) -> d
             raise invalid("request_id", "must be a non-empty string")
         fields["request_id"] = request_id
     user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise invalid("user", "must be a string")
+    if user is not None:
+        if not isinstance(user, str):
+            raise invalid("user", "must be a string")
+        _limited("user", check_user, user)
+    _check_metadata(body.get("metadata"))
     return fields
+
+
+def _limited(param: str, check: Callable[[Any], None], value: Any) -> None:
+    """A limit of ``cluster/engine/request_limits.py``, as a 400 naming ``param``."""
+    try:
+        check(value)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param) from None
+
+
+def _check_metadata(metadata: Any) -> None:
+    if metadata is None:
+        return
+    if not isinstance(metadata, Mapping) or not all(isinstance(v, str) for v in metadata.values()):
+        raise invalid("metadata", f"must be an object of string values, got {quote(metadata)}")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise invalid("metadata", f"{len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise invalid("metadata", f"key {quote(key)}: keys may have at most {MAX_METADATA_KEY_CHARS} characters, "
+                                      f"values at most {MAX_METADATA_VALUE_CHARS}")
 
 
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(body), "a number")
+        raise ApiError(400, f"the request body must be a JSON object, got {kind}")
     return body
 
 
@@ -248,7 +276,10 @@ def _number(body: Mapping, name: str) -> float:
     value = body[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise invalid(name, f"must be a number, got {quote(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond a float
+        raise invalid(name, f"must be a finite number, got {quote(value)}") from None
 
 
 def _optional_int(body: Mapping, name: str, minimum: int | None, maximum: int | None) -> int | None:
@@ -259,7 +290,7 @@ def _optional_int(body: Mapping, name: str, minimum: int | None, maximum: int | 
         raise invalid(name, f"must be an integer, got {quote(value)}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise invalid(name, f"must be {bounds}, got {value}")
+        raise invalid(name, f"must be {bounds}, got {quote(value)}")
     return value
 
 
@@ -268,11 +299,21 @@ def _optional_int(body: Mapping, name: str, minimum: int | None, maximum: int | 
 def error_for(error: RequestFailed) -> ApiError:
     """The request path's error message as an API error with its status."""
     status = STATUS.get(error.kind, 503)
-    param = None
-    text = error.message
-    if status == 400:
-        param = text.split(":", 1)[0] if ":" in text.split(" ", 1)[0] else None
-    return ApiError(status, text, param)
+    return ApiError(status, error.message, _param_of(error.message) if status == 400 else None)
+
+
+# A message that starts by naming a field: "temperature must be ...", "messages[0].role is missing", "stop: ..."
+_LEADING_FIELD = re.compile(r"([a-z_]+)((?:\[\d+\]|\.[a-z_]+)*)(?=:| must | is | has )")
+_PARAM_ALIASES = {"prompt_token_ids": "prompt"}
+
+
+def _param_of(message: str) -> str | None:
+    """The body field an engine or request-path message names first, for the error's ``param``."""
+    match = _LEADING_FIELD.match(message)
+    if match is None:
+        return None
+    root = _PARAM_ALIASES.get(match.group(1), match.group(1))
+    return root + match.group(2) if root in COMPLETION_FIELDS | CHAT_FIELDS else None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

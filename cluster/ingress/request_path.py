@@ -44,7 +44,8 @@ from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
-from cluster.engine.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
+from cluster.engine.request_limits import (check_priority, check_request_id, check_slo_class, check_stop_token_ids,
+                                           quote)
 from cluster.protocol.stream import StreamClient, WorkerGone
 from router.config import RouterConfigError
 from router.router import Decision, RouteRequest
@@ -208,6 +209,7 @@ class RequestPath:
         if request_id in self.active:
             raise InvalidRequestError(f"request_id {quote(request_id)} is already in flight")
         check_slo_class(request.slo_class or None)
+        check_priority(int(request.priority or 0))
         token_ids = prompt_token_ids(request.prompt, self.tokenizer, self.info.vocab_size)
         sampling = request.sampling
         if not isinstance(sampling, SamplingParams):

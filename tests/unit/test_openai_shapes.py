@@ -64,6 +64,20 @@ def test_a_chat_body_renders_through_the_template_and_maps_logprobs():
     ({"model": MODEL, "prompt": "x", "ttft_ms": 0}, 400, "ttft_ms", "must be positive"),
     ({"model": MODEL, "prompt": "x", "speculative": "no"}, 400, "speculative", "must be true or false, got 'no'"),
     ({"model": MODEL, "prompt": "x", "speculative": 0}, 400, "speculative", "must be true or false, got 0"),
+    ({"model": MODEL, "prompt": "x", "user": "u" * 257}, 400, "user",
+     "user is 257 characters long; at most 256 are allowed"),
+    ({"model": MODEL, "prompt": "x", "user": 7}, 400, "user", "user: must be a string"),
+    ({"model": MODEL, "prompt": "x", "metadata": 5}, 400, "metadata", "must be an object of string values, got 5"),
+    ({"model": MODEL, "prompt": "x", "metadata": {"k": 1}}, 400, "metadata", "must be an object of string values"),
+    ({"model": MODEL, "prompt": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata",
+     "17 pairs; at most 16 are allowed"),
+    ({"model": MODEL, "prompt": "x", "metadata": {"k": "v" * 513}}, 400, "metadata", "values at most 512"),
+    ({"model": MODEL, "prompt": "x", "echo": 0}, 400, "echo", "0 is not supported"),
+    ({"model": MODEL, "prompt": "x", "store": []}, 400, "store", "[] is not supported"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": []}, 400, "logit_bias", "[] is not supported"),
+    ({"model": MODEL, "prompt": "x", "best_of": True}, 400, "best_of", "True is not supported"),
+    ({"model": MODEL, "prompt": "x", "temperature": 10**400}, 400, "temperature", "must be a finite number"),
+    ({"model": MODEL, "prompt": "x", "n": 10**400}, 400, "n", "more characters)"),  # quoted, clipped
 ])
 def test_bad_completion_bodies_name_the_field(body, status, param, words):
     with pytest.raises(ApiError) as caught:
@@ -91,8 +105,44 @@ def test_bad_chat_bodies_name_the_field():
         parse_chat({"model": MODEL, "messages": []}, MODEL)
     with pytest.raises(ApiError, match="top_logprobs: needs logprobs: true"):
         parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, MODEL)
-    with pytest.raises(ApiError, match="the body must be a JSON object"):
+    with pytest.raises(ApiError, match="^the request body must be a JSON object, got an array$"):
         parse_chat([1, 2], MODEL)
+    with pytest.raises(ApiError, match="^the request body must be a JSON object, got a number$"):
+        parse_completion(1.5, MODEL)
+
+
+def test_accepted_neutral_and_metadata_fields():
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for extra in ({"metadata": {"k": "v" * 512}}, {"metadata": None}, {"store": False}, {"logit_bias": {}},
+                  {"parallel_tool_calls": True}, {"user": "u" * 256}):
+        parse_chat({**chat, **extra}, MODEL)
+    for extra in ({"echo": False}, {"best_of": 1}, {"metadata": {}}):
+        parse_completion({"model": MODEL, "prompt": "x", **extra}, MODEL)
+    with pytest.raises(ApiError, match="^parallel_tool_calls: 'yes' is not supported"):
+        parse_chat({**chat, "parallel_tool_calls": "yes"}, MODEL)
+
+
+def test_an_error_message_is_one_line():
+    assert ApiError(400, "the chat template failed:\n  line 3\n\tmore").message == \
+        "the chat template failed: line 3 more"
+
+
+@pytest.mark.parametrize("message, param", [
+    ("temperature must be >= 0 (0 means greedy), got -1.0", "temperature"),
+    ("messages[0].role is missing", "messages[0].role"),
+    ("messages[2].content[1] must be {...}", "messages[2].content[1]"),
+    ("stop: 17 stop strings; at most 16 are allowed", "stop"),
+    ("max_tokens must be <= 4294967295, got 10", "max_tokens"),
+    ("prompt has 600 tokens but the model's context is 512 tokens", "prompt"),
+    ("prompt_token_ids must be integers in [0, 512); got [600]", "prompt"),
+    ("priority must be in [-2147483648, 2147483647], got 2147483648", "priority"),
+    ("a stop string is 300 characters long; at most 256 are allowed", None),
+    ("unknown slo_class 'x'; known: interactive", None),
+    ("objectives.ttft_ms must be positive, got -1", None),
+    ("colour is missing", None),  # not a field of either endpoint
+])
+def test_a_path_error_names_the_field_it_starts_with(message, param):
+    assert error_for(RequestFailed("invalid", message)).param == param
 
 
 def test_path_errors_get_their_status():
@@ -149,3 +199,14 @@ def test_logprobs_in_both_shapes():
 def test_models_list():
     assert models(MODEL, 512, 1000) == {"object": "list", "data": [
         {"id": MODEL, "object": "model", "created": 1000, "owned_by": "tandem", "max_model_len": 512}]}
+
+
+def test_what_aiohttp_answers_itself_is_one_line_without_the_bytes_it_quotes():
+    from cluster.ingress.http_connection import protocol_error_message
+
+    assert protocol_error_message(400, "Invalid method encountered:\n\n  b'{}garbage'\n    ^") == \
+        "the request is not valid HTTP/1.1: Invalid method encountered"
+    assert protocol_error_message(400, None) == "the request is not valid HTTP/1.1"
+    assert protocol_error_message(500, "Server got itself in trouble") == \
+        "the server failed on this request (an internal error; the server's log has the details)"
+    assert protocol_error_message(400, "x" * 500).endswith("(400 more characters)")

@@ -16,10 +16,14 @@ from cluster.engine.request_limits import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_UINT32,
+    MAX_USER_CHARS,
     InvalidRequestError,
+    check_priority,
     check_request_id,
     check_slo_class,
     check_stop_token_ids,
+    check_user,
     clip,
     quote,
 )
@@ -90,6 +94,22 @@ def test_request_id_and_slo_class_lengths():
         check_slo_class(HUGE)
     assert str(info.value).startswith("slo_class is 10000 characters long; at most 64 are allowed: 'xxx")
     assert len(str(info.value)) < SHORT_MESSAGE
+
+
+def test_user_priority_max_tokens_and_top_k_have_the_grpc_apis_ranges():
+    check_user("u" * MAX_USER_CHARS)
+    with pytest.raises(InvalidRequestError) as info:
+        check_user(HUGE)
+    assert str(info.value).startswith("user is 10000 characters long; at most 256 are allowed: 'xxx")
+    assert len(str(info.value)) < SHORT_MESSAGE
+    check_priority(2**31 - 1)
+    check_priority(-(2**31))
+    for priority in (2**31, -(2**31) - 1, 10**400):
+        with pytest.raises(InvalidRequestError, match=r"^priority must be in \[-2147483648, 2147483647\], got "):
+            check_priority(priority)
+    SamplingParams(max_tokens=MAX_UINT32, top_k=MAX_UINT32)
+    assert refused(max_tokens=MAX_UINT32 + 1) == "max_tokens must be <= 4294967295, got 4294967296"
+    assert refused(top_k=10**30) == "top_k must be <= 4294967295, got 1000000000000000000000000000000"
 
 
 def test_stop_token_ids_must_be_in_the_vocabulary():
