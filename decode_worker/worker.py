@@ -92,7 +92,8 @@ def delta_of(output: RequestOutput) -> TokenDelta | RequestFailed:
     end = None
     if output.finished:
         usage = output.usage
-        end = Finished(output.finish_reason, Usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens))
+        end = Finished(output.finish_reason, Usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
+                                                   usage.proposed_tokens, usage.accepted_tokens))
     return TokenDelta(list(output.new_token_ids), output.delta_text, logprobs, end=end)
 
 

@@ -5,10 +5,16 @@ Two linear models, each fitted by non-negative least squares to the worker's rec
 that something outside the model slowed (``fit_robust``):
 
     prefill step  = a + b * tokens + c * attention     (attention: sum of chunk x context)
-    decode step   = a + b * sequences + c * context tokens
+    decode step   = a + b * rows + c * context tokens    (rows: one per sequence plus its guesses)
 
 and the transfer tail per KV block sent: the time a prefill step waits, after its last layer,
 for its sends to complete, per block sent (zero until the worker has sent something).
+
+A worker that decodes speculatively makes more than one token a sequence per step: TPOT is the
+step's time over the tokens a sequence gets from it, both as its recent decode steps measured
+(guess rows and kept guesses per sequence). The rates follow the worker's recent batches: where
+its batch grows past the size at which guesses pay, it stops guessing and they fall to 0 over
+the steps it reports.
 """
 
 from __future__ import annotations
@@ -75,6 +81,8 @@ class StepTimeModel:
     decode: tuple[float, float, float] | None  # (a, b per sequence, c per context token)
     transfer_s_per_block: float
     max_num_batched_tokens: int
+    guesses_per_sequence: float = 0.0  # speculative decoding, per sequence and decode step: rows checking guesses
+    accepted_per_sequence: float = 0.0  # ... and guesses kept (tokens beyond one)
 
     @classmethod
     def fit(cls, steps: Sequence[StepSample], max_num_batched_tokens: int) -> "StepTimeModel":
@@ -82,12 +90,16 @@ class StepTimeModel:
         decode = [s for s in steps if s.decodes and not s.prefill_tokens]
         sent = [s for s in steps if s.kv_blocks_sent]
         blocks = sum(s.kv_blocks_sent for s in sent)
+        sequences = sum(s.decodes for s in decode)
         return cls(
             prefill=fit_robust([(1.0, s.prefill_tokens, s.prefill_attention) for s in prefill],
                                [s.seconds - s.transfer_tail_s for s in prefill]),
-            decode=fit_robust([(1.0, s.decodes, s.decode_context) for s in decode], [s.seconds for s in decode]),
+            decode=fit_robust([(1.0, s.decodes + s.guess_tokens, s.decode_context) for s in decode],
+                              [s.seconds for s in decode]),
             transfer_s_per_block=sum(s.transfer_tail_s for s in sent) / blocks if blocks else 0.0,
             max_num_batched_tokens=max_num_batched_tokens,
+            guesses_per_sequence=sum(s.guess_tokens for s in decode) / sequences if sequences else 0.0,
+            accepted_per_sequence=sum(s.accepted_tokens for s in decode) / sequences if sequences else 0.0,
         )
 
     def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
@@ -112,10 +124,15 @@ class StepTimeModel:
         return a * -(-queued_tokens // self.max_num_batched_tokens) + b * queued_tokens
 
     def decode_step_seconds(self, sequences: int, context_tokens: int) -> float:
+        """A decode step of ``sequences`` with their guesses, at the measured rate."""
         if self.decode is None:
             return 0.0
         a, b, c = self.decode
-        return a + b * sequences + c * context_tokens
+        return a + b * sequences * (1.0 + self.guesses_per_sequence) + c * context_tokens
+
+    def tpot_seconds(self, sequences: int, context_tokens: int) -> float:
+        """Time per output token of one of ``sequences``: a step over the tokens it makes."""
+        return self.decode_step_seconds(sequences, context_tokens) / (1.0 + self.accepted_per_sequence)
 
     def transfer_seconds(self, blocks: int) -> float:
         return self.transfer_s_per_block * max(0, blocks)

@@ -45,6 +45,8 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    proposed_tokens: int = 0  # speculative guesses checked for this request ...
+    accepted_tokens: int = 0  # ... and kept
 
 
 @dataclass
@@ -80,6 +82,7 @@ class StepRecord:
     kv_blocks_sent: int = 0
     transfer_tail_s: float = 0.0  # of ``seconds``, the wait for sends after the last layer
     guess_tokens: int = 0  # rows that checked a speculative guess (counted in neither of the above)
+    accepted_tokens: int = 0  # of those guesses, the ones kept (each a token beyond one per decode)
 
 
 @dataclass
@@ -342,6 +345,7 @@ class LLMEngine:
         """Schedules, runs and samples one step; returns an output for every request that got
         a token or finished."""
         started = time.perf_counter()
+        accepted_before = self.stats.accepted_tokens
         out = self.scheduler.schedule()
         self.stats.num_preemptions += len(out.preempted)
         if out.is_empty:
@@ -402,11 +406,13 @@ class LLMEngine:
                 num_decode_tokens=len(out.decodes) + len(out.verifies),
                 num_prefill_tokens=out.num_tokens - len(out.decodes) - sum(n for _, n in out.verifies),
                 seconds=time.perf_counter() - started,
-                context_tokens=sum(r.num_computed_tokens for r in out.decodes),
+                context_tokens=sum(r.num_computed_tokens for r in out.decodes)
+                + sum(r.num_computed_tokens for r, _ in out.verifies),
                 prefill_attention=sum(n * r.num_computed_tokens for r, n in out.prefills),  # counts are past the step
                 kv_blocks_sent=sum(len(s.src_blocks) for s in inputs.plan.streams),
                 transfer_tail_s=inputs.transfer_tail_s,
                 guess_tokens=sum(n - 1 for _, n in out.verifies),
+                accepted_tokens=self.stats.accepted_tokens - accepted_before,
             )
         )
         return outputs
@@ -493,7 +499,8 @@ class LLMEngine:
             finished=finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             error=request.error,
-            usage=Usage(request.num_prompt_tokens, request.num_cached_tokens, request.num_output_tokens),
+            usage=Usage(request.num_prompt_tokens, request.num_cached_tokens, request.num_output_tokens,
+                        request.num_proposed_tokens, request.num_accepted_tokens),
             logprobs=list(request.logprobs) if wants_logprobs else None,
             top_logprobs=list(request.top_logprobs) if wants_logprobs else None,
             arrival_time=request.times.arrival,

@@ -67,6 +67,8 @@ class Attempt:
     ended_at: float | None = None
     failure: str | None = None
     placed_at: float | None = None  # when the request path took the placement up
+    proposed_tokens: int = 0  # speculative guesses the decode worker checked, and kept (as it reported at the end)
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -426,6 +428,9 @@ class RequestPath:
                 journey.first_token_at = attempt.first_token_at
         journey.tokens.extend(item.token_ids)
         attempt.tokens += len(item.token_ids)
+        if item.end is not None:
+            attempt.proposed_tokens = item.end.usage.proposed_tokens
+            attempt.accepted_tokens = item.end.usage.accepted_tokens
 
     @staticmethod
     def _finish(journey: Journey, finished: Finished, message: Output, told: asyncio.Future) -> Output:
@@ -436,7 +441,8 @@ class RequestPath:
         journey.cached_tokens = min(finished.usage.cached_tokens, journey.prompt_tokens)
         decision = journey.decision
         usage = Usage(prompt_tokens=journey.prompt_tokens, cached_tokens=journey.cached_tokens,
-                      completion_tokens=len(journey.tokens))
+                      completion_tokens=len(journey.tokens), proposed_tokens=finished.usage.proposed_tokens,
+                      accepted_tokens=finished.usage.accepted_tokens)
         ending = Ending(finished=Finished(journey.outcome, usage), timings=journey.timings_ms(), decision=decision,
                         transfer=journey.transfer, migrations=journey.attempt, router_told=told)
         return replace(message, placement=(decision.prefill or "", decision.decode or ""), end=ending)

@@ -8,7 +8,8 @@ operator can see where a slow request spent its time.
     ├── prefill           on the prefill worker (or on the decode worker itself: ``local``)
     ├── kv_transfer       the KV landing in the decode worker's blocks (overlaps the prefill
     │                     when layers stream)
-    └── decode            the decode worker's batch, from admission to the last token
+    └── decode            the decode worker's batch, from admission to the last token; its
+                          tokens, and the speculative guesses checked and kept for them
 
 A request that moved after a worker failed has a placement, prefill, KV transfer and decode
 span per attempt (``tandem.attempt``), the failed ones with an error status.
@@ -175,7 +176,9 @@ class RequestTracer:
             return
         if started_decode is not None:
             span("decode", started_decode, stop, {"tandem.attempt": number, "tandem.worker": d.decode,
-                                                  "tandem.decode.tokens": attempt.tokens}, failure)
+                                                  "tandem.decode.tokens": attempt.tokens,
+                                                  "tandem.decode.proposed_tokens": attempt.proposed_tokens,
+                                                  "tandem.decode.accepted_tokens": attempt.accepted_tokens}, failure)
 
     def shutdown(self) -> None:
         self.provider.shutdown()

@@ -146,7 +146,8 @@ class DisaggregatedLLM(LLM):
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=[], token_ids=token_ids, new_token_ids=[],
             text="".join(text), delta_text="", finished=True, finish_reason=end.finish_reason, error=None,
-            usage=Usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens),
+            usage=Usage(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, usage.proposed_tokens,
+                        usage.accepted_tokens),
             logprobs=logprobs if wants_logprobs else None, top_logprobs=top if wants_logprobs else None,
             arrival_time=arrival, first_token_time=arrival + ttft_ms / 1000, finish_time=arrival + e2e_ms / 1000,
             scheduled_time=arrival + queue_ms / 1000)

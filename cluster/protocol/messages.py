@@ -100,6 +100,8 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    proposed_tokens: int = 0  # speculative guesses the decode worker checked ...
+    accepted_tokens: int = 0  # ... and kept (the request's trace shows both)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ class StepSample:
     seconds: float
     kv_blocks_sent: int = 0
     transfer_tail_s: float = 0.0
+    guess_tokens: int = 0  # speculative decoding: rows that checked a guess (beyond one per decode) ...
+    accepted_tokens: int = 0  # ... and the guesses kept
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,8 @@ class EngineWorker:
                 block_size=engine.config.block_size, max_num_batched_tokens=engine.config.max_num_batched_tokens,
                 max_num_seqs=engine.config.max_num_seqs,
                 steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
-                                       s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s)
+                                       s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s,
+                                       s.guess_tokens, s.accepted_tokens)
                             for s in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
                 unpaired=self._unpaired_prefill(),
             )

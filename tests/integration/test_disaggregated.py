@@ -103,6 +103,10 @@ def test_speculating_decode_workers_give_the_tokens_of_decoding_without_guesses(
         assert speculation["proposed_tokens"] > 0 and speculation["accepted_tokens"] > 0
         assert speculation["acceptance_rate"] == speculation["accepted_tokens"] / speculation["proposed_tokens"]
         assert speculation["tokens_per_verify"] > 1
+        # Each request's own counts come back with its end, and add up to the worker's.
+        assert sum(o.usage.proposed_tokens for o in outputs) == speculation["proposed_tokens"]
+        assert sum(o.usage.accepted_tokens for o in outputs) == speculation["accepted_tokens"]
+        assert all(o.usage.proposed_tokens == 0 for o in opted_out)
         assert_no_leaks(llm)
 
 

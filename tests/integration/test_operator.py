@@ -100,6 +100,8 @@ def test_a_requests_trace_has_every_phase(cluster):
     assert by_name["kv_transfer"].attributes["tandem.kv.bytes"] > 0
     assert by_name["kv_transfer"].attributes["tandem.kv.blocks_sent"] == 3  # 40 tokens in blocks of 16
     assert by_name["decode"].attributes["tandem.decode.tokens"] == 6
+    assert by_name["decode"].attributes["tandem.decode.proposed_tokens"] == 0  # no speculation here
+    assert by_name["decode"].attributes["tandem.decode.accepted_tokens"] == 0
     # In order along the request (times from the decode worker are this machine's clock too).
     assert root.start_time <= by_name["admission"].start_time <= by_name["placement"].start_time
     assert by_name["placement"].end_time <= by_name["prefill"].start_time <= by_name["prefill"].end_time

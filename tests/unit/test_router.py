@@ -150,6 +150,21 @@ def test_slo_prediction_is_queue_plus_prefill_plus_transfer_and_the_decode_step(
     assert decision.predicted_tpot_s == pytest.approx(0.020 + 0.005 * 1 + 0.0001 * 33)
 
 
+def test_a_speculating_worker_predicts_tpot_from_its_measured_tokens_per_step():
+    """Its decode steps checked 1.5 guesses and kept 1.2 per sequence: a step of one sequence
+    has 2.5 rows and makes 2.2 tokens of it (the fit counts guess rows as rows)."""
+    speculating = tuple(StepSample(0, 0, s, c, 0.020 + 0.005 * s * 2.5 + 0.0001 * c, guess_tokens=3 * s // 2,
+                                   accepted_tokens=6 * s // 5) for s, c in ((10, 100), (20, 400), (40, 300)))
+    registry = FakeRegistry({"d0": load("d0", running=3, context=600),
+                             "d1": load("d1", steps=PREFILL_STEPS + speculating)})
+    decision = route(Router(TOPOLOGY, registry, config()))
+    assert decision.decode == "d1"
+    assert decision.predicted_tpot_s == pytest.approx((0.020 + 0.005 * 2.5 + 0.0001 * 33) / 2.2)
+    model = StepTimeModel.fit(speculating, 2048)
+    assert (model.guesses_per_sequence, model.accepted_per_sequence) == pytest.approx((1.5, 1.2))
+    assert model.decode_step_seconds(4, 0) == pytest.approx(0.020 + 0.005 * 10)  # the step itself, for waits
+
+
 def test_slo_takes_the_cache_hit_when_it_still_meets_the_objectives():
     registry = FakeRegistry({"p1": load("p1", queued=500)})
     registry.hold("p1", PROMPT, 8)

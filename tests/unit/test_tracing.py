@@ -45,7 +45,8 @@ def served_journey() -> Journey:
     transfer = TransferReport(prefill="prefill-0", blocks_sent=3, bytes=4096, blocks_cached_on_decode=0,
                               prefill_cached_tokens=16, prefill_span=(T0 + 0.02, T0 + 0.15),
                               receive_span=(T0 + 0.02, T0 + 0.16), admitted_at=T0 + 0.17)
-    journey.attempts.append(Attempt(T0 + 0.002, T0 + 0.01, decision("prefill-0"), transfer, T0 + 0.2, 8, T0 + 0.5))
+    journey.attempts.append(Attempt(T0 + 0.002, T0 + 0.01, decision("prefill-0"), transfer, T0 + 0.2, 8, T0 + 0.5,
+                                    proposed_tokens=12, accepted_tokens=5))
     return journey
 
 
@@ -63,6 +64,9 @@ def test_one_trace_with_every_phase(spans):
     assert placement["tandem.placement.path"] == "remote" and placement["tandem.placement.waited_ms"] == pytest.approx(3)
     assert by_name["kv_transfer"].attributes["tandem.kv.bytes"] == 4096
     assert by_name["prefill"].attributes["tandem.prefill.cached_tokens"] == 16
+    decode = by_name["decode"].attributes  # speculation: guesses checked and kept for this request
+    assert (decode["tandem.decode.tokens"], decode["tandem.decode.proposed_tokens"],
+            decode["tandem.decode.accepted_tokens"]) == (8, 12, 5)
     ns = 1e9
     assert by_name["prefill"].start_time == pytest.approx((T0 + 0.02) * ns, abs=1e3)
     assert by_name["decode"].start_time == pytest.approx((T0 + 0.17) * ns, abs=1e3)
