@@ -112,6 +112,26 @@ def checkpoint(tmp_path_factory) -> Callable[..., Path]:
     return make
 
 
+DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)  # a smaller model beside SMALL
+
+
+@pytest.fixture(scope="session")
+def draft_checkpoint(tmp_path_factory) -> Callable[..., Path]:
+    """``draft_checkpoint("llama")`` -> a smaller random model (another seed, one layer, half the
+    width) with the same tokenizer as ``checkpoint(...)``'s: a draft for speculative decoding."""
+    built: dict[tuple, Path] = {}
+
+    def make(architecture: str = "llama", **overrides) -> Path:
+        key = (architecture, tuple(sorted(overrides.items())))
+        if key not in built:
+            directory = tmp_path_factory.mktemp(f"draft-{architecture}")
+            extra = {"head_dim": 16} if architecture == "qwen3" else {}
+            built[key] = build_checkpoint(directory, architecture, seed=1, **{**DRAFT, **extra, **overrides})
+        return built[key]
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def reference_model() -> Callable[[Path, torch.dtype], torch.nn.Module]:
     import transformers

@@ -31,9 +31,12 @@ from cluster.engine.request import FinishReason, Request, TransferTarget
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
-from cluster.engine.speculative.ngram import NgramIndex
+from cluster.engine.speculative.config import SpeculativeConfigError
+from cluster.engine.speculative.draft import DraftProposer
+from cluster.engine.speculative.draft_model import check_draft, read_draft
 from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, StepCost, plan_guesses, update_acceptance,
                                                 worth_a_row)
+from cluster.engine.speculative.proposer import NgramProposer, Proposer
 from cluster.engine.speculative.verify import accepted_prefix
 from cluster.engine.request_limits import check_request_id, check_stop_token_ids
 from cluster.engine.prompt import Prompt, prompt_token_ids
@@ -83,6 +86,7 @@ class StepRecord:
     transfer_tail_s: float = 0.0  # of ``seconds``, the wait for sends after the last layer
     guess_tokens: int = 0  # rows that checked a speculative guess (counted in neither of the above)
     accepted_tokens: int = 0  # of those guesses, the ones kept (each a token beyond one per decode)
+    draft_seconds: float = 0.0  # of ``seconds``, the draft model's forwards (speculative ``draft``)
 
 
 @dataclass
@@ -152,8 +156,11 @@ class LLMEngine:
         progress = (lambda done, total, unit: _log(f"loading weights: {done}/{total} {unit}")) if verbose else None
         started = time.perf_counter()
         self.runner = self._make_runner(model_dir, progress, make_runner)
+        self.proposer: Proposer | None = self._make_proposer(progress)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks, fault_kv_in_background)
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.allocate(num_blocks)
         # Where the fused native step runs the model, torch's own ops around it run single-threaded
         # (kernels/threads.py: its OpenMP threads spun through the kernels' next step).
         fused = getattr(self.runner, "native_step", None) is not None
@@ -211,6 +218,33 @@ class LLMEngine:
                                     "build the engine through tandem.LLM or a worker")
         return single_rank_runner(cfg, self.model_config, model_dir, self.max_model_len, progress)
 
+    def _make_proposer(self, progress) -> Proposer | None:
+        """The speculative proposer; a draft model is checked against the target, then loaded as
+        a runner of one rank on the engine's device (its KV cache sized with the target's)."""
+        spec, cfg = self.config.speculative, self.config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        try:
+            draft = read_draft(spec.draft_model, cfg.dtype)
+            check_draft(draft, self.model_config, self.tokenizer, self.max_model_len)
+        except SpeculativeConfigError as exc:
+            raise EngineConfigError(str(exc)) from None
+        shipped = "gguf" if draft.source.is_gguf else draft.config.quant_method
+        device = torch.device(cfg.device)
+        try:
+            backend = resolve_attention_backend(cfg.attention_backend, device)
+            quantization = resolve_quantization("auto", shipped, device.type, backend)
+        except (BackendUnavailableError, QuantizationChoiceError) as exc:
+            raise EngineConfigError(f"speculative.draft_model: {exc}") from None
+        config = replace(draft.config, quantization=quantization, kv_cache_dtype="auto")
+        runner = ModelRunner(config, draft.source.path, cfg.block_size, self.max_model_len, cfg.device,
+                             progress=progress, attention_backend=cfg.attention_backend,
+                             enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
+                             load_format=cfg.load_format)
+        return DraftProposer(runner, max_rows_fitted=cfg.max_num_seqs)
+
     def shutdown(self) -> None:
         """Stops the engine's other processes (tensor-parallel ranks), if it has any."""
         stop = getattr(self.runner, "shutdown", None)
@@ -239,13 +273,17 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         share = cfg.kv_share
-        by_memory = self.runner.blocks_for_memory_fraction(cfg.kv_cache_memory_fraction * share)
+        block_bytes = self.runner.block_bytes  # a draft model's KV has a block for each of the target's
+        if isinstance(self.proposer, DraftProposer):
+            block_bytes += self.proposer.block_bytes
+        budget = device_memory_bytes(self.runner.device) * cfg.kv_cache_memory_fraction * share
+        by_memory = int(budget) // block_bytes
         if by_memory < 1:
             memory = device_memory_bytes(self.runner.device) / 2**20
             shared = f", shared by {round(1 / share)} ranks," if share < 1 else ""
             raise EngineConfigError(
                 f"kv_cache_memory_fraction {cfg.kv_cache_memory_fraction:g} of {memory:.0f} MiB{shared} leaves no "
-                f"room for a single KV block of {self.runner.block_bytes / 2**20:.2f} MiB")
+                f"room for a single KV block of {block_bytes / 2**20:.2f} MiB")
         return min(by_memory, useful)
 
     # -- requests -------------------------------------------------------------------------
@@ -362,6 +400,9 @@ class LLMEngine:
             logits = self.runner.execute(inputs)
             sampled = self.runner.sample(logits, inputs.sampling_requests) if inputs.sampling_requests else None
         self.transfer_errors.update(inputs.transfer_errors)
+        # The blocks each request held in this step (a finished one's go back in update(), which
+        # rebinds its block_ids): where a draft model writes its KV of the step's tokens.
+        held = {id(r): r.block_ids for r, _ in out.scheduled()} if self.proposer is not None else {}
 
         tokens: dict[str, list[int]] = {}
         stopped: set[str] = set()
@@ -390,8 +431,10 @@ class LLMEngine:
             tokens[request.request_id] = emitted
             row += rows
         self.scheduler.update(out, tokens, frozenset(stopped))
-        if self.speculative is not None:
-            self._propose()
+        draft_started = time.perf_counter()
+        if self.proposer is not None:
+            self._propose(out, held)
+        draft_seconds = time.perf_counter() - draft_started if isinstance(self.proposer, DraftProposer) else 0.0
 
         now = time.monotonic()
         outputs = []
@@ -413,6 +456,7 @@ class LLMEngine:
                 transfer_tail_s=inputs.transfer_tail_s,
                 guess_tokens=sum(n - 1 for _, n in out.verifies),
                 accepted_tokens=self.stats.accepted_tokens - accepted_before,
+                draft_seconds=draft_seconds,
             )
         )
         return outputs
@@ -439,16 +483,17 @@ class LLMEngine:
         a 32-stream batch 7% of its time."""
         if self._cost_fitted_at is None or self.stats.num_steps - self._cost_fitted_at >= REFIT_STEPS:
             recent = islice(reversed(self.stats.steps), FITTED_STEPS)
-            self._cost = StepCost.fit([(s.num_decode_tokens + s.num_prefill_tokens + s.guess_tokens, s.seconds)
+            self._cost = StepCost.fit([(s.num_decode_tokens + s.num_prefill_tokens + s.guess_tokens,
+                                        s.seconds - s.draft_seconds)
                                        for s in recent if s.num_prefill_tokens <= self.config.max_num_seqs])
             self._cost_fitted_at = self.stats.num_steps
         return self._cost
 
-    def _propose(self) -> None:
+    def _propose(self, out, held) -> None:
         """Guesses for the next step of every decoding request that may speculate, as many as
-        :func:`plan_guesses` finds worth their rows."""
-        spec, scheduler = self.speculative, self.scheduler
-        candidates, proposals = [], []
+        :func:`plan_guesses` finds worth their rows (and the proposer's own steps). The proposer
+        is told of every step, guesses or none (a draft model follows the target's KV)."""
+        spec, scheduler, proposer = self.speculative, self.scheduler, self.proposer
         decoding = []
         rows = 0
         for request in scheduler.running:
@@ -459,26 +504,26 @@ class LLMEngine:
                 decoding.append(request)
         cost = self._step_cost() if spec.adaptive else None
         if cost is not None and not worth_a_row(max((r.acceptance for r in decoding), default=0.0), rows, cost):
-            return  # not even the surest guess pays for its row in a step this wide: no lookups either
+            decoding = []  # not even the surest guess pays for its row in a step this wide: no lookups either
+        candidates, rooms = [], []
         for request in decoding:
             room = min(spec.num_tokens, request.params.max_tokens - request.num_output_tokens - 1,
                        self.max_model_len - request.num_tokens - 1)
-            if room <= 0:
-                continue
-            if request.proposer_state is None:
-                request.proposer_state = NgramIndex(spec.ngram_min, spec.ngram_max)
-            proposal = request.proposer_state.propose(request.token_ids, room)
-            if proposal:
+            if room > 0:
                 candidates.append(request)
-                proposals.append(proposal)
-        if not candidates:
-            return
-        if spec.adaptive:
-            counts = plan_guesses([r.acceptance for r in candidates], [len(p) for p in proposals], rows, cost)
+                rooms.append(room)
+        available = proposer.available(candidates, rooms) if candidates else []
+        if spec.adaptive and candidates:
+            counts = plan_guesses([r.acceptance for r in candidates], available, rows, cost, proposer.round_cost())
         else:
-            counts = [len(p) for p in proposals]
-        for request, proposal, count in zip(candidates, proposals, counts):
-            request.spec_token_ids = proposal[:count]
+            counts = available
+        if proposer.writes_kv:  # the guesses' KV goes into their look-ahead slots: held now, from free blocks only
+            spare = len(scheduler.running)  # a block each for the next step's plain decodes
+            counts = [min(n, max(0, scheduler.reserve_lookahead(r, r.num_tokens + n, spare) - r.num_tokens)) if n else 0
+                      for r, n in zip(candidates, counts)]
+        guesses = proposer.propose(out, held, candidates, counts)
+        for request, proposal in zip(candidates, guesses):
+            request.spec_token_ids = proposal
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         finished = request.finished

@@ -260,7 +260,8 @@ class Scheduler:
         finishes requests that hit a stop: a token-level one, or a stop string completed by this
         step's last token (``stopped``, found by the detokenizer). A verify's tokens are the ones
         its step emits (``speculative.verify``): the KV of its last token and of the guesses kept
-        is computed, and the blocks held for the others go back. Returns the requests that finished."""
+        is computed, and the blocks held for the others go back (as do look-ahead blocks held for
+        guesses the budget left out). Returns the requests that finished."""
         finished = []
         verifying = {id(r) for r, _ in out.verifies}
         for request, count in out.scheduled():
@@ -281,9 +282,19 @@ class Scheduler:
             if reason is not None:
                 self.finish(request, reason)
                 finished.append(request)
-            elif guessed:
+            else:  # held for guesses not kept, or for guesses the step's budget left out
                 self._release_unused_blocks(request)
         return finished
+
+    def reserve_lookahead(self, request: Request, num_tokens: int, spare_blocks: int = 0) -> int:
+        """Holds blocks for the request's first ``num_tokens`` tokens' slots (its tokens and the
+        guesses after them) from free blocks only, leaving ``spare_blocks`` free, never preempting;
+        returns how many tokens its blocks now cover (at most ``num_tokens``)."""
+        needed = _cdiv(num_tokens, self.block_size) - len(request.block_ids)
+        grant = min(needed, self.blocks.num_free_blocks - spare_blocks)
+        if grant > 0:
+            request.block_ids.extend(self.blocks.allocate(grant))
+        return min(num_tokens, len(request.block_ids) * self.block_size)
 
     def _release_unused_blocks(self, request: Request) -> None:
         """Frees the blocks past those the request's tokens need (held for guesses not kept)."""

@@ -76,6 +76,23 @@ def test_guesses_are_added_while_each_is_worth_its_row():
     assert plan_guesses([0.8, 0.3], [4, 4], rows=2, cost=None) == [1, 1]  # no fit yet: one each, to measure
 
 
+def test_a_draft_models_steps_are_counted_in_what_a_guess_costs():
+    cost = StepCost(fixed_s=0.005, per_row_s=0.001)
+    # A free draft: as without one (see above), 4 guesses at acceptance 0.8.
+    assert plan_guesses([0.8], [8], rows=1, cost=cost, round_cost=StepCost(0.0, 0.0)) == [4]
+    # A draft step of 2 ms + 0.1 ms a row: the first guess costs 1.1 ms of rows (its forward runs
+    # anyway: 6 + 2 ms), 0.8 > 1.1 * 1 / 8; the second needs a draft step (1 + 2 + 0.1 ms):
+    # 0.64 > 3.1 * 1.8 / 9.1 = 0.613; the third: 0.512 < 3.1 * 2.44 / 12.2 = 0.62: stop at 2.
+    assert plan_guesses([0.8], [8], rows=1, cost=cost, round_cost=StepCost(0.002, 0.0001)) == [2]
+    # A dear draft step: only the first guess, which needs none.
+    assert plan_guesses([0.8], [8], rows=1, cost=cost, round_cost=StepCost(0.05, 0.0001)) == [1]
+    # A guess that rides a draft step another request's surer guess opened costs only its row:
+    # alone (rows=2), a request of acceptance 0.8 gets one guess; beside one of 0.95, three.
+    draft = StepCost(0.001, 0.0001)
+    assert plan_guesses([0.8], [8], rows=2, cost=cost, round_cost=draft) == [1]
+    assert plan_guesses([0.95, 0.8], [8, 8], rows=2, cost=cost, round_cost=draft) == [4, 3]
+
+
 def test_acceptance_follows_the_checked_guesses_and_drifts_back_while_none_are_made():
     assert update_acceptance(0.5, 4, 4) == pytest.approx(0.65)
     assert update_acceptance(0.5, 4, 0) == pytest.approx(0.35)
@@ -84,8 +101,13 @@ def test_acceptance_follows_the_checked_guesses_and_drifts_back_while_none_are_m
 
 
 def test_the_config_refuses_what_it_cannot_serve_with_one_line():
-    with pytest.raises(SpeculativeConfigError, match="draft models are not served yet"):
+    with pytest.raises(SpeculativeConfigError, match="speculative.draft_model must name the draft checkpoint"):
         SpeculativeConfig(method="draft")
+    with pytest.raises(SpeculativeConfigError, match="speculative.draft_model is read only with method draft"):
+        SpeculativeConfig(draft_model="/models/small")
+    with pytest.raises(SpeculativeConfigError, match="speculative.method must be one of ngram, draft, got 'eagle'"):
+        SpeculativeConfig(method="eagle")
+    assert SpeculativeConfig(method="draft", draft_model="/models/small").draft_model == "/models/small"
     with pytest.raises(SpeculativeConfigError, match=r"speculative.num_tokens must be an integer in \[1, 16\], got 0"):
         SpeculativeConfig(num_tokens=0)
     with pytest.raises(SpeculativeConfigError, match="ngram_min .3. must not exceed"):
@@ -150,6 +172,22 @@ def test_guesses_fit_the_token_budget_and_never_take_blocks_from_another_request
     # no free block for the guesses' slots: a decodes plainly, and b is not preempted for them
     assert not out.preempted and not out.verifies
     assert sorted(r.request_id for r in out.decodes) == ["a", "b"] and a.spec_token_ids == []
+
+
+def test_look_ahead_slots_are_held_from_free_blocks_only_and_given_back_when_not_used():
+    sched = make_scheduler(num_blocks=4)
+    request = decoding(sched, "a", [10, 11, 12], max_tokens=8)  # 4 tokens: block 0 full
+    assert sched.reserve_lookahead(request, 4 + 6, spare_blocks=1) == 10  # blocks 1 and 2 for positions 4..9
+    assert request.block_ids == [0, 1, 2] and sched.blocks.num_free_blocks == 1
+    assert sched.reserve_lookahead(request, 4 + 12, spare_blocks=1) == 12  # the last free block is spared
+    request.spec_token_ids = [60]  # the budget or the proposer left one guess: block 2 is not needed
+    out = sched.schedule()
+    sched.update(out, {"a": [60, 61]})
+    assert request.num_tokens == 6 and request.block_ids == [0, 1] and sched.blocks.num_free_blocks == 2
+    assert sched.reserve_lookahead(request, 6 + 2) == 8 and request.block_ids == [0, 1]  # room already held
+    out = sched.schedule()  # a plain decode (no guesses): the blocks it holds beyond its tokens go back too
+    sched.update(out, {"a": [62]})
+    assert request.block_ids == [0, 1] and sched.blocks.num_free_blocks == 2
 
 
 def test_a_stop_among_the_emitted_tokens_finishes_the_request_and_frees_its_blocks():

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from cluster.engine.request_limits import quote
 
-METHODS = ("ngram",)  # "draft" (a smaller model's guesses) is not served yet: refused, not ignored
+METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 16
 MAX_NGRAM = 64  # the longest suffix looked up
 
@@ -20,19 +20,27 @@ class SpeculativeConfig:
     """``num_tokens``: the most tokens guessed for a request in one step; ``adaptive``: the
     policy (``policy.py``) guesses fewer, or none, where guessing would not pay (off: every
     proposal is checked in full, up to ``num_tokens``); ``ngram_min``..``ngram_max``: the lengths
-    of the suffix looked up earlier in the request's tokens, longest first."""
+    of the suffix looked up earlier in the request's tokens, longest first (``ngram``);
+    ``draft_model``: the checkpoint (a path, as the target model is named) whose greedy tokens are
+    the guesses (``draft``; ``speculative/draft.py``)."""
 
     method: str = "ngram"
     num_tokens: int = 4
     adaptive: bool = True
     ngram_min: int = 2
     ngram_max: int = 4
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            extra = " (draft models are not served yet)" if self.method == "draft" else ""
             raise SpeculativeConfigError(
-                f"speculative.method must be one of {', '.join(METHODS)}, got {quote(self.method)}{extra}")
+                f"speculative.method must be one of {', '.join(METHODS)}, got {quote(self.method)}")
+        if self.method == "draft" and (not isinstance(self.draft_model, str) or not self.draft_model.strip()):
+            raise SpeculativeConfigError("speculative.draft_model must name the draft checkpoint (a model directory or "
+                                         f".gguf file) with method draft, got {quote(self.draft_model)}")
+        if self.method != "draft" and self.draft_model is not None:
+            raise SpeculativeConfigError(f"speculative.draft_model is read only with method draft (method is "
+                                         f"{quote(self.method)}): remove it or set method: draft")
         for name, low, high in (("num_tokens", 1, MAX_NUM_TOKENS), ("ngram_min", 1, MAX_NGRAM), ("ngram_max", 1, MAX_NGRAM)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

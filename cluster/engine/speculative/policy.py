@@ -8,6 +8,7 @@ expected tokens and one row. Guesses are added best first while each adds more t
 rows it costs are worth at the current rate (``gain > per_row * tokens / seconds``): at batch 1
 on a CPU a row is cheap against the step's fixed cost and a well-guessed request gets several;
 in a wide batch the step is already compute-bound and a guess must be nearly sure to be made.
+A draft model's guesses also cost its own steps (``round_cost`` in :func:`plan_guesses`).
 """
 
 from __future__ import annotations
@@ -63,26 +64,41 @@ def worth_a_row(gain: float, rows: int, cost: StepCost) -> bool:
 
 
 def plan_guesses(acceptance: Sequence[float], available: Sequence[int], rows: int,
-                 cost: StepCost | None) -> list[int]:
+                 cost: StepCost | None, round_cost: StepCost | None = None) -> list[int]:
     """Guesses per request: ``acceptance[i]`` and ``available[i]`` (the most request ``i`` can
     have: its proposal's length) for the requests that may speculate; ``rows``: the step's rows
     without guesses (every decode and prompt token). Without a fitted cost (every step so far
-    had one width), one guess each: the wider steps it makes are what the fit needs."""
+    had one width), one guess each: the wider steps it makes are what the fit needs.
+
+    ``round_cost``: a proposer's own step (a draft model's), None where guessing costs nothing
+    worth counting. A request's first guess comes from the forward the draft runs after every
+    step anyway (its cost: a row there, and the draft's fixed cost is counted in the step's);
+    its ``j``-th guess needs the draft's ``j-1``-th decode step: a row in it, and the step's
+    fixed cost for the first guess that needs that step. A guess not worth what it costs drops
+    its request; others may still pay (a step already run costs them only a row)."""
     guesses = [0] * len(acceptance)
     if cost is None:
         return [min(1, n) for n in available]
     tokens = float(rows)
-    seconds = cost.fixed_s + cost.per_row_s * rows
+    seconds = cost.fixed_s + cost.per_row_s * rows + (round_cost.fixed_s if round_cost else 0.0)
+    rounds_run: set[int] = set()
     heap = [(-a, i) for i, (a, n) in enumerate(zip(acceptance, available)) if n > 0 and a > 0]
     heapq.heapify(heap)
     while heap:
         gain, i = heapq.heappop(heap)
         gain = -gain
-        if gain <= cost.per_row_s * tokens / seconds:  # the rate is tokens / seconds, not rows / seconds
-            break  # the best remaining guess is worth less than the row it takes
+        depth = guesses[i] + 1
+        extra = cost.per_row_s
+        if round_cost is not None:
+            extra += round_cost.per_row_s + (round_cost.fixed_s if depth > 1 and depth not in rounds_run else 0.0)
+        if gain <= extra * tokens / seconds:  # the rate is tokens / seconds, not rows / seconds
+            if round_cost is None:
+                break  # the best remaining guess is worth less than the row it takes
+            continue
         guesses[i] += 1
+        rounds_run.add(depth)
         tokens += gain
-        seconds += cost.per_row_s
+        seconds += extra
         if guesses[i] < available[i]:
             heapq.heappush(heap, (-gain * acceptance[i], i))
     return guesses

@@ -1,0 +1,133 @@
+"""Speculative decoding with a draft model (``method: draft``) through the engine.
+
+A draft is a smaller random checkpoint with the target's tokenizer: its guesses are mostly wrong,
+and greedy output must still be the output without speculation, token for token, on every
+architecture. A draft that is the model itself must have every greedy guess kept: the check that
+the draft's KV follows the target's (prompt chunks, kept guesses, the prefix cache, preemption) to
+the token. Blocks: none held once every request ended, after rejected guesses, cancellations and
+preemptions. A draft that cannot guess for the target is refused naming speculative.draft_model.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.engine.config import EngineConfigError
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.speculative.config import SpeculativeConfig
+from cluster.offline.llm import LLM
+from conftest import random_prompts
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 24
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def draft(path, num_tokens: int = 4, adaptive: bool = False) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft", draft_model=str(path), num_tokens=num_tokens, adaptive=adaptive)
+
+
+def greedy(llm: LLM, prompts, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [o.token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_greedy_with_a_draft_equals_greedy_without(architecture, checkpoint, draft_checkpoint):
+    model_dir = checkpoint(architecture)
+    prompts = random_prompts([5, 17, 40, 70], seed=4)  # 70: a prompt in several chunks
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64) as plain:
+        expected = greedy(plain, prompts)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, max_num_batched_tokens=32,
+             speculative=draft(draft_checkpoint(architecture))) as llm:
+        assert greedy(llm, prompts) == expected
+        stats = llm.engine.stats
+        assert stats.proposed_tokens > 0 and stats.verify_steps > 0, "no guess was made: nothing was tested"
+        assert llm.engine.block_manager.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral"])
+def test_a_draft_that_is_the_model_itself_has_every_greedy_guess_kept(architecture, checkpoint):
+    """Prompts in several chunks, a second pass served from the prefix cache (the cached blocks
+    must hold the draft's KV too), guesses cut at max_tokens, the whole in a small budget."""
+    model_dir = checkpoint(architecture)
+    prompts = random_prompts([3, 16, 33, 60], seed=6)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64) as plain:
+        expected = greedy(plain, prompts, 30)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, max_num_batched_tokens=24,
+             speculative=draft(model_dir, num_tokens=5)) as llm:
+        assert greedy(llm, prompts, 30) == expected
+        assert greedy(llm, prompts, 30) == expected  # the prompts' blocks now come from the prefix cache
+        stats = llm.engine.stats
+        assert stats.proposed_tokens > 100
+        assert stats.accepted_tokens == stats.proposed_tokens
+        assert llm.engine.block_manager.num_free_blocks == 64
+
+
+def test_a_self_draft_keeps_every_guess_through_preemption(checkpoint):
+    """A cache too small for the batch: requests are preempted and recomputed, and the draft's
+    KV is rebuilt with theirs (every guess still kept)."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([30, 25, 28, 31, 27, 22], seed=8)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64) as plain:
+        expected = greedy(plain, prompts, 40)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=20, speculative=draft(model_dir)) as llm:
+        assert greedy(llm, prompts, 40) == expected
+        stats = llm.engine.stats
+        assert stats.num_preemptions > 0, "no request was preempted: nothing was tested"
+        assert stats.proposed_tokens > 0 and stats.accepted_tokens == stats.proposed_tokens
+        assert llm.engine.block_manager.num_free_blocks == 20
+
+
+def test_no_block_is_held_after_requests_with_a_third_cancelled_and_preemptions(checkpoint, draft_checkpoint):
+    model_dir = checkpoint("llama")
+    rng = random.Random(9)
+    prompts = random_prompts([rng.randrange(2, 40) for _ in range(90)], seed=12)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=24, max_num_seqs=12,
+             speculative=draft(draft_checkpoint("llama"))) as llm:
+        engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        cancelled = set(rng.sample(range(90), 30))
+        while engine.has_unfinished_requests():
+            engine.step()
+            for i in [i for i in cancelled if rng.random() < 0.2]:
+                engine.abort_request(f"r{i}")
+                cancelled.discard(i)
+        assert engine.stats.verify_steps > 0 and engine.stats.proposed_tokens > engine.stats.accepted_tokens
+        assert engine.stats.num_preemptions > 0
+        assert engine.block_manager.num_free_blocks == 24
+        assert not engine.scheduler.requests
+
+
+def test_the_adaptive_policy_counts_the_drafts_measured_steps(checkpoint):
+    """Adaptive with a self-draft: the draft's forwards are timed and fitted, and guesses are made
+    and all kept; each step's record says how much of it was the draft's."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([12, 20], seed=2)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, speculative=draft(model_dir, adaptive=True)) as llm:
+        greedy(llm, prompts, 48)
+        engine = llm.engine
+        assert engine.proposer.round_cost() is not None and len(engine.proposer.forwards) > 0
+        assert engine.stats.proposed_tokens > 0 and engine.stats.accepted_tokens == engine.stats.proposed_tokens
+        steps = list(engine.stats.steps)
+        assert all(0 < s.draft_seconds < s.seconds for s in steps)
+
+
+def test_a_draft_that_cannot_guess_for_the_target_is_refused_naming_the_key(checkpoint, draft_checkpoint, tmp_path):
+    model_dir = str(checkpoint("llama"))
+    cases = [
+        (tmp_path / "missing", r"^speculative.draft_model: .*missing does not exist"),
+        (draft_checkpoint("llama", vocab_size=400), r"^speculative.draft_model: the draft's tokenizer differs"),
+        (draft_checkpoint("llama", vocab_size=600), r"^speculative.draft_model: the draft's vocabulary \(600 ids\) is "
+                                                   r"larger than the target's \(512\)"),
+        (draft_checkpoint("llama", max_position_embeddings=128), r"^speculative.draft_model: the draft's context "
+                                                                 r"\(128 tokens\) is shorter than max_model_len \(512\)"),
+    ]
+    for path, message in cases:
+        with pytest.raises(EngineConfigError, match=message):
+            LLM(model_dir, verbose=False, num_kv_blocks=16, speculative=draft(path))
