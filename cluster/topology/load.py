@@ -273,6 +273,15 @@ def _speculative(pool: _Section, role: str) -> SpeculativeSpec | None:
     if low > high:
         pool.ctx.error(f"{section.where}.ngram_min", f"must not exceed ngram_max ({high}); got {low}")
         return None
+    method, draft = values.get("method", SpeculativeSpec.method), values.get("draft_model")
+    if method == "draft" and draft is None and "method" not in section.bad:
+        pool.ctx.error(f"{section.where}.draft_model", "is required with method draft: the path of a smaller model "
+                       "with the model's tokenizer")
+        return None
+    if method != "draft" and draft is not None:
+        pool.ctx.error(f"{section.where}.draft_model", f"is read only with method draft (method is {method}); "
+                       "remove it or set method: draft")
+        return None
     return SpeculativeSpec(**values)
 
 
@@ -412,9 +421,14 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
             return
         _check_against(ctx, spec, config)
         _check_quantization(ctx, spec, shipped="gguf")
+        from cluster.default_model import DEFAULT_MODEL_NAME, cache_dir
+
+        cached = cache_dir() / "models" / DEFAULT_MODEL_NAME
+        _check_drafts(ctx, spec, config, cached if cached.is_file() else None, elsewhere)
         return
     path = Path(spec.model.path).expanduser()
     if not path.exists():
+        _check_drafts(ctx, spec, None, None, elsewhere)
         if elsewhere:
             ctx.warn("model.path", f"{path} does not exist here; tp and max_model_len are checked against the model "
                      "only where it is readable")
@@ -429,6 +443,40 @@ def _check_model(ctx: _Context, spec: ClusterSpec, elsewhere: bool) -> None:
         return
     _check_against(ctx, spec, config)
     _check_quantization(ctx, spec, shipped="gguf" if resolve_model_source(path).is_gguf else config.quant_method)
+    _check_drafts(ctx, spec, config, path, elsewhere)
+
+
+def _check_drafts(ctx: _Context, spec: ClusterSpec, config, model: Path | None, elsewhere: bool) -> None:
+    """Each speculating pool's ``draft_model`` exists here (a warning where the models live
+    ``elsewhere``) and can guess for the model at ``model`` (its tokenizer, vocabulary and context;
+    None: the model is not readable here, so that is left to the workers, with a warning)."""
+    from cluster.engine.speculative.config import SpeculativeConfigError
+    from cluster.engine.speculative.draft_model import FIELD, check_draft_path
+
+    for role in SPECULATING_ROLES:
+        pool = spec.pool(role)
+        speculative = pool.speculative
+        if not pool.replicas or speculative is None or speculative.method != "draft":
+            continue
+        key = f"{role}.speculative.draft_model"
+        path = Path(speculative.draft_model).expanduser()
+        if not path.exists():
+            if elsewhere:
+                ctx.warn(key, f"{path} does not exist here; the draft is checked against the model only where both "
+                         "are readable")
+            else:
+                ctx.error(key, f"{path} does not exist here: give a local model directory or .gguf file with the "
+                          "model's tokenizer")
+            continue
+        if model is None or config is None:
+            ctx.warn(key, "the model is not readable here: the draft's tokenizer, vocabulary and context are checked "
+                     "against it by the workers")
+            continue
+        try:
+            check_draft_path(str(path), model, config, spec.model.dtype, spec.model.max_model_len or
+                             config.max_position_embeddings)
+        except SpeculativeConfigError as exc:
+            ctx.error(key, str(exc).removeprefix(f"{FIELD}: "))
 
 
 def _check_quantization(ctx: _Context, spec: ClusterSpec, shipped: str | None) -> None:

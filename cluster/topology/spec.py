@@ -108,8 +108,11 @@ class SpeculativeSpec:
     method: str = key("ngram", checks.speculative_method, """
         Where guesses come from. ``ngram``: prompt lookup, the tokens that followed the last
         occurrence of the request's latest tokens earlier in its prompt and output (no extra
-        model; strong where the answer repeats its prompt: code edits, summaries, RAG). ``draft``
-        (a smaller model's guesses) is refused: draft models are not served yet.""")
+        model; strong where the answer repeats its prompt: code edits, summaries, RAG). ``draft``:
+        the greedy tokens of a smaller model with the same tokenizer (``draft_model``), run by each
+        worker beside the model, with a KV cache of its own in the model's blocks (a decode worker
+        builds the draft's KV of each prompt that arrives from a prefill worker itself, in the
+        request's first step).""")
     num_tokens: int = key(4, checks.integer(1, MAX_NUM_TOKENS), f"""
         The most tokens guessed for a request in one step, an integer in 1..{MAX_NUM_TOKENS}.""")
     adaptive: bool = key(True, checks.boolean, """
@@ -120,6 +123,11 @@ class SpeculativeSpec:
         The shortest suffix of the request's tokens looked up, an integer in 1..{MAX_NGRAM}.""")
     ngram_max: int = key(4, checks.integer(1, MAX_NGRAM), f"""
         The longest (tried first), an integer in 1..{MAX_NGRAM}, at least ``ngram_min``.""")
+    draft_model: str | None = key(None, checks.string(null=True), """
+        With ``method: draft`` (and only then), the draft checkpoint: a local Hugging Face-format
+        directory or ``.gguf`` file, as ``model.path``, quantized or not (served as it ships). Its
+        tokenizer must be the model's (the same vocabulary), its vocabulary no larger, its context
+        at least ``model.max_model_len``; checked here where both are readable.""")
 
     def config(self) -> SpeculativeConfig:
         return SpeculativeConfig(**asdict(self))

@@ -124,7 +124,7 @@ def test_a_draft_that_cannot_guess_for_the_target_is_refused_naming_the_key(chec
         (tmp_path / "missing", r"^speculative.draft_model: .*missing does not exist"),
         (draft_checkpoint("llama", vocab_size=400), r"^speculative.draft_model: the draft's tokenizer differs"),
         (draft_checkpoint("llama", vocab_size=600), r"^speculative.draft_model: the draft's vocabulary \(600 ids\) is "
-                                                   r"larger than the target's \(512\)"),
+                                                   r"larger than the model's \(512\)"),
         (draft_checkpoint("llama", max_position_embeddings=128), r"^speculative.draft_model: the draft's context "
                                                                  r"\(128 tokens\) is shorter than max_model_len \(512\)"),
     ]

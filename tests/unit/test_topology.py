@@ -288,13 +288,30 @@ def test_the_pools_engine_settings_carry_speculation_to_decode_workers_only():
     assert spec.prefill.speculative is None and "speculative" not in overrides.common
 
 
-def test_validate_prints_speculation_back_and_refuses_a_draft_model(tmp_path, capsys):
+def test_validate_prints_speculation_back(tmp_path, capsys):
     code, out, _ = run_validate(write(tmp_path, "decode:\n  speculative: {num_tokens: 8}\n"), capsys)
     assert code == 0 and yaml.safe_load(out)["decode"]["speculative"] == dict(
-        method="ngram", num_tokens=8, adaptive=True, ngram_min=2, ngram_max=4)
-    code, _, err = run_validate(write(tmp_path, "decode:\n  speculative:\n    method: draft\n"), capsys)
-    assert code != 0 and err.strip() == (f"{tmp_path / 't.yaml'}:3: decode.speculative.method: draft models are not "
-                                         "served yet; use ngram")
+        method="ngram", num_tokens=8, adaptive=True, ngram_min=2, ngram_max=4, draft_model=None)
+
+
+def test_validate_checks_a_draft_model_against_the_model(tmp_path, capsys, checkpoint, draft_checkpoint):
+    """The draft must exist and share the model's tokenizer; each mistake names the key and line."""
+    target = checkpoint("llama")
+    good, other_tokenizer = draft_checkpoint("llama"), draft_checkpoint("llama", vocab_size=400)
+
+    def validate(draft) -> tuple[int, str, str]:
+        text = f"model:\n  path: {target}\ndecode:\n  speculative:\n    method: draft\n    draft_model: {draft}\n"
+        return run_validate(write(tmp_path, text), capsys)
+
+    code, out, _ = validate(good)
+    assert code == 0 and yaml.safe_load(out)["decode"]["speculative"]["draft_model"] == str(good)
+    where = f"{tmp_path / 't.yaml'}:6: decode.speculative.draft_model"
+    code, _, err = validate(tmp_path / "missing")
+    assert code != 0 and err.strip() == (f"{where}: {tmp_path / 'missing'} does not exist here: give a local model "
+                                         "directory or .gguf file with the model's tokenizer")
+    code, _, err = validate(other_tokenizer)
+    assert code != 0 and err.strip() == (f"{where}: the draft's tokenizer differs from the model's (another "
+                                         "vocabulary); give a draft with the model's tokenizer")
 
 
 @pytest.mark.parametrize("text, key, message", [
@@ -304,10 +321,12 @@ def test_validate_prints_speculation_back_and_refuses_a_draft_model(tmp_path, ca
      "must be an integer in 1..16; got 17"),
     ("decode:\n  speculative: {num_tokens: '4'}\n", "decode.speculative.num_tokens",
      "must be an integer in 1..16; got '4' (a string)"),
-    ("decode:\n  speculative: {method: draft}\n", "decode.speculative.method",
-     "draft models are not served yet; use ngram"),
+    ("decode:\n  speculative: {method: draft}\n", "decode.speculative.draft_model",
+     "is required with method draft: the path of a smaller model with the model's tokenizer"),
+    ("decode:\n  speculative: {draft_model: /models/small}\n", "decode.speculative.draft_model",
+     "is read only with method draft (method is ngram); remove it or set method: draft"),
     ("decode:\n  speculative: {method: eagle}\n", "decode.speculative.method",
-     "must be one of ngram; got 'eagle' (a string)"),
+     "must be one of ngram, draft; got 'eagle' (a string)"),
     ("decode:\n  speculative: {adaptive: sometimes}\n", "decode.speculative.adaptive",
      "must be true or false; got 'sometimes' (a string)"),
     ("decode:\n  speculative: {ngram_max: 65}\n", "decode.speculative.ngram_max",
@@ -315,9 +334,9 @@ def test_validate_prints_speculation_back_and_refuses_a_draft_model(tmp_path, ca
     ("decode:\n  speculative: {ngram_min: 5}\n", "decode.speculative.ngram_min",
      "must not exceed ngram_max (4); got 5"),
     ("decode:\n  speculative: {num_token: 4}\n", "decode.speculative.num_token",
-     "unknown key; did you mean 'num_tokens'? known: adaptive, method, ngram_max, ngram_min, num_tokens"),
+     "unknown key; did you mean 'num_tokens'? known: adaptive, draft_model, method, ngram_max, ngram_min, num_tokens"),
     ("decode:\n  speculative: true\n", "decode.speculative",
-     "must be a mapping with the keys adaptive, method, ngram_max, ngram_min, num_tokens; got true"),
+     "must be a mapping with the keys adaptive, draft_model, method, ngram_max, ngram_min, num_tokens; got true"),
     ("prefill:\n  speculative: {}\n", "prefill.speculative",
      "prefill workers never speculate (each request leaves them at its first token); set it on decode or "
      "colocated"),

@@ -1,6 +1,6 @@
 """The draft model of ``method: draft``, checked against the target before anything is loaded:
 its guesses are token ids the target checks, so both must split text into the same ids (the same
-vocabulary), the draft must have no id the target lacks, and it must reach the target's context."""
+vocabulary), the draft must have no id the target lacks, and it must reach the model's context."""
 
 from __future__ import annotations
 
@@ -43,16 +43,16 @@ def check_draft(draft: DraftCheckpoint, target: ModelConfig, target_tokenizer: T
     """Raises naming ``speculative.draft_model`` when the draft cannot guess for this target."""
     if draft.config.vocab_size > target.vocab_size:
         raise SpeculativeConfigError(
-            f"{FIELD}: the draft's vocabulary ({draft.config.vocab_size} ids) is larger than the target's "
-            f"({target.vocab_size}); give a draft with the target's tokenizer")
+            f"{FIELD}: the draft's vocabulary ({draft.config.vocab_size} ids) is larger than the model's "
+            f"({target.vocab_size}); give a draft with the model's tokenizer")
     draft_tokenizer = _tokenizer(draft.source)
     if (draft_tokenizer is None) != (target_tokenizer is None):
-        which = "the draft" if draft_tokenizer is None else "the target"
+        which = "the draft" if draft_tokenizer is None else "the model"
         raise SpeculativeConfigError(f"{FIELD}: {which} has no tokenizer, so the two cannot be checked to split text "
-                                     "alike; give a draft with the target's tokenizer")
+                                     "alike; give a draft with the model's tokenizer")
     if draft_tokenizer is not None and draft_tokenizer.vocabulary() != target_tokenizer.vocabulary():
-        raise SpeculativeConfigError(f"{FIELD}: the draft's tokenizer differs from the target's (another vocabulary); "
-                                     "give a draft with the target's tokenizer")
+        raise SpeculativeConfigError(f"{FIELD}: the draft's tokenizer differs from the model's (another vocabulary); "
+                                     "give a draft with the model's tokenizer")
     if draft.config.max_position_embeddings < max_model_len:
         raise SpeculativeConfigError(
             f"{FIELD}: the draft's context ({draft.config.max_position_embeddings} tokens) is shorter than "
