@@ -110,6 +110,27 @@ def test_speculating_decode_workers_give_the_tokens_of_decoding_without_guesses(
         assert_no_leaks(llm)
 
 
+def test_a_decode_worker_with_a_draft_model_gives_the_tokens_of_decoding_without_guesses(checkpoint):
+    """decode.speculative with method draft (the model itself as its draft): the prompts' KV
+    arrives for the model only, the decode worker builds the draft's KV for them itself, and so
+    every greedy guess is kept (the bookkeeping's check), a second pass too (its prompts' blocks
+    cached on the decode worker, only the rest sent); the tokens are the colocated engine's."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([9, 21, 40], seed=4)
+    params = greedy(24)
+    expected = colocated_tokens(model_dir, prompts, params)
+    speculative = SpeculativeConfig(method="draft", draft_model=str(model_dir), num_tokens=3, adaptive=False)
+    with disaggregated(model_dir, speculative=speculative) as llm:
+        for _ in range(2):
+            outputs = llm.generate(prompts, params)
+            assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(prompts)
+            assert [o.token_ids for o in outputs] == expected
+        speculation = {w["role"]: w for w in llm.worker_status()}["decode"]["speculation"]
+        assert speculation["method"] == "draft" and speculation["proposed_tokens"] > 0
+        assert speculation["accepted_tokens"] == speculation["proposed_tokens"]
+        assert_no_leaks(llm)
+
+
 def test_max_tokens_past_the_context_is_served_to_the_context_not_held_for_room(checkpoint):
     """2,000 tokens asked of a 512-token context with a 1,024-token cache: the engine ends it at
     the context, so the router must place it for that much, not hold it for blocks no worker
