@@ -1,8 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, side by side in one run,
+"""Speculative decoding (n-gram prompt lookup, and a draft model where one is given) against plain decoding, side by side in one run,
 on in-process engines (``tandem.LLM``) of the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
 
-Three engines per device, alive together, get the same requests one after another, so that a
-change in the machine's load weighs on all three:
+Three engines per device (four with a draft), alive together, get the same requests one after
+another, so that a change in the machine's load weighs on all of them:
 
 - ``off``: ``speculative=None``, one token per decode step;
 - ``ngram``: ``SpeculativeConfig(num_tokens=4)``, the adaptive policy sizing each request's guesses
@@ -10,8 +10,10 @@ change in the machine's load weighs on all three:
 - ``ngram-fixed``: the same with ``adaptive=False``: every proposal checked in full, to show what
   the policy buys.
 
-A draft model is not served yet (``SpeculativeConfig`` refuses ``method="draft"``), so it has no
-column. On the CPU every engine takes torch threads for every usable core.
+- ``draft`` (with ``--draft-model PATH``): ``SpeculativeConfig(method="draft", draft_model=PATH,
+  num_tokens=4)``, adaptive: a smaller checkpoint with the model's tokenizer makes the guesses.
+
+On the CPU every engine takes torch threads for every usable core.
 
 Two workloads, every prompt rendered with the model's chat template, several distinct prompts
 each (cycled to fill a batch):
@@ -82,8 +84,8 @@ CHAT_QUESTIONS = (
     "How does a refrigerator keep food cold?",
 )
 COPY, CHAT = "a: edit/summarise", "b: chat"
-OFF, NGRAM, NGRAM_FIXED = "off", "ngram", "ngram-fixed"
-CONFIGS = (OFF, NGRAM, NGRAM_FIXED)
+OFF, NGRAM, NGRAM_FIXED, DRAFT = "off", "ngram", "ngram-fixed", "draft"
+CONFIGS = (OFF, NGRAM, NGRAM_FIXED)  # and DRAFT with --draft-model
 GOAL_BATCH_ONE = 2.0  # ngram's tokens/s over off's at batch 1 on (a)
 GOAL_EVERY_BATCH = 1.0  # ... at every batch on both workloads
 WARM_UP_TOKENS = 4  # the warm-up generate: prefill and a few decode steps (and verifies)
@@ -149,9 +151,11 @@ def batch_of(prompts: list[list[int]], size: int, start: int = 0) -> list[list[i
 
 # -- the engines --------------------------------------------------------------------------------
 
-def speculative_config(name: str, num_tokens: int):
+def speculative_config(name: str, num_tokens: int, draft_model: str | None = None):
     from cluster.engine.speculative.config import SpeculativeConfig
 
+    if name == DRAFT:
+        return SpeculativeConfig(method="draft", draft_model=draft_model, num_tokens=num_tokens)
     return {OFF: None, NGRAM: SpeculativeConfig(num_tokens=num_tokens),
             NGRAM_FIXED: SpeculativeConfig(num_tokens=num_tokens, adaptive=False)}[name]
 
@@ -166,18 +170,18 @@ def kv_blocks(workloads: dict[str, list[list[int]]], batch: int, max_tokens: int
 
 
 def make_engines(model: Path, device: str, threads: int, workloads: dict[str, list[list[int]]], batch: int,
-                 max_tokens: int, num_tokens: int) -> dict:
+                 max_tokens: int, num_tokens: int, configs: tuple[str, ...], draft_model: str | None) -> dict:
     from cluster.offline.llm import LLM
 
     block_size = 16
     longest = max(len(p) for ps in workloads.values() for p in ps)
     engines = {}
-    for name in CONFIGS:
+    for name in configs:
         log(f"{device}: loading the {name} engine")
         engines[name] = LLM(str(model), verbose=False, device=device, num_threads=threads, block_size=block_size,
                             max_num_seqs=batch, max_model_len=longest + max_tokens + num_tokens + block_size,
                             num_kv_blocks=kv_blocks(workloads, batch, max_tokens, num_tokens, block_size),
-                            speculative=speculative_config(name, num_tokens))
+                            speculative=speculative_config(name, num_tokens, draft_model))
     return engines
 
 
@@ -272,7 +276,9 @@ def measure_device(model: Path, device: str, threads: int, workloads: dict[str, 
     """Every workload and batch on the three engines of ``device``; the engines go at the end."""
     from cluster.offline.llm import greedy
 
-    engines = make_engines(model, device, threads, workloads, max(batches), args.max_tokens, args.num_tokens)
+    configs = args.configs
+    engines = make_engines(model, device, threads, workloads, max(batches), args.max_tokens, args.num_tokens, configs,
+                           args.draft_model)
     results = []
     try:
         for workload, prompts in workloads.items():
@@ -280,18 +286,18 @@ def measure_device(model: Path, device: str, threads: int, workloads: dict[str, 
                 log(f"{device}, {workload}: warm-up generate of {len(prompts)} prompts on {name}")
                 llm.generate(prompts, greedy(WARM_UP_TOKENS))
             for batch in batches:
-                cells = {name: Cell() for name in CONFIGS}
+                cells = {name: Cell() for name in configs}
                 rounds = [[p] for p in batch_of(prompts, args.single_requests)] if batch == 1 else \
                     [batch_of(prompts, batch, start=i * batch) for i in range(args.rounds)]
                 for index, requests in enumerate(rounds):
-                    for name in rotated(CONFIGS, index):
+                    for name in rotated(configs, index):
                         generate_into(cells[name], engines[name], requests, args.max_tokens)
                     if len(rounds) > 1:
                         log(f"{device}, {workload}, batch {batch}: round {index + 1}/{len(rounds)} done")
                 result = Result(device, workload, batch, cells)
                 log(f"{device}, {workload}, batch {batch}: " + ", ".join(
                     f"{name} {cell.rate:.1f} tok/s" for name, cell in cells.items())
-                    + f"; ngram {result.ratio(NGRAM):.2f}x, ngram-fixed {result.ratio(NGRAM_FIXED):.2f}x")
+                    + "; " + ", ".join(f"{name} {result.ratio(name):.2f}x" for name in configs if name != OFF))
                 results.append(result)
     finally:
         for llm in engines.values():
@@ -337,14 +343,15 @@ def goal_lines(device: str, results: list[Result]) -> list[str]:
                      + verdict(at_one[0].ratio(NGRAM), GOAL_BATCH_ONE))
     else:
         lines.append(f"{device}: ngram / off tokens/s at batch 1 on ({COPY}): not measured (batch 1 was not run)")
-    for name, judged in ((NGRAM, True), (NGRAM_FIXED, False)):
+    speculating = [name for name in results[0].cells if name != OFF]
+    for name in speculating:
         worst = min(results, key=lambda r: r.ratio(name))
         where = f"({worst.workload}, batch {worst.batch})"
         lines.append(f"{device}: {name} / off tokens/s, worst of every batch and workload {where}: "
-                     + (verdict(worst.ratio(name), GOAL_EVERY_BATCH) if judged
+                     + (verdict(worst.ratio(name), GOAL_EVERY_BATCH) if name in (NGRAM, DRAFT)
                         else f"{worst.ratio(name):.2f}x (no adaptive policy; not a goal, for reference)"))
-    differ = sum(r.mismatches(name) for r in results for name in (NGRAM, NGRAM_FIXED))
-    compared = sum(r.cells[name].requests for r in results for name in (NGRAM, NGRAM_FIXED))
+    differ = sum(r.mismatches(name) for r in results for name in speculating)
+    compared = sum(r.cells[name].requests for r in results for name in speculating)
     lines.append(f"{device}: greedy tokens with speculation that differ from off's: {differ} of {compared} requests"
                  + (" (must be 0)" if differ else ""))
     return lines
@@ -372,6 +379,8 @@ def main() -> int:
                         help="requests at batch 1, one at a time (default 8: every distinct prompt once)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="generates of each batch above 1 per configuration, taken in turn (default 2)")
+    parser.add_argument("--draft-model", metavar="PATH",
+                        help="a draft checkpoint with the model's tokenizer: adds the draft column")
     parser.add_argument("--workloads", choices=["both", "a", "b"], default="both",
                         help="a: edit/summarise (output repeats the prompt), b: free chat")
     args = parser.parse_args()
@@ -386,6 +395,7 @@ def main() -> int:
         speculative_config(NGRAM, args.num_tokens)
     except SpeculativeConfigError as exc:
         parser.error(f"--num-tokens: {exc}")
+    args.configs = CONFIGS + ((DRAFT,) if args.draft_model else ())
 
     import torch
     from cluster.default_model import default_model_path
@@ -411,8 +421,9 @@ def main() -> int:
 
     print_table("machine", machine_rows() + [
         ("model file", f"{model} ({model.stat().st_size / 2**20:.0f} MiB)"),
-        ("engines", f"{', '.join(CONFIGS)} (speculative num_tokens {args.num_tokens}), {threads} torch threads each"),
-    ])
+        ("engines", f"{', '.join(args.configs)} (speculative num_tokens {args.num_tokens}), {threads} torch threads "
+                    "each"),
+    ] + ([("draft model", args.draft_model)] if args.draft_model else []))
     print_table("prompts (distinct; cycled to fill a batch)",
                 [(name, source, len(ids)) for name in workloads for source, ids in zip(sources[name], workloads[name])],
                 ("workload", "prompt", "tokens (chat template)"))
