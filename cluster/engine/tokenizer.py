@@ -99,13 +99,13 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
-                            tools: list | None = None) -> list[int]:
+                            tools: list | None = None, tool_format: str = "hermes") -> list[int]:
         """The token ids of the templated chat: the text is tokenized as the template wrote it
         (special tokens in it are matched whole, none added), and BOS is put first only where
         the tokenizer adds one and the template did not write it. Raises ChatTemplateError."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a prompt instead of messages")
-        text = self.chat_template.render(messages, add_generation_prompt, tools)
+        text = self.chat_template.render(messages, add_generation_prompt, tools, tool_format)
         ids = self.encode(text, add_special_tokens=False)
         if self.adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)

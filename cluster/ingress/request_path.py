@@ -44,6 +44,7 @@ from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
+from cluster.engine.tool_calls.formats import ToolCalling, tool_calling
 from cluster.engine.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
 from cluster.protocol.stream import StreamClient, WorkerGone
 from router.config import RouterConfigError
@@ -146,6 +147,9 @@ class RequestPath:
             self.tokenizer: Tokenizer | None = Tokenizer(info.model_dir)
         except TokenizerError:
             self.tokenizer = None
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        self.tool_calling: ToolCalling = tool_calling(info.tool_call_format, template and template.source,
+                                                      bool(template and template.knows_tools))
         self.limits = Scheduler(BlockManager(info.num_blocks, info.block_size), 1, 1, info.max_model_len)
         self.router = RouterService(info.cluster, info.registry_url, info.router_topology, info.router_config,
                                     router_name)

@@ -37,6 +37,7 @@ class ServingInfo:
     transfer_timeout_s: float = 60.0
     stream_layers: bool = True
     stream_token: str = ""  # presented on every connection to a worker's stream (cluster/protocol/stream.py)
+    tool_call_format: str = "auto"  # the topology's model.tool_call_format
 
     @property
     def workers(self) -> tuple[str, ...]:

@@ -14,13 +14,13 @@ pytestmark = pytest.mark.unit
 
 
 def test_a_request_may_opt_out_of_speculative_decoding():
-    request = request_payload(build_generate_request("hi", max_tokens=5, speculative=False))
+    request, _ = request_payload(build_generate_request("hi", max_tokens=5, speculative=False))
     assert request.sampling == {"max_tokens": 5, "speculative": False}
     assert SamplingParams.from_mapping(request.sampling).speculative is False
-    assert request_payload(build_generate_request("hi", speculative=True)).sampling == {"speculative": True}
+    assert request_payload(build_generate_request("hi", speculative=True))[0].sampling == {"speculative": True}
 
 
 def test_unset_sampling_fields_take_the_servers_defaults():
-    request = request_payload(build_generate_request([1, 2, 3]))
-    assert request.sampling == {} and request.prompt == [1, 2, 3]
+    request, tool_format = request_payload(build_generate_request([1, 2, 3]))
+    assert tool_format is None and request.sampling == {} and request.prompt == [1, 2, 3]
     assert SamplingParams.from_mapping(request.sampling).speculative is True
