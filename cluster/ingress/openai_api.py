@@ -148,6 +148,9 @@ def parse_chat(body: Any, model_name: str, tool_calling: ToolCalling = ToolCalli
     fields["prompt"] = ChatPrompt(messages, True, use.template_tools() if use else None,
                                   prompt_tool_format(tool_calling))
     if constraint is not None:
+        if "structured" in fields["sampling"]:
+            raise invalid("tools", "tool calls cannot be combined with another constraint on the output "
+                                   "(response_format, regex, grammar, choice); send tool_choice: none, or no tools")
         fields["sampling"]["structured"] = constraint
     fields["max_tokens_to_context"] = True  # without max_tokens: until the context (or the KV cache) ends
     wants = body.get("logprobs")

@@ -1,9 +1,14 @@
 """The OpenAI-compatible HTTP API end to end, with the official ``openai`` package as the client:
 chat and completions, streamed and not, usage with cached tokens on a second turn, ``n``,
 seeds, stop strings, logprobs, every error status, and a disconnect that frees every block.
+Tool calls: a round trip (call, ``tool`` result, final answer) with ``tool_choice`` required,
+streamed calls, ``responses.create`` with a function tool and with ``text.format``, and the same
+round trip through the gRPC API; the random model's calls always parse and match the schema
+because the output is constrained.
 
-One cluster (1 prefill + 1 decode worker, the small test checkpoint with a ChatML template),
-behind a bearer token. Greedy answers are compared with `tandem run` on the same messages.
+One cluster (1 prefill + 1 decode worker, the small test checkpoint with a ChatML template that
+knows nothing of tools, so tools reach it through Tandem's tool prompt), behind a bearer token.
+Greedy answers are compared with `tandem run` on the same messages.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
 from conftest import random_prompts, wait_for
 from e2e_cluster import Cluster, tandem, topology
+from tandem import TandemClient
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +39,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. A"
 @pytest.fixture(scope="module")
 def model_dir(checkpoint, tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("chat-model") / "tiny-chat"
-    shutil.copytree(checkpoint("llama"), directory)
+    shutil.copytree(checkpoint("llama", max_position_embeddings=2048), directory)  # room for a tool prompt
     (directory / "chat_template.jinja").write_text(CHATML)
     return directory
 
@@ -40,7 +47,7 @@ def model_dir(checkpoint, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai")
-    spec = topology("e2e-openai", model_dir, server={"auth_token_env": "E2E_OPENAI_TOKEN"})
+    spec = topology("e2e-openai", model_dir, server={"auth_token_env": "E2E_OPENAI_TOKEN"}, kv={"num_blocks": 160})
     cluster = Cluster("e2e-openai", spec, tmp, env={"E2E_OPENAI_TOKEN": TOKEN})
     yield cluster
     if (cluster.cache / "clusters" / "e2e-openai.json").exists():
@@ -157,6 +164,91 @@ def test_a_disconnected_stream_frees_every_block(cluster):
     assert status["in_flight"] == 0
 
 
+# -- tool calls ---------------------------------------------------------------------------------
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                                   "unit": {"enum": ["C", "F"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": WEATHER_SCHEMA}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_tool_round_trip_with_tool_choice_required(client):
+    first = client.chat.completions.create(model="tiny-chat", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=3)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+    turn = ASK + [choice.message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    final = client.chat.completions.create(model="tiny-chat", messages=turn, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason == "length"
+    assert final.choices[0].message.content and final.usage.completion_tokens == 8
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result went into the prompt
+    # the tools stay in the prompt (tool_choice none only stops calls): the first turn's blocks are reused
+    assert final.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
+
+
+def test_streamed_tool_calls_with_tool_choice_required(client):
+    asked = dict(model="tiny-chat", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=300,
+                 temperature=0)
+    whole = client.chat.completions.create(**asked).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **asked))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert calls and all(d.content in (None, "") for d in deltas)
+    opened = [t for t in calls if t.id is not None]
+    assert [t.function.name for t in opened] == [c.function.name for c in whole.message.tool_calls]
+    for index, call in enumerate(whole.message.tool_calls):  # greedy: the stream says what the whole answer says
+        streamed = "".join(t.function.arguments or "" for t in calls if t.index == index)
+        assert streamed == call.function.arguments
+        jsonschema.validate(json.loads(streamed), WEATHER_SCHEMA)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.finish_reason]
+    assert whole.finish_reason in ("tool_calls", "length")  # several parallel calls may run out of tokens
+
+
+def test_responses_with_a_function_tool_and_with_text_format(client):
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": WEATHER_SCHEMA}
+    called = client.responses.create(model="tiny-chat", input="Weather in Rome?", tools=[tool],
+                                     tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200,
+                                     store=False)
+    assert called.status == "completed"
+    [call] = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+    answer = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    formatted = client.responses.create(model="tiny-chat", input="Is it sunny in Rome?", max_output_tokens=100,
+                                        text={"format": {"type": "json_schema", "name": "weather", "schema": answer,
+                                                         "strict": True}})
+    assert formatted.status == "completed"
+    jsonschema.validate(json.loads(formatted.output_text), answer)
+
+
+def test_a_tool_round_trip_through_grpc(cluster):
+    with TandemClient(cluster.api, token=TOKEN, timeout_s=120) as grpc_client:
+        responses = list(grpc_client.generate(ASK, tools=[WEATHER], tool_choice="get_weather", max_tokens=200,
+                                              temperature=0))
+        calls = [c for r in responses for c in r.tool_calls]
+        assert responses[-1].finish_reason == "tool_calls" and "".join(r.text for r in responses) == ""
+        [call] = calls
+        assert call.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+        turn = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.id, "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+        final = list(grpc_client.generate(turn, tools=[WEATHER], tool_choice="none", max_tokens=6, temperature=0,
+                                          ignore_eos=True))
+        assert final[-1].finish_reason == "length" and not [c for r in final for c in r.tool_calls]
+        assert "".join(r.text for r in final) and final[-1].usage.prompt_tokens > responses[-1].usage.prompt_tokens
+
+
 def test_no_worker_left_is_503(client, cluster):
     cluster.ray("ray.kill(ray.get_actor('decode-0'))")
     deadline = time.monotonic() + 60
@@ -167,3 +259,4 @@ def test_no_worker_left_is_503(client, cluster):
             assert exc.status_code == 503 and "decode" in exc.message
             break
         assert time.monotonic() < deadline, "decode-0 was never found dead"
+

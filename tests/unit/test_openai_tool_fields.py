@@ -40,9 +40,9 @@ def test_tools_reach_the_template_and_constrain_the_output():
     named = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
                  parallel_tool_calls=False)
     assert named.request.sampling["structured"].kind == "grammar"
-    none = chat(tools=[WEATHER], tool_choice="none")  # no calls: no constraint, no parsing, no tools in the prompt
+    none = chat(tools=[WEATHER], tool_choice="none")  # no calls: no constraint, no parsing; the model knows its tools
     assert "structured" not in none.request.sampling and none.tool_format is None
-    assert none.request.prompt.tools is None
+    assert none.request.prompt.tools == [WEATHER]
     plain = chat()
     assert plain.tool_format is None and plain.request.prompt.tools is None
 

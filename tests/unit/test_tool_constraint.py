@@ -1,5 +1,5 @@
 """The constraint a request's tools put on its output, checked with the engine's grammar library
-(llguidance) on a byte-level tokenizer: ``auto`` is a structural tag over the tools' schemas;
+(llguidance, through the backend's ``check``) on a byte-level tokenizer: ``auto`` is a structural tag over the tools' schemas;
 ``required``, a named function and ``parallel_tool_calls: false`` are grammars that accept exactly
 the calls the format's parser reads (and refuse text before them, a second call, another name,
 or arguments off the schema)."""
@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from cluster.engine.structured.grammars import check
 from cluster.engine.tool_calls.constraint import tool_constraint
 from cluster.engine.tool_calls.formats import FORMATS
 from cluster.engine.tool_calls.parser import parse
@@ -37,19 +38,11 @@ def tokenizer(tmp_path_factory):
 
 
 def accepts(tokenizer, spec, text: str) -> bool:
-    """Whether the spec's grammar takes ``text`` whole (and may end there)."""
-    from llguidance import LLMatcher, StructTag
+    """Whether the spec's grammar, as the engine's backend compiles it, takes ``text`` whole (and may end there)."""
+    from llguidance import LLMatcher
 
     hf, lltok = tokenizer
-    if spec.kind == "structural_tag":
-        value = json.loads(spec.value)
-        tags = [StructTag(trigger=value["triggers"][0], begin=s["begin"], grammar=s["schema"], end=s["end"])
-                for s in value["structures"]]
-        grammar = StructTag.to_grammar(tags, assume_special=False)
-    else:
-        assert (spec.kind, spec.syntax) == ("grammar", "lark")
-        grammar = spec.value
-    matcher = LLMatcher(lltok, LLMatcher.grammar_from_lark(grammar), log_level=0)
+    matcher = LLMatcher(lltok, check(spec), log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     return matcher.consume_tokens(hf.encode(text).ids) and matcher.is_accepting()
 

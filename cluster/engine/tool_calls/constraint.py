@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 
+from cluster.engine.structured.grammars import JSON_OPTIONS
 from cluster.engine.structured.spec import StructuredOutput
 from cluster.engine.tool_calls.formats import ToolCallFormat
 from cluster.engine.tool_calls.tools import FunctionTool, ToolUse
 
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SEPARATORS = {"hermes": "\n", "llama3_json": "; "}  # between the calls of a calls-only output
 
 
@@ -72,4 +72,4 @@ def _literal(text: str) -> str:
 
 
 def _json(schema: dict) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)

@@ -65,8 +65,10 @@ class ToolUse:
         return self.tools if self.choice != "none" else ()
 
     def template_tools(self) -> list[dict] | None:
-        """What the chat template is given as ``tools``: none when calls are off."""
-        return [t.template_form() for t in self.tools] if self.calls_possible else None
+        """What the chat template is given as ``tools``: all of them, even under ``none`` (as
+        OpenAI and vLLM do: the model still knows its tools, and the prompt's prefix, cached
+        from earlier turns, stays the same), or None when the request gives none."""
+        return [t.template_form() for t in self.tools] if self.tools else None
 
 
 def function_tool(name: Any, description: Any, parameters: Any, strict: Any, where: str) -> FunctionTool:
