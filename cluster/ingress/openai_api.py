@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
@@ -167,17 +168,14 @@ def parse_chat(body: Any, model_name: str, tool_calling: ToolCalling = ToolCalli
     return req
 
 
-class refused_as_400:
+@contextmanager
+def refused_as_400():
     """Turns an InvalidRequestError (a checked field, named first in its message) into a 400."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, traceback):
-        if isinstance(exc, InvalidRequestError):
-            message = str(exc)
-            raise ApiError(400, message, re.match(r"[A-Za-z_]*", message).group() or None) from None
-        return False
+    try:
+        yield
+    except InvalidRequestError as exc:
+        message = str(exc)
+        raise ApiError(400, message, re.match(r"[A-Za-z_]*", message).group() or None) from None
 
 
 def _finish(body: Mapping, kind: str, model_name: str, fields: dict, logprobs: int | None) -> OpenAIRequest:

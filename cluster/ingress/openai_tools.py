@@ -24,17 +24,6 @@ from cluster.engine.tool_calls.tools import ToolUse, function_tool, tool_use
 
 def chat_tool_use(body: Mapping[str, Any]) -> ToolUse | None:
     """The chat completion's tools, or None when it gives none and no tool_choice."""
-    tools = _tool_list(body)
-    checked = []
-    for index, tool in enumerate(tools):
-        where = f"tools[{index}]"
-        _function_type(tool, where)
-        function = tool.get("function")
-        if not isinstance(function, Mapping):
-            raise InvalidRequestError(f"{where}.function must be an object with the function's name and parameters")
-        _known(function, ("name", "description", "parameters", "strict"), f"{where}.function")
-        checked.append(function_tool(function.get("name"), function.get("description"), function.get("parameters"),
-                                     function.get("strict"), f"{where}.function"))
     choice = body.get("tool_choice")
     if isinstance(choice, Mapping):
         function = choice.get("function")
@@ -42,26 +31,37 @@ def chat_tool_use(body: Mapping[str, Any]) -> ToolUse | None:
             raise InvalidRequestError(f"tool_choice must be none, auto, required or {{\"type\": \"function\", "
                                       f"\"function\": {{\"name\": ...}}}}; got {quote(choice)}")
         choice = ("function", function.get("name"))
-    return _use(body, checked, choice)
+    return _use(body, _functions(body, nested=True), choice)
 
 
 def responses_tool_use(body: Mapping[str, Any]) -> ToolUse | None:
     """The Responses API request's tools, or None when it gives none and no tool_choice."""
-    tools = _tool_list(body)
-    checked = []
-    for index, tool in enumerate(tools):
-        where = f"tools[{index}]"
-        _function_type(tool, where)
-        _known(tool, ("type", "name", "description", "parameters", "strict"), where)
-        checked.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
-                                     tool.get("strict"), where))
     choice = body.get("tool_choice")
     if isinstance(choice, Mapping):
         if choice.get("type") != "function" or set(choice) - {"type", "name"}:
             raise InvalidRequestError(f"tool_choice must be none, auto, required or {{\"type\": \"function\", "
                                       f"\"name\": ...}}; got {quote(choice)}")
         choice = ("function", choice.get("name"))
-    return _use(body, checked, choice)
+    return _use(body, _functions(body, nested=False), choice)
+
+
+def _functions(body: Mapping[str, Any], nested: bool) -> list:
+    """The request's function tools, checked: each in its own object (``{"type": "function",
+    "function": {...}}``, chat) or flat (``{"type": "function", "name", ...}``, Responses)."""
+    checked = []
+    for index, tool in enumerate(_tool_list(body)):
+        where = f"tools[{index}]"
+        _function_type(tool, where)
+        function, names = tool, ("type", "name", "description", "parameters", "strict")
+        if nested:
+            _known(tool, ("type", "function"), where)
+            function, where, names = tool.get("function"), f"{where}.function", names[1:]
+            if not isinstance(function, Mapping):
+                raise InvalidRequestError(f"{where} must be an object with the function's name and parameters")
+        _known(function, names, where)
+        checked.append(function_tool(function.get("name"), function.get("description"), function.get("parameters"),
+                                     function.get("strict"), where))
+    return checked
 
 
 def tool_setup(use: ToolUse | None, calling: ToolCalling) -> tuple[ToolCallFormat | None, StructuredOutput | None]:
