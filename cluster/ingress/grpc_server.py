@@ -19,6 +19,7 @@ token (``authorization: Bearer <token>``) checked on every other call when one i
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -30,6 +31,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.engine.chat_template import ChatPrompt
+from cluster.engine.request_limits import InvalidRequestError
+from cluster.engine.structured.spec import StructuredOutput
 from cluster.protocol.messages import ApiRequest, Output, RequestFailed
 from cluster.runtime.ports import host_port
 from cluster.topology import ClusterSpec
@@ -75,10 +78,33 @@ def request_payload(request: tandem_pb2.GenerateRequest) -> ApiRequest:
         sampling["stop_token_ids"] = list(request.sampling.stop_token_ids)
     if request.sampling.ignore_eos:
         sampling["ignore_eos"] = True
+    if request.sampling.WhichOneof("structured") is not None:
+        sampling["structured"] = structured_output(request.sampling)
     objectives = {name.replace("_ms", "_s"): getattr(request.objectives, name) / 1000.0
                   for name in ("ttft_ms", "tpot_ms") if request.objectives.HasField(name)}  # checked by the request path
     return ApiRequest(prompt, request_id=request.request_id, model=request.model, sampling=sampling,
                       slo_class=request.slo_class, priority=request.priority, **objectives)
+
+
+def structured_output(sampling: tandem_pb2.SamplingParams) -> StructuredOutput:
+    """The spec of ``sampling``'s ``structured`` oneof (set); RequestError names the field."""
+    kind = sampling.WhichOneof("structured")
+    source = f"sampling.{kind}"
+    if kind == "json_object" and not sampling.json_object:
+        raise RequestError(f"{source}: set it true, or leave it out for free text")
+    if kind == "choice" and not all(sampling.choice.options):
+        raise RequestError(f"{source}.options: give non-empty strings")
+    try:
+        if kind == "grammar":
+            syntax = sampling.grammar.syntax or "ebnf"
+            if syntax not in ("ebnf", "lark"):
+                raise RequestError(f'{source}.syntax: must be "ebnf" (GBNF) or "lark", got {syntax!r:.60}')
+            return StructuredOutput("grammar", sampling.grammar.text, syntax=syntax, source=source)
+        value = {"json_schema": sampling.json_schema, "json_object": "", "regex": sampling.regex,
+                 "choice": json.dumps(list(sampling.choice.options))}[kind]
+        return StructuredOutput(kind, value, source=source)
+    except InvalidRequestError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def response_message(message: Output) -> tandem_pb2.GenerateResponse:

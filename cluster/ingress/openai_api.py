@@ -6,7 +6,9 @@ Pure functions over dicts (no server here: ``cluster/ingress/http_server.py`` se
 field's handling is tested alone. Tandem's own sampling and scheduling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``speculative`` (false: this request is not
 decoded speculatively), ``priority``, ``slo_class``, ``ttft_ms``, ``tpot_ms``) are accepted as
-extra body fields, as vLLM accepts its own.
+extra body fields, as vLLM accepts its own; so are its structured-output fields beside
+OpenAI's ``response_format`` (``regex``, ``grammar``, ``grammar_syntax``, ``choice``:
+``cluster/engine/structured/fields.py``).
 
 An error a caller can fix is an :class:`ApiError` with OpenAI's body ``{"error": {"message",
 "type", "param", "code"}}`` and its status: 400 naming the field, 401, 404 for another model,
@@ -21,7 +23,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from cluster.engine.chat_template import ChatPrompt
-from cluster.engine.request_limits import quote
+from cluster.engine.request_limits import InvalidRequestError, quote
+from cluster.engine.structured.fields import FIELDS as STRUCTURED_FIELDS
+from cluster.engine.structured.fields import structured_output
 from cluster.protocol.messages import ApiRequest, RequestFailed
 
 MAX_CHOICES = 16
@@ -31,7 +35,6 @@ _NEUTRAL = {
     "echo": lambda v: not v,
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
-    "response_format": lambda v: v is None or (isinstance(v, Mapping) and v.get("type") in (None, "text")),
     "parallel_tool_calls": lambda v: True,
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "service_tier": lambda v: v in (None, "auto", "default"),
@@ -41,7 +44,7 @@ _NEUTRAL = {
     "reasoning_effort": lambda v: v is None,
 }
 _EXTRA = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "speculative", "priority", "slo_class", "ttft_ms",
-          "tpot_ms", "stop_token_ids", "request_id")
+          "tpot_ms", "stop_token_ids", "request_id") + STRUCTURED_FIELDS
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
            "frequency_penalty", "stream", "stream_options", "user", "logprobs") + _EXTRA
 COMPLETION_FIELDS = frozenset(_COMMON + ("prompt",)) | set(_NEUTRAL)
@@ -206,6 +209,12 @@ def _common(body: Mapping, model_name: str, default_max_tokens: int | None) -> d
             if not isinstance(body[name], bool):
                 raise invalid(name, f"must be true or false, got {quote(body[name])}")
             sampling[name] = body[name]
+    try:
+        structured = structured_output(body)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), str(exc).split(":", 1)[0]) from None
+    if structured is not None:
+        sampling["structured"] = structured
     fields: dict[str, Any] = {"model": model, "sampling": sampling}
     slo_class = body.get("slo_class")
     if slo_class is not None:
