@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import operator
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -247,6 +247,12 @@ def build_generate_request(
     frequency_penalty: float | None = None,
     logprobs: int | None = None,
     speculative: bool | None = None,
+    json_schema: Mapping[str, Any] | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    grammar_syntax: str = "",
+    choice: Sequence[str] | None = None,
     slo_class: str = "",
     ttft_ms: float | None = None,
     tpot_ms: float | None = None,
@@ -259,7 +265,9 @@ def build_generate_request(
 ) -> tandem_pb2.GenerateRequest:
     """The ``GenerateRequest`` that ``TandemClient.generate`` sends for these arguments. Optional
     sampling fields left ``None`` stay unset (the server applies its defaults); the objectives
-    message is set only when ``ttft_ms`` or ``tpot_ms`` is given.
+    message is set only when ``ttft_ms`` or ``tpot_ms`` is given. Structured output: at most one
+    of ``json_schema`` (a dict, or JSON text), ``json_object``, ``regex``, ``grammar`` (GBNF, or
+    Lark with ``grammar_syntax="lark"``) and ``choice`` (ValueError otherwise).
 
     A chat may carry tool turns as the OpenAI API writes them (an assistant's ``tool_calls``,
     a ``tool`` message's ``tool_call_id``) and offer ``tools`` (``{"name", "description",
@@ -288,8 +296,31 @@ def build_generate_request(
     sampling.stop.extend([stop] if isinstance(stop, str) else list(stop))
     sampling.stop_token_ids.extend(_token_ids(stop_token_ids, "stop_token_ids"))
     sampling.ignore_eos = bool(ignore_eos)
+    _set_structured(sampling, json_schema, json_object, regex, grammar, grammar_syntax, choice)
     if ttft_ms is not None:
         request.objectives.ttft_ms = ttft_ms
     if tpot_ms is not None:
         request.objectives.tpot_ms = tpot_ms
     return request
+
+
+def _set_structured(sampling: tandem_pb2.SamplingParams, json_schema, json_object: bool, regex, grammar,
+                    grammar_syntax: str, choice) -> None:
+    given = [name for name, value in (("json_schema", json_schema), ("json_object", json_object or None),
+                                      ("regex", regex), ("grammar", grammar), ("choice", choice)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema, json_object, regex, grammar and choice, got {given}")
+    if grammar_syntax and grammar is None:
+        raise ValueError("grammar_syntax goes with grammar")
+    if json_schema is not None:
+        sampling.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        sampling.json_object = True
+    elif regex is not None:
+        sampling.regex = regex
+    elif grammar is not None:
+        sampling.grammar.text, sampling.grammar.syntax = grammar, grammar_syntax
+    elif choice is not None:
+        if isinstance(choice, str):
+            raise TypeError("choice must be a list of strings, not one string")
+        sampling.choice.options.extend(choice)

@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.engine.chat_template import ChatPrompt
 from cluster.engine.request_limits import InvalidRequestError
+from cluster.engine.structured.spec import StructuredOutput
 from cluster.engine.tool_calls.formats import ToolCalling, ToolCallFormat
 from cluster.engine.tool_calls.parser import CallClosed, ContentDelta, ToolCallParser
 from cluster.engine.tool_calls.tools import function_tool, tool_use
@@ -96,6 +97,11 @@ def request_payload(request: tandem_pb2.GenerateRequest,
         sampling["stop_token_ids"] = list(request.sampling.stop_token_ids)
     if request.sampling.ignore_eos:
         sampling["ignore_eos"] = True
+    if request.sampling.WhichOneof("structured") is not None:
+        if constraint is not None:
+            raise RequestError(f"sampling.{request.sampling.WhichOneof('structured')}: cannot be combined with tool "
+                               "calls; set chat.tool_mode none, or send no tools")
+        sampling["structured"] = structured_output(request.sampling)
     if constraint is not None:
         sampling["structured"] = constraint
     objectives = {name.replace("_ms", "_s"): getattr(request.objectives, name) / 1000.0
@@ -147,6 +153,27 @@ class ToolCallReader:
         if reason == "stop" and self.parser.calls:
             reason = "tool_calls"
         return content, [tandem_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls], reason
+
+
+def structured_output(sampling: tandem_pb2.SamplingParams) -> StructuredOutput:
+    """The spec of ``sampling``'s ``structured`` oneof (set); RequestError names the field."""
+    kind = sampling.WhichOneof("structured")
+    source = f"sampling.{kind}"
+    if kind == "json_object" and not sampling.json_object:
+        raise RequestError(f"{source}: set it true, or leave it out for free text")
+    if kind == "choice" and not all(sampling.choice.options):
+        raise RequestError(f"{source}.options: give non-empty strings")
+    try:
+        if kind == "grammar":
+            syntax = sampling.grammar.syntax or "ebnf"
+            if syntax not in ("ebnf", "lark"):
+                raise RequestError(f'{source}.syntax: must be "ebnf" (GBNF) or "lark", got {syntax!r:.60}')
+            return StructuredOutput("grammar", sampling.grammar.text, syntax=syntax, source=source)
+        value = {"json_schema": sampling.json_schema, "json_object": "", "regex": sampling.regex,
+                 "choice": json.dumps(list(sampling.choice.options))}[kind]
+        return StructuredOutput(kind, value, source=source)
+    except InvalidRequestError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def response_message(message: Output, reader: ToolCallReader | None = None) -> tandem_pb2.GenerateResponse:

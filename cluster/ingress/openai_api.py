@@ -6,7 +6,9 @@ Pure functions over dicts (no server here: ``cluster/ingress/http_server.py`` se
 field's handling is tested alone. Tandem's own sampling and scheduling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``speculative`` (false: this request is not
 decoded speculatively), ``priority``, ``slo_class``, ``ttft_ms``, ``tpot_ms``) are accepted as
-extra body fields, as vLLM accepts its own.
+extra body fields, as vLLM accepts its own; so are its structured-output fields beside
+OpenAI's ``response_format`` (``regex``, ``grammar``, ``grammar_syntax``, ``choice``:
+``cluster/engine/structured/fields.py``).
 
 Chat tools (``tools``, ``tool_choice``, ``parallel_tool_calls``: ``openai_tools.py``) go to the
 chat template and constrain the output; each choice's text is read back as content and
@@ -28,6 +30,8 @@ from typing import Any, Callable, Mapping
 
 from cluster.engine.chat_template import ChatPrompt
 from cluster.engine.request_limits import InvalidRequestError, quote
+from cluster.engine.structured.fields import FIELDS as STRUCTURED_FIELDS
+from cluster.engine.structured.fields import structured_output
 from cluster.engine.tool_calls.formats import ToolCalling, ToolCallFormat
 from cluster.engine.tool_calls.parser import ArgumentsDelta, CallOpened, ContentDelta, ParsedCall
 from cluster.ingress.openai_tools import chat_tool_call, chat_tool_use, prompt_tool_format, tool_setup
@@ -40,7 +44,6 @@ _NEUTRAL = {
     "echo": lambda v: not v,
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
-    "response_format": lambda v: v is None or (isinstance(v, Mapping) and v.get("type") in (None, "text")),
     "service_tier": lambda v: v in (None, "auto", "default"),
     "store": lambda v: not v,
     "metadata": lambda v: not v,  # kept with stored completions, and nothing is stored here
@@ -48,7 +51,7 @@ _NEUTRAL = {
     "reasoning_effort": lambda v: v is None,
 }
 _EXTRA = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "speculative", "priority", "slo_class", "ttft_ms",
-          "tpot_ms", "stop_token_ids", "request_id")
+          "tpot_ms", "stop_token_ids", "request_id") + STRUCTURED_FIELDS
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
            "frequency_penalty", "stream", "stream_options", "user", "logprobs") + _EXTRA
 COMPLETION_FIELDS = frozenset(_COMMON + ("prompt",)) | set(_NEUTRAL)
@@ -235,6 +238,12 @@ def common_fields(body: Mapping, model_name: str, default_max_tokens: int | None
             if not isinstance(body[name], bool):
                 raise invalid(name, f"must be true or false, got {quote(body[name])}")
             sampling[name] = body[name]
+    try:
+        structured = structured_output(body)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), str(exc).split(":", 1)[0]) from None
+    if structured is not None:
+        sampling["structured"] = structured
     fields: dict[str, Any] = {"model": model, "sampling": sampling}
     slo_class = body.get("slo_class")
     if slo_class is not None:

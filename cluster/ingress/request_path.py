@@ -43,6 +43,7 @@ from cluster.engine.prompt import prompt_token_ids
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.structured.grammars import check as check_structured
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
 from cluster.engine.tool_calls.formats import ToolCalling, tool_calling
 from cluster.engine.request_limits import check_request_id, check_slo_class, check_stop_token_ids, quote
@@ -221,6 +222,8 @@ class RequestPath:
             sampling = SamplingParams.from_mapping(sampling)
         params = sampling
         check_stop_token_ids(params.stop_token_ids, self.info.vocab_size)
+        if params.structured is not None:  # refused here, before routing, rather than by a worker
+            check_structured(params.structured)
         self.limits.check(Request(request_id, token_ids, params))
         try:
             cls = self.info.router_config.slo_class(request.slo_class or None)
@@ -297,7 +300,7 @@ class RequestPath:
                 request_id=attempt_id, prompt_token_ids=checked.prompt_token_ids + sent,
                 params=replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params,
                 priority=engine_priority, transfer_timeout_s=self.info.transfer_timeout_s,
-                stream_layers=self.info.stream_layers)
+                stream_layers=self.info.stream_layers, resumed_tokens=len(sent))
             placed = await self._place(journey, checked, request, avoid)
             if isinstance(placed, RequestFailed):
                 yield placed

@@ -5,7 +5,8 @@ Honoured: ``input`` (text, or items: messages with text parts, ``function_call``
 ``function_call_output``), ``instructions`` (a system message first), ``tools`` (function
 tools), ``tool_choice``, ``parallel_tool_calls``, ``text.format`` (``text``, ``json_schema``,
 ``json_object``: the output is constrained to it), ``max_output_tokens``, ``temperature``,
-``top_p``, ``stream``, and Tandem's extra sampling and scheduling fields (as in chat).
+``top_p``, ``stream``, and Tandem's extra sampling, scheduling and structured-output fields (as
+in chat, but for ``response_format``: ``text.format`` is the Responses API's own).
 
 Nothing is kept: ``store`` may be false (or left out), and ``store: true``,
 ``previous_response_id`` and ``conversation`` are refused with a 400 that says so. Any other
@@ -54,9 +55,10 @@ _NEUTRAL = {
     "truncation": lambda v: v in (None, "disabled"),
     "safety_identifier": lambda v: v is None,
 }
+_TANDEM = tuple(n for n in _EXTRA if n != "response_format") + ("seed",)  # text.format stands for response_format
 FIELDS = frozenset(("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                     "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
-                    "conversation", "user", "seed") + _EXTRA) | set(_NEUTRAL)
+                    "conversation", "user") + _TANDEM) | set(_NEUTRAL)
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
@@ -94,7 +96,7 @@ def parse_responses(body: Any, model_name: str, tool_calling: ToolCalling) -> Re
     if text_spec is not None and constraint is not None:
         raise invalid("text", "a text.format other than text cannot be combined with tool calls; "
                               "send tool_choice: none, or no tools")
-    mapped = {name: body[name] for name in ("model", "temperature", "top_p", "user", "seed") + _EXTRA if name in body}
+    mapped = {name: body[name] for name in ("model", "temperature", "top_p", "user") + _TANDEM if name in body}
     if body.get("max_output_tokens") is not None:
         mapped["max_tokens"] = body["max_output_tokens"]
     try:
@@ -106,6 +108,9 @@ def parse_responses(body: Any, model_name: str, tool_calling: ToolCalling) -> Re
     prompt = ChatPrompt(messages, True, use.template_tools() if use else None, prompt_tool_format(tool_calling))
     spec = constraint or text_spec
     if spec is not None:
+        if "structured" in fields["sampling"]:  # Tandem's regex, grammar or choice as well
+            raise invalid("tools" if constraint else "text", f"cannot be combined with "
+                          f"{fields['sampling']['structured'].source}; give one constraint on the output")
         fields["sampling"]["structured"] = spec
     stream = body.get("stream") or False
     if not isinstance(stream, bool):

@@ -92,6 +92,7 @@ class WorkerRequest:
     prefill: str | None = None  # the router's Decision.prefill: the worker computing the KV; None: here
     transfer_timeout_s: float = 60.0
     stream_layers: bool = True
+    resumed_tokens: int = 0  # the prompt's last tokens are output an earlier placement streamed (a grammar replays them)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API end to end, with the official ``openai`` package as the client:
 chat and completions, streamed and not, usage with cached tokens on a second turn, ``n``,
-seeds, stop strings, logprobs, every error status, and a disconnect that frees every block.
+seeds, stop strings, logprobs, structured output (``chat.completions.parse`` with a pydantic
+model, a nested JSON schema sampled 50 times, Tandem's regex, choice and grammar fields, the
+same schema through gRPC), every error status, and a disconnect that frees every block.
 Tool calls: a round trip (call, ``tool`` result, final answer) with ``tool_choice`` required,
 streamed calls, ``responses.create`` with a function tool and with ``text.format``, and the same
 round trip through the gRPC API; the random model's calls always parse and match the schema
@@ -14,18 +16,21 @@ Greedy answers are compared with `tandem run` on the same messages.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from conftest import random_prompts, wait_for
 from e2e_cluster import Cluster, tandem, topology
-from tandem import TandemClient
+from tandem import TandemClient, TandemError
 
 pytestmark = pytest.mark.e2e
 
@@ -147,6 +152,105 @@ def test_every_error_status(client, cluster):
         client.completions.create(model="tiny-chat", prompt=PROMPT, extra_body={"slo_class": "interactive",
                                                                                 "ttft_ms": 0.001})
     assert "rejected by admission control" in refused.value.message
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    kind: Literal["fox", "dog", "cat"]
+    age: int = pydantic.Field(ge=0, le=20)
+
+
+# Nested objects, enums and arrays, every string and array bounded: every output of the tiny
+# random model completes within max_tokens, sampled at temperature 1.
+RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "status": {"enum": ["open", "closed", "pending"]},
+        "owner": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                                         "zone": {"enum": ["north", "south"]}},
+                        "required": ["city", "zone"], "additionalProperties": False}},
+            "required": ["name", "address"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+        "scores": {"type": "array", "items": {"type": "object", "properties": {
+            "k": {"type": "string", "maxLength": 3}, "v": {"type": "boolean"}},
+            "required": ["k", "v"], "additionalProperties": False}, "maxItems": 2},
+    },
+    "required": ["id", "status", "owner", "tags", "scores"],
+    "additionalProperties": False,
+}
+
+
+def test_chat_completions_parse_gives_the_pydantic_model(client):
+    completion = client.chat.completions.parse(model="tiny-chat", messages=CHAT, response_format=Pet,
+                                               temperature=0, max_tokens=300)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Pet)
+    assert choice.message.parsed == Pet.model_validate_json(choice.message.content)
+
+
+def test_a_nested_json_schema_validates_50_of_50_sampled_at_temperature_1(client):
+    choices = []
+    for seed, n in ((1, 16), (100, 16), (200, 16), (300, 2)):
+        response = client.chat.completions.create(
+            model="tiny-chat", messages=CHAT, n=n, seed=seed, temperature=1.0, max_tokens=600,
+            response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD,
+                                                                    "strict": True}})
+        choices += response.choices
+    assert len(choices) == 50
+    for choice in choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), RECORD)
+    assert len({c.message.content for c in choices}) > 40  # sampled: nearly all differ
+
+
+def test_tandems_own_structured_fields_and_a_json_object(client):
+    regex = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=4,
+                                      extra_body={"regex": "(fox|dog)-[0-9]{2}"}).choices[0]
+    assert re.fullmatch("(fox|dog)-[0-9]{2}", regex.text) and regex.finish_reason == "stop"
+    choice = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=5,
+                                       extra_body={"choice": ["left", "right"]}).choices[0]
+    assert choice.text in ("left", "right") and choice.finish_reason == "stop"
+    grammar = client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=40, temperature=0,
+                                             extra_body={"grammar": 'start: "(" /[a-c]{1,5}/ ")"',
+                                                         "grammar_syntax": "lark"}).choices[0]
+    assert re.fullmatch(r"\([a-c]{1,5}\)", grammar.message.content)
+    obj = client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=400, temperature=0,
+                                         response_format={"type": "json_object"}).choices[0]
+    if obj.finish_reason == "stop":  # greedy on a random model may not close its object within max_tokens
+        assert isinstance(json.loads(obj.message.content), dict)
+    else:
+        assert obj.finish_reason == "length" and obj.message.content.startswith("{")
+
+
+def test_a_spec_that_does_not_compile_is_a_400_naming_its_field(client, cluster):
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny-chat", messages=CHAT, response_format=bad_schema)
+    assert bad.value.body["param"] == "response_format"
+    assert bad.value.body["message"] == "response_format: the JSON schema is not valid: Invalid type: strin"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny-chat", prompt=PROMPT, stream=True, extra_body={"regex": "a(b"})
+    assert bad.value.body["param"] == "regex" and "unclosed group" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as both:
+        client.completions.create(model="tiny-chat", prompt=PROMPT, extra_body={"regex": "a", "choice": ["a"]})
+    assert both.value.body["param"] == "choice"
+    with TandemClient(cluster.api, token=TOKEN, timeout_s=60) as grpc_client:
+        with pytest.raises(TandemError) as refused:
+            list(grpc_client.generate(PROMPT, json_schema={"type": "object", "if": {}}))
+    assert refused.value.code.name == "INVALID_ARGUMENT"
+    assert refused.value.message == 'sampling.json_schema: the JSON schema is not valid: Unimplemented keys: ["if"]'
+    assert cluster.status()["in_flight"] == 0  # refused at the edge: nothing was placed
+
+
+def test_grpc_generate_with_a_json_schema(cluster):
+    with TandemClient(cluster.api, token=TOKEN, timeout_s=120) as grpc_client:
+        responses = list(grpc_client.generate(PROMPT, json_schema=RECORD, temperature=1.0, seed=9, max_tokens=600))
+    assert responses[-1].finished and responses[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(r.text for r in responses)), RECORD)
 
 
 def test_a_disconnected_stream_frees_every_block(cluster):

@@ -85,6 +85,14 @@ def test_a_model_that_takes_no_tools_refuses_them_and_completions_have_none():
             parse_completion({"model": MODEL, "prompt": "x", name: value}, MODEL)
 
 
+def test_tool_calls_and_another_output_constraint_are_refused_together():
+    for other in ({"response_format": {"type": "json_object"}}, {"regex": "[a-z]+"}, {"choice": ["a", "b"]}):
+        with pytest.raises(ApiError, match="tools: tool calls cannot be combined with another constraint") as caught:
+            chat(tools=[WEATHER], **other)
+        assert caught.value.param == "tools"
+        assert chat(tools=[WEATHER], tool_choice="none", **other).request.sampling["structured"].source != "tools"
+
+
 def test_metadata_is_refused_as_nothing_is_stored():
     with pytest.raises(ApiError, match="metadata: .* is not supported by this server"):
         chat(metadata={"k": "v"})

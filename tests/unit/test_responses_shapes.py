@@ -86,6 +86,9 @@ def test_text_format_is_the_output_constraint():
      "only text parts (input_text, output_text) are supported"),
     ({"input": ""}, "input", "the input is empty"),
     ({"colour": "blue"}, "colour", "unknown field"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "unknown field"),  # text.format is its own
+    ({"text": {"format": {"type": "json_object"}}, "regex": "[a-z]+"}, "text", "cannot be combined with regex"),
+    ({"tools": [WEATHER], "choice": ["a"]}, "tools", "cannot be combined with choice"),
 ])
 def test_unsupported_or_bad_fields_are_a_400_naming_them(fields, param, words):
     with pytest.raises(ApiError) as caught:
