@@ -274,6 +274,8 @@ async def _json_body(request: web.Request):
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the body nests JSON arrays or objects too deeply to read") from None
 
 
 async def _send_event(response: web.StreamResponse, event: dict) -> None:

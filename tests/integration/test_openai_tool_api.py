@@ -2,7 +2,8 @@
 package as the client, over a fake request path whose model writes scripted text: the shapes of
 ``tool_choice: auto`` (where a tiny random model would never choose a call) streamed and whole,
 a tool round trip's turns reaching the template, ``responses.create``/``stream``/``parse`` with
-a function tool and with ``text.format``, and the Responses API's refusals.
+a function tool and with ``text.format``, the Responses API's refusals, and a body nested too
+deeply to read (a 400, not a 500).
 
 The constrained paths (``required``, a named function) with a real model are in
 ``tests/e2e/test_openai_api.py``."""
@@ -13,6 +14,7 @@ import asyncio
 import json
 import threading
 
+import httpx
 import openai
 import pydantic
 import pytest
@@ -177,3 +179,12 @@ def test_responses_refusals_reach_the_client(served, fields, words):
     assert words in caught.value.message
     with pytest.raises(openai.NotFoundError, match="responses are not kept"):
         client.responses.retrieve("resp_123")
+
+
+def test_a_body_nested_too_deeply_is_a_400_naming_the_body(served):
+    _, client = served
+    deep = "[" * 5000 + "]" * 5000
+    for path in ("responses", "chat/completions"):
+        response = httpx.post(f"{client.base_url}{path}", content=deep, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "the body nests JSON arrays or objects too deeply to read"
