@@ -211,40 +211,32 @@ class OpenAIServer:
         req = responses_api.parse_responses(await _json_body(request), self.path.info.model_name,
                                             self.path.tool_calling)
         stream = self.path.generate(replace(req.request, arrival=arrival, api="http"))
+        if req.stream:
+            return await self._stream_response(request, req, stream)
         writer = ResponseWriter(req)
-        if not req.stream:
-            try:
-                async for message in stream:
-                    if isinstance(message, RequestFailed):
-                        raise openai_api.error_for(message)
-                    writer.text(message.text)
-                    if message.end is not None:
-                        writer.finish(*_ending(message.end))
-            finally:
-                await stream.aclose()
-            return web.json_response(writer.final)
-        first = await self._first_messages([stream])
+        try:
+            async for message in stream:
+                if isinstance(message, RequestFailed):
+                    raise openai_api.error_for(message)
+                _response_events(writer, message)
+        finally:
+            await stream.aclose()
+        return web.json_response(writer.final)
+
+    async def _stream_response(self, request: web.Request, req: responses_api.ResponsesRequest,
+                               stream) -> web.StreamResponse:
+        first = await self._first_messages([stream])  # errors before any token are answered as statuses
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        writer = ResponseWriter(req)
         try:
-            for event in writer.start():
+            events = writer.start()
+            for message in first:
+                events += _response_events(writer, message)
+            for event in events:
                 await _send_event(response, event)
-
-            async def messages():
-                for message in first:
-                    yield message
-                async for message in stream:
-                    yield message
-
-            async for message in messages():
-                if isinstance(message, RequestFailed):  # failed after its first token: say so, then end
-                    error = openai_api.error_for(message)
-                    events = writer.error(error.message, error.code, error.param)
-                else:
-                    events = writer.text(message.text)
-                    if message.end is not None:
-                        events += writer.finish(*_ending(message.end))
-                for event in events:
+            async for message in stream:
+                for event in _response_events(writer, message):
                     await _send_event(response, event)
         finally:
             await stream.aclose()
@@ -256,6 +248,17 @@ class OpenAIServer:
     def _decode(self, token_id: int) -> str:
         tokenizer = self.path.tokenizer
         return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+
+def _response_events(writer: ResponseWriter, message: Output | RequestFailed) -> list[dict]:
+    """The Responses API events of one message (an ``error`` event for a failure after the first token)."""
+    if isinstance(message, RequestFailed):
+        error = openai_api.error_for(message)
+        return writer.error(error.message, error.code, error.param)
+    events = writer.text(message.text)
+    if message.end is not None:
+        events += writer.finish(*_ending(message.end))
+    return events
 
 
 def _with_calls(finish_reason: str | None, calls: list) -> str | None:
