@@ -121,7 +121,7 @@ def test_accepted_neutral_and_metadata_fields():
         parse_chat({**chat, **extra}, MODEL)
     for extra in ({"echo": False}, {"best_of": 1}, {"metadata": {}}):
         parse_completion({"model": MODEL, "prompt": "x", **extra}, MODEL)
-    with pytest.raises(ApiError, match="^parallel_tool_calls: 'yes' is not supported"):
+    with pytest.raises(ApiError, match="^parallel_tool_calls must be true or false, got 'yes'"):
         parse_chat({**chat, "parallel_tool_calls": "yes"}, MODEL)
 
 

@@ -93,12 +93,6 @@ def test_tool_calls_and_another_output_constraint_are_refused_together():
         assert chat(tools=[WEATHER], tool_choice="none", **other).request.sampling["structured"].source != "tools"
 
 
-def test_metadata_is_refused_as_nothing_is_stored():
-    with pytest.raises(ApiError, match="metadata: .* is not supported by this server"):
-        chat(metadata={"k": "v"})
-    assert "structured" not in chat(metadata={}).request.sampling
-
-
 def test_the_message_holds_the_calls_and_no_content():
     req = chat(tools=[WEATHER])
     calls = [ParsedCall("call_1", "get_weather", '{"city": "Paris"}', True)]
