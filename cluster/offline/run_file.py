@@ -115,7 +115,8 @@ def _result(entry: InputLine, output: RequestOutput | None) -> dict[str, Any]:
         "token_ids": output.token_ids,
         "text": output.text,
         "finish_reason": output.finish_reason,
-        "usage": vars(output.usage),
+        "usage": {"prompt_tokens": output.usage.prompt_tokens, "cached_tokens": output.usage.cached_tokens,
+                  "completion_tokens": output.usage.completion_tokens},
         "error": output.error,
     }
     if output.logprobs is not None:

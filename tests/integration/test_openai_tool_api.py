@@ -187,4 +187,4 @@ def test_a_body_nested_too_deeply_is_a_400_naming_the_body(served):
     for path in ("responses", "chat/completions"):
         response = httpx.post(f"{client.base_url}{path}", content=deep, headers={"Content-Type": "application/json"})
         assert response.status_code == 400
-        assert response.json()["error"]["message"] == "the body nests JSON arrays or objects too deeply to read"
+        assert response.json()["error"]["message"] == "the request body nests arrays and objects more than 64 levels deep"
