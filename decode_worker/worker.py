@@ -319,7 +319,7 @@ class DecodeWorker(EngineWorker):
             worker = ray.get_actor(prefill, namespace=self._namespace)
             prefill_started = time.time()
             result: PrefillResult = await worker.prefill.remote(request_id, request.prompt_token_ids, request.params,
-                                                                target)
+                                                                target, request.resumed_tokens)
             prefill_ended = time.time()
         except (ray.exceptions.RayActorError, ValueError):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
@@ -350,11 +350,12 @@ class DecodeWorker(EngineWorker):
     # -- under the engine's lock (``_tracked``) ------------------------------------------------
 
     def _add_local(self, request: WorkerRequest) -> None:
-        self.engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.priority)
+        self.engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.priority,
+                                resumed_tokens=request.resumed_tokens)
 
     def _reserve(self, request: WorkerRequest) -> tuple[int, list[int]] | None:
         return self.engine.reserve_transfer(request.request_id, request.prompt_token_ids, request.params,
-                                            request.priority)
+                                            request.priority, resumed_tokens=request.resumed_tokens)
 
     def _admit(self, request_id: str, first_token: int, logprob, top_logprobs) -> None:
         self._on_outputs([self.engine.admit_transfer(request_id, first_token, logprob, top_logprobs)])

@@ -37,12 +37,15 @@ class PrefillWorker(EngineWorker):
         super().__init__(config, registry_url, profile)
 
     def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                target: TransferTarget) -> PrefillResult:
+                target: TransferTarget, resumed_tokens: int = 0) -> PrefillResult:
+        """``resumed_tokens``: the prompt's last tokens are output an earlier placement streamed
+        (a constrained request's first token here obeys its grammar past them)."""
         done = threading.Event()
         with self._lock:
             try:
                 request = self.engine.add_request(request_id, prompt_token_ids,
-                                                  replace(params, max_tokens=1, stop=()), transfer=target)
+                                                  replace(params, max_tokens=1, stop=()), transfer=target,
+                                                  resumed_tokens=resumed_tokens)
             except InvalidRequestError as exc:
                 return PrefillResult(request_id=request_id, first_token=None, prompt_tokens=len(prompt_token_ids),
                                      cached_tokens=0, blocks_sent=0, error=str(exc))

@@ -11,8 +11,9 @@ request on the cluster. Every gRPC error becomes a ``TandemError`` carrying the 
 
 from __future__ import annotations
 
+import json
 import operator
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -185,6 +186,35 @@ class TandemClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
+def _chat_message(message: dict) -> tandem_pb2.ChatMessage:
+    out = tandem_pb2.ChatMessage(role=str(message.get("role", "")), content=str(message.get("content") or ""),
+                                 tool_call_id=str(message.get("tool_call_id") or ""))
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", call)
+        arguments = function.get("arguments", "{}")
+        out.tool_calls.add(id=str(call.get("id", "")), name=str(function.get("name", "")),
+                           arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+    return out
+
+
+def _chat_tools(chat: tandem_pb2.Chat, tools: Sequence[dict], tool_choice: str | dict | None,
+                parallel_tool_calls: bool | None) -> None:
+    for tool in tools:
+        function = tool.get("function", tool)
+        parameters = function.get("parameters")
+        chat.tools.add(name=str(function.get("name", "")), description=str(function.get("description") or ""),
+                       parameters=json.dumps(parameters) if parameters is not None else "",
+                       **({"strict": function["strict"]} if function.get("strict") is not None else {}))
+    if isinstance(tool_choice, dict):
+        chat.tool_function = str(tool_choice.get("function", tool_choice).get("name", ""))
+    elif tool_choice in ("none", "auto", "required"):
+        chat.tool_mode = tool_choice
+    elif tool_choice is not None:
+        chat.tool_function = str(tool_choice)
+    if parallel_tool_calls is not None:
+        chat.parallel_tool_calls = parallel_tool_calls
+
+
 def _token_ids(ids: Iterable[int], what: str) -> list[int]:
     out = []
     for t in ids:
@@ -217,22 +247,39 @@ def build_generate_request(
     frequency_penalty: float | None = None,
     logprobs: int | None = None,
     speculative: bool | None = None,
+    json_schema: Mapping[str, Any] | str | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    grammar: str | None = None,
+    grammar_syntax: str = "",
+    choice: Sequence[str] | None = None,
     slo_class: str = "",
     ttft_ms: float | None = None,
     tpot_ms: float | None = None,
     priority: int = 0,
     request_id: str = "",
     model: str = "",
+    tools: Sequence[dict] = (),
+    tool_choice: str | dict | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> tandem_pb2.GenerateRequest:
     """The ``GenerateRequest`` that ``TandemClient.generate`` sends for these arguments. Optional
     sampling fields left ``None`` stay unset (the server applies its defaults); the objectives
-    message is set only when ``ttft_ms`` or ``tpot_ms`` is given."""
+    message is set only when ``ttft_ms`` or ``tpot_ms`` is given. Structured output: at most one
+    of ``json_schema`` (a dict, or JSON text), ``json_object``, ``regex``, ``grammar`` (GBNF, or
+    Lark with ``grammar_syntax="lark"``) and ``choice`` (ValueError otherwise).
+
+    A chat may carry tool turns as the OpenAI API writes them (an assistant's ``tool_calls``,
+    a ``tool`` message's ``tool_call_id``) and offer ``tools`` (``{"name", "description",
+    "parameters"}``, or OpenAI's ``{"type": "function", "function": {...}}``); ``tool_choice`` is
+    ``"none"``, ``"auto"``, ``"required"`` or a function's name (or OpenAI's ``{"type":
+    "function", "function": {"name"}}``)."""
     request = tandem_pb2.GenerateRequest(request_id=request_id, model=model, slo_class=slo_class, priority=priority)
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        request.chat.messages.extend(tandem_pb2.ChatMessage(role=str(m.get("role", "")),
-                                                            content=str(m.get("content", ""))) for m in prompt)
+        request.chat.messages.extend(_chat_message(m) for m in prompt)
+        _chat_tools(request.chat, tools, tool_choice, parallel_tool_calls)
     elif isinstance(prompt, (bytes, bytearray)):
         raise TypeError("prompt must be text (str) or a list of token ids, not bytes")
     else:
@@ -249,8 +296,31 @@ def build_generate_request(
     sampling.stop.extend([stop] if isinstance(stop, str) else list(stop))
     sampling.stop_token_ids.extend(_token_ids(stop_token_ids, "stop_token_ids"))
     sampling.ignore_eos = bool(ignore_eos)
+    _set_structured(sampling, json_schema, json_object, regex, grammar, grammar_syntax, choice)
     if ttft_ms is not None:
         request.objectives.ttft_ms = ttft_ms
     if tpot_ms is not None:
         request.objectives.tpot_ms = tpot_ms
     return request
+
+
+def _set_structured(sampling: tandem_pb2.SamplingParams, json_schema, json_object: bool, regex, grammar,
+                    grammar_syntax: str, choice) -> None:
+    given = [name for name, value in (("json_schema", json_schema), ("json_object", json_object or None),
+                                      ("regex", regex), ("grammar", grammar), ("choice", choice)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema, json_object, regex, grammar and choice, got {given}")
+    if grammar_syntax and grammar is None:
+        raise ValueError("grammar_syntax goes with grammar")
+    if json_schema is not None:
+        sampling.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        sampling.json_object = True
+    elif regex is not None:
+        sampling.regex = regex
+    elif grammar is not None:
+        sampling.grammar.text, sampling.grammar.syntax = grammar, grammar_syntax
+    elif choice is not None:
+        if isinstance(choice, str):
+            raise TypeError("choice must be a list of strings, not one string")
+        sampling.choice.options.extend(choice)

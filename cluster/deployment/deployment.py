@@ -132,7 +132,7 @@ class Deployment:
             self.cluster_name, str(model_dir), self.spec.model.name or model_dir.name, config.architecture,
             config.vocab_size, smallest["max_model_len"], smallest["block_size"], smallest["num_blocks"],
             names["prefill"], names["decode"], names["colocated"], self.registry_url, topology, self.router_config,
-            kv.transfer_timeout_s, kv.stream_layers, secrets.token_hex(16))
+            kv.transfer_timeout_s, kv.stream_layers, secrets.token_hex(16), self.spec.model.tool_call_format)
 
     def _say_ready(self, seconds: float) -> None:
         pools = ", ".join(f"{p.replicas} {p.role} worker(s) TP {p.tp}" for p in self.pools.values())

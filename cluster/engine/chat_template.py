@@ -6,6 +6,11 @@ they render in Jinja's immutable sandbox, with what templates written for transf
 ``messages``, ``add_generation_prompt``, ``tools`` (None when absent), the special tokens
 (``bos_token``, ``eos_token``, ...), loop controls, a ``tojson`` filter that keeps non-ASCII text,
 ``raise_exception(message)`` and ``strftime_now(format)``.
+
+Tool turns: an assistant message's ``tool_calls`` reach the template with their arguments as
+objects (transformers' convention, which tool-use templates expect), ``tool`` messages with
+their ``tool_call_id``. A template that never mentions ``tools`` gets them through Tandem's
+tool prompt (``tool_calls/polyfill.py``) instead of losing them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Mapping, Sequence
+
+from cluster.engine.tool_calls.formats import FORMATS
+from cluster.engine.tool_calls.polyfill import has_tool_turns, polyfill_messages
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -80,15 +88,65 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             what = "is missing" if "role" not in message else f"must be one of {', '.join(ROLES)}; got {_shown(role)}"
             raise ChatTemplateError(f"{where}.role {what}")
         out = dict(message)
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ChatTemplateError(f"{where}.tool_calls: only an assistant's message has tool calls")
+            out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+            raise ChatTemplateError(f"{where}.tool_call_id must be a string, got {_shown(message['tool_call_id'])}")
         content = message.get("content")
         if content is None:
-            if not (role == "assistant" and message.get("tool_calls")):
+            if not (role == "assistant" and out.get("tool_calls")):
                 raise ChatTemplateError(f"{where}.content is missing")
             out["content"] = ""
         else:
             out["content"] = _content_text(content, f"{where}.content")
         checked.append(out)
     return checked
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's calls in OpenAI's shape, ``{"id", "type": "function", "function": {"name",
+    "arguments"}}``; the arguments stay JSON text here."""
+    if not isinstance(calls, Sequence) or isinstance(calls, (str, bytes)):
+        raise ChatTemplateError(f"{where} must be a list of calls, got {_shown(calls)}")
+    checked = []
+    for index, call in enumerate(calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise ChatTemplateError(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": "
+                                    f"{{\"name\", \"arguments\"}}}}, got {_shown(call)}")
+        if call.get("type", "function") != "function":
+            raise ChatTemplateError(f"{at}.type must be function, got {_shown(call.get('type'))}")
+        if not isinstance(call.get("id", ""), str):
+            raise ChatTemplateError(f"{at}.id must be a string, got {_shown(call.get('id'))}")
+        name, arguments = function.get("name"), function.get("arguments", "{}")
+        if not isinstance(name, str) or not name:
+            raise ChatTemplateError(f"{at}.function.name must be a non-empty string, got {_shown(name)}")
+        if isinstance(arguments, Mapping):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        if not isinstance(arguments, str):
+            raise ChatTemplateError(f"{at}.function.arguments must be JSON text, got {_shown(arguments)}")
+        checked.append({**call, "type": "function", "function": {**function, "name": name, "arguments": arguments}})
+    return checked
+
+
+def _arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls as tool-use templates expect them: arguments that are a JSON object, as an object."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                try:
+                    arguments = json.loads(call["function"]["arguments"])
+                except ValueError:
+                    arguments = call["function"]["arguments"]
+                calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
 
 
 @dataclass(frozen=True)
@@ -100,22 +158,32 @@ class ChatTemplate:
     origin: str = "chat template"  # where it came from, for error messages
 
     def __post_init__(self):
-        from jinja2 import TemplateError
+        from jinja2 import TemplateError, meta
 
+        environment = _environment()
         try:
-            compiled = _environment().from_string(self.source)
+            compiled = environment.from_string(self.source)
+            names = meta.find_undeclared_variables(environment.parse(self.source))
         except TemplateError as exc:
             raise ChatTemplateError(f"{self.origin}: the chat template does not compile: {exc}") from None
         object.__setattr__(self, "_compiled", compiled)
+        object.__setattr__(self, "knows_tools", "tools" in names or "custom_tools" in names)
 
-    def render(self, messages: Any, add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    def render(self, messages: Any, add_generation_prompt: bool = True, tools: list | None = None,
+               tool_format: str = "hermes") -> str:
         """The prompt text for ``messages``; raises ChatTemplateError for bad messages, or when
-        the template itself refuses them (its ``raise_exception``) or fails."""
+        the template itself refuses them (its ``raise_exception``) or fails. A template that
+        does not know tools gets them, and tool turns, through Tandem's tool prompt in
+        ``tool_format`` (``tool_calls/formats.py``)."""
         from jinja2 import TemplateError
 
         checked = validate_messages(messages)
         if tools is not None and not isinstance(tools, list):
             raise ChatTemplateError(f"tools must be a list, got {_shown(tools)}")
+        if not self.knows_tools and (tools or has_tool_turns(checked)):
+            checked, tools = polyfill_messages(checked, tools, FORMATS[tool_format]), None
+        else:
+            checked = _arguments_as_objects(checked)
         try:
             return self._compiled.render(
                 messages=checked, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
@@ -132,7 +200,8 @@ class ChatPrompt:
 
     messages: Sequence[Mapping[str, Any]]
     add_generation_prompt: bool = True
-    tools: list | None = None
+    tools: list | None = None  # OpenAI's shape, as templates take them
+    tool_format: str = "hermes"  # how Tandem's tool prompt asks for calls, for templates that know no tools
 
 
 def template_source(value: Any) -> str | None:

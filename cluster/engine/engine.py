@@ -38,6 +38,10 @@ from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, StepCo
                                                 worth_a_row)
 from cluster.engine.speculative.proposer import NgramProposer, Proposer
 from cluster.engine.speculative.verify import accepted_prefix
+from cluster.engine.structured.backend import GrammarBackend
+from cluster.engine.structured.masks import StepMasks
+from cluster.engine.structured.matcher import Matcher
+from cluster.engine.structured.spec import StructuredOutput
 from cluster.engine.request_limits import check_request_id, check_stop_token_ids
 from cluster.engine.prompt import Prompt, prompt_token_ids
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
@@ -186,6 +190,8 @@ class LLMEngine:
         self._cost: StepCost | None = None  # the step cost the speculative policy uses (_step_cost)
         self._cost_fitted_at: int | None = None
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.grammars: GrammarBackend | None = None  # made by the first constrained request (_matcher)
+        self._masks: StepMasks | None = None
         self.stats = EngineStats()
         self.transfer_errors: dict[str, str | None] = {}  # request id -> None (sent) or the error
 
@@ -246,7 +252,9 @@ class LLMEngine:
         return DraftProposer(runner, max_rows_fitted=cfg.max_num_seqs)
 
     def shutdown(self) -> None:
-        """Stops the engine's other processes (tensor-parallel ranks), if it has any."""
+        """Stops the engine's other processes (tensor-parallel ranks) and threads, if it has any."""
+        if self._masks is not None:
+            self._masks.close()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
@@ -300,10 +308,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         transfer: TransferTarget | None = None,
+        resumed_tokens: int = 0,
     ) -> Request:
         """Queues a request; raises InvalidRequestError (naming what to fix) if it can never run.
-        With ``transfer``, the prompt's KV streams to a decode worker as it is computed."""
-        request = self._make_request(request_id, prompt, params, priority, arrival_time, cache_salt)
+        With ``transfer``, the prompt's KV streams to a decode worker as it is computed.
+        ``resumed_tokens``: the prompt's last tokens are output a failed placement already
+        streamed (a constrained request's grammar starts past them)."""
+        request = self._make_request(request_id, prompt, params, priority, arrival_time, cache_salt, resumed_tokens)
         request.transfer = transfer
         self.scheduler.add(request)
         self._track(request)
@@ -313,7 +324,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, request.params.stop)
 
-    def _make_request(self, request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None) -> Request:
+    def _make_request(self, request_id, prompt, params, priority=0, arrival_time=None, cache_salt=None,
+                      resumed_tokens=0) -> Request:
         params = params or SamplingParams()
         check_request_id(request_id)
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
@@ -330,15 +342,37 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             generator=make_generator(params.seed) if params.seed is not None else None,
         )
+        if params.structured is not None:
+            if not 0 <= resumed_tokens < len(token_ids):
+                raise InvalidRequestError(f"resumed_tokens must be in [0, {len(token_ids)}), got {resumed_tokens}")
+            request.grammar = self._matcher(params.structured, token_ids[len(token_ids) - resumed_tokens:])
         return request
+
+    def _matcher(self, spec: StructuredOutput, replayed: Sequence[int]) -> Matcher:
+        """A matcher of ``spec``'s grammar past the ``replayed`` tokens; InvalidRequestError naming
+        the spec's field when it does not compile. The backend (its tokenizer: 0.2 s for the
+        default model's) and the mask thread are made for the first constrained request."""
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"{spec.source}: structured output needs the model's tokenizer, and this "
+                                          "model has no tokenizer.json")
+            self.grammars = GrammarBackend(self.tokenizer.to_json(), self.model_config.vocab_size, self.eos_token_ids)
+            self._masks = StepMasks(self.model_config.vocab_size)
+        matcher = self.grammars.matcher(spec)
+        if not matcher.replay(replayed):
+            raise InvalidRequestError(f"{spec.source}: the output so far does not match the {spec.kind}: "
+                                      f"{matcher.error.splitlines()[0] if matcher.error else ''}")
+        return matcher
 
     # -- decode side of disaggregation ----------------------------------------------------
 
     def reserve_transfer(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                         priority: int = 0, cache_salt: str | None = None) -> tuple[int, list[int]] | None:
+                         priority: int = 0, cache_salt: str | None = None,
+                         resumed_tokens: int = 0) -> tuple[int, list[int]] | None:
         """Holds blocks for a prompt whose KV a prefill worker will send. Returns (blocks
-        already cached here, block ids the KV must go to), or None when blocks are short."""
-        request = self._make_request(request_id, prompt, params, priority, None, cache_salt)
+        already cached here, block ids the KV must go to), or None when blocks are short.
+        ``resumed_tokens`` as in :meth:`add_request`."""
+        request = self._make_request(request_id, prompt, params, priority, None, cache_salt, resumed_tokens)
         first_block = self.scheduler.reserve_for_transfer(request)
         if first_block is None:
             return None
@@ -356,8 +390,12 @@ class LLMEngine:
     def admit_transfer(self, request_id: str, first_token: int, logprob: float | None = None,
                        top_logprobs: list[tuple[int, float]] | None = None) -> RequestOutput:
         """The KV has arrived and the prefill worker sampled ``first_token`` (with its logprobs,
-        when asked for): the request joins the batch (or finishes, if that token ends it)."""
+        when asked for; under the request's grammar, which replays it here): the request joins
+        the batch (or finishes, if that token ends it)."""
         request = self.scheduler.admit_transferred(request_id, first_token)
+        if request.grammar is not None and self._grammar_ends(request, first_token):
+            self.scheduler.finish(request, FinishReason.STOP)
+        self._fail_refused([request])
         if logprob is not None and request.params.logprobs is not None:
             request.logprobs.append(logprob)
             request.top_logprobs.append([tuple(pair) for pair in top_logprobs or []])
@@ -397,8 +435,10 @@ class LLMEngine:
         draws = {id(r): r.generator.get_state() for r, _ in out.verifies if r.generator is not None and not r.params.greedy}
         with self._torch_threads():
             inputs = self.runner.prepare(out)
-            logits = self.runner.execute(inputs)
-            sampled = self.runner.sample(logits, inputs.sampling_requests) if inputs.sampling_requests else None
+            masks = self._masks.start(inputs.sampling_requests) if self._masks is not None else None
+            logits = self.runner.execute(inputs)  # the constrained rows' masks are built meanwhile
+            masks = masks.result() if masks is not None else None
+            sampled = self.runner.sample(logits, inputs.sampling_requests, masks) if inputs.sampling_requests else None
         self.transfer_errors.update(inputs.transfer_errors)
         # The blocks each request held in this step (a finished one's go back in update(), which
         # rebinds its block_ids): where a draft model writes its KV of the step's tokens.
@@ -424,13 +464,15 @@ class LLMEngine:
                 if sampled.logprobs is not None and request.params.logprobs is not None:
                     request.logprobs.append(sampled.logprobs[row + index])
                     request.top_logprobs.append(sampled.top_logprobs[row + index] if sampled.top_logprobs else [])
-                if detokenizer is not None and detokenizer.append(token):
+                ends_text = detokenizer is not None and detokenizer.append(token)
+                if (request.grammar is not None and self._grammar_ends(request, token)) or ends_text:
                     stopped.add(request.request_id)
                     emitted = emitted[: index + 1]
                     break
             tokens[request.request_id] = emitted
             row += rows
         self.scheduler.update(out, tokens, frozenset(stopped))
+        self._fail_refused(sampling)
         draft_started = time.perf_counter()
         if self.proposer is not None:
             self._propose(out, held)
@@ -460,6 +502,19 @@ class LLMEngine:
             )
         )
         return outputs
+
+    @staticmethod
+    def _grammar_ends(request: Request, token: int) -> bool:
+        """Advances the request's grammar past ``token``: True when that ended the grammar. A
+        token the grammar refuses (which masking prevents) leaves it in error: see _fail_refused."""
+        return request.grammar.accept(token) and request.grammar.ended
+
+    def _fail_refused(self, requests: Sequence[Request]) -> None:
+        """Ends with an error the requests whose grammar refused a token they were given."""
+        for request in requests:
+            if request.grammar is not None and request.grammar.error:
+                error = request.grammar.error.splitlines()[0]
+                self.scheduler.finish(request, FinishReason.ERROR, f"the grammar refused a token: {error}")
 
     # -- speculative decoding ---------------------------------------------------------------
 
@@ -523,6 +578,8 @@ class LLMEngine:
                       for r, n in zip(candidates, counts)]
         guesses = proposer.propose(out, held, candidates, counts)
         for request, proposal in zip(candidates, guesses):
+            if proposal and request.grammar is not None:  # guesses the grammar refuses could never be kept
+                proposal = proposal[: request.grammar.valid_prefix(proposal)]
             request.spec_token_ids = proposal
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:

@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -42,6 +42,8 @@ from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from cluster.engine.scheduler import SchedulerOutput
 
+if TYPE_CHECKING:
+    from cluster.engine.structured.masks import TokenMasks
 
 
 @dataclass(frozen=True)
@@ -432,9 +434,10 @@ class ModelRunner:
         return hidden
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, requests: list[Request], masks: TokenMasks | None = None) -> SamplerOutput:
         """One token per row; a request with several rows in a row (a verify) has its guesses
-        before each row counted in that row's output, for penalties."""
+        before each row counted in that row's output, for penalties. ``masks``: the grammar
+        masks of the constrained rows."""
         penalised = [r.params.has_penalties for r in requests]
         outputs = []
         guess = 0  # the row's place among its request's rows: the guesses before it
@@ -448,5 +451,7 @@ class ModelRunner:
             [r.generator for r in requests],
             self.config.vocab_size,
             device=self.device,
+            token_bitmask=masks.bitmask if masks is not None else None,
+            masked_rows=masks.rows if masks is not None and len(masks.rows) < masks.num_rows else None,
         )
         return self.sampler(logits, batch)

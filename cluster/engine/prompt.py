@@ -25,7 +25,8 @@ def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer | None, vocab_size: in
         token_ids = tokenizer.encode(prompt)
     elif isinstance(prompt, ChatPrompt):
         try:
-            token_ids = tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools)
+            token_ids = tokenizer.apply_chat_template(prompt.messages, prompt.add_generation_prompt, prompt.tools,
+                                                      prompt.tool_format)
         except ChatTemplateError as exc:
             raise InvalidRequestError(str(exc)) from None
     else:

@@ -85,6 +85,8 @@ class Request:
     proposer_state: Any = field(default=None, init=False)
     num_proposed_tokens: int = field(default=0, init=False)
     num_accepted_tokens: int = field(default=0, init=False)
+    # Constrained decoding (cluster/engine/structured): the request's place in its grammar.
+    grammar: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

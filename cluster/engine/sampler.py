@@ -1,9 +1,10 @@
 """Picks each row's next token from a batch of logits, vectorised over the batch.
 
 Order (DESIGN.md, "Sampling order"): repetition penalty, then frequency and presence penalties,
-then greedy rows take the argmax; random rows are divided by their temperature, truncated by
+then a constrained row's grammar mask (tokens its grammar refuses go to -inf), then greedy rows
+take the argmax; random rows are divided by their temperature, truncated by
 top-k, top-p and min-p, and drawn. Returned log-probabilities are those of the raw logits,
-before any of this (vLLM v1's default).
+before any of this, the grammar's mask included (vLLM v1's default).
 
 The draw uses the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per token picks
 token ``i`` with probability ``probs[i]``, and needs no cumulative sum or search. A request with
@@ -23,6 +24,7 @@ from typing import Sequence
 import torch
 
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.structured.bitmask import apply_token_masks
 
 
 def skip_one_draw(generator: torch.Generator, vocab_size: int) -> None:
@@ -69,6 +71,8 @@ class SamplingBatch:
     all_random: bool
     max_num_logprobs: int | None  # max of params.logprobs over rows; None when no row asks
     num_logprobs: list[int | None] | None = None  # per row params.logprobs; None = max_num_logprobs for all
+    token_bitmask: torch.Tensor | None = None  # [C, words] int32: the allowed tokens of constrained rows ...
+    masked_rows: torch.Tensor | None = None  # ... [C] int64, the rows they are; None: every row
 
     @classmethod
     def build(
@@ -79,9 +83,12 @@ class SamplingBatch:
         generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        token_bitmask: torch.Tensor | None = None,
+        masked_rows: torch.Tensor | None = None,
     ) -> "SamplingBatch":
         """Penalty tensors are only built when some row has penalties, each with one scatter over a
-        padded token tensor (no Python loop per token)."""
+        padded token tensor (no Python loop per token). ``token_bitmask`` (on the host) holds the
+        grammar masks of the ``masked_rows`` (None: every row; ``structured/bitmask.py``)."""
         if not (len(params) == len(prompt_token_ids) == len(output_token_ids) == len(generators)):
             raise ValueError(
                 f"params, prompt_token_ids, output_token_ids and generators must have one entry per row, got "
@@ -122,6 +129,8 @@ class SamplingBatch:
             all_random=not any(p.greedy for p in params),
             max_num_logprobs=max(asked) if asked else None,
             num_logprobs=[p.logprobs for p in params] if asked else None,
+            token_bitmask=_host_to_device(token_bitmask, device) if token_bitmask is not None else None,
+            masked_rows=_host_to_device(masked_rows, device) if masked_rows is not None else None,
         )
 
 
@@ -219,6 +228,8 @@ class Sampler:
             raw_logprobs = logits.float().log_softmax(dim=-1)
 
         logits = apply_penalties(logits, batch)
+        if batch.token_bitmask is not None:
+            logits = apply_token_masks(logits, batch.token_bitmask, batch.masked_rows)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:

@@ -100,17 +100,21 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as Hugging Face ``tokenizer.json`` text (what the grammar backend reads)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True,
-                            tools: list | None = None) -> list[int]:
+                            tools: list | None = None, tool_format: str = "hermes") -> list[int]:
         """The token ids of the templated chat: the text is tokenized as the template wrote it
         (special tokens in it are matched whole, none added), and BOS is put first only where
         the tokenizer adds one and the template did not write it. Raises ChatTemplateError."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a prompt instead of messages")
-        text = self.chat_template.render(messages, add_generation_prompt, tools)
+        text = self.chat_template.render(messages, add_generation_prompt, tools, tool_format)
         ids = self.encode(text, add_special_tokens=False)
         if self.adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)

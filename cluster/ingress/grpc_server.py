@@ -9,6 +9,10 @@ status codes (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE; DEAD
 and CANCELLED come from gRPC itself). When the call ends early (the client cancels, disconnects
 or passes its deadline) the path is closed, which aborts the request on every worker.
 
+A chat with tools (``Chat.tools``, ``tool_mode``/``tool_function``, ``parallel_tool_calls``)
+is constrained and read back as in the OpenAI API (``cluster/engine/tool_calls/``): each
+response's ``text`` is the content, its ``tool_calls`` the calls that completed in it.
+
 ``GetStatus`` answers what ``tandem status`` and ``tandem top`` show (``cluster/cli/status.py``).
 Also served: the standard health service (``grpc.health.v1``, exempt from the token so probes
 work; SERVING only while a router and a generating worker answer: ``cluster/ingress/health.py``), server
@@ -19,6 +23,7 @@ token (``authorization: Bearer <token>``) checked on every other call when one i
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -30,6 +35,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.engine.chat_template import ChatPrompt
+from cluster.engine.request_limits import InvalidRequestError
+from cluster.engine.structured.spec import StructuredOutput
+from cluster.engine.tool_calls.formats import ToolCalling, ToolCallFormat
+from cluster.engine.tool_calls.parser import CallClosed, ContentDelta, ToolCallParser
+from cluster.engine.tool_calls.tools import function_tool, tool_use
+from cluster.ingress.openai_tools import prompt_tool_format, tool_setup
 from cluster.protocol.messages import ApiRequest, Output, RequestFailed
 from cluster.runtime.ports import host_port
 from cluster.topology import ClusterSpec
@@ -45,21 +56,32 @@ CODES = {
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "logprobs", "speculative")
 START_TIMEOUT_S = 30.0
+NO_TOOLS = ToolCalling(None, refusal="this server takes no tools")
 
 
 class RequestError(ValueError):
     pass
 
 
-def request_payload(request: tandem_pb2.GenerateRequest) -> ApiRequest:
-    """The request as the request path takes it; RequestError names the field that is wrong."""
+def request_payload(request: tandem_pb2.GenerateRequest,
+                    tool_calling: ToolCalling = NO_TOOLS) -> tuple[ApiRequest, ToolCallFormat | None]:
+    """The request as the request path takes it, and the format its tool calls are read in
+    (None when it may make none); RequestError names the field that is wrong."""
     kind = request.WhichOneof("prompt")
+    tool_format = constraint = None
     if kind is None:
         raise RequestError("prompt: give text, token_ids or chat")
     if kind == "chat":
-        if not request.chat.messages:
+        chat = request.chat
+        if not chat.messages:
             raise RequestError("chat.messages: the chat is empty")
-        prompt = ChatPrompt([{"role": m.role, "content": m.content} for m in request.chat.messages])
+        try:
+            use = _tool_use(chat)
+            tool_format, constraint = tool_setup(use, tool_calling)
+        except InvalidRequestError as exc:
+            raise RequestError(f"chat.{exc}") from None
+        prompt = ChatPrompt([_message(m) for m in chat.messages], True, use.template_tools() if use else None,
+                            prompt_tool_format(tool_calling))
     else:
         prompt = request.text if kind == "text" else list(request.token_ids.ids)
         if not prompt:
@@ -75,22 +97,96 @@ def request_payload(request: tandem_pb2.GenerateRequest) -> ApiRequest:
         sampling["stop_token_ids"] = list(request.sampling.stop_token_ids)
     if request.sampling.ignore_eos:
         sampling["ignore_eos"] = True
+    if request.sampling.WhichOneof("structured") is not None:
+        if constraint is not None:
+            raise RequestError(f"sampling.{request.sampling.WhichOneof('structured')}: cannot be combined with tool "
+                               "calls; set chat.tool_mode none, or send no tools")
+        sampling["structured"] = structured_output(request.sampling)
+    if constraint is not None:
+        sampling["structured"] = constraint
     objectives = {name.replace("_ms", "_s"): getattr(request.objectives, name) / 1000.0
                   for name in ("ttft_ms", "tpot_ms") if request.objectives.HasField(name)}  # checked by the request path
     return ApiRequest(prompt, request_id=request.request_id, model=request.model, sampling=sampling,
-                      slo_class=request.slo_class, priority=request.priority, **objectives)
+                      slo_class=request.slo_class, priority=request.priority, **objectives), tool_format
 
 
-def response_message(message: Output) -> tandem_pb2.GenerateResponse:
+def _message(message: tandem_pb2.ChatMessage) -> dict:
+    out = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in message.tool_calls]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _tool_use(chat: tandem_pb2.Chat):
+    """The chat's tools, checked (errors name ``tools[i]``); None when it gives none."""
+    choice = chat.WhichOneof("tool_choice")
+    if not chat.tools and choice is None and not chat.HasField("parallel_tool_calls"):
+        return None
+    tools = []
+    for index, tool in enumerate(chat.tools):
+        try:
+            parameters = json.loads(tool.parameters) if tool.parameters else None
+        except ValueError as exc:
+            raise InvalidRequestError(f"tools[{index}].parameters is not JSON: {exc}") from None
+        tools.append(function_tool(tool.name, tool.description, parameters,
+                                   tool.strict if tool.HasField("strict") else None, f"tools[{index}]"))
+    mode = chat.tool_mode if choice == "tool_mode" else ("function", chat.tool_function) if choice else None
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None
+    return tool_use(tools, mode, parallel, "tool_mode" if choice == "tool_mode" else "tool_function")
+
+
+class ToolCallReader:
+    """A chat's responses with tools: each one's text read as content and completed calls."""
+
+    def __init__(self, fmt: ToolCallFormat):
+        self.parser = ToolCallParser(fmt)
+
+    def read(self, message: Output) -> tuple[str, list[tandem_pb2.ToolCall], str | None]:
+        """(content, calls completed, the finish reason) of one message."""
+        events = self.parser.feed(message.text) + (self.parser.finish() if message.end is not None else [])
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        calls = [self.parser.calls[e.index] for e in events if isinstance(e, CallClosed)]
+        reason = message.end.finish_reason if message.end is not None else None
+        if reason == "stop" and self.parser.calls:
+            reason = "tool_calls"
+        return content, [tandem_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls], reason
+
+
+def structured_output(sampling: tandem_pb2.SamplingParams) -> StructuredOutput:
+    """The spec of ``sampling``'s ``structured`` oneof (set); RequestError names the field."""
+    kind = sampling.WhichOneof("structured")
+    source = f"sampling.{kind}"
+    if kind == "json_object" and not sampling.json_object:
+        raise RequestError(f"{source}: set it true, or leave it out for free text")
+    if kind == "choice" and not all(sampling.choice.options):
+        raise RequestError(f"{source}.options: give non-empty strings")
+    try:
+        if kind == "grammar":
+            syntax = sampling.grammar.syntax or "ebnf"
+            if syntax not in ("ebnf", "lark"):
+                raise RequestError(f'{source}.syntax: must be "ebnf" (GBNF) or "lark", got {syntax!r:.60}')
+            return StructuredOutput("grammar", sampling.grammar.text, syntax=syntax, source=source)
+        value = {"json_schema": sampling.json_schema, "json_object": "", "regex": sampling.regex,
+                 "choice": json.dumps(list(sampling.choice.options))}[kind]
+        return StructuredOutput(kind, value, source=source)
+    except InvalidRequestError as exc:
+        raise RequestError(str(exc)) from None
+
+
+def response_message(message: Output, reader: ToolCallReader | None = None) -> tandem_pb2.GenerateResponse:
+    text, calls, reason = reader.read(message) if reader is not None else (message.text, [], None)
     response = tandem_pb2.GenerateResponse(request_id=message.request_id, token_ids=message.token_ids,
-                                           text=message.text, finished=message.finished)
+                                           text=text, finished=message.finished, tool_calls=calls)
     for logprob, top in message.logprobs or []:
         response.logprobs.add(logprob=logprob, top=[tandem_pb2.TopLogprob(token_id=t, logprob=p) for t, p in top])
     if message.placement:
         response.prefill_worker, response.decode_worker = message.placement
     if message.end is not None:
         end = message.end
-        response.finish_reason = end.finish_reason or ""
+        response.finish_reason = reason or end.finish_reason or ""
         usage = end.usage
         response.usage.CopyFrom(tandem_pb2.Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
                                                  completion_tokens=usage.completion_tokens))
@@ -109,9 +205,10 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     async def Generate(self, request, context):
         arrival = time.time()
         try:
-            payload = request_payload(request)
+            payload, tool_format = request_payload(request, self.path.tool_calling)
         except RequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        reader = ToolCallReader(tool_format) if tool_format is not None else None
         payload = replace(payload, arrival=arrival)
         if self.path.tracer is not None:  # the request's trace joins the caller's
             payload = replace(payload, traceparent=dict(context.invocation_metadata() or ()).get("traceparent"))
@@ -122,7 +219,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             async for message in messages:
                 if isinstance(message, RequestFailed):
                     await context.abort(CODES.get(message.kind, grpc.StatusCode.UNAVAILABLE), message.message)
-                await context.write(response_message(message))
+                await context.write(response_message(message, reader))
                 if message.finished:
                     break
         except BaseException:

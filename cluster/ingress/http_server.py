@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API of an ingress replica (aiohttp), beside its gRPC API.
 
 ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed as
-server-sent events (``data: {...}`` chunks, then ``data: [DONE]``) or answered whole. Each
+server-sent events (``data: {...}`` chunks, then ``data: [DONE]``) or answered whole; and
+``POST /v1/responses``, streamed as named events (``event: response.created``, ...). Each
 choice is one request down the request path (``cluster/ingress/request_path.py``), so HTTP requests
 are placed, streamed, timed and recorded exactly like gRPC ones (metrics say ``api="http"``).
-Request and response shapes are in ``cluster/ingress/openai_api.py``.
+Request and response shapes are in ``cluster/ingress/openai_api.py`` and ``responses_api.py``.
 
 The server binds ``server.host``:``server.http_port`` with ``SO_REUSEPORT`` (every ingress
 replica shares the port), serves TLS with the gRPC API's certificate and asks for the same
@@ -29,11 +30,13 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from cluster.ingress import openai_api
+from cluster.ingress import openai_api, responses_api
 from cluster.ingress.http_connection import ApiRunner, protocol_error_message
 from cluster.ingress.json_body import BodyError, parse_json_body
 from cluster.ingress.openai_api import ApiError, Choice, OpenAIRequest
-from cluster.engine.request_limits import clip, quote
+from cluster.ingress.responses_api import NOT_KEPT, ResponseWriter
+from cluster.engine.request_limits import MAX_ECHO_CHARS, clip, quote
+from cluster.engine.tool_calls.parser import ToolCallParser
 from cluster.protocol.messages import ApiRequest, Ending, Output, RequestFailed
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -51,6 +54,8 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{id}", self.stored_response)
         app.router.add_get("/health", self.health)
         return app
 
@@ -91,12 +96,12 @@ class OpenAIServer:
         return await self._serve(request, openai_api.parse_completion)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, openai_api.parse_chat)
+        return await self._serve(request, lambda body, name: openai_api.parse_chat(body, name,
+                                                                                   self.path.tool_calling))
 
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
         arrival = time.time()
-        body = await _json_body(request)
-        req = parse(body, self.path.info.model_name)
+        req = parse(await _json_body(request), self.path.info.model_name)
         requests = [replace(r, arrival=arrival, api="http") for r in req.choice_requests()]
         if req.stream:
             return await self._stream(request, req, requests)
@@ -110,6 +115,11 @@ class OpenAIServer:
         finally:
             for stream in streams:  # a caller gone (cancelled): abort every choice
                 await stream.aclose()
+        if req.tool_format is not None:
+            for choice in choices:
+                parsed = ToolCallParser(req.tool_format).parse(choice.text)
+                choice.text, choice.tool_calls = parsed.content, parsed.calls
+                choice.finish_reason = _with_calls(choice.finish_reason, parsed.calls)
         return web.json_response(openai_api.response(req, choices, self._decode))
 
     @staticmethod
@@ -142,6 +152,7 @@ class OpenAIServer:
         for index, message in enumerate(first):
             queue.put_nowait((index, message))
         choices = [Choice(i) for i in range(req.n)]
+        parsers = [ToolCallParser(req.tool_format) for _ in choices] if req.tool_format is not None else None
         try:
             for choice in choices:
                 if req.kind == "chat":
@@ -152,7 +163,7 @@ class OpenAIServer:
                 if message is None:
                     open_streams -= 1
                     continue
-                await self._stream_message(response, req, choices[index], message)
+                await self._stream_message(response, req, choices[index], message, parsers and parsers[index])
             if req.include_usage:
                 completion = sum(c.usage[2] if c.usage else len(c.token_ids) for c in choices)
                 prompt, cached = (choices[0].usage[0], choices[0].usage[1]) if choices[0].usage else (0, 0)
@@ -178,8 +189,8 @@ class OpenAIServer:
                 raise openai_api.error_for(message)
         return [m for m in firsts if m is not None]
 
-    async def _stream_message(self, response, req: OpenAIRequest, choice: Choice,
-                              message: Output | RequestFailed) -> None:
+    async def _stream_message(self, response, req: OpenAIRequest, choice: Choice, message: Output | RequestFailed,
+                              parser: ToolCallParser | None = None) -> None:
         if isinstance(message, RequestFailed):  # failed after its first token: say so in the stream, then end it
             error = openai_api.error_for(message)
             await _send(response, error.body())
@@ -191,12 +202,57 @@ class OpenAIServer:
                                                  len(choice.text))
         choice.text += message.text
         choice.token_ids += message.token_ids
-        if message.token_ids or message.text:
+        if parser is not None:  # the text read as content and tool calls
+            events = parser.feed(message.text) + (parser.finish() if message.end is not None else [])
+            for payload in openai_api.event_chunks(req, choice.index, events, logprobs):
+                await _send(response, payload)
+        elif message.token_ids or message.text:
             await _send(response, openai_api.chunk(req, choice.index, message.text, None, logprobs))
         if message.end is not None:
             choice.finish_reason, choice.usage = _ending(message.end)
+            if parser is not None:
+                choice.finish_reason = _with_calls(choice.finish_reason, parser.calls)
             await _send(response, openai_api.chunk(req, choice.index, "" if req.kind == "completion" else None,
                                                    choice.finish_reason))
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.time()
+        req = responses_api.parse_responses(await _json_body(request), self.path.info.model_name,
+                                            self.path.tool_calling)
+        stream = self.path.generate(replace(req.request, arrival=arrival, api="http"))
+        if req.stream:
+            return await self._stream_response(request, req, stream)
+        writer = ResponseWriter(req)
+        try:
+            async for message in stream:
+                if isinstance(message, RequestFailed):
+                    raise openai_api.error_for(message)
+                _response_events(writer, message)
+        finally:
+            await stream.aclose()
+        return web.json_response(writer.final)
+
+    async def _stream_response(self, request: web.Request, req: responses_api.ResponsesRequest,
+                               stream) -> web.StreamResponse:
+        first = await self._first_messages([stream])  # errors before any token are answered as statuses
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        writer = ResponseWriter(req)
+        try:
+            events = writer.start()
+            for message in first:
+                events += _response_events(writer, message)
+            for event in events:
+                await _send_event(response, event)
+            async for message in stream:
+                for event in _response_events(writer, message):
+                    await _send_event(response, event)
+        finally:
+            await stream.aclose()
+        return response
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        raise ApiError(404, f"response {request.match_info['id'][:MAX_ECHO_CHARS]!r} not found: {NOT_KEPT}")
 
     def _decode(self, token_id: int) -> str:
         tokenizer = self.path.tokenizer
@@ -229,10 +285,32 @@ def _is_json(media_type: str) -> bool:
                                                  media_type.endswith("+json"))
 
 
+def _response_events(writer: ResponseWriter, message: Output | RequestFailed) -> list[dict]:
+    """The Responses API events of one message (an ``error`` event for a failure after the first token)."""
+    if isinstance(message, RequestFailed):
+        error = openai_api.error_for(message)
+        return writer.error(error.message, error.code, error.param)
+    events = writer.text(message.text)
+    if message.end is not None:
+        events += writer.finish(*_ending(message.end))
+    return events
+
+
+def _with_calls(finish_reason: str | None, calls: list) -> str | None:
+    """OpenAI's finish reason: ``tool_calls`` when the model stopped after calling tools."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
 def _ending(end: Ending) -> tuple[str, list[int]]:
     """A choice's finish reason and usage ([prompt, cached, completion]) from its last message."""
     usage = end.usage
     return end.finish_reason, [usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens]
+
+
+async def _send_event(response: web.StreamResponse, event: dict) -> None:
+    """One Responses API event, named as OpenAI names them."""
+    await response.write(f"event: {event['type']}\ndata: ".encode() + json.dumps(event, separators=(",", ":")).encode()
+                         + b"\n\n")
 
 
 async def _send(response: web.StreamResponse, payload: dict) -> None:

@@ -6,7 +6,13 @@ Pure functions over dicts (no server here: ``cluster/ingress/http_server.py`` se
 field's handling is tested alone. Tandem's own sampling and scheduling fields (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``speculative`` (false: this request is not
 decoded speculatively), ``priority``, ``slo_class``, ``ttft_ms``, ``tpot_ms``) are accepted as
-extra body fields, as vLLM accepts its own.
+extra body fields, as vLLM accepts its own; so are its structured-output fields beside
+OpenAI's ``response_format`` (``regex``, ``grammar``, ``grammar_syntax``, ``choice``:
+``cluster/engine/structured/fields.py``).
+
+Chat tools (``tools``, ``tool_choice``, ``parallel_tool_calls``: ``openai_tools.py``) go to the
+chat template and constrain the output; each choice's text is read back as content and
+``tool_calls`` (``cluster/engine/tool_calls/parser.py``), whole or as streamed deltas.
 
 An error a caller can fix is an :class:`ApiError` with OpenAI's body ``{"error": {"message",
 "type", "param", "code"}}`` and its status: 400 naming the field, 401, 404 for another model,
@@ -18,11 +24,17 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from cluster.engine.chat_template import ChatPrompt
 from cluster.engine.request_limits import InvalidRequestError, check_user, quote
+from cluster.engine.structured.fields import FIELDS as STRUCTURED_FIELDS
+from cluster.engine.structured.fields import structured_output
+from cluster.engine.tool_calls.formats import ToolCalling, ToolCallFormat
+from cluster.engine.tool_calls.parser import ArgumentsDelta, CallOpened, ContentDelta, ParsedCall
+from cluster.ingress.openai_tools import chat_tool_call, chat_tool_use, prompt_tool_format, tool_setup
 from cluster.protocol.messages import ApiRequest, RequestFailed
 
 MAX_CHOICES = 16
@@ -32,20 +44,18 @@ _NEUTRAL = {
     "echo": lambda v: v is None or v is False,
     "best_of": lambda v: v is None or (type(v) is int and v == 1),
     "suffix": lambda v: v in (None, ""),
-    "response_format": lambda v: v is None or (isinstance(v, Mapping) and v.get("type") in (None, "text")),
-    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "service_tier": lambda v: v in (None, "auto", "default"),
     "store": lambda v: v is None or v is False,
     "modalities": lambda v: v in (None, ["text"]),
     "reasoning_effort": lambda v: v is None,
 }
 _EXTRA = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "speculative", "priority", "slo_class", "ttft_ms",
-          "tpot_ms", "stop_token_ids", "request_id")
+          "tpot_ms", "stop_token_ids", "request_id") + STRUCTURED_FIELDS
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
            "frequency_penalty", "stream", "stream_options", "user", "metadata", "logprobs") + _EXTRA
 COMPLETION_FIELDS = frozenset(_COMMON + ("prompt",)) | set(_NEUTRAL)
-CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "top_logprobs", "tools")) | set(_NEUTRAL)
+CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                   "parallel_tool_calls")) | set(_NEUTRAL)
 # OpenAI's limits on ``metadata`` (kept by OpenAI with ``store``; accepted and not kept here)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
@@ -83,6 +93,7 @@ class OpenAIRequest:
     include_usage: bool = False
     logprobs: int | None = None  # top logprobs wanted (0: only the sampled token's), or None
     seed: int | None = None
+    tool_format: ToolCallFormat | None = None  # set when the output may hold tool calls, in this format
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -119,26 +130,34 @@ def parse_completion(body: Any, model_name: str) -> OpenAIRequest:
     else:
         raise invalid("prompt", "must be a non-empty string or a list of token ids")
     logprobs = _optional_int(body, "logprobs", 0, 20)
-    fields = _common(body, model_name, default_max_tokens=16)
+    fields = common_fields(body, model_name, default_max_tokens=16)
     fields["prompt"] = prompt
     if logprobs is not None:
         fields["sampling"]["logprobs"] = logprobs
     return _finish(body, "completion", model_name, fields, logprobs)
 
 
-def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
+def parse_chat(body: Any, model_name: str, tool_calling: ToolCalling = ToolCalling(None, refusal="no tools here"),
+               ) -> OpenAIRequest:
+    """The chat call; ``tool_calling`` is how the served model takes tools (``RequestPath.tool_calling``)."""
     body = _object(body)
     _known(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("tools", "must be a list of tool definitions")
+    with refused_as_400():
+        use = chat_tool_use(body)
+        tool_format, constraint = tool_setup(use, tool_calling)
     if _optional_int(body, "max_completion_tokens", 1, None) is not None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    fields = _common(body, model_name, default_max_tokens=None)
-    fields["prompt"] = ChatPrompt(messages, True, tools)
+    fields = common_fields(body, model_name, default_max_tokens=None)
+    fields["prompt"] = ChatPrompt(messages, True, use.template_tools() if use else None,
+                                  prompt_tool_format(tool_calling))
+    if constraint is not None:
+        if "structured" in fields["sampling"]:
+            raise invalid("tools", "tool calls cannot be combined with another constraint on the output "
+                                   "(response_format, regex, grammar, choice); send tool_choice: none, or no tools")
+        fields["sampling"]["structured"] = constraint
     fields["max_tokens_to_context"] = True  # without max_tokens: until the context (or the KV cache) ends
     wants = body.get("logprobs")
     if wants is not None and not isinstance(wants, bool):
@@ -149,7 +168,19 @@ def parse_chat(body: Any, model_name: str) -> OpenAIRequest:
     logprobs = (top or 0) if wants else None
     if logprobs is not None:
         fields["sampling"]["logprobs"] = logprobs
-    return _finish(body, "chat", model_name, fields, logprobs)
+    req = _finish(body, "chat", model_name, fields, logprobs)
+    req.tool_format = tool_format
+    return req
+
+
+@contextmanager
+def refused_as_400():
+    """Turns an InvalidRequestError (a checked field, named first in its message) into a 400."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        message = str(exc)
+        raise ApiError(400, message, re.match(r"[A-Za-z_]*", message).group() or None) from None
 
 
 def _finish(body: Mapping, kind: str, model_name: str, fields: dict, logprobs: int | None) -> OpenAIRequest:
@@ -168,8 +199,8 @@ def _finish(body: Mapping, kind: str, model_name: str, fields: dict, logprobs: i
     return OpenAIRequest(kind, model_name, ApiRequest(**fields), n, stream, include_usage, logprobs, seed)
 
 
-def _common(body: Mapping, model_name: str, default_max_tokens: int | None) -> dict:
-    """The ``ApiRequest`` fields both endpoints share (all but the prompt), checked."""
+def common_fields(body: Mapping, model_name: str, default_max_tokens: int | None) -> dict:
+    """The ``ApiRequest`` fields every endpoint shares (all but the prompt), checked."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "the model's name is required (GET /v1/models lists it)")
@@ -209,6 +240,12 @@ def _common(body: Mapping, model_name: str, default_max_tokens: int | None) -> d
             if not isinstance(body[name], bool):
                 raise invalid(name, f"must be true or false, got {quote(body[name])}")
             sampling[name] = body[name]
+    try:
+        structured = structured_output(body)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), str(exc).split(":", 1)[0]) from None
+    if structured is not None:
+        sampling["structured"] = structured
     fields: dict[str, Any] = {"model": model, "sampling": sampling}
     slo_class = body.get("slo_class")
     if slo_class is not None:
@@ -332,6 +369,7 @@ class Choice:
     logprobs: list = field(default_factory=list)  # (logprob, [(token id, logprob)]) per token
     finish_reason: str | None = None
     usage: list[int] | None = None  # [prompt, cached, completion] at the end
+    tool_calls: list[ParsedCall] = field(default_factory=list)  # parsed out of text, which is then the content
 
 
 def logprobs_block(kind: str, entries: list, token_ids: list[int], decode: Callable[[int], str],
@@ -366,8 +404,12 @@ def response(req: OpenAIRequest, choices: list[Choice], decode: Callable[[int], 
     for c in choices:
         lp = logprobs_block(req.kind, c.logprobs, c.token_ids, decode) if req.logprobs is not None else None
         if req.kind == "chat":
-            body_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                 "logprobs": lp, "finish_reason": c.finish_reason})
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                message["content"] = c.text or None
+                message["tool_calls"] = [chat_tool_call(call) for call in c.tool_calls]
+            body_choices.append({"index": c.index, "message": message, "logprobs": lp,
+                                 "finish_reason": c.finish_reason})
         else:
             body_choices.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
     return {"id": _id(req), "object": "chat.completion" if req.kind == "chat" else "text_completion",
@@ -376,20 +418,43 @@ def response(req: OpenAIRequest, choices: list[Choice], decode: Callable[[int], 
 
 
 def chunk(req: OpenAIRequest, index: int, text: str | None, finish_reason: str | None = None,
-          logprobs: dict | None = None, role: bool = False) -> dict:
-    """One streamed chunk of one choice."""
+          logprobs: dict | None = None, role: bool = False, tool_calls: list[dict] | None = None) -> dict:
+    """One streamed chunk of one choice (``tool_calls``: OpenAI's call deltas)."""
     if req.kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         kind = "chat.completion.chunk"
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         kind = "text_completion"
     return {"id": _id(req), "object": kind, "created": req.created, "model": req.model, "choices": [choice]}
+
+
+def event_chunks(req: OpenAIRequest, index: int, events: list, logprobs: dict | None = None) -> list[dict]:
+    """The chunks of a choice's parsed events (``tool_calls/parser.py``): content deltas, then
+    each call's id, type and name, then its arguments in pieces, as OpenAI streams them. The
+    message's logprobs ride on the first chunk (on an empty delta when it made none)."""
+    chunks = []
+    for event in events:
+        if isinstance(event, ContentDelta):
+            chunks.append(chunk(req, index, event.text))
+        elif isinstance(event, CallOpened):
+            chunks.append(chunk(req, index, None, tool_calls=[{"index": event.index, "id": event.id, "type": "function",
+                                                               "function": {"name": event.name, "arguments": ""}}]))
+        elif isinstance(event, ArgumentsDelta):
+            chunks.append(chunk(req, index, None, tool_calls=[{"index": event.index,
+                                                               "function": {"arguments": event.text}}]))
+    if logprobs is not None:
+        if not chunks:
+            chunks.append(chunk(req, index, None))
+        chunks[0]["choices"][0]["logprobs"] = logprobs
+    return chunks
 
 
 def usage_chunk(req: OpenAIRequest, usage_body: dict) -> dict:

@@ -43,7 +43,9 @@ from cluster.engine.prompt import prompt_token_ids
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.structured.grammars import check as check_structured
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
+from cluster.engine.tool_calls.formats import ToolCalling, tool_calling
 from cluster.engine.request_limits import (check_priority, check_request_id, check_slo_class, check_stop_token_ids,
                                            quote)
 from cluster.protocol.stream import StreamClient, WorkerGone
@@ -149,6 +151,9 @@ class RequestPath:
             self.tokenizer: Tokenizer | None = Tokenizer(info.model_dir)
         except TokenizerError:
             self.tokenizer = None
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        self.tool_calling: ToolCalling = tool_calling(info.tool_call_format, template and template.source,
+                                                      bool(template and template.knows_tools))
         self.limits = Scheduler(BlockManager(info.num_blocks, info.block_size), 1, 1, info.max_model_len)
         self.router = RouterService(info.cluster, info.registry_url, info.router_topology, info.router_config,
                                     router_name)
@@ -221,6 +226,8 @@ class RequestPath:
             sampling = SamplingParams.from_mapping(sampling)
         params = sampling
         check_stop_token_ids(params.stop_token_ids, self.info.vocab_size)
+        if params.structured is not None:  # refused here, before routing, rather than by a worker
+            check_structured(params.structured)
         self.limits.check(Request(request_id, token_ids, params))
         try:
             cls = self.info.router_config.slo_class(request.slo_class or None)
@@ -297,7 +304,7 @@ class RequestPath:
                 request_id=attempt_id, prompt_token_ids=checked.prompt_token_ids + sent,
                 params=replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params,
                 priority=engine_priority, transfer_timeout_s=self.info.transfer_timeout_s,
-                stream_layers=self.info.stream_layers)
+                stream_layers=self.info.stream_layers, resumed_tokens=len(sent))
             placed = await self._place(journey, checked, request, avoid)
             if isinstance(placed, RequestFailed):
                 yield placed

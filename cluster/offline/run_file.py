@@ -1,5 +1,9 @@
 """``tandem run``: a JSONL file of requests in, a JSONL file of results out, in input order.
 
+Sampling fields sit beside the prompt, structured output's as in the OpenAI API
+(``response_format``, ``regex``, ``grammar``, ``grammar_syntax``, ``choice``:
+``cluster/engine/structured/fields.py``).
+
 A bad line (malformed JSON, an unknown field, a prompt longer than the context) gets an
 ``error`` in its output line; every other line still runs. Each output line echoes its input
 line's ``id`` as it was given: an integer stays an integer. Ids are compared as text, so ``1``
@@ -17,6 +21,8 @@ from cluster.engine.engine import LLMEngine, RequestOutput
 from cluster.offline.llm import LLM
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.request_limits import MAX_REQUEST_ID_CHARS, quote
+from cluster.engine.structured.fields import FIELDS as STRUCTURED_FIELDS
+from cluster.engine.structured.fields import structured_output
 
 REQUEST_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "messages", "tools", "priority", "slo_class"})
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
@@ -54,8 +60,12 @@ def _parse(line_number: int, raw: str) -> tuple[InputLine, dict[str, Any] | None
 
 
 def _submit(engine: LLMEngine, entry: InputLine, item: dict[str, Any]) -> None:
-    sampling = {k: v for k, v in item.items() if k not in REQUEST_FIELDS}
-    params = SamplingParams.from_mapping(sampling)
+    sampling = {k: v for k, v in item.items() if k not in REQUEST_FIELDS and k not in STRUCTURED_FIELDS}
+    if "structured" in sampling:
+        raise InvalidRequestError("unknown sampling field(s): structured (give response_format, regex, grammar or "
+                                  "choice)")
+    structured = structured_output(item)
+    params = SamplingParams.from_mapping({**sampling, "structured": structured} if structured else sampling)
     given = [name for name in PROMPT_FIELDS if name in item]
     if len(given) != 1:
         raise InvalidRequestError("give exactly one of 'prompt' (text), 'prompt_token_ids' (list of ints) or "
@@ -105,7 +115,8 @@ def _result(entry: InputLine, output: RequestOutput | None) -> dict[str, Any]:
         "token_ids": output.token_ids,
         "text": output.text,
         "finish_reason": output.finish_reason,
-        "usage": vars(output.usage),
+        "usage": {"prompt_tokens": output.usage.prompt_tokens, "cached_tokens": output.usage.cached_tokens,
+                  "completion_tokens": output.usage.completion_tokens},
         "error": output.error,
     }
     if output.logprobs is not None:

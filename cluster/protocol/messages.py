@@ -37,6 +37,7 @@ class ServingInfo:
     transfer_timeout_s: float = 60.0
     stream_layers: bool = True
     stream_token: str = ""  # presented on every connection to a worker's stream (cluster/protocol/stream.py)
+    tool_call_format: str = "auto"  # the topology's model.tool_call_format
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -91,6 +92,7 @@ class WorkerRequest:
     prefill: str | None = None  # the router's Decision.prefill: the worker computing the KV; None: here
     transfer_timeout_s: float = 60.0
     stream_layers: bool = True
+    resumed_tokens: int = 0  # the prompt's last tokens are output an earlier placement streamed (a grammar replays them)
 
 
 @dataclass(frozen=True)

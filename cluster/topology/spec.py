@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar, Mapping
 import yaml
 
 from cluster.engine.speculative.config import MAX_NGRAM, MAX_NUM_TOKENS, SpeculativeConfig
+from cluster.engine.tool_calls.formats import SETTINGS as TOOL_CALL_FORMATS
 from cluster.topology import checks
 from router.config import RouterConfig
 
@@ -85,6 +86,13 @@ class ModelSpec:
         (groups of 32; int4 with a min per group; fp8 as e4m3 codes with a scale max/448). The
         quantized kernels are CPU kernels so far: on a GPU pool a quantized checkpoint is
         widened, and ``int8``/``int4``/``fp8`` are refused.""")
+    tool_call_format: str = key("auto", checks.choice(TOOL_CALL_FORMATS), """
+        How the model writes tool calls, for ``tools`` in the APIs: ``hermes``
+        (``<tool_call>{...}</tool_call>``: Hermes, Qwen), ``llama3_json`` (``{"name": ...,
+        "parameters": ...}``: Llama 3.x), ``mistral`` (``[TOOL_CALLS][...]``), or ``none`` (tools
+        are refused). ``auto``: read from the chat template; a template that never mentions
+        tools (SmolLM2's, the default model's) gets Tandem's tool prompt in the hermes format,
+        and one whose format is not known refuses tools until this key names it.""")
 
     def __post_init__(self) -> None:
         if self.name is None:

@@ -410,3 +410,28 @@ def test_stop_string_on_the_last_allowed_token_reports_stop(reference):
     row = json.loads(out.getvalue())
     assert row["token_ids"] == stop_tokens and row["text"] == cut_text
     assert row["finish_reason"] == "stop"
+
+
+def test_structured_output_lines_and_a_bad_one(reference):
+    """The OpenAI API's structured-output fields on input lines; a schema that does not compile
+    fails only its line, naming the field."""
+    schema = {"type": "object", "properties": {"pet": {"enum": ["fox", "dog"]}}, "required": ["pet"],
+              "additionalProperties": False}
+    lines = [{"id": "json", "prompt": "hi", "max_tokens": 30,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
+             {"id": "regex", "prompt": "hi", "max_tokens": 10, "regex": "[0-9]{2}"},
+             {"id": "choice", "prompt": "hi", "max_tokens": 10, "choice": ["yes", "no"], **GREEDY},
+             {"id": "lark", "prompt": "hi", "max_tokens": 10, "grammar": 'start: "a" "b"?', "grammar_syntax": "lark"},
+             {"id": "bad", "prompt": "hi", "regex": "(("},
+             {"id": "two", "prompt": "hi", "regex": "a", "choice": ["a"]}]
+    out = io.StringIO()
+    run_file(reference["llm"], [json.dumps(line) + "\n" for line in lines], out, progress=False)
+    rows = {row["id"]: row for row in map(json.loads, out.getvalue().splitlines())}
+    assert json.loads(rows["json"]["text"])["pet"] in ("fox", "dog")
+    assert re.fullmatch("[0-9]{2}", rows["regex"]["text"]) and rows["choice"]["text"] in ("yes", "no")
+    assert rows["lark"]["text"] in ("a", "ab")
+    assert all(rows[i]["finish_reason"] == "stop" for i in ("json", "regex", "choice", "lark"))
+    assert rows["bad"]["finish_reason"] == "error" and rows["bad"]["error"].startswith(
+        "line 5: regex: the regex is not valid: ")
+    assert rows["two"]["error"] == ("line 6: choice: give at most one of response_format, regex, grammar and choice "
+                                    "(this request also has regex)")

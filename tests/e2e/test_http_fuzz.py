@@ -207,7 +207,8 @@ WRONG_TYPE = {
     "repetition_penalty": [1], "ignore_eos": "yes", "speculative": "no", "priority": 1.5, "slo_class": 5,
     "ttft_ms": "fast", "tpot_ms": [50], "stop_token_ids": "3", "request_id": 5, "logit_bias": "x", "echo": "yes",
     "best_of": "1", "suffix": 5, "response_format": "json", "parallel_tool_calls": "yes", "tool_choice": 5,
-    "service_tier": 5, "store": "no", "modalities": "text", "reasoning_effort": 5,
+    "service_tier": 5, "store": "no", "modalities": "text", "reasoning_effort": 5, "regex": 5, "grammar": ["x"],
+    "grammar_syntax": 5, "choice": "yes",
 }
 FIELDS = [(CHAT, name) for name in sorted(CHAT_FIELDS)] + [(COMPLETIONS, name) for name in sorted(COMPLETION_FIELDS)]
 
@@ -297,8 +298,8 @@ def test_chat_messages(server, messages, words, param):
     ({"top_logprobs": 2}, "top_logprobs: needs logprobs: true", "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs: must be in [0, 20], got 21", "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens: must be >= 1, got 0", "max_completion_tokens"),
-    ({"response_format": {"type": "json_schema"}}, "response_format: {'type': 'json_schema'} is not supported",
-     "response_format"),
+    ({"response_format": {"type": "json_schema"}},
+     'response_format: json_schema must be an object {"name", "schema", "strict"}', "response_format"),
 ])
 def test_chat_fields(server, changes, words, param):
     assert_refused(post(server, CHAT, good(CHAT, **changes)), 400, words, param)

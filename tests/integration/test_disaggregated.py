@@ -3,11 +3,13 @@
 Output must equal the colocated engine's, for TP 1 to TP 1, prefill TP 2 to decode TP 1 and
 prefill TP 1 to decode TP 2; a second turn must send only the blocks the decode worker lacks;
 a decode worker killed mid-transfer must leave the prefill worker serving the next request
-within its deadline, with no leaked blocks on any live worker.
+within its deadline, with no leaked blocks on any live worker. A constrained request's first
+token obeys its grammar on the prefill worker, and a moved one's grammar resumes where it was.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import replace
 
@@ -16,6 +18,7 @@ import pytest
 from cluster.offline.disaggregated import DisaggregatedLLM
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.speculative.config import SpeculativeConfig
+from cluster.engine.structured.spec import StructuredOutput
 from cluster.registry.load import read_loads
 from cluster.registry.reporter import connect
 from cluster.runtime.ray_runtime import ensure_ray
@@ -232,6 +235,51 @@ def test_a_decode_worker_killed_mid_stream_moves_its_requests_without_losing_a_t
     assert [o.token_ids for o in outputs] == expected
     assert any(llm.migrations.get(i) for i in ids)
     assert all(llm.decisions[i].decode == "decode-1" for i in ids)
+
+
+def test_a_constrained_requests_first_token_is_sampled_on_the_prefill_worker_under_its_grammar(checkpoint):
+    """The prefill worker samples the first token under the request's grammar (the model's own
+    first choice is not a digit here: the grammar changed it); the decode worker's matcher replays
+    that token and continues: the tokens are the colocated engine's, and the grammar ends the
+    request."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([30, 45], seed=14)
+    params = greedy(40)
+    constrained = replace(params, structured=StructuredOutput("regex", "[0-9]{3}-[a-z]{2,6}", source="regex"))
+    free, expected = (colocated_tokens(model_dir, prompts, p) for p in (params, constrained))
+    assert [f[0] for f in free] != [e[0] for e in expected]
+    with disaggregated(model_dir) as llm:
+        outputs = llm.generate(prompts, constrained)
+        assert [(o.finish_reason, o.error) for o in outputs] == [("stop", None)] * 2
+        assert [o.token_ids for o in outputs] == expected
+        assert all(re.fullmatch("[0-9]{3}-[a-z]{2,6}", o.text) for o in outputs)
+        sent = {t.request_id: (t.prefill_worker, t.blocks_sent) for t in llm.transfers}
+        assert [sent[o.request_id] for o in outputs] == [("prefill-0", 2), ("prefill-0", 3)]  # the first token too
+        assert_no_leaks(llm)
+
+
+def test_a_constrained_request_moved_mid_stream_replays_its_tokens_into_its_grammar(checkpoint, ray_session):
+    """decode-0 dies mid-stream under requests held to "exactly 60 words of five letters": on
+    decode-1 each grammar starts past the tokens already streamed (without that, it would allow
+    60 more words), so the output is the uninterrupted run's and matches the grammar whole."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([30, 45], seed=15)
+    words = "([a-z]{5} ){59}[a-z]{5}"
+    params = replace(greedy(600), structured=StructuredOutput("regex", words, source="regex"))
+    expected = colocated_tokens(model_dir, prompts, params)
+    with disaggregated(model_dir, decode_workers=2, policy="round_robin", num_kv_blocks=160) as llm:
+        ids = [f"s{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            llm.engine.add_request(request_id, prompt, params)
+        wait_for(lambda: any(w["name"] == "decode-0" and w["running"] for w in llm.worker_status()),
+                 timeout_s=120, what="decode-0 to be generating", every_s=0.01)
+        ray_session.kill(llm.decode[0])
+        outputs = llm.run_until_done(ids)
+        tokenizer = llm.path.tokenizer
+    assert [(o.finish_reason, o.error) for o in outputs] == [("stop", None)] * len(prompts)
+    assert [o.token_ids for o in outputs] == expected
+    assert any(llm.migrations.get(i) for i in ids)
+    assert all(re.fullmatch(words, tokenizer.decode(o.token_ids)) for o in outputs)
 
 
 def test_a_prefill_worker_killed_before_its_kv_lands_is_retried_on_another(checkpoint, ray_session):

@@ -1,7 +1,8 @@
 """Chat templates: rendered text and token ids equal ``transformers``' ``apply_chat_template``
 for templates in the styles models ship (ChatML with a default system prompt, Llama 3 with
-BOS, tools and loop controls, one that refuses with ``raise_exception``); where the template is
-found; bad messages named by field; and the sandbox."""
+BOS, tools and loop controls, one that refuses with ``raise_exception``, a Hermes/Qwen tool-use
+template fed tool calls and results); Tandem's tool prompt for a template that knows no tools;
+where the template is found; bad messages named by field; and the sandbox."""
 
 from __future__ import annotations
 
@@ -44,6 +45,26 @@ CONVERSATION = [
 ]
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Finds a city — fast",
                                             "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+HERMES_TOOLS = (  # Qwen 2.5's shape: tools in the system turn, calls as <tool_call> JSON, results as user turns
+    "{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}{% set messages = messages[1:] %}"
+    "{%- else %}{% set system = 'You are helpful.' %}{% endif %}"
+    "<|im_start|>system\n{{ system }}{% if tools %}\n\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}"
+    "{% endfor %}\n</tools>{% endif %}<|im_end|>\n"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- elif message.role == 'assistant' %}<|im_start|>assistant{% if message.content %}\n{{ message.content }}"
+    "{% endif %}{% for call in message.tool_calls %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+]
 
 
 def model_dir(tmp_path, template: str | None, bos: str = "<|begin_of_text|>", eos: str = "<|im_end|>",
@@ -120,10 +141,64 @@ def test_bad_messages_name_the_field(messages, error):
 
 
 def test_content_parts_and_tool_calls():
-    template = ChatTemplate("{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}")
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}={{ m.content }}"
+                            "{% for c in m.tool_calls or [] %}{{ c.function.arguments.q }}{% endfor %};{% endfor %}"
+                            "{{ tools | length }}")
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-             {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]
-    assert template.render(parts, add_generation_prompt=False) == "user=a\nb;assistant=;"
+             ROUND_TRIP[1]]
+    assert template.knows_tools
+    # arguments reach a tool-use template as an object (transformers' convention)
+    assert template.render(parts, add_generation_prompt=False, tools=TOOLS) == "user=a\nb;assistant=Paris;1"
+
+
+def test_tool_turns_render_as_transformers_renders_them(tmp_path):
+    directory = model_dir(tmp_path, HERMES_TOOLS)
+    tokenizer = Tokenizer(directory)
+    as_transformers_wants = [*ROUND_TRIP[:1], {**ROUND_TRIP[1], "tool_calls": [
+        {**ROUND_TRIP[1]["tool_calls"][0], "function": {"name": "lookup", "arguments": {"q": "Paris"}}}]},
+        ROUND_TRIP[2]]
+    text = tokenizer.chat_template.render(ROUND_TRIP, tools=TOOLS)
+    assert text == transformers_render(directory, as_transformers_wants, TOOLS)
+    assert '<tool_call>\n{"name": "lookup", "arguments": {"q": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
+
+
+def test_a_template_without_tools_gets_them_through_the_tool_prompt():
+    template = ChatTemplate(CHATML)
+    assert not template.knows_tools
+    turns = [{"role": "system", "content": "Be brief."}, *ROUND_TRIP,
+             {"role": "tool", "tool_call_id": "call_2", "content": "no rain"}]
+    signature = json.dumps(TOOLS[0], ensure_ascii=False)
+    assert template.render(turns, tools=TOOLS) == (
+        "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+        "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        f"{signature}\n</tools>\n\nFor each function call, write the function's name and its arguments as a JSON "
+        'object, exactly like this:\n<tool_call>\n{"name": "<function-name>", "arguments": <arguments-json-object>}'
+        "\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "lookup", "arguments": {"q": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response>\n<tool_response>\nno rain\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # no system message: the tool prompt is one (in place of the template's default)
+    first = template.render(ROUND_TRIP[:1], tools=TOOLS, tool_format="llama3_json")
+    assert first.startswith("<|im_start|>system\n# Tools\n") and "You are a helpful assistant" not in first
+    assert '{"name": "<function-name>", "parameters": <arguments-json-object>}<|im_end|>' in first
+    # tool turns without tools (tool_choice none) still render, without the tool prompt
+    assert "# Tools" not in template.render(ROUND_TRIP) and "<tool_response>" in template.render(ROUND_TRIP)
+
+
+@pytest.mark.parametrize("calls,error", [
+    ("x", r"messages\[1\]\.tool_calls must be a list of calls"),
+    ([{"id": "1"}], r"messages\[1\]\.tool_calls\[0\] must be \{\"id\", \"type\": \"function\""),
+    ([{"type": "custom", "function": {"name": "f"}}], r"messages\[1\]\.tool_calls\[0\]\.type must be function"),
+    ([{"function": {"name": ""}}], r"messages\[1\]\.tool_calls\[0\]\.function\.name must be a non-empty string"),
+    ([{"function": {"name": "f", "arguments": 3}}], r"tool_calls\[0\]\.function\.arguments must be JSON text"),
+])
+def test_bad_tool_calls_name_the_field(calls, error):
+    with pytest.raises(ChatTemplateError, match=error):
+        ChatTemplate(CHATML).render([ROUND_TRIP[0], {"role": "assistant", "content": None, "tool_calls": calls}])
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.tool_calls: only an assistant's message"):
+        ChatTemplate(CHATML).render([{"role": "user", "content": "x", "tool_calls": []}])
 
 
 def test_the_sandbox_refuses_unsafe_templates():

@@ -3,9 +3,12 @@ stream chunks and error bodies from hand-made messages."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cluster.engine.chat_template import ChatPrompt
+from cluster.engine.structured.spec import StructuredOutput
 from cluster.protocol.messages import ApiRequest, RequestFailed
 from cluster.ingress.openai_api import (
     ApiError, Choice, chunk, error_for, logprobs_block, models, parse_chat, parse_completion, response, usage,
@@ -118,7 +121,7 @@ def test_accepted_neutral_and_metadata_fields():
         parse_chat({**chat, **extra}, MODEL)
     for extra in ({"echo": False}, {"best_of": 1}, {"metadata": {}}):
         parse_completion({"model": MODEL, "prompt": "x", **extra}, MODEL)
-    with pytest.raises(ApiError, match="^parallel_tool_calls: 'yes' is not supported"):
+    with pytest.raises(ApiError, match="^parallel_tool_calls must be true or false, got 'yes'"):
         parse_chat({**chat, "parallel_tool_calls": "yes"}, MODEL)
 
 
@@ -210,3 +213,61 @@ def test_what_aiohttp_answers_itself_is_one_line_without_the_bytes_it_quotes():
     assert protocol_error_message(500, "Server got itself in trouble") == \
         "the server failed on this request (an internal error; the server's log has the details)"
     assert protocol_error_message(400, "x" * 500).endswith("(400 more characters)")
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+MESSAGES = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("fields, spec", [
+    ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "A", "schema": SCHEMA, "strict": True}}},
+     StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "A", "schema": SCHEMA, "strict": False,
+                                                                 "description": "an a"}}},
+     StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    ({"regex": "[0-9]+"}, StructuredOutput("regex", "[0-9]+", source="regex")),
+    ({"grammar": 'root ::= "a"'}, StructuredOutput("grammar", 'root ::= "a"', syntax="ebnf", source="grammar")),
+    ({"grammar": 'start: "a"', "grammar_syntax": "lark"},
+     StructuredOutput("grammar", 'start: "a"', syntax="lark", source="grammar")),
+    ({"choice": ["yes", "no"]}, StructuredOutput("choice", '["yes", "no"]', source="choice")),
+])
+def test_structured_output_fields_of_both_endpoints_become_the_spec(fields, spec):
+    chat = parse_chat({"model": MODEL, "messages": MESSAGES, **fields}, MODEL)
+    completion = parse_completion({"model": MODEL, "prompt": "x", **fields}, MODEL)
+    assert chat.request.sampling == {"structured": spec}
+    assert completion.request.sampling == {"max_tokens": 16, "structured": spec}
+
+
+def test_a_text_response_format_is_free_text():
+    for value in ({"type": "text"}, None):
+        assert parse_chat({"model": MODEL, "messages": MESSAGES, "response_format": value}, MODEL).request.sampling == {}
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex",
+     "regex: give at most one of response_format, regex, grammar and choice (this request also has response_format)"),
+    ({"choice": ["a"], "grammar": "x"}, "choice",
+     "choice: give at most one of response_format, regex, grammar and choice (this request also has grammar)"),
+    ({"grammar_syntax": "lark"}, "grammar_syntax", "grammar_syntax: goes with grammar"),
+    ({"grammar": "x", "grammar_syntax": "peg"}, "grammar_syntax",
+     "grammar_syntax: must be \"ebnf\" (GBNF) or \"lark\", got 'peg'"),
+    ({"response_format": {"type": "xml"}}, "response_format",
+     'response_format: must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+     "{...}}, got {'type': 'xml'}"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format",
+     "response_format: unknown key 'schema' for type json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "A"}}}, "response_format",
+     "response_format: json_schema.schema must be a JSON schema object, got None"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}},
+     "response_format", "response_format: json_schema.strict must be a bool, got 'yes'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "colour": 1}}},
+     "response_format", "response_format: unknown key json_schema.colour"),
+    ({"choice": "yes"}, "choice", "choice: must be a non-empty list of non-empty strings, got 'yes'"),
+    ({"regex": 5}, "regex", "regex: must be a string, got 5"),
+    ({"regex": ""}, "regex", "regex: the regex is empty"),
+])
+def test_bad_structured_output_fields_name_the_field(fields, param, message):
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"model": MODEL, "messages": MESSAGES, **fields}, MODEL)
+    assert (caught.value.status, caught.value.param, caught.value.message) == (400, param, message)

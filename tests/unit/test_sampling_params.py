@@ -8,6 +8,7 @@ import math
 import pytest
 
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
+from cluster.engine.structured.spec import StructuredOutput
 
 pytestmark = pytest.mark.unit
 
@@ -165,10 +166,13 @@ def test_from_mapping_builds_every_field():
         "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 11,
         "stop": ["\n\n"], "stop_token_ids": [2], "ignore_eos": True, "repetition_penalty": 1.1,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": 3, "speculative": False,
+        "structured": StructuredOutput("regex", "[0-9]+", source="regex"),
     }
     params = SamplingParams.from_mapping(values)
+    assert params.structured is values["structured"]
     as_dict = dataclasses.asdict(params)
-    assert as_dict == {**values, "stop": ("\n\n",), "stop_token_ids": (2,), "structured": None}
+    assert as_dict == {**values, "stop": ("\n\n",), "stop_token_ids": (2,),
+                       "structured": {"kind": "regex", "value": "[0-9]+", "syntax": "", "source": "regex"}}
 
 
 def test_frozen():
