@@ -430,6 +430,8 @@ class LLMEngine:
         self._fail_refused(sampling)
         if self.speculative is not None:
             self._propose()
+        if self._masks is not None:  # the next step's, built while this one's outputs are handed out
+            self._masks.build_ahead(self.scheduler.running)
 
         now = time.monotonic()
         outputs = []
