@@ -174,10 +174,11 @@ async def read_stream(client: httpx.AsyncClient, base: str, body: dict) -> Reply
     return reply
 
 
-async def run_level(client: httpx.AsyncClient, base: str, body: dict, concurrency: int, requests: int,
+async def run_level(client: httpx.AsyncClient, base: str, body: dict | list[dict], concurrency: int, requests: int,
                     label: str, timeout_s: float) -> Level:
     """``concurrency`` streams, each sending its next request when the last one ended, until
-    ``requests`` were sent."""
+    ``requests`` were sent; a list of bodies is sent in turn."""
+    bodies = body if isinstance(body, list) else [body]
     replies: list[Reply] = []
     sent = 0
     started = time.perf_counter()
@@ -190,7 +191,7 @@ async def run_level(client: httpx.AsyncClient, base: str, body: dict, concurrenc
         nonlocal sent
         while sent < requests:
             sent += 1
-            replies.append(await one_request(client, base, body, timeout_s))
+            replies.append(await one_request(client, base, bodies[sent % len(bodies)], timeout_s))
 
     async def report() -> None:
         while True:
@@ -254,10 +255,10 @@ def tandem_threads() -> str:
 
 
 @contextmanager
-def tandem_server(model: Path) -> Iterator[tuple[str, float]]:
+def tandem_server(model: Path, name: str = CLUSTER) -> Iterator[tuple[str, float]]:
     """The cluster's OpenAI API base and its start-up seconds (launch to the API answering)."""
     launched = time.monotonic()
-    with LocalCluster(CLUSTER, tandem_topology(model)) as cluster:
+    with LocalCluster(name, tandem_topology(model)) as cluster:
         if not cluster.http:
             raise RuntimeError("the cluster serves no OpenAI HTTP API")
         wait_until_answering(f"{cluster.http}/models", launched + START_TIMEOUT_S)

@@ -477,6 +477,8 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose(out, held)
         draft_seconds = time.perf_counter() - draft_started if isinstance(self.proposer, DraftProposer) else 0.0
+        if self._masks is not None:  # the next step's, built while this one's outputs are handed out
+            self._masks.build_ahead(self.scheduler.running)
 
         now = time.monotonic()
         outputs = []

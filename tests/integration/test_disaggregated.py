@@ -223,18 +223,25 @@ def test_a_decode_worker_killed_mid_stream_moves_its_requests_without_losing_a_t
     prompts = random_prompts([30, 45, 20, 60], seed=12)
     params = greedy(300)
     expected = colocated_tokens(model_dir, prompts, params)
+    outputs, llm = served_while_decode_0_dies(ray_session, model_dir, prompts, params)
+    assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(prompts)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(llm.decisions[o.request_id].decode == "decode-1" for o in outputs)
+
+
+def served_while_decode_0_dies(ray, model_dir, prompts, params):
+    """The outputs of ``prompts`` served by two decode workers, decode-0 killed once it generates
+    (some request moved: checked here), and the stopped DisaggregatedLLM (its decisions, tokenizer)."""
     with disaggregated(model_dir, decode_workers=2, policy="round_robin", num_kv_blocks=160) as llm:
         ids = [f"m{i}" for i in range(len(prompts))]
         for request_id, prompt in zip(ids, prompts):
             llm.engine.add_request(request_id, prompt, params)
         wait_for(lambda: any(w["name"] == "decode-0" and w["running"] for w in llm.worker_status()),
                  timeout_s=120, what="decode-0 to be generating", every_s=0.01)
-        ray_session.kill(llm.decode[0])
+        ray.kill(llm.decode[0])
         outputs = llm.run_until_done(ids)
-    assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(prompts)
-    assert [o.token_ids for o in outputs] == expected
-    assert any(llm.migrations.get(i) for i in ids)
-    assert all(llm.decisions[i].decode == "decode-1" for i in ids)
+    assert any(llm.migrations.get(i) for i in ids), "no request moved: nothing was tested"
+    return outputs, llm
 
 
 def test_a_constrained_requests_first_token_is_sampled_on_the_prefill_worker_under_its_grammar(checkpoint):
@@ -267,19 +274,10 @@ def test_a_constrained_request_moved_mid_stream_replays_its_tokens_into_its_gram
     words = "([a-z]{5} ){59}[a-z]{5}"
     params = replace(greedy(600), structured=StructuredOutput("regex", words, source="regex"))
     expected = colocated_tokens(model_dir, prompts, params)
-    with disaggregated(model_dir, decode_workers=2, policy="round_robin", num_kv_blocks=160) as llm:
-        ids = [f"s{i}" for i in range(len(prompts))]
-        for request_id, prompt in zip(ids, prompts):
-            llm.engine.add_request(request_id, prompt, params)
-        wait_for(lambda: any(w["name"] == "decode-0" and w["running"] for w in llm.worker_status()),
-                 timeout_s=120, what="decode-0 to be generating", every_s=0.01)
-        ray_session.kill(llm.decode[0])
-        outputs = llm.run_until_done(ids)
-        tokenizer = llm.path.tokenizer
+    outputs, llm = served_while_decode_0_dies(ray_session, model_dir, prompts, params)
     assert [(o.finish_reason, o.error) for o in outputs] == [("stop", None)] * len(prompts)
     assert [o.token_ids for o in outputs] == expected
-    assert any(llm.migrations.get(i) for i in ids)
-    assert all(re.fullmatch(words, tokenizer.decode(o.token_ids)) for o in outputs)
+    assert all(re.fullmatch(words, llm.path.tokenizer.decode(o.token_ids)) for o in outputs)
 
 
 def test_a_prefill_worker_killed_before_its_kv_lands_is_retried_on_another(checkpoint, ray_session):

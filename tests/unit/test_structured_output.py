@@ -156,7 +156,7 @@ def test_replay_advances_past_tokens_emitted_elsewhere(backend):
 # -- a step's masks -------------------------------------------------------------------------------
 
 def test_a_steps_masks_are_those_of_each_constrained_row_and_skip_free_rows(backend):
-    masks = StepMasks(len(VOCAB), threads=1)
+    masks = StepMasks(len(VOCAB))
     try:
         free = constrained(backend, None)
         first = constrained(backend, regex("a(b|c)*"))
@@ -170,7 +170,7 @@ def test_a_steps_masks_are_those_of_each_constrained_row_and_skip_free_rows(back
 
 
 def test_a_verify_row_is_masked_at_its_own_position_and_the_matcher_is_left_where_it_was(backend):
-    masks = StepMasks(len(VOCAB), threads=1)
+    masks = StepMasks(len(VOCAB))
     try:
         verify = constrained(backend, regex("a(b|c)*"), guesses=[A, B])
         decode = constrained(backend, regex("c"))
@@ -185,7 +185,7 @@ def test_a_verify_row_is_masked_at_its_own_position_and_the_matcher_is_left_wher
 
 
 def test_the_masks_of_a_verify_cut_short_by_the_budget_cover_only_its_rows(backend):
-    masks = StepMasks(len(VOCAB), threads=1)
+    masks = StepMasks(len(VOCAB))
     try:
         verify = constrained(backend, regex("a(b|c)*"), guesses=[A, B])  # the scheduler left room for one guess
         result = masks.start([verify, verify]).result()
@@ -198,7 +198,7 @@ def test_where_the_grammar_forces_text_the_mask_allows_only_its_canonical_tokens
     """llguidance's rule: forced bytes ("abc") are masked to the tokens the tokenizer would write
     them with, though the grammar accepts other spellings (a guess of one is checked, never kept)."""
     matcher = backend.matcher(regex("abc"))
-    masks = StepMasks(len(VOCAB), threads=1)
+    masks = StepMasks(len(VOCAB))
     try:
         result = masks.start([constrained(backend, regex("abc"))]).result()
     finally:
@@ -247,3 +247,36 @@ def test_the_sampler_draws_only_allowed_tokens_and_reports_raw_logprobs():
     raw = logits.log_softmax(dim=-1)
     assert out.logprobs == pytest.approx([raw[r, t].item() for r, t in enumerate(out.token_ids)], abs=1e-6)
     assert out.top_logprobs[0][0][0] == int(raw[0].argmax())  # the raw distribution's best, masked or not
+
+
+def test_masks_built_ahead_serve_the_next_step_while_they_still_fit(backend):
+    """Built as the step before ended; the next step keeps a prefix of a request's guesses, and a
+    request whose matcher moved since, or that was not running then, gets its masks built anew."""
+    masks = StepMasks(len(VOCAB))
+    try:
+        verify = constrained(backend, regex("a(b|c)*"), guesses=[A, B])
+        moved = constrained(backend, regex("c(a|b)"))
+        masks.build_ahead([verify, moved])
+        moved.grammar.accept(C)  # as a prefill worker's first token would be, after the masks were built
+        moved.token_ids.append(C)
+        verify.spec_token_ids = [A]  # the budget left room for one guess
+        joined = constrained(backend, regex("b"))
+        result = masks.start([verify, verify, moved, joined]).result()
+    finally:
+        masks.close()
+    assert result.rows.tolist() == [0, 1, 2, 3]
+    assert allowed(result.bitmask) == [[A, AB], [EOS, B, C], [A, B], [B]]
+
+
+def test_masks_all_built_ahead_are_ready_at_the_start_of_the_step(backend):
+    masks = StepMasks(len(VOCAB))
+    try:
+        decode = constrained(backend, regex("a(b|c)*"))
+        masks.build_ahead([decode, constrained(backend, None)])
+        masks._ahead.result()  # the thread is done with it (as it is by the time the next step starts)
+        started = masks.start([decode])
+        assert started.done()  # assembled on the spot
+        assert allowed(started.result().bitmask) == [[A, AB]]
+        assert masks.start([constrained(backend, None)]) is None
+    finally:
+        masks.close()

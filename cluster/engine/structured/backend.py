@@ -6,17 +6,17 @@ Why llguidance (1.9.1) and not xgrammar (0.2.8): measured on the default model's
 an enum, arrays of strings and of objects; a 90-token document), one thread each
 (``benchmarks/grammar_backends.py``):
 
-=========================================  ==============  ==============
-                                           llguidance      xgrammar
-=========================================  ==============  ==============
-per-token mask, mean / p50 / p99           31 / 7 / 376 us  237 / 2 / 3,528 us
-schema compile, cold, p50 / p99            0.7 / 1.4 ms    2.3 / 111 ms
-compiled grammar to a new matcher (cached)  0.5 us          12 us
-tokenizer set-up (once per engine)         0.18 s          0.11 s
-=========================================  ==============  ==============
+==========================================  =================  ===================
+                                            llguidance         xgrammar
+==========================================  =================  ===================
+per-token mask, mean / p50 / p99            37 / 7 / 417 us    216 / 1.5 / 3,259 us
+schema compile, cold, p50 / p99             0.75 / 1.4 ms      2.4 / 112 ms
+compiled grammar to a new matcher (cached)  0.5 us             12 us
+tokenizer set-up (once per engine)          0.17 s             0.10 s
+==========================================  =================  ===================
 
 xgrammar's masks are faster where its per-state cache hits and far slower where it does not
-(inside strings, its p99 is ten times llguidance's), its cold compile is slower and more
+(inside strings: its p99 is eight times llguidance's), its cold compile is slower and more
 variable, and it brings ``transformers`` as a runtime dependency; llguidance needs nothing
 else, compiles (and checks) grammars without a tokenizer (the ingress refuses a bad schema
 before routing: ``grammars.py``), computes a batch's masks, a verify's guessed positions

@@ -1,8 +1,9 @@
 """Packed token masks applied to logits: one gather and one add over the masked rows.
 
 A mask is 32 tokens a word (int32, bit ``k`` of word ``w`` for token ``32 w + k``: llguidance's
-layout). Applying it adds 0 or -inf to each logit through a table of every byte's 8 bits: 1 ms
-for 32 rows of 49,152 tokens on this CPU, against 4 ms unpacking bit by bit. The bytes are
+layout). Applying it adds 0 or -inf to each logit through a table of every byte's 8 bits, looked
+up as an embedding: 0.5 ms for 32 rows of 49,152 tokens on one thread of this CPU, against
+1.4 ms indexing the table and 6 ms unpacking bit by bit (shifts, or numpy's unpackbits). The bytes are
 read little-endian, as every machine Tandem runs on stores them.
 """
 
@@ -28,7 +29,8 @@ def apply_token_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.T
     """``logits`` ([B, V] float32) with each masked row's disallowed tokens at -inf (a new
     tensor); ``bitmask`` [C, words] on the logits' device, for ``rows`` (None: every row)."""
     vocab = logits.shape[-1]
-    bias = _byte_biases(logits.device)[bitmask.view(torch.uint8).long()].view(bitmask.shape[0], -1)[:, :vocab]
+    bytes_ = bitmask.view(torch.uint8).long()  # the embedding lookup: 3x faster than indexing the table
+    bias = torch.nn.functional.embedding(bytes_, _byte_biases(logits.device)).view(bitmask.shape[0], -1)[:, :vocab]
     if rows is None:
         return logits + bias
     return logits.index_add(0, rows, bias)
