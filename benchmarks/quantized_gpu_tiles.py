@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from common import median, positive_ints, print_table  # (importing common puts the repository on sys.path)
+from common import positive_ints, print_table  # (importing common puts the repository on sys.path)
 
 import torch
 
 from gpu_decode import LLAMA3_8B, log
-from quantized_gpu import QUANTIZE_AS, layer_shapes
+from quantized_gpu import QUANTIZE_AS, layer_shapes, time_step
 
 FORMATS = ("int4", "int8", "fp8", "fp8 w-only")
 LAYOUT = {"int4": ("q4", False), "int8": ("q8", False), "fp8": ("f8", True), "fp8 w-only": ("f8", False)}
@@ -66,29 +66,16 @@ def candidates(kernel, m: int, k: int, fp8_activations: bool) -> list:
 
 def time_calls(calls, repeats: int, device: torch.device) -> float:
     """Median seconds of one run of ``calls`` (a CUDA graph replay; eager on a CPU)."""
-    for call in calls:
-        call()
-    if device.type != "cuda":
-        start = time.perf_counter()
+    def run_all() -> None:
         for call in calls:
             call()
-        return time.perf_counter() - start
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph
-    return median(times)
+
+    if device.type == "cuda":
+        return time_step(run_all, repeats)
+    run_all()  # compiles (interprets) once outside the timing
+    start = time.perf_counter()
+    run_all()
+    return time.perf_counter() - start
 
 
 def sweep_shape(kernel, fmt: str, weights: list, batch: int, repeats: int, device: torch.device, dtype) -> dict:
