@@ -1,6 +1,7 @@
 """Tandem's front door.
 
     from tandem import LLM, SamplingParams, ChatPrompt  # the engine in this process
+    from tandem import StructuredOutput               # SamplingParams(structured=...): constrained output
     from tandem import DisaggregatedLLM               # prefill and decode workers on Ray, no server
     from tandem import TandemClient                   # a running cluster, over its gRPC API
 
@@ -17,6 +18,7 @@ _WHERE = {
     "LLM": "cluster.offline.llm",
     "SamplingParams": "cluster.engine.sampling_params",
     "ChatPrompt": "cluster.engine.chat_template",
+    "StructuredOutput": "cluster.engine.structured.spec",
     "RequestOutput": "cluster.engine.engine",
     "DisaggregatedLLM": "cluster.offline.disaggregated",
     "TandemClient": "tandem.client",

@@ -280,3 +280,15 @@ def test_masks_all_built_ahead_are_ready_at_the_start_of_the_step(backend):
         assert masks.start([constrained(backend, None)]) is None
     finally:
         masks.close()
+
+
+def test_a_step_without_constrained_rows_still_waits_for_the_masks_built_ahead(backend):
+    """Their matchers are read on the thread: the step may not use them until it is done."""
+    masks = StepMasks(len(VOCAB))
+    try:
+        waiting = constrained(backend, regex("a(b|c)*"))  # running, but not sampled this step
+        masks.build_ahead([waiting])
+        started = masks.start([constrained(backend, None)])
+        assert started.result() is None and waiting.grammar.valid_prefix([A, B]) == 2
+    finally:
+        masks.close()

@@ -59,9 +59,9 @@ class StepMasks:
         self._ahead = self._threads.submit(self._build, wanted) if wanted else None
 
     def start(self, requests: Sequence[Request]) -> Future | None:
-        """Starts the masks of ``requests``' constrained rows (None when no row is constrained);
-        the future's result is their :class:`TokenMasks`. Nothing may advance those requests'
-        matchers until it is done."""
+        """Starts the masks of ``requests``' constrained rows; the future's result is their
+        :class:`TokenMasks` (None when no row is constrained; no future when, besides, nothing was
+        built ahead). No matcher may be used until it is done."""
         groups = []  # (request, its first row, its rows)
         index = 0
         while index < len(requests):
@@ -72,8 +72,8 @@ class StepMasks:
                 groups.append((request, index, count))
             index += count
         ahead, self._ahead = self._ahead, None
-        if not groups:
-            return None
+        if not groups:  # none constrained; masks built ahead for requests not sampled this step go unused
+            return None if ahead is None else self._threads.submit(_nothing)  # done once ``ahead`` is
         if ahead is None or ahead.done():
             built = ahead.result() if ahead is not None else {}
             if all(_still_fits(built.get(id(request)), request, count) for request, _, count in groups):
@@ -119,6 +119,10 @@ class StepMasks:
 
     def close(self) -> None:
         self._threads.shutdown(wait=True)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _still_fits(entry: tuple | None, request: Request, rows: int) -> bool:
