@@ -30,6 +30,7 @@ def calls(output):
      [("late", '{"x": "y"}', True)]),
     (HERMES, '<tool_call>\n{"name": "s", "arguments": "{\\"q\\": 1}"}\n</tool_call>', "", [("s", '{"q": 1}', True)]),
     (HERMES, '<tool_call>\n{"name": "cut", "arguments": {"city": "Par', "", [("cut", '{"city": "Par', False)]),
+    (HERMES, '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call', "", [("a", "{}", True)]),
     (HERMES, 'Plain text, a <tool of sorts.', "Plain text, a <tool of sorts.", []),
     (HERMES, 'Opens <tool_call> but is prose', "Opens <tool_call> but is prose", []),
     (HERMES, '<tool_call>\n{"nom": "x"}\n</tool_call>', '<tool_call>\n{"nom": "x"}\n</tool_call>', []),
@@ -42,6 +43,7 @@ def calls(output):
      "", [("get_weather", WEATHER, True), ("b", "{}", True)]),
     (MISTRAL, '[{"name": "a", "arguments": {"x": [1, "]"]}}]', "", [("a", '{"x": [1, "]"]}', True)]),
 ], ids=["hermes", "hermes-two-after-text", "hermes-name-last", "hermes-arguments-as-string", "hermes-cut-short",
+        "hermes-closer-cut-short",
         "hermes-partial-trigger-is-text", "hermes-trigger-then-prose", "hermes-object-without-name",
         "llama3-python-tag", "llama3-two", "llama3-json-in-prose", "mistral-two", "mistral-special-token-dropped"])
 def test_whole_texts(fmt, text, content, expected):

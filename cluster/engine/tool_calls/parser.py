@@ -330,8 +330,12 @@ class ToolCallParser:
                 self._consume(len(fmt.closer))
                 self._mode = "text"
                 return True
-            if fmt.closer.startswith(self._pending) and not final:
-                return False  # maybe the closer, still arriving
+            if fmt.closer.startswith(self._pending):
+                if not final:
+                    return False  # maybe the closer, still arriving
+                self._consume(len(self._pending))  # the closer cut short (max_tokens): syntax, not content
+                self._mode = "text"
+                return True
         if fmt.separator and char == fmt.separator:
             self._consume(1)
             self._mode = "open"
