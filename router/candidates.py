@@ -110,12 +110,13 @@ def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: S
     needed = -(-(prompt.tokens + prompt.max_tokens) // bs) - hit_blocks
     free = load.free_blocks - sum(-(-tokens // bs) for tokens in pending_prompt_tokens)
     share = sequences / load.max_num_seqs + 1 - free / max(1, load.num_blocks)
-    tpot = model.tpot_seconds(sequences, context)
+    step = model.decode_step_seconds(sequences, context)
+    tpot = step / model.tokens_per_step
     in_line = first_in_line(sequences, load.max_num_seqs, on_overload)
     return DecodeSide(model, hit_blocks, share, tpot, idle_tpot_s=model.tpot_seconds(1, prompt.tokens),
                       has_room=has_room(free, needed, sequences, load.max_num_seqs, in_line),
                       slot_wait_s=tpot * load.next_slot_tokens if in_line else 0.0,
-                      reserve_wait_s=model.decode_step_seconds(sequences, context) if load.running else 0.0)
+                      reserve_wait_s=step if load.running else 0.0)
 
 
 def corrected(predicted_s: float, correction_s: float) -> float:

@@ -130,9 +130,14 @@ class StepTimeModel:
         a, b, c = self.decode
         return a + b * sequences * (1.0 + self.guesses_per_sequence) + c * context_tokens
 
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a decoding sequence gets from one step (1 plus its kept guesses)."""
+        return 1.0 + self.accepted_per_sequence
+
     def tpot_seconds(self, sequences: int, context_tokens: int) -> float:
         """Time per output token of one of ``sequences``: a step over the tokens it makes."""
-        return self.decode_step_seconds(sequences, context_tokens) / (1.0 + self.accepted_per_sequence)
+        return self.decode_step_seconds(sequences, context_tokens) / self.tokens_per_step
 
     def transfer_seconds(self, blocks: int) -> float:
         return self.transfer_s_per_block * max(0, blocks)

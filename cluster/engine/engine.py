@@ -27,7 +27,7 @@ from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.read_config import load_model_config
 from cluster.engine.models.source import ModelSource, resolve_model_source
 from cluster.engine.quantization.choice import QuantizationChoiceError, resolve_quantization
-from cluster.engine.request import FinishReason, Request, TransferTarget
+from cluster.engine.request import FinishReason, Request, TransferTarget, row_runs
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
@@ -446,14 +446,9 @@ class LLMEngine:
 
         tokens: dict[str, list[int]] = {}
         stopped: set[str] = set()
-        sampling: list[Request] = []  # each once, in row order
-        row = 0
-        while sampled is not None and row < len(inputs.sampling_requests):
-            request = inputs.sampling_requests[row]
-            rows = 1
-            while row + rows < len(inputs.sampling_requests) and inputs.sampling_requests[row + rows] is request:
-                rows += 1
-            sampling.append(request)
+        runs = row_runs(inputs.sampling_requests) if sampled is not None else []
+        sampling = [request for request, _, _ in runs]  # each once, in row order
+        for request, row, rows in runs:
             emitted = sampled.token_ids[row : row + rows]
             if rows > 1:  # a verify: its guesses checked against its rows' samples, cut at a stop
                 emitted = accepted_prefix(emitted, request.spec_token_ids)
@@ -470,7 +465,6 @@ class LLMEngine:
                     emitted = emitted[: index + 1]
                     break
             tokens[request.request_id] = emitted
-            row += rows
         self.scheduler.update(out, tokens, frozenset(stopped))
         self._fail_refused(sampling)
         draft_started = time.perf_counter()

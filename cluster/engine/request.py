@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from cluster.engine.block_hash import BlockHash
 from cluster.engine.sampling_params import SamplingParams
@@ -112,3 +112,17 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def row_runs(requests: Sequence[Request]) -> list[tuple[Request, int, int]]:
+    """A step's sampled rows as ``(request, first row, rows)``, in row order: a verifying request
+    has one row per guess after its first (consecutive), any other request one."""
+    runs = []
+    row = 0
+    while row < len(requests):
+        request, count = requests[row], 1
+        while row + count < len(requests) and requests[row + count] is request:
+            count += 1
+        runs.append((request, row, count))
+        row += count
+    return runs

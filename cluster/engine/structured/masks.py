@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from cluster.engine.request import Request
+from cluster.engine.request import Request, row_runs
 from cluster.engine.structured.bitmask import BITS
 
 
@@ -62,15 +62,7 @@ class StepMasks:
         """Starts the masks of ``requests``' constrained rows; the future's result is their
         :class:`TokenMasks` (None when no row is constrained; no future when, besides, nothing was
         built ahead). No matcher may be used until it is done."""
-        groups = []  # (request, its first row, its rows)
-        index = 0
-        while index < len(requests):
-            request, count = requests[index], 1
-            while index + count < len(requests) and requests[index + count] is request:
-                count += 1
-            if request.grammar is not None:
-                groups.append((request, index, count))
-            index += count
+        groups = [run for run in row_runs(requests) if run[0].grammar is not None]  # (request, first row, rows)
         ahead, self._ahead = self._ahead, None
         if not groups:  # none constrained; masks built ahead for requests not sampled this step go unused
             return None if ahead is None else self._threads.submit(_nothing)  # done once ``ahead`` is
