@@ -114,7 +114,10 @@ class DecodeWorker(EngineWorker):
     prefill_side = False
     role = "decode"
 
-    def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
+    def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True,
+                 prefill_peers: tuple[str, ...] = ()):
+        """``prefill_peers``: the prefill workers it will be paired with (``pair_with``); until
+        then it reports them unpaired, so routers have it prefill itself rather than fail."""
         self._streams: dict[str, _Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="decode-call")
@@ -122,7 +125,9 @@ class DecodeWorker(EngineWorker):
         self._peers: dict[str, str] = {}  # prefill worker name -> the pair (transfer group) joining us
         self._tags: dict[str, itertools.count] = {}
         self._groups: dict[str, tuple] = {}  # pair -> (its PairLayout, the GroupSpec of its current group)
-        self._unpaired: frozenset[str] = frozenset()  # prefill workers whose pair is being rebuilt (read by the reporter's thread)
+        # Prefill workers whose pair is not built yet or being rebuilt (read by the reporter's thread).
+        self._unpaired: frozenset[str] = frozenset(prefill_peers)
+        self._pairing: dict[str, asyncio.Lock] = {}  # prefill worker -> held while its group is (re)built
         self.pair_rebuilds = 0
         self._namespace = config.cluster_name
         self._stream: StreamServer | None = None
@@ -131,9 +136,27 @@ class DecodeWorker(EngineWorker):
     # -- set-up -------------------------------------------------------------------------------
 
     async def set_peers(self, peers: dict[str, str]) -> None:
-        """The prefill workers this worker can take KV from, each with the pair joining them."""
+        """The prefill workers this worker can take KV from, each with the pair joining them
+        (a pair already in use keeps its tags: transfers may be in flight on it)."""
         self._peers = dict(peers)
-        self._tags = {pair: itertools.count() for pair in peers.values()}
+        self._tags = {pair: self._tags.get(pair) or itertools.count() for pair in peers.values()}
+
+    async def pair_with(self, prefill: str, layout, spec) -> None:
+        """Builds this worker's transfer group with the prefill worker ``prefill`` (named
+        ``spec.name``, rendezvous at the prefill worker's node), both sides at once, and takes KV
+        from it through that group from then on. Called on a running worker: by its deployment
+        at start, and for a prefill worker (or this worker) started again after it died. Until
+        the group is built the pair is out of use (reported as unpaired)."""
+        import ray
+
+        async with self._pairing.setdefault(prefill, asyncio.Lock()):
+            if prefill in self._peers:
+                self._set_unpaired(self._unpaired | {prefill})
+            worker = ray.get_actor(prefill, namespace=self._namespace)
+            await asyncio.gather(worker.join_pair.remote(layout, spec), self.join_pair(layout, spec))
+            self._peers[prefill] = layout.name
+            self._tags[layout.name] = itertools.count()  # a new group: no transfer is in flight on it
+            self._set_unpaired(self._unpaired - {prefill})
 
     async def describe(self) -> dict:
         return await self._call(super().describe)
@@ -156,6 +179,9 @@ class DecodeWorker(EngineWorker):
     async def join_pair(self, layout, spec) -> None:
         await asyncio.get_running_loop().run_in_executor(self._receives, super().join_pair, layout, spec)
         self._groups[layout.name] = (layout, spec)
+
+    async def lifetime(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, super().lifetime)
 
     async def status(self) -> dict:
         return {**await self._call(super().status), "unpaired": sorted(self._unpaired),
@@ -186,22 +212,26 @@ class DecodeWorker(EngineWorker):
         import ray
 
         pair = self._peers[prefill]
-        layout, spec = self._groups[pair]
-        base = spec.name.partition(".rebuilt-")[0]
         for attempt in itertools.count():
-            self.pair_rebuilds += 1
-            self.metrics.pair_rebuilt(prefill)
-            new = dataclasses.replace(spec, name=f"{base}.rebuilt-{self.pair_rebuilds}", timeout_s=REJOIN_TIMEOUT_S)
             try:
-                worker = ray.get_actor(prefill, namespace=self._namespace)
-                await asyncio.gather(worker.join_pair.remote(layout, new), self.join_pair(layout, new))
+                async with self._pairing.setdefault(prefill, asyncio.Lock()):
+                    if prefill not in self._unpaired:
+                        return  # rebuilt meanwhile (``pair_with``: the prefill worker was started again)
+                    layout, spec = self._groups[pair]
+                    self.pair_rebuilds += 1
+                    self.metrics.pair_rebuilt(prefill)
+                    base = spec.name.partition(".rebuilt-")[0]
+                    new = dataclasses.replace(spec, name=f"{base}.rebuilt-{self.pair_rebuilds}",
+                                              timeout_s=REJOIN_TIMEOUT_S)
+                    worker = ray.get_actor(prefill, namespace=self._namespace)
+                    await asyncio.gather(worker.join_pair.remote(layout, new), self.join_pair(layout, new))
+                    self._tags[pair] = itertools.count()
+                    self._set_unpaired(self._unpaired - {prefill})
             except (ray.exceptions.RayActorError, ValueError):
-                return  # the prefill worker is gone
+                return  # the prefill worker is gone (its deployment pairs the one started in its place)
             except Exception:  # noqa: BLE001 - a rendezvous that failed (a port taken, a side too slow): again
                 await asyncio.sleep(REJOIN_BACKOFF_S[min(attempt, len(REJOIN_BACKOFF_S) - 1)])
                 continue
-            self._tags[pair] = itertools.count()
-            self._set_unpaired(self._unpaired - {prefill})
             return
 
     async def free_blocks(self) -> int:

@@ -154,6 +154,7 @@ class Router:
     def __post_init__(self) -> None:
         self.inflight: dict[str, _Placed] = {}
         self.failed: set[str] = set()
+        self._failed_incarnation: dict[str, str] = {}  # each failed worker's last reported incarnation
         self.counters = RouterCounters()
         self._rotation = 0
         self._models: dict[str, tuple[tuple, StepTimeModel]] = {}
@@ -202,6 +203,9 @@ class Router:
                 return None
             for worker, load in fresh.items():
                 self._last_seen[worker] = (load, now)
+                failed_as = self._failed_incarnation.get(worker) if worker in self.failed else None
+                if failed_as and load.incarnation not in ("", failed_as):
+                    self.worker_returned(worker)  # started again under its name (its deployment restarts the dead)
             self._loads = {w: load for w, (load, seen) in self._last_seen.items()
                            if w in fresh or now - seen <= REPORT_GRACE_S}
             self._loads_read_at = now
@@ -520,12 +524,17 @@ class Router:
         return decision
 
     def worker_failed(self, worker: str) -> None:
+        """A call to ``worker`` failed: no placement goes to it until it returns, told by
+        ``worker_returned`` or seen in a report of another incarnation (started again)."""
         self.failed.add(worker)
+        seen = self._last_seen.get(worker)
+        self._failed_incarnation[worker] = seen[0].incarnation if seen else ""
         self._changed()
 
     def worker_returned(self, worker: str) -> None:
         if worker in self.failed:
             self.failed.discard(worker)
+            self._failed_incarnation.pop(worker, None)
             self._changed()
 
     def status(self, now: float | None = None) -> dict:

@@ -13,6 +13,10 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# As Tandem's own processes do before they import Ray (cluster/runtime/ray_runtime.py): Ray reads
+# it once, at import, and otherwise turns a 127.0.0.1 address into this machine's outward one,
+# which the test clusters (bound to loopback) do not listen on.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 VOCAB_SIZE = 512
 SMALL = dict(

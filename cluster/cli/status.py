@@ -48,7 +48,7 @@ def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashb
         goodput = {window: _windows(raw[window]) for window in ("last_minute", "last_hour")}
     return {"cluster": message.cluster, "model": message.model, "serving": message.serving, "health": message.health,
             "workers": raw.get("workers", []), "router": router, "routers": len(routers), "each_router": routers,
-            "goodput": goodput,
+            "goodput": goodput, "worker_events": raw.get("worker_events", []),
             "queued": router["waiting"], "in_flight": router["in_flight"], "api": api, "dashboard": dashboard}
 
 
@@ -68,14 +68,22 @@ def _windows(view: dict) -> dict:
 
 def worker_rows(status: dict) -> list[tuple[str, ...]]:
     """The workers table (header first) that ``tandem status`` and ``tandem top`` print."""
-    rows = [("worker", "role", "TP", "state", "KV used", "waiting", "running", "receiving", "hit rate")]
+    rows = [("worker", "role", "TP", "state", "node", "KV used", "waiting", "running", "receiving", "hit rate")]
     for w in status["workers"]:
         if w.get("state") != "alive":
-            rows.append((w["name"], w["role"], "-", w.get("state") or "dead", "-", "-", "-", "-", "-"))
+            rows.append((w["name"], w["role"], "-", w.get("state") or "dead", "-", "-", "-", "-", "-", "-"))
             continue
-        rows.append((w["name"], w["role"], str(w["tp"]), w["state"], f"{w['kv_blocks_used']}/{w['kv_blocks']}",
-                     str(w["waiting"]), str(w["running"]), str(w["receiving"]), f"{w['prefix_cache_hit_rate']:.0%}"))
+        rows.append((w["name"], w["role"], str(w["tp"]), w["state"], node_label(w),
+                     f"{w['kv_blocks_used']}/{w['kv_blocks']}", str(w["waiting"]), str(w["running"]),
+                     str(w["receiving"]), f"{w['prefix_cache_hit_rate']:.0%}"))
     return rows
+
+
+def node_label(worker: dict) -> str:
+    """A worker's node as the table shows it: the start of its id (what tells nodes on one
+    address apart) and its address."""
+    node = worker.get("node_id") or ""
+    return f"{node[:8]}@{worker.get('node_address') or '?'}" if node else "-"
 
 
 def speculation_lines(status: dict) -> list[str]:
@@ -110,6 +118,7 @@ def format_status(status: dict) -> str:
     lines += speculation_lines(status)
     lines += [f"{w['name']}: takes no KV from {', '.join(w['unpaired'])} now (rebuilding the transfer group)"
               for w in status["workers"] if w.get("unpaired")]
+    lines += worker_event_lines(status)
     goodput = status.get("goodput")
     if goodput:
         for window in ("last_minute", "last_hour"):
@@ -117,6 +126,14 @@ def format_status(status: dict) -> str:
     else:
         lines.append("goodput: registry unreachable")
     return "\n".join(lines)
+
+
+def worker_event_lines(status: dict) -> list[str]:
+    """The workers lost and started again, newest first."""
+    from cluster.registry.worker_events import WorkerEvent
+
+    events = status.get("worker_events") or []
+    return ["workers lost and started again:"] + [f"  {WorkerEvent(**e).line()}" for e in events] if events else []
 
 
 def goodput_lines(title: str, view: dict) -> list[str]:

@@ -7,9 +7,11 @@ Pools (``Pool``): ``prefill`` and ``decode`` workers for disaggregated serving, 
 ``colocated`` workers that prefill and decode every request themselves. Each worker's TP ranks
 take one placement group packed on one node (STRICT_PACK), so a TP group never spans nodes.
 Every prefill worker is paired with every decode worker through a transfer group of its own
-(ranks of both engines, ports from the cluster name); each decode worker knows its pairs, and
-fetches KV from the prefill worker the router chose. Without a Redis URL a private
-redis-server runs on loopback and stops with the deployment.
+(ranks of both engines, ports from the cluster name, the rendezvous on the prefill worker's
+node); each decode worker builds its pairs (``pair_with``), and fetches KV from the prefill
+worker the router chose. Without a Redis URL a private redis-server runs on loopback and stops
+with the deployment. With ``ray.restart_workers`` a :class:`~cluster.deployment.supervisor.Supervisor`
+starts again, in its place, a worker that dies.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.deployment.supervisor import Supervisor
 from cluster.deployment.pools import EngineOverrides, Pool, PoolResources, device_of, pools_of, resolve_registry_url
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.models.read_config import load_model_config
@@ -29,6 +32,7 @@ from cluster.kv_transfer.transports import check_transport
 from cluster.parallel.group import GroupSpec
 from cluster.parallel.tp_runner import check_tensor_parallel
 from cluster.protocol.messages import ServingInfo
+from cluster.runtime.ray_node import NodePlace, group_node, node_place
 from cluster.runtime.ray_runtime import ensure_ray
 from cluster.registry.load import read_loads
 from cluster.registry.local_redis import LocalRedis
@@ -61,11 +65,14 @@ class Deployment:
         self.device = device_of(spec, engine)
         self.local_redis = None
         self.registry_url: str | None = None
-        self.placement_groups: list = []
+        self.placement_groups: dict[str, object] = {}  # worker name -> its placement group
         self.workers: dict[str, object] = {}
         self.configs: dict[str, EngineConfig] = {}
+        self.nodes: dict[str, NodePlace] = {}  # worker name -> the node its placement group is on
+        self.supervisor: Supervisor | None = None
         self._abandoned: list = []  # start-up calls left unread when another failed
         self._ray = None
+        self._num_kv_heads = 0
 
     def start(self) -> "Deployment":
         """Places and starts every worker, pairs prefill with decode workers and waits for their
@@ -83,9 +90,12 @@ class Deployment:
             self._await_workers([(name, w.started.remote()) for name, w in self.workers.items()])
             described = dict(zip(self.workers, self._await_workers(
                 [(name, w.describe.remote()) for name, w in self.workers.items()])))
-            self._pair(config.num_kv_heads)
+            self._num_kv_heads = config.num_kv_heads
+            self._await_workers(self.pair_calls(self.pairs()))
             self.info = self._serving_info(model_dir, config, described)
             self._wait_for_registry()
+            if self.spec.ray.restart_workers:
+                self.supervisor = Supervisor(self).start()
         except BaseException:
             self.shutdown()
             raise
@@ -156,13 +166,6 @@ class Deployment:
         """Places every worker's ranks first, so that each rank's share of its node's KV budget
         is known before any engine sizes its cache; then starts the workers (guarded: a
         constructor's failure is raised by ``started()``, not printed by Ray)."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from decode_worker.colocated import ColocatedWorker
-        from decode_worker.worker import DecodeWorker
-        from prefill_worker.worker import PrefillWorker
-
-        classes = {"prefill": (PrefillWorker, 64), "decode": (DecodeWorker, 1000), "colocated": (ColocatedWorker, 1000)}
         ray_address = self.spec.ray.address
         common = dict(model=str(model_dir), cluster_name=self.cluster_name, ray_address=ray_address)
         device = self.device
@@ -180,37 +183,65 @@ class Deployment:
         workers = [(pool, name) for role in ROLES if (pool := self.pools.get(role)) for name in pool.names()]
         groups = [self._reserve(name, pool, ray_address is None) for pool, name in workers]
         on_cpu = [not pool.resources.gpus_per_rank and not device.startswith("cuda") for pool, _ in workers]
-        shares = kv_memory_shares([(_group_node(group), pool.tp, cpu)
+        shares = kv_memory_shares([(group_node(group), pool.tp, cpu)
                                    for group, (pool, _), cpu in zip(groups, workers, on_cpu)])
         for (pool, name), group, share in zip(workers, groups, shares):
-            cls, concurrency = classes[pool.role]
             # With GPUs per rank, Ray assigns each rank its device (it sees only that one, as cuda:0).
-            config = self.configs[name] = EngineConfig(
+            self.configs[name] = EngineConfig(
                 **{**common, **dict(pool.engine_args)}, tensor_parallel_size=pool.tp, engine_name=name,
                 device="cuda:0" if pool.resources.gpus_per_rank else device_for(pool.tp),
                 cpus_per_rank=pool.resources.cpus_per_rank, gpus_per_rank=pool.resources.gpus_per_rank,
                 kv_memory_share=share)
-            self.workers[name] = self._ray.remote(guarded(cls)).options(
-                name=name, num_cpus=pool.resources.cpus_per_rank, num_gpus=pool.resources.gpus_per_rank,
-                max_concurrency=concurrency, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
-            ).remote(config, self.registry_url)
+            self.launch(name, group)
+
+    def pool_of(self, name: str) -> Pool:
+        return self.pools[name.rpartition("-")[0]]
+
+    def launch(self, name: str, group) -> object:
+        """Starts the worker ``name`` (its engine settings as at start) in its placed placement
+        group; returns its handle (its ``started()`` says when it is up)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from decode_worker.colocated import ColocatedWorker
+        from decode_worker.worker import DecodeWorker
+        from prefill_worker.worker import PrefillWorker
+
+        classes = {"prefill": (PrefillWorker, 64), "decode": (DecodeWorker, 1000), "colocated": (ColocatedWorker, 1000)}
+        pool = self.pool_of(name)
+        cls, concurrency = classes[pool.role]
+        self.placement_groups[name] = group
+        self.nodes[name] = node_place(self._ray, group_node(group))
+        worker = self.workers[name] = self._ray.remote(guarded(cls)).options(
+            name=name, num_cpus=pool.resources.cpus_per_rank, num_gpus=pool.resources.gpus_per_rank,
+            max_concurrency=concurrency, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
+        ).remote(self.configs[name], self.registry_url,
+                 **({"prefill_peers": tuple(p for p, _ in self.pairs(name))} if pool.role == "decode" else {}))
+        return worker
+
+    def placement_group(self, name: str):
+        """A new (not yet placed) placement group for the worker ``name``'s ranks: ``tp``
+        bundles packed on one node (rank 0 goes in bundle 0, the other ranks are captured into
+        the rest)."""
+        from ray.util.placement_group import placement_group
+
+        pool = self.pool_of(name)
+        return placement_group([pool.resources.bundle()] * pool.tp, strategy="STRICT_PACK",
+                               name=f"{self.cluster_name}-{name}")
 
     def _reserve(self, name: str, pool: Pool, local_ray: bool):
-        """A placement group of ``tp`` bundles packed on one node for a worker's ranks (rank 0
-        goes in bundle 0, the other ranks are captured into the rest), once Ray has placed it.
-        On a local Ray a placement no node could ever hold fails at once; otherwise (nodes may
-        yet join, or free up) after ``REGISTRY_WAIT_S``."""
-        from ray.util.placement_group import placement_group, placement_group_table
+        """The worker's placement group, once Ray has placed it. On a local Ray a placement no
+        node could ever hold fails at once; otherwise (nodes may yet join, or free up) after
+        ``REGISTRY_WAIT_S``."""
+        from ray.util.placement_group import placement_group_table
 
-        bundle = pool.resources.bundle()
-        group = placement_group([bundle] * pool.tp, strategy="STRICT_PACK", name=f"{self.cluster_name}-{name}")
-        self.placement_groups.append(group)
+        group = self.placement_groups[name] = self.placement_group(name)
         deadline = time.monotonic() + REGISTRY_WAIT_S
         while not group.wait(0.2):
             infeasible = placement_group_table(group).get("stats", {}).get("scheduling_state") == "INFEASIBLE"
             if (infeasible and local_ray) or time.monotonic() > deadline:
-                raise placement_failed(name, pool.role, pool.tp, bundle, self.settings, never=infeasible)
+                raise placement_failed(name, pool.role, pool.tp, pool.resources.bundle(), self.settings,
+                                       never=infeasible)
         return group
 
     def _await_workers(self, calls: list[tuple[str, object]]) -> list:
@@ -231,21 +262,28 @@ class Deployment:
                                     config.num_kv_blocks) from None
         return [results[ref] for _, ref in calls]
 
-    def _pair(self, num_kv_heads: int) -> None:
-        """A transfer group for every (prefill, decode) pair; each decode worker learns its pairs."""
+    def pairs(self, worker: str | None = None) -> list[tuple[str, str]]:
+        """The (prefill, decode) pairs that KV travels between: every pair, or those of ``worker``."""
         if "prefill" not in self.pools or "decode" not in self.pools:
-            return
-        prefill, decode = self.pools["prefill"], self.pools["decode"]
-        joins, peers = [], {d: {} for d in decode.names()}
-        for (p, p_name), (d, d_name) in itertools.product(enumerate(prefill.names()), enumerate(decode.names())):
+            return []
+        return [(p, d) for p in self.pools["prefill"].names() for d in self.pools["decode"].names()
+                if worker in (None, p, d)]
+
+    def pair_calls(self, pairs: list[tuple[str, str]], generation: int = 0) -> list[tuple[str, object]]:
+        """Has each decode worker build its transfer group with each prefill worker of ``pairs``
+        (ranks of both engines; the rendezvous on the prefill worker's node); returns the calls.
+        ``generation`` > 0 names new groups for a worker started again (new ports, new store
+        prefixes: the old groups' may still be held by the survivors)."""
+        calls = []
+        for p_name, d_name in pairs:
+            p, d = p_name.rpartition("-")[2], d_name.rpartition("-")[2]
             pair = f"p{p}-d{d}"
-            layout = PairLayout(pair, prefill.tp, decode.tp, num_kv_heads, self.spec.kv.transport)
-            spec = GroupSpec(self.cluster_name, f"kv-{pair}", layout.size)
-            joins += [(p_name, self.workers[p_name].join_pair.remote(layout, spec)),
-                      (d_name, self.workers[d_name].join_pair.remote(layout, spec))]
-            peers[d_name][p_name] = pair
-        self._await_workers(joins)
-        self._ray.get([self.workers[d].set_peers.remote(p) for d, p in peers.items()])
+            layout = PairLayout(pair, self.pools["prefill"].tp, self.pools["decode"].tp, self._num_kv_heads,
+                                self.spec.kv.transport)
+            group = f"kv-{pair}" + (f".g{generation}" if generation else "")
+            spec = GroupSpec(self.cluster_name, group, layout.size, master_addr=self.nodes[p_name].address or "127.0.0.1")
+            calls.append((d_name, self.workers[d_name].pair_with.remote(p_name, layout, spec)))
+        return calls
 
     def _wait_for_registry(self) -> None:
         """Until every worker's first report is in the registry (they report right after their
@@ -274,6 +312,9 @@ class Deployment:
         ray = self._ray
         if ray is None:  # never started
             return
+        if getattr(self, "supervisor", None) is not None:
+            self.supervisor.stop()  # first: the workers stopped below are not started again
+            self.supervisor = None
         for worker in list(getattr(self, "workers", {}).values()):
             try:
                 ray.get(worker.shutdown.remote(), timeout=30)
@@ -289,9 +330,9 @@ class Deployment:
         self._abandoned = []
         from ray.util.placement_group import remove_placement_group
 
-        for group in getattr(self, "placement_groups", []):
+        for group in getattr(self, "placement_groups", {}).values():
             remove_placement_group(group)
-        self.placement_groups = []
+        self.placement_groups = {}
         if getattr(self, "local_redis", None) is not None:
             self.local_redis.stop()
             self.local_redis = None
@@ -309,13 +350,6 @@ def kv_memory_shares(ranks: list[tuple[str, int, bool]]) -> list[float]:
         if cpu:
             on_node[node] = on_node.get(node, 0) + tp
     return [1.0 / on_node[node] if cpu else 1.0 for node, _, cpu in ranks]
-
-
-def _group_node(group) -> str:
-    """The node a placed (STRICT_PACK) placement group's bundles are on."""
-    from ray.util.placement_group import placement_group_table
-
-    return placement_group_table(group)["bundles_to_node_id"][0]
 
 
 def worker_status(ray, workers: dict[str, object]) -> list[dict]:

@@ -6,15 +6,20 @@ the registry. ``tandem status`` and ``tandem top`` show it (``cluster/cli/status
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 
+import redis
+
+from cluster.registry.worker_events import WorkerEvent, read_events
 from tandem.v1 import tandem_pb2
 
 async def read_status(monitor) -> tandem_pb2.ClusterStatus:
     """The cluster as this replica sees it now (``monitor``: its :class:`~cluster.ingress.health.HealthMonitor`)."""
     info, router = monitor.info, monitor.path.router
     loop = asyncio.get_running_loop()
-    routers, workers, goodput = await asyncio.gather(router.statuses(), monitor.worker_statuses(info.workers),
-                                                     loop.run_in_executor(None, router.goodput))
+    routers, workers, goodput, events = await asyncio.gather(
+        router.statuses(), monitor.worker_statuses(info.workers), loop.run_in_executor(None, router.goodput),
+        loop.run_in_executor(None, _worker_events, router.client, info.cluster))
     message = tandem_pb2.ClusterStatus(cluster=info.cluster, model=info.model_name,
                                        serving=bool(monitor.serving), health=monitor.reason)
     for name in info.workers:
@@ -26,7 +31,17 @@ async def read_status(monitor) -> tandem_pb2.ClusterStatus:
     if goodput:
         for window in ("last_minute", "last_hour"):
             _goodput_view(getattr(message, window), goodput[window])
+    for event in events:
+        message.worker_events.add(**_fields(tandem_pb2.WorkerEvent, asdict(event)))
     return message
+
+
+def _worker_events(client, cluster: str) -> list[WorkerEvent]:
+    """(On a thread.) The latest workers lost and started again; none while the registry is unreachable."""
+    try:
+        return read_events(client, cluster)
+    except redis.RedisError:
+        return []
 
 
 def _fields(message_type, values: dict) -> dict:

@@ -41,7 +41,7 @@ def _post(start, what: str):
 class TorchDistributedTransport(KVTransport):
     name = "torch_distributed"
 
-    def __init__(self, spec: GroupSpec, rank: int, device: str = "cpu", local_addr: str = "127.0.0.1"):
+    def __init__(self, spec: GroupSpec, rank: int, device: str = "cpu", local_addr: str | None = None):
         self._group = join_group(spec, rank, torch.device(device), local_addr)
         self._pg = self._group.process_group
 

@@ -33,6 +33,7 @@ def disaggregated_spec(
     decode_workers: int = 1,
     cluster_name: str = "tandem",
     ray_address: str | None = None,
+    restart_workers: bool = True,
     transfer_timeout_s: float = 60.0,
     kv_transport: str = "torch_distributed",
     stream_layers: bool = True,
@@ -49,7 +50,8 @@ def disaggregated_spec(
     ``local_prefill_max_tokens`` (default: the router's) bounds the prompts a decode worker may
     prefill itself; 0 sends every prompt to a prefill worker. ``speculative`` (a
     :class:`~cluster.engine.speculative.config.SpeculativeConfig`) is the decode pool's
-    (``decode.speculative``): prefill workers never speculate."""
+    (``decode.speculative``): prefill workers never speculate. ``restart_workers`` is
+    ``ray.restart_workers``: a worker that dies is started again in its place."""
     if model is None:
         from cluster.default_model import default_model_path
 
@@ -86,6 +88,6 @@ def disaggregated_spec(
                   **kv_args),
         router=router_config,
         registry=RegistrySpec(url=registry_url),
-        ray=RaySpec(address=ray_address),
+        ray=RaySpec(address=ray_address, restart_workers=restart_workers),
     )
     return spec, EngineOverrides(common, {role: dict(args) for role, args in (role_args or {}).items()})

@@ -23,7 +23,8 @@ class GroupSetupError(RuntimeError):
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """Everything a rank needs to join a group; the rendezvous runs on rank 0's host."""
+    """Everything a rank needs to join a group; the rendezvous runs on rank 0's host
+    (``master_addr``: a KV pair's is its prefill worker's node)."""
 
     cluster: str
     name: str
@@ -37,8 +38,24 @@ class GroupSpec:
         return self.port or group_port(self.cluster, self.name)
 
 
-def join_group(spec: GroupSpec, rank: int, device: torch.device, local_addr: str = "127.0.0.1") -> ParallelGroup:
-    """Blocks until all ``spec.size`` ranks have joined; returns this rank's ``ParallelGroup``."""
+def address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (127.0.0.1 towards loopback): where a
+    rank of a group whose rendezvous is on ``host`` can be reached by the others. No packet is sent."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def join_group(spec: GroupSpec, rank: int, device: torch.device, local_addr: str | None = None) -> ParallelGroup:
+    """Blocks until all ``spec.size`` ranks have joined; returns this rank's ``ParallelGroup``.
+    ``local_addr`` (gloo's): where the other ranks reach this one; by default the address on the
+    route to the rendezvous host (a pair's ranks are on two nodes)."""
     if not 0 <= rank < spec.size:
         raise GroupSetupError(f"rank {rank} is outside a group of {spec.size}")
     if spec.size == 1:
@@ -60,6 +77,6 @@ def join_group(spec: GroupSpec, rank: int, device: torch.device, local_addr: str
     else:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_addr)]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_addr or address_towards(spec.master_addr))]
         group = dist.ProcessGroupGloo(store, rank, spec.size, options)
     return ParallelGroup(rank=rank, size=spec.size, process_group=group)

@@ -51,6 +51,7 @@ from cluster.worker import step_profile
 from cluster.worker.engine_worker import EngineWorker
 from cluster.registry.load import WorkerLoad
 from cluster.registry.reporter import WorkerReporter
+from cluster.runtime.ray_node import NodePlace
 from cluster.ingress.request_path import NO_ROOM_RETRIES
 from router.config import RouterConfig
 from router.cost_model import StepTimeModel
@@ -236,10 +237,11 @@ class _NoMetrics:
 class SimWorker:
     """A worker of the simulated cluster: a ``SimEngine`` stepped on the simulator's clock.
     It has what ``step_profile.measure`` and ``EngineWorker._snapshot`` use (``engine``, ``name``,
-    ``role``, ``_lock``, ``metrics``), so the real ones run on it."""
+    ``role``, ``_lock``, ``metrics``, ``node``, ``incarnation``), so the real ones run on it."""
 
     def __init__(self, name: str, role: str, spec: WorkerSpec, sim: "Simulator"):
         self.name, self.role, self.spec, self.sim = name, role, spec, sim
+        self.node, self.incarnation = NodePlace(), name
         self.engine = SimEngine(spec, sim.now)
         self._lock = nullcontext()
         self.metrics = _NoMetrics()

@@ -10,6 +10,8 @@ one Redis never see each other's data.
     tandem:<c>:goodput:...                      finished-request counters (cluster/registry/goodput.py)
     tandem:<c>:routers                    HASH  router name -> its JSON status (router/service.py), rewritten
                                                 every few seconds; an entry not rewritten for a while is gone
+    tandem:<c>:worker_events              LIST  JSON workers lost and started again, newest first, capped
+                                                (cluster/registry/worker_events.py)
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class Keys:
 
     def load(self, worker: str) -> str:
         return f"{self.prefix}worker:{worker}:load"
+
+    @property
+    def worker_events(self) -> str:
+        return self.prefix + "worker_events"
 
     @property
     def routers(self) -> str:

@@ -165,11 +165,17 @@ class KVIndexReader:
         workers = {w.decode() for w in self.client.smembers(self.keys.workers)}
         dead = sorted(workers - self.alive_workers())
         for w in dead:
-            hashes = self.client.smembers(self.keys.worker_blocks(w))
-            pipe = self.client.pipeline(transaction=True)
-            for h in hashes:
-                pipe.srem(self.keys.block(h.decode()), w)
-            pipe.delete(self.keys.worker_blocks(w), self.keys.seq(w))
-            pipe.srem(self.keys.workers, w)
-            pipe.execute()
+            self.forget(w)
         return dead
+
+    def forget(self, worker: str) -> None:
+        """Removes a worker and its blocks at once (its deployment saw it die): its heartbeat,
+        load report, blocks and sequence number. One started again under its name re-publishes."""
+        k = self.keys
+        hashes = self.client.smembers(k.worker_blocks(worker))
+        pipe = self.client.pipeline(transaction=True)
+        for h in hashes:
+            pipe.srem(k.block(h.decode()), worker)
+        pipe.delete(k.worker_blocks(worker), k.seq(worker), k.alive(worker), k.load(worker))
+        pipe.srem(k.workers, worker)
+        pipe.execute()

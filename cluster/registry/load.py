@@ -53,6 +53,9 @@ class WorkerLoad:
     updated_at: float = field(default_factory=time.time)
     next_slot_tokens: int = 0  # most steps until a running sequence ends and frees a slot (0: none running)
     unpaired: tuple[str, ...] = ()  # a decode worker's prefill workers it cannot take KV from now (pair rebuilding)
+    node_id: str = ""  # the Ray node it runs on ...
+    node_address: str = ""  # ... and that node's address
+    incarnation: str = ""  # its actor's id: a worker started again under its name reports another
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

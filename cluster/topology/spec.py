@@ -303,6 +303,12 @@ class RaySpec:
         local Ray bound to 127.0.0.1.""")
     num_cpus: int | None = key(None, checks.integer(1, null=True), """
         CPUs of the local Ray, a positive integer; only without ``address``. Null: Ray's count.""")
+    restart_workers: bool = key(True, checks.boolean, """
+        A worker whose actor dies (its process, or its whole node) is started again under its
+        name, in a new placement group once some node has room for it (a node that comes back,
+        or a new one), and paired again with its KV transfer peers; routers place on it once it
+        reports. ``tandem status`` lists each worker lost and started again, with its node and
+        when. False: a dead worker stays dead until the cluster is restarted.""")
 
 
 POOLS_DOC = """

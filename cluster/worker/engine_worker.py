@@ -28,6 +28,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.observability.metrics import WorkerMetrics
 from cluster.registry.load import STEPS_REPORTED, StepSample, WorkerLoad
 from cluster.registry.reporter import WorkerReporter
+from cluster.runtime.ray_node import this_incarnation, this_node
 
 if TYPE_CHECKING:
     from cluster.engine.engine import RequestOutput
@@ -90,6 +91,9 @@ class EngineWorker:
         self.engine = LLMEngine(config, verbose=False, make_runner=engine_runner(kv_port=TransferAgent),
                                 fault_kv_in_background=True)
         self.name = config.engine_name
+        self.node = this_node()
+        self.incarnation = this_incarnation()
+        self.started_at = time.time()
         self._lock = StepLock()
         self._stop = threading.Event()
         if profile:
@@ -121,7 +125,8 @@ class EngineWorker:
                                        s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s,
                                        s.guess_tokens, s.accepted_tokens)
                             for s in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
-                unpaired=self._unpaired_prefill(),
+                unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
+                incarnation=self.incarnation,
             )
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
@@ -136,6 +141,11 @@ class EngineWorker:
                 "num_blocks": engine.block_manager.num_blocks, "block_size": engine.config.block_size,
                 "max_model_len": engine.max_model_len, "hash_keys": engine.scheduler.extra_hash_keys,
                 "role": self.role, "name": self.name}
+
+    def lifetime(self) -> None:
+        """Returns once the worker is shut down: its deployment keeps this call pending, and
+        it fails at once when the worker dies (its process, or its whole node)."""
+        self._stop.wait()
 
     def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
         """Joins the transfer group shared with one worker of the other role (every TP rank)."""
@@ -157,7 +167,8 @@ class EngineWorker:
                     "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                     "receiving": len(scheduler.receiving), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
                     "registry": "ok" if self.reporter is None or self.reporter.connected else "unreachable",
-                    "speculation": self._speculation()}
+                    "speculation": self._speculation(), "node_id": self.node.node_id,
+                    "node_address": self.node.address, "started_at": self.started_at}
 
     def _speculation(self) -> dict | None:
         """Speculative decoding since the worker started, where its engine speculates (else None)."""

@@ -265,7 +265,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds", "speculation")
+    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds", "speculation", "node_id", "node_address", "started_at")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,9 @@ class WorkerStatus(_message.Message):
     UNPAIRED_FIELD_NUMBER: _ClassVar[int]
     PAIR_REBUILDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -296,7 +299,30 @@ class WorkerStatus(_message.Message):
     unpaired: _containers.RepeatedScalarFieldContainer[str]
     pair_rebuilds: int
     speculation: Speculation
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+    node_id: str
+    node_address: str
+    started_at: float
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class WorkerEvent(_message.Message):
+    __slots__ = ("worker", "role", "event", "node_id", "node_address", "node_alive", "at", "detail")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    role: str
+    event: str
+    node_id: str
+    node_address: str
+    node_alive: bool
+    at: float
+    detail: str
+    def __init__(self, worker: _Optional[str] = ..., role: _Optional[str] = ..., event: _Optional[str] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., node_alive: _Optional[bool] = ..., at: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("method", "num_tokens", "adaptive", "proposed_tokens", "accepted_tokens", "verify_steps", "acceptance_rate", "tokens_per_verify")
@@ -421,7 +447,7 @@ class GoodputView(_message.Message):
     def __init__(self, cluster: _Optional[_Union[SloWindow, _Mapping]] = ..., classes: _Optional[_Mapping[str, SloWindow]] = ..., workers: _Optional[_Mapping[str, SloWindow]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("cluster", "model", "workers", "routers", "last_minute", "last_hour", "serving", "health")
+    __slots__ = ("cluster", "model", "workers", "routers", "last_minute", "last_hour", "serving", "health", "worker_events")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +456,7 @@ class ClusterStatus(_message.Message):
     LAST_HOUR_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    WORKER_EVENTS_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -438,4 +465,5 @@ class ClusterStatus(_message.Message):
     last_hour: GoodputView
     serving: bool
     health: str
-    def __init__(self, cluster: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., last_minute: _Optional[_Union[GoodputView, _Mapping]] = ..., last_hour: _Optional[_Union[GoodputView, _Mapping]] = ..., serving: _Optional[bool] = ..., health: _Optional[str] = ...) -> None: ...
+    worker_events: _containers.RepeatedCompositeFieldContainer[WorkerEvent]
+    def __init__(self, cluster: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., last_minute: _Optional[_Union[GoodputView, _Mapping]] = ..., last_hour: _Optional[_Union[GoodputView, _Mapping]] = ..., serving: _Optional[bool] = ..., health: _Optional[str] = ..., worker_events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ...) -> None: ...

@@ -78,8 +78,11 @@ def reference(model_dir, tmp_path_factory) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def default_cluster(model_dir, tmp_path_factory):
     metrics_port = free_port()
+    # Its dead workers stay dead (the last test kills them to see the cluster unavailable); a
+    # worker started again is tested in test_disaggregated.py and the multinode tier.
     cluster = Cluster("e2e-default", topology("e2e-default", model_dir,
-                                             observability={"metrics_export_port": metrics_port}),
+                                             observability={"metrics_export_port": metrics_port},
+                                             ray={"restart_workers": False}),
                       tmp_path_factory.mktemp("default"))
     cluster.metrics_port = metrics_port
     yield cluster

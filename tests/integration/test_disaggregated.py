@@ -3,8 +3,10 @@
 Output must equal the colocated engine's, for TP 1 to TP 1, prefill TP 2 to decode TP 1 and
 prefill TP 1 to decode TP 2; a second turn must send only the blocks the decode worker lacks;
 a decode worker killed mid-transfer must leave the prefill worker serving the next request
-within its deadline, with no leaked blocks on any live worker. A constrained request's first
-token obeys its grammar on the prefill worker, and a moved one's grammar resumes where it was.
+within its deadline, with no leaked blocks on any live worker (those tests keep dead workers
+dead: ``restart_workers=False``); a killed worker is started again and serves again. A
+constrained request's first token obeys its grammar on the prefill worker, and a moved one's
+grammar resumes where it was.
 """
 
 from __future__ import annotations
@@ -201,7 +203,7 @@ def test_prefill_worker_survives_a_decode_worker_that_died_before_its_kv_landed(
 
     model_dir = checkpoint("llama")
     prompts = random_prompts([120, 30], seed=6)
-    with disaggregated(model_dir, decode_workers=2, transfer_timeout_s=10) as llm:
+    with disaggregated(model_dir, decode_workers=2, transfer_timeout_s=10, restart_workers=False) as llm:
         decode0, prefill = llm.decode[0], llm.prefill[0]
         ray_session.kill(decode0)
         started = time.monotonic()
@@ -229,10 +231,39 @@ def test_a_decode_worker_killed_mid_stream_moves_its_requests_without_losing_a_t
     assert all(llm.decisions[o.request_id].decode == "decode-1" for o in outputs)
 
 
+def test_a_killed_decode_worker_is_started_again_and_serves_again(checkpoint, ray_session):
+    """The quick start's shape (one prefill, one decode worker) on one node: its only decode
+    worker killed, a request finds no live decode worker (503) or, if it was placed before the
+    router knew, still ends cleanly; the deployment starts the worker again under its name,
+    paired with the prefill worker again, and the router that saw it dead places on it again:
+    later requests succeed with the colocated engine's tokens, their KV sent by the prefill worker."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([40, 70], seed=16)
+    expected = colocated_tokens(model_dir, prompts, greedy(8))
+    with disaggregated(model_dir) as llm:
+        assert llm.generate(prompts[:1], greedy(8))[0].token_ids == expected[0]
+        before = next(w for w in llm.worker_status() if w["name"] == "decode-0")
+        ray_session.kill(llm.deployment.workers["decode-0"])
+        meanwhile = llm.generate(prompts[:1], greedy(8))[0]
+        assert (meanwhile.error is None and meanwhile.token_ids == expected[0]) or \
+            (meanwhile.error_kind, meanwhile.error) == ("unavailable", "no live decode worker"), meanwhile.error
+        back = wait_for(lambda: next((w for w in llm.worker_status() if w["name"] == "decode-0" and w["state"] == "alive"
+                                      and w["unpaired"] == [] and w["pid"] != before["pid"]), None),
+                        timeout_s=180, what="decode-0 to start again", every_s=0.5)
+        assert back["started_at"] > before["started_at"]
+        after = llm.generate(prompts, greedy(8))
+        assert [(o.error, o.token_ids) for o in after] == [(None, e) for e in expected]
+        sent = {t.request_id: (t.decode_worker, t.blocks_sent) for t in llm.transfers}
+        assert [sent[o.request_id] for o in after] == [("decode-0", 3), ("decode-0", 5)]
+        assert llm.deployment.supervisor.restarts == 1
+        assert_no_leaks(llm)
+
+
 def served_while_decode_0_dies(ray, model_dir, prompts, params):
     """The outputs of ``prompts`` served by two decode workers, decode-0 killed once it generates
     (some request moved: checked here), and the stopped DisaggregatedLLM (its decisions, tokenizer)."""
-    with disaggregated(model_dir, decode_workers=2, policy="round_robin", num_kv_blocks=160) as llm:
+    with disaggregated(model_dir, decode_workers=2, policy="round_robin", num_kv_blocks=160,
+                       restart_workers=False) as llm:
         ids = [f"m{i}" for i in range(len(prompts))]
         for request_id, prompt in zip(ids, prompts):
             llm.engine.add_request(request_id, prompt, params)
@@ -286,7 +317,8 @@ def test_a_prefill_worker_killed_before_its_kv_lands_is_retried_on_another(check
     the dead prefill ends at its deadline and frees the blocks it reserved."""
     model_dir = checkpoint("llama")
     prompts = random_prompts([90, 25], seed=7)
-    with disaggregated(model_dir, prefill_workers=2, transfer_timeout_s=5, policy="round_robin") as llm:
+    with disaggregated(model_dir, prefill_workers=2, transfer_timeout_s=5, policy="round_robin",
+                       restart_workers=False) as llm:
         ray_session.kill(llm.prefill[0])  # the router's first round-robin turn is prefill worker 0
         outputs = llm.generate(prompts, greedy(4))
         assert [o.error for o in outputs] == [None, None]

@@ -227,6 +227,25 @@ def test_dead_and_failed_workers_are_not_candidates():
     assert [(d.prefill, d.decode) for d in (route(router, "a"), route(router, "b"))] == [("p1", "d1"), ("p1", "d1")]
 
 
+def test_a_failed_worker_is_placed_on_again_once_another_incarnation_reports():
+    """Found dead under a request, d0 stays out while its reports are those of the worker that
+    died (or none: it is being started again); a report of another incarnation (the worker its
+    deployment started in its place) brings it back, with no word from anyone else."""
+    registry = FakeRegistry({w: replace(load(w), incarnation=f"{w}-a") for w in TOPOLOGY.prefill + TOPOLOGY.decode})
+    router = Router(TOPOLOGY, registry, config("round_robin", load_refresh_s=0.1))
+    assert {route(router, f"r{i}", now=NOW + i).decode for i in range(2)} == {"d0", "d1"}
+    router.worker_failed("d0")
+    assert [route(router, f"s{i}", now=NOW + 10 + i).decode for i in range(2)] == ["d1", "d1"]
+    del registry.state["d0"]  # its heartbeat ran out
+    assert [route(router, f"t{i}", now=NOW + 20 + i).decode for i in range(2)] == ["d1", "d1"]
+    registry.state["d0"] = replace(load("d0"), incarnation="d0-b")  # started again under its name
+    assert [route(router, f"u{i}", now=NOW + 30 + i).decode for i in range(2)] == ["d0", "d1"]
+    assert router.status(NOW + 31)["failed_workers"] == []
+    router.worker_failed("d1")  # a report without an incarnation is not another one
+    registry.state["d1"] = replace(load("d1"), incarnation="")
+    assert [route(router, f"v{i}", now=NOW + 40 + i).decode for i in range(2)] == ["d0", "d0"]
+
+
 def test_registry_down_places_by_load_only_then_recovers():
     registry = FakeRegistry()
     router = Router(TOPOLOGY, registry, config("slo", registry_retry_s=1.0))

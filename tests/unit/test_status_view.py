@@ -20,10 +20,13 @@ pytestmark = pytest.mark.unit
 def message(placed: int = 7, goodput: bool = True) -> tandem_pb2.ClusterStatus:
     m = tandem_pb2.ClusterStatus(cluster="c1", model="m", serving=True)
     m.workers.add(name="prefill-0", role="prefill", state="alive", tp=2, kv_blocks_used=3, kv_blocks=64, waiting=1,
-                  running=0, receiving=0, prefix_cache_hit_rate=0.5, registry="ok")
+                  running=0, receiving=0, prefix_cache_hit_rate=0.5, registry="ok", node_id="a1b2c3d4e5f60718",
+                  node_address="10.0.0.5")
     m.workers.add(name="decode-0", role="decode", state="dead")
     m.workers.add(name="decode-1", role="decode", state="alive", tp=1, kv_blocks=64, registry="ok",
                   unpaired=["prefill-0"], pair_rebuilds=1)
+    m.worker_events.add(worker="decode-0", role="decode", event="lost", node_id="ffee00112233", node_address="10.0.0.6",
+                        node_alive=False, at=1_700_000_000.0, detail="The actor died unexpectedly")
     for i in range(2):
         r = m.routers.add(name=f"router-{i}", policy="slo", registry="ok", waiting=1, in_flight=2, placed=placed,
                           rejected=1, failed_workers=["decode-0"])
@@ -47,6 +50,10 @@ def test_status_dict_sums_the_routers_and_keeps_the_shape_of_status_json():
     workers = {w["name"]: w for w in status["workers"]}
     assert workers["prefill-0"]["kv_blocks_used"] == 3 and workers["prefill-0"]["tp"] == 2
     assert workers["decode-0"]["state"] == "dead"
+    assert (workers["prefill-0"]["node_id"], workers["prefill-0"]["node_address"]) == ("a1b2c3d4e5f60718", "10.0.0.5")
+    assert status["worker_events"] == [{"worker": "decode-0", "role": "decode", "event": "lost",
+                                        "node_id": "ffee00112233", "node_address": "10.0.0.6", "node_alive": False,
+                                        "at": 1_700_000_000.0, "detail": "The actor died unexpectedly"}]
     minute = status["goodput"]["last_minute"]
     assert minute["cluster"]["requests"] == 4 and minute["classes"]["standard"]["mean_ttft_s"] == 0.2
     assert minute["classes"]["standard"]["mean_tpot_s"] is None
@@ -56,8 +63,10 @@ def test_status_dict_sums_the_routers_and_keeps_the_shape_of_status_json():
 def test_format_status_lists_workers_health_and_goodput():
     text = format_status(status_dict(message(), api="127.0.0.1:1"))
     assert "cluster c1: model m; API 127.0.0.1:1; dashboard off; serving" in text
-    assert "prefill-0  prefill  2   alive  3/64" in text
-    assert "decode-0   decode   -   dead" in text
+    assert "prefill-0  prefill  2   alive  a1b2c3d4@10.0.0.5  3/64" in text
+    assert "decode-0   decode   -   dead   -" in text
+    assert ("  2023-11-14 22:13:20 UTC: decode-0 lost on node ffee00112233 (10.0.0.6), the node went with it: "
+            "The actor died unexpectedly") in text.splitlines()
     assert "decode-1: takes no KV from prefill-0 now (rebuilding the transfer group)" in text
     assert "last minute: 4 requests, goodput 0.05/s, SLO attainment 75%" in text
     assert "  standard: 4 requests, goodput 0.05/s, attainment 75%, mean TTFT 200 ms, mean TPOT -" in text

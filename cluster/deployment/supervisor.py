@@ -1,0 +1,202 @@
+"""A deployment's watch over its workers (``ray.restart_workers``): a worker that dies is started
+again in its place, without restarting the cluster.
+
+Each worker has a ``lifetime()`` call kept pending: it returns when the worker is shut down, and
+fails as soon as Ray finds the worker dead (its process killed, or its node gone with
+everything on it). For a dead worker the supervisor
+
+1. records it lost in the registry (``cluster/registry/worker_events.py``: the worker, its node,
+   whether the node went too, when) and drops its heartbeat, load report and KV blocks there at
+   once, so routers and ``tandem status`` see it gone without waiting for its heartbeat;
+2. removes its placement group (freeing what it held on a node that lives on) and asks for a
+   new one, which Ray places once some node has room (a node that came back, or a new one);
+   meanwhile the worker stays dead, and is not placed on;
+3. starts the worker under its name, with its settings, in the new group, and pairs it with its
+   KV transfer peers through new groups (each decode worker builds its pairs: ``pair_with``);
+4. records it started again. Routers place on it once it reports: a worker they found dead
+   comes back when its report shows another incarnation (``router/router.py``).
+
+Each restart runs on a thread of its own (one may wait long for a node); restarts pair under
+one lock, so two workers lost together (a prefill and a decode worker of one node) are paired
+with each other by whichever comes up last.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+
+from cluster.registry.kv_index import KVIndexReader
+from cluster.registry.reporter import connect
+from cluster.registry.worker_events import LOST, RESTARTED, WorkerEvent, record_event
+from cluster.runtime.ray_node import NodePlace
+
+POLL_S = 0.5  # how often the pending lifetime calls are looked at
+START_TIMEOUT_S = 300.0  # a worker started again that is not up by then is started once more
+RETRY_S = (1.0, 2.0, 5.0, 10.0)  # between attempts to start a worker again, the last repeated
+NAME_WAIT_S = 60.0  # for Ray to free a dead worker's name
+
+
+class Supervisor:
+    def __init__(self, deployment):
+        self.deployment = deployment
+        self.ray = deployment._ray
+        self.restarts = 0  # workers started again since the deployment started
+        self.restarting: set[str] = set()  # dead workers not yet up again
+        self._generations = itertools.count(1)  # names new transfer groups, unique for the deployment's life
+        self._watches: dict[object, str] = {}  # pending lifetime() call -> worker name
+        self._lock = threading.Lock()  # the watches and the restarting set
+        self._pairing = threading.Lock()  # held by a restart while it pairs its worker
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._thread = threading.Thread(target=self._run, name="tandem-supervisor", daemon=True)
+
+    def start(self) -> "Supervisor":
+        for name in self.deployment.workers:
+            self._watch(name)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops watching (the deployment is stopping its workers) and abandons restarts in progress."""
+        self._stop.set()
+        for thread in [self._thread, *self._threads]:
+            if thread.is_alive():
+                thread.join(timeout=30)
+
+    def _watch(self, name: str) -> None:
+        with self._lock:
+            self._watches[self.deployment.workers[name].lifetime.remote()] = name
+
+    def _run(self) -> None:
+        ray = self.ray
+        while not self._stop.is_set():
+            with self._lock:
+                pending = list(self._watches)
+            if not pending:
+                self._stop.wait(POLL_S)
+                continue
+            ended, _ = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            for ref in ended:
+                with self._lock:
+                    name = self._watches.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    if not self._stop.is_set():
+                        self._lost(name, exc)
+                # A lifetime call that returned: the worker was shut down on purpose.
+
+    # -- one worker lost -------------------------------------------------------------------------
+
+    def _lost(self, name: str, error: Exception) -> None:
+        deployment = self.deployment
+        node = deployment.nodes.get(name, NodePlace())
+        node_alive = any(n["NodeID"] == node.node_id and n["Alive"] for n in self.ray.nodes())
+        detail = _first_line(error)
+        event = WorkerEvent(name, deployment.pool_of(name).role, LOST, node.node_id, node.address, node_alive,
+                            detail=detail)
+        self._registry(lambda client: (KVIndexReader(client, deployment.cluster_name).forget(name),
+                                       record_event(client, deployment.cluster_name, event)))
+        gone = "" if node_alive else " (its node is gone)"
+        _log(f"{name} lost on node {node}{gone}; starting it again once a node has room for it")
+        with self._lock:
+            self.restarting.add(name)
+        thread = threading.Thread(target=self._restart, args=(name,), name=f"restart-{name}", daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _restart(self, name: str) -> None:
+        """Places, starts and pairs the worker again, trying until it is up or the deployment stops."""
+        deployment, ray = self.deployment, self.ray
+        started = time.monotonic()
+        for attempt in itertools.count():
+            group = self._placed_group(name)
+            if group is None:
+                return
+            try:
+                worker = self._launch(name, group)
+                ray.get(worker.started.remote(), timeout=START_TIMEOUT_S)
+            except ray.exceptions.RayError as exc:  # it died again (its node too, perhaps), or never came up
+                _log(f"{name} did not start again: {_first_line(exc)}; trying again")
+                try:
+                    ray.kill(deployment.workers[name], no_restart=True)
+                except Exception:  # noqa: BLE001 - it is gone already
+                    pass
+                if self._stop.wait(RETRY_S[min(attempt, len(RETRY_S) - 1)]):
+                    return
+                continue
+            if self._stop.is_set():
+                return
+            self._pair(name)
+            break
+        node = deployment.nodes[name]
+        self.restarts += 1
+        self._registry(lambda client: record_event(client, deployment.cluster_name, WorkerEvent(
+            name, deployment.pool_of(name).role, RESTARTED, node.node_id, node.address)))
+        _log(f"{name} started again on node {node} after {time.monotonic() - started:.1f}s")
+        self._watch(name)
+
+    def _placed_group(self, name: str):
+        """A new placement group for the worker in place of its old one, once Ray placed it
+        (None if the deployment stops first)."""
+        from ray.util.placement_group import remove_placement_group
+
+        deployment = self.deployment
+        old = deployment.placement_groups.pop(name, None)
+        if old is not None:
+            remove_placement_group(old)
+        group = deployment.placement_groups[name] = deployment.placement_group(name)
+        while not group.wait(POLL_S):
+            if self._stop.is_set():
+                return None
+        return group
+
+    def _launch(self, name: str, group):
+        """The worker started in ``group``, once Ray has freed its name (a dead actor's name is
+        released a moment after its death is known)."""
+        deadline = time.monotonic() + NAME_WAIT_S
+        while True:
+            try:
+                return self.deployment.launch(name, group)
+            except ValueError:  # "The name ... is already taken"
+                if time.monotonic() > deadline or self._stop.wait(0.2):
+                    raise self.ray.exceptions.RayError(f"the name {name} was not freed") from None
+
+    def _pair(self, name: str) -> None:
+        """Pairs a worker started again with each of its peers that is up (a peer still
+        restarting pairs with it when its own turn comes). A pair that cannot be built now (its
+        peer died meanwhile) is left to that peer's restart."""
+        deployment, ray = self.deployment, self.ray
+        with self._pairing:
+            with self._lock:
+                self.restarting.discard(name)
+                pairs = [(p, d) for p, d in deployment.pairs(name)
+                         if p not in self.restarting and d not in self.restarting]
+            for (p, d), (_, ref) in zip(pairs, deployment.pair_calls(pairs, generation=next(self._generations))):
+                try:
+                    ray.get(ref, timeout=120)
+                except (ray.exceptions.RayError, ValueError) as exc:
+                    _log(f"the KV transfer group of {p} and {d} was not built ({_first_line(exc)})")
+
+    def _registry(self, write) -> None:
+        deployment = self.deployment
+        try:
+            client = connect(deployment.registry_url)
+            try:
+                write(client)
+            finally:
+                client.close()
+        except Exception as exc:  # noqa: BLE001 - the registry being down never stops a restart
+            _log(f"could not write to the registry: {_first_line(exc)}")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def _log(message: str) -> None:
+    print(f"[tandem] {message}", file=sys.stderr, flush=True)

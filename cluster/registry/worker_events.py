@@ -1,0 +1,61 @@
+"""What happened to the cluster's workers: each one lost (its actor died, alone or with its
+node) and each one started again in its place, with its node and when. The deployment that
+watches its workers (``cluster/deployment/supervisor.py``) writes them; ``tandem status`` shows
+them (through an ingress replica, which reads them here).
+
+One Redis list of JSON records, newest first, capped at ``EVENTS_KEPT``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from cluster.registry.keys import Keys
+
+EVENTS_KEPT = 200
+LOST, RESTARTED = "lost", "restarted"
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    worker: str
+    role: str
+    event: str  # LOST or RESTARTED
+    node_id: str  # lost: the node it ran on; restarted: the node it runs on now
+    node_address: str
+    node_alive: bool = True  # lost: whether its node is still in the cluster (False: the node went with it)
+    at: float = field(default_factory=time.time)
+    detail: str = ""  # why it was lost, as Ray said
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "WorkerEvent":
+        return cls(**json.loads(raw))
+
+    def line(self) -> str:
+        """One line for ``tandem status``."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.at))
+        node = f"node {self.node_id[:12]} ({self.node_address})" if self.node_id else "an unknown node"
+        if self.event == LOST:
+            gone = ", the node went with it" if not self.node_alive else ""
+            return f"{when}: {self.worker} lost on {node}{gone}" + (f": {self.detail}" if self.detail else "")
+        return f"{when}: {self.worker} started again on {node}"
+
+
+def record_event(client: redis.Redis, cluster: str, event: WorkerEvent) -> None:
+    key = Keys(cluster).worker_events
+    pipe = client.pipeline(transaction=True)
+    pipe.lpush(key, event.to_json())
+    pipe.ltrim(key, 0, EVENTS_KEPT - 1)
+    pipe.execute()
+
+
+def read_events(client: redis.Redis, cluster: str, limit: int = 20) -> list[WorkerEvent]:
+    """The latest ``limit`` events, newest first."""
+    return [WorkerEvent.from_json(raw) for raw in client.lrange(Keys(cluster).worker_events, 0, limit - 1)]

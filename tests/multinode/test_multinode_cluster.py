@@ -1,0 +1,221 @@
+"""A real multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a raylet per node,
+all on 127.0.0.1, told apart by custom resources; token authentication on), with topologies that
+pin the prefill and decode pools to nodes through ``node.resources``.
+
+- Prefill on one node, decode on another: the greedy tokens are the colocated engine's (and the
+  transformers reference's); every prompt's KV crossed from one node to the other; each worker's
+  status, registry record and ``tandem status`` name its node, and the decode worker's stream is
+  reached at its node's address.
+- Two decode nodes, one removed mid-stream (its raylet and every worker on it killed): every
+  stream completes with the tokens of an undisturbed run; the registry drops the dead node's
+  worker and blocks; routers place on the survivor; ``tandem status`` says which worker and node
+  went and when. A node added back is placed on: the lost worker starts again there, paired with
+  the prefill worker again, and serves requests with exact tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from cluster.engine.sampling_params import SamplingParams
+from cluster.offline.disaggregated import DisaggregatedLLM, PoolResources
+from cluster.registry.keys import Keys
+from cluster.registry.kv_index import KVIndexReader
+from cluster.registry.load import read_loads
+from cluster.registry.reporter import connect
+from cluster.registry.worker_events import read_events
+from conftest import random_prompts, wait_for
+from reference_checks import MAX_TOKENS, PROMPT_LENGTHS, assert_equivalent, reference_greedy, run_batch
+
+pytestmark = pytest.mark.multinode
+
+CLUSTER = "tandem-multinode-tests"
+BLOCKS = 64
+NODE = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 * 1024**2, include_dashboard=False)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A head node (the driver's: no worker is pinned to it) and a node for prefill workers
+    (resource ``prefill_node``); tests add and remove the other nodes. Token authentication is
+    on, as on every Ray that Tandem starts."""
+    os.environ.setdefault("RAY_worker_niceness", "0")  # read by each raylet started here (as ensure_ray does)
+    import ray
+    from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():  # another tier's Ray in this process: this one is a cluster of its own
+        ray.shutdown()
+    enable_token_auth_by_default()
+    cluster = Cluster(initialize_head=True, head_node_args=NODE)
+    try:
+        nodes = {"prefill": cluster.add_node(**NODE, resources={"prefill_node": 1})}
+        ray.init(address=cluster.address, namespace=CLUSTER, log_to_driver=False)
+        assert is_token_auth_enabled()
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def disaggregated(model_dir, cluster, decode_resources, **kwargs) -> DisaggregatedLLM:
+    kwargs = {"num_kv_blocks": BLOCKS, "max_num_batched_tokens": 96, "verbose": False,
+              "local_prefill_max_tokens": 0, "num_threads": 1, **kwargs}  # every prompt's KV travels
+    pools = {"prefill": PoolResources(resources=(("prefill_node", 0.01),)),
+             "decode": PoolResources(resources=decode_resources)}
+    return DisaggregatedLLM.from_args(str(model_dir), cluster_name=CLUSTER, ray_address=cluster.address, pools=pools,
+                                      **kwargs)
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def colocated_tokens(model_dir, prompts, params) -> list[list[int]]:
+    from cluster.offline.llm import LLM
+
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=256) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def cluster_status(llm: DisaggregatedLLM) -> dict:
+    """``tandem status --json`` of this deployment, read as an ingress replica answers it."""
+    from cluster.cli.status import status_dict
+    from cluster.ingress.health import HealthMonitor
+    from cluster.ingress.status import read_status
+
+    async def read():
+        monitor = HealthMonitor(llm.path)
+        await monitor.check_now()
+        return await read_status(monitor)
+
+    return status_dict(llm._on_loop(read()))
+
+
+def test_prefill_and_decode_on_different_nodes_give_the_colocated_tokens(checkpoint, reference_model, ray_cluster):
+    cluster, nodes = ray_cluster
+    decode_node = cluster.add_node(**NODE, resources={"decode_node": 1})
+    model_dir = checkpoint("llama")
+    prompts = random_prompts(PROMPT_LENGTHS, seed=1)
+    try:
+        with disaggregated(model_dir, cluster, (("decode_node", 0.01),)) as llm:
+            outputs = llm.generate(prompts, greedy())
+            assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(prompts)
+            assert [o.token_ids for o in outputs] == run_batch(model_dir).tokens
+            reference = reference_model(model_dir)
+            for prompt, output in zip(prompts, outputs):
+                expected, scores = reference_greedy(reference, prompt, MAX_TOKENS)
+                assert_equivalent(output.token_ids, expected, scores, __import__("torch").float32, "multinode")
+            # Every prompt's KV crossed from the prefill node to the decode node.
+            sent = {t.request_id: (t.prefill_worker, t.decode_worker, t.blocks_sent) for t in llm.transfers}
+            assert [sent[o.request_id] for o in outputs] == [("prefill-0", "decode-0", -(-n // 16))
+                                                            for n in PROMPT_LENGTHS]
+            where = {nodes["prefill"].node_id: "prefill-0", decode_node.node_id: "decode-0"}
+            # Each worker's status, registry record and `tandem status` row name its node.
+            statuses = {w["name"]: w for w in llm.worker_status()}
+            assert {w["node_id"]: n for n, w in statuses.items()} == where
+            assert all(w["node_address"] == "127.0.0.1" for w in statuses.values())
+            registry = connect(llm.registry_url)
+            loads = read_loads(registry, CLUSTER, ["prefill-0", "decode-0"])
+            registry.close()
+            assert {load.node_id: name for name, load in loads.items()} == where
+            status = cluster_status(llm)
+            assert {w["node_id"]: w["name"] for w in status["workers"]} == where
+            from cluster.cli.status import format_status
+
+            text = format_status(status)
+            assert f"decode-0   decode   1   alive  {decode_node.node_id[:8]}@127.0.0.1" in text
+            # The decode worker's stream listens on its node's address.
+            assert llm.path._addresses["decode-0"].rpartition(":")[0] == decode_node.node_ip_address
+    finally:
+        cluster.remove_node(decode_node)
+
+
+def test_a_decode_node_lost_mid_stream_then_added_back(checkpoint, ray_cluster):
+    """Two decode nodes (one decode worker each: a rank takes a node's whole ``decode_pool``);
+    the node of decode-0 is removed while it streams."""
+    cluster, nodes = ray_cluster
+    decode_nodes = [cluster.add_node(**NODE, resources={"decode_pool": 1}) for _ in range(2)]
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([30, 45, 20, 60], seed=12)
+    params = greedy(300)
+    expected = colocated_tokens(model_dir, prompts, params)
+    later = random_prompts([25, 40], seed=13)
+    expected_later = colocated_tokens(model_dir, later, greedy(16))
+    added = []
+    try:
+        with disaggregated(model_dir, cluster, (("decode_pool", 1.0),), decode_workers=2, policy="round_robin",
+                           num_kv_blocks=160) as llm:
+            node_of = {w["name"]: w["node_id"] for w in llm.worker_status()}
+            lost = next(n for n in decode_nodes if n.node_id == node_of["decode-0"])
+            assert node_of["decode-1"] != lost.node_id
+            ids = [f"m{i}" for i in range(len(prompts))]
+            for request_id, prompt in zip(ids, prompts):
+                llm.engine.add_request(request_id, prompt, params)
+
+            def frozen_while_generating() -> bool:
+                """decode-0 stopped (SIGSTOP) as soon as it generates: its streams are all mid-way
+                when its node goes, however quickly it decodes and the node is torn down."""
+                worker = next(w for w in llm.worker_status() if w["name"] == "decode-0")
+                if worker.get("running"):
+                    os.kill(worker["pid"], signal.SIGSTOP)
+                return bool(worker.get("running"))
+
+            wait_for(frozen_while_generating, timeout_s=120, what="decode-0 to be generating", every_s=0.01)
+            cluster.remove_node(lost, allow_graceful=False)  # its raylet and every process on it killed
+            outputs = llm.run_until_done(ids)
+            assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(prompts)
+            assert [o.token_ids for o in outputs] == expected
+            assert any(llm.migrations.get(i) for i in ids), "no request moved: nothing was tested"
+
+            # The registry holds no worker or block of the dead node once its heartbeat is out.
+            registry = connect(llm.registry_url)
+            index = KVIndexReader(registry, CLUSTER)
+
+            def dead_node_gone() -> bool:
+                loads = read_loads(registry, CLUSTER, ["prefill-0", "decode-0", "decode-1"])
+                held = [k for k in registry.scan_iter(Keys(CLUSTER).block("*")) if registry.sismember(k, "decode-0")]
+                return ("decode-0" not in index.alive_workers() and "decode-0" not in loads and not held
+                        and not registry.exists(Keys(CLUSTER).worker_blocks("decode-0"))
+                        and all(load.node_id != lost.node_id for load in loads.values()))
+
+            wait_for(dead_node_gone, timeout_s=30, what="the dead node's worker and blocks to leave the registry")
+            # Routers place on the survivor only, and `tandem status` says which worker and node went, and when.
+            after = llm.generate(later, greedy(16))
+            assert [(o.error, o.token_ids) for o in after] == [(None, e) for e in expected_later]
+            assert {llm.decisions[o.request_id].decode for o in after} == {"decode-1"}
+            status = cluster_status(llm)
+            lost_events = [e for e in status["worker_events"] if e["event"] == "lost"]
+            assert [(e["worker"], e["node_id"]) for e in lost_events] == [("decode-0", lost.node_id)]
+            assert {w["name"]: w["state"] for w in status["workers"]}["decode-0"] == "dead"
+            from cluster.cli.status import format_status
+
+            assert f"decode-0 lost on node {lost.node_id[:12]} (127.0.0.1)" in format_status(status)
+
+            # A node added back: decode-0 starts again there, is paired again and is placed on.
+            added.append(cluster.add_node(**NODE, resources={"decode_pool": 1}))
+            back = wait_for(lambda: next((w for w in llm.worker_status() if w["name"] == "decode-0"
+                                          and w["state"] == "alive" and w["unpaired"] == []), None),
+                            timeout_s=180, what="decode-0 to start again on the new node", every_s=0.5)
+            assert back["node_id"] == added[0].node_id
+            assert "decode-0" in llm.router_status()["failed_workers"]  # found dead under a request
+            # The router reads the new worker's report with the next placement, and places on it again.
+            again = llm.generate(later * 2, greedy(16))
+            assert [(o.error, o.token_ids) for o in again] == [(None, e) for e in expected_later * 2]
+            served = {llm.decisions[o.request_id].decode for o in again}
+            assert served == {"decode-0", "decode-1"}  # round robin over both again
+            on_new = [t for t in llm.transfers if t.decode_worker == "decode-0" and t.request_id in
+                      {o.request_id for o in again}]
+            assert on_new and all(t.prefill_worker == "prefill-0" and t.blocks_sent > 0 for t in on_new)
+            events = read_events(registry, CLUSTER)
+            registry.close()
+            assert [(e.worker, e.event, e.node_id) for e in events] == [
+                ("decode-0", "restarted", added[0].node_id), ("decode-0", "lost", lost.node_id)]
+            assert events[0].at > events[1].at
+    finally:
+        for node in added + [n for n in decode_nodes if n in cluster.worker_nodes]:
+            cluster.remove_node(node)
