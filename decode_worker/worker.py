@@ -141,6 +141,12 @@ class DecodeWorker(EngineWorker):
         self._peers = dict(peers)
         self._tags = {pair: self._tags.get(pair) or itertools.count() for pair in peers.values()}
 
+    async def unpair(self, prefill: str) -> None:
+        """Takes no KV from ``prefill`` until ``pair_with`` pairs it again (it died: the one
+        started in its place has none of the old group), and says so in its report."""
+        if prefill in self._peers:
+            self._set_unpaired(self._unpaired | {prefill})
+
     async def pair_with(self, prefill: str, layout, spec) -> None:
         """Builds this worker's transfer group with the prefill worker ``prefill`` (named
         ``spec.name``, rendezvous at the prefill worker's node), both sides at once, and takes KV

@@ -40,6 +40,10 @@ class PrefillWorker(EngineWorker):
                 target: TransferTarget, resumed_tokens: int = 0) -> PrefillResult:
         """``resumed_tokens``: the prompt's last tokens are output an earlier placement streamed
         (a constrained request's first token here obeys its grammar past them)."""
+        if target.pair not in self.pairs_joined:  # started again, and not paired with that decode worker yet
+            return PrefillResult(request_id=request_id, first_token=None, prompt_tokens=len(prompt_token_ids),
+                                 cached_tokens=0, blocks_sent=0,
+                                 error=f"{self.name} has no KV transfer group {target.pair} (not paired yet)")
         done = threading.Event()
         with self._lock:
             try:

@@ -523,6 +523,12 @@ class Router:
             self._residual[path] = (current + RESIDUAL_WEIGHT * (residual - current), now)
         return decision
 
+    def incarnation(self, worker: str) -> str:
+        """The incarnation of ``worker`` in its latest report read ("" before any): another one
+        is the worker started again under its name."""
+        seen = self._last_seen.get(worker)
+        return seen[0].incarnation if seen else ""
+
     def worker_failed(self, worker: str) -> None:
         """A call to ``worker`` failed: no placement goes to it until it returns, told by
         ``worker_returned`` or seen in a report of another incarnation (started again)."""

@@ -228,6 +228,9 @@ class RouterService:
     def worker_failed(self, worker: str) -> None:
         self.router.worker_failed(worker)
 
+    def incarnation(self, worker: str) -> str:
+        return self.router.incarnation(worker)
+
     def worker_returned(self, worker: str) -> None:
         """A worker marked failed answers again (started anew under its name): place on it again."""
         self.router.worker_returned(worker)

@@ -5,9 +5,12 @@ Each worker has a ``lifetime()`` call kept pending: it returns when the worker i
 fails as soon as Ray finds the worker dead (its process killed, or its node gone with
 everything on it). For a dead worker the supervisor
 
-1. records it lost in the registry (``cluster/registry/worker_events.py``: the worker, its node,
-   whether the node went too, when) and drops its heartbeat, load report and KV blocks there at
-   once, so routers and ``tandem status`` see it gone without waiting for its heartbeat;
+1. kills what is left of it (fencing: a worker only cut off must not come back beside the one
+   started in its place; Ray frees its name then), records it lost in the registry
+   (``cluster/registry/worker_events.py``: the worker, its node, when) and drops its heartbeat,
+   load report and KV blocks there at once, so routers and ``tandem status`` see it gone without
+   waiting for its heartbeat; a prefill worker's decode workers stop taking KV from its name;
+   once Ray finds its node dead (if it is), that is recorded too;
 2. removes its placement group (freeing what it held on a node that lives on) and asks for a
    new one, which Ray places once some node has room (a node that came back, or a new one);
    meanwhile the worker stays dead, and is not placed on;
@@ -30,13 +33,14 @@ import time
 
 from cluster.registry.kv_index import KVIndexReader
 from cluster.registry.reporter import connect
-from cluster.registry.worker_events import LOST, RESTARTED, WorkerEvent, record_event
+from cluster.registry.worker_events import LOST, NODE_LOST, RESTARTED, WorkerEvent, record_event
 from cluster.runtime.ray_node import NodePlace
 
 POLL_S = 0.5  # how often the pending lifetime calls are looked at
 START_TIMEOUT_S = 300.0  # a worker started again that is not up by then is started once more
 RETRY_S = (1.0, 2.0, 5.0, 10.0)  # between attempts to start a worker again, the last repeated
 NAME_WAIT_S = 60.0  # for Ray to free a dead worker's name
+NODE_WAIT_S = 120.0  # for Ray to find the node of a lost worker dead, if it is
 
 
 class Supervisor:
@@ -46,6 +50,7 @@ class Supervisor:
         self.restarts = 0  # workers started again since the deployment started
         self.restarting: set[str] = set()  # dead workers not yet up again
         self._generations = itertools.count(1)  # names new transfer groups, unique for the deployment's life
+        self._nodes_watched: set[str] = set()  # nodes of lost workers, watched once each
         self._watches: dict[object, str] = {}  # pending lifetime() call -> worker name
         self._lock = threading.Lock()  # the watches and the restarting set
         self._pairing = threading.Lock()  # held by a restart while it pairs its worker
@@ -92,21 +97,46 @@ class Supervisor:
     # -- one worker lost -------------------------------------------------------------------------
 
     def _lost(self, name: str, error: Exception) -> None:
-        deployment = self.deployment
+        deployment, ray = self.deployment, self.ray
+        try:  # fenced: one only unreachable must not come back beside the worker started in its place
+            ray.kill(deployment.workers[name], no_restart=True)  # (and Ray frees its name only once it is killed)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
         node = deployment.nodes.get(name, NodePlace())
-        node_alive = any(n["NodeID"] == node.node_id and n["Alive"] for n in self.ray.nodes())
-        detail = _first_line(error)
-        event = WorkerEvent(name, deployment.pool_of(name).role, LOST, node.node_id, node.address, node_alive,
-                            detail=detail)
+        event = WorkerEvent(name, deployment.pool_of(name).role, LOST, node.node_id, node.address,
+                            detail=_first_line(error))
         self._registry(lambda client: (KVIndexReader(client, deployment.cluster_name).forget(name),
                                        record_event(client, deployment.cluster_name, event)))
-        gone = "" if node_alive else " (its node is gone)"
-        _log(f"{name} lost on node {node}{gone}; starting it again once a node has room for it")
+        if event.role == "prefill":  # its decode workers take no KV from its name until it is paired again
+            for _, decode in deployment.pairs(name):
+                try:
+                    ray.get(deployment.workers[decode].unpair.remote(name), timeout=10)
+                except ray.exceptions.RayError:
+                    pass  # dead too, or too busy: a transfer to the new one fails, and the pair is rebuilt
+        _log(f"{name} lost on node {node}; starting it again once a node has room for it")
         with self._lock:
             self.restarting.add(name)
-        thread = threading.Thread(target=self._restart, args=(name,), name=f"restart-{name}", daemon=True)
+            watch_node = node.node_id and node.node_id not in self._nodes_watched
+            self._nodes_watched.add(node.node_id)
+        self._spawn(self._restart, name)
+        if watch_node:
+            self._spawn(self._node_gone, node)
+
+    def _spawn(self, target, arg) -> None:
+        thread = threading.Thread(target=target, args=(arg,), name=f"supervisor-{target.__name__}", daemon=True)
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
+
+    def _node_gone(self, node: NodePlace) -> None:
+        """Records the node of a lost worker as gone if Ray finds it dead within ``NODE_WAIT_S``
+        (its health checks take a while); a node that lives on is left unsaid."""
+        deadline = time.monotonic() + NODE_WAIT_S
+        while not self._stop.wait(1.0) and time.monotonic() < deadline:
+            if not any(n["NodeID"] == node.node_id and n["Alive"] for n in self.ray.nodes()):
+                _log(f"node {node} left the cluster")
+                self._registry(lambda client: record_event(client, self.deployment.cluster_name, WorkerEvent(
+                    "", "", NODE_LOST, node.node_id, node.address)))
+                return
 
     def _restart(self, name: str) -> None:
         """Places, starts and pairs the worker again, trying until it is up or the deployment stops."""

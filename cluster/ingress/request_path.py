@@ -165,6 +165,7 @@ class RequestPath:
                 pass  # gone already: a placement on it fails like one on a worker that died later
         self.streams = StreamClient(info.stream_token)
         self._addresses: dict[str, str] = {}  # generating worker -> its stream's address
+        self._address_incarnation: dict[str, str] = {}  # ... and the worker's incarnation when it was looked up
         self.active: dict[str, Journey] = {}
 
     async def start(self) -> None:
@@ -179,16 +180,23 @@ class RequestPath:
         await self.router.stop()
 
     async def stream_address(self, name: str) -> str:
-        """Where the named generating worker takes requests (one Ray call, the first time)."""
+        """Where the named generating worker takes requests (one Ray call, the first time, and
+        again once the registry shows it started again under its name: its handle and stream
+        are the new worker's)."""
+        incarnation = self.router.incarnation(name)
+        if self._address_incarnation.get(name, incarnation) != incarnation:
+            self.forget_worker(name)
         address = self._addresses.get(name)
         if address is None:
             address = self._addresses[name] = await self.worker(name).open_stream.remote(self.info.stream_token)
+            self._address_incarnation[name] = incarnation
         return address
 
     def forget_worker(self, name: str) -> None:
         """Drops a worker's handle and stream (it died): the next lookup finds whatever runs
         under its name."""
         self._workers.pop(name, None)
+        self._address_incarnation.pop(name, None)
         address = self._addresses.pop(name, None)
         if address is not None:
             self.streams.forget(address)

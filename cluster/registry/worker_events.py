@@ -1,5 +1,6 @@
 """What happened to the cluster's workers: each one lost (its actor died, alone or with its
-node) and each one started again in its place, with its node and when. The deployment that
+node), each one started again in its place, and each node of a lost worker that left the
+cluster, with the node and when. The deployment that
 watches its workers (``cluster/deployment/supervisor.py``) writes them; ``tandem status`` shows
 them (through an ingress replica, which reads them here).
 
@@ -17,17 +18,16 @@ import redis
 from cluster.registry.keys import Keys
 
 EVENTS_KEPT = 200
-LOST, RESTARTED = "lost", "restarted"
+LOST, RESTARTED, NODE_LOST = "lost", "restarted", "node_lost"
 
 
 @dataclass(frozen=True)
 class WorkerEvent:
-    worker: str
+    worker: str  # "" for NODE_LOST
     role: str
-    event: str  # LOST or RESTARTED
-    node_id: str  # lost: the node it ran on; restarted: the node it runs on now
+    event: str  # LOST, RESTARTED or NODE_LOST
+    node_id: str  # lost: the node it ran on; restarted: the node it runs on now; node_lost: the node
     node_address: str
-    node_alive: bool = True  # lost: whether its node is still in the cluster (False: the node went with it)
     at: float = field(default_factory=time.time)
     detail: str = ""  # why it was lost, as Ray said
 
@@ -42,9 +42,10 @@ class WorkerEvent:
         """One line for ``tandem status``."""
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.at))
         node = f"node {self.node_id[:12]} ({self.node_address})" if self.node_id else "an unknown node"
+        if self.event == NODE_LOST:
+            return f"{when}: {node} left the cluster"
         if self.event == LOST:
-            gone = ", the node went with it" if not self.node_alive else ""
-            return f"{when}: {self.worker} lost on {node}{gone}" + (f": {self.detail}" if self.detail else "")
+            return f"{when}: {self.worker} lost on {node}" + (f": {self.detail}" if self.detail else "")
         return f"{when}: {self.worker} started again on {node}"
 
 

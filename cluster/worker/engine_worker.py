@@ -91,6 +91,7 @@ class EngineWorker:
         self.engine = LLMEngine(config, verbose=False, make_runner=engine_runner(kv_port=TransferAgent),
                                 fault_kv_in_background=True)
         self.name = config.engine_name
+        self.pairs_joined: set[str] = set()  # the transfer groups (pair names) this worker has joined
         self.node = this_node()
         self.incarnation = this_incarnation()
         self.started_at = time.time()
@@ -150,6 +151,7 @@ class EngineWorker:
     def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
         """Joins the transfer group shared with one worker of the other role (every TP rank)."""
         self.engine.runner.join_transfer(layout, spec, self.prefill_side)
+        self.pairs_joined.add(layout.name)
 
     def status(self) -> dict:
         """What ``tandem status`` shows of this worker. Its state is ``alive`` while the thread

@@ -305,13 +305,12 @@ class WorkerStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., started_at: _Optional[float] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
-    __slots__ = ("worker", "role", "event", "node_id", "node_address", "node_alive", "at", "detail")
+    __slots__ = ("worker", "role", "event", "node_id", "node_address", "at", "detail")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    NODE_ALIVE_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     worker: str
@@ -319,10 +318,9 @@ class WorkerEvent(_message.Message):
     event: str
     node_id: str
     node_address: str
-    node_alive: bool
     at: float
     detail: str
-    def __init__(self, worker: _Optional[str] = ..., role: _Optional[str] = ..., event: _Optional[str] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., node_alive: _Optional[bool] = ..., at: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker: _Optional[str] = ..., role: _Optional[str] = ..., event: _Optional[str] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., at: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Speculation(_message.Message):
     __slots__ = ("method", "num_tokens", "adaptive", "proposed_tokens", "accepted_tokens", "verify_steps", "acceptance_rate", "tokens_per_verify")

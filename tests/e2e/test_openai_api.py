@@ -52,7 +52,8 @@ def model_dir(checkpoint, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai")
-    spec = topology("e2e-openai", model_dir, server={"auth_token_env": "E2E_OPENAI_TOKEN"}, kv={"num_blocks": 160})
+    spec = topology("e2e-openai", model_dir, server={"auth_token_env": "E2E_OPENAI_TOKEN"}, kv={"num_blocks": 160},
+                    ray={"restart_workers": False})  # the last test kills the decode worker to see a 503
     cluster = Cluster("e2e-openai", spec, tmp, env={"E2E_OPENAI_TOKEN": TOKEN})
     yield cluster
     if (cluster.cache / "clusters" / "e2e-openai.json").exists():

@@ -236,10 +236,11 @@ def test_a_killed_decode_worker_is_started_again_and_serves_again(checkpoint, ra
     worker killed, a request finds no live decode worker (503) or, if it was placed before the
     router knew, still ends cleanly; the deployment starts the worker again under its name,
     paired with the prefill worker again, and the router that saw it dead places on it again:
-    later requests succeed with the colocated engine's tokens, their KV sent by the prefill worker."""
+    later requests succeed with the colocated engine's tokens, their KV sent by the prefill worker.
+    Then the prefill worker is killed: started again, the decode worker pairs with it anew."""
     model_dir = checkpoint("llama")
-    prompts = random_prompts([40, 70], seed=16)
-    expected = colocated_tokens(model_dir, prompts, greedy(8))
+    prompts, others = random_prompts([40, 70], seed=16), random_prompts([50, 33], seed=17)
+    expected, expected_others = (colocated_tokens(model_dir, p, greedy(8)) for p in (prompts, others))
     with disaggregated(model_dir) as llm:
         assert llm.generate(prompts[:1], greedy(8))[0].token_ids == expected[0]
         before = next(w for w in llm.worker_status() if w["name"] == "decode-0")
@@ -251,12 +252,35 @@ def test_a_killed_decode_worker_is_started_again_and_serves_again(checkpoint, ra
                                       and w["unpaired"] == [] and w["pid"] != before["pid"]), None),
                         timeout_s=180, what="decode-0 to start again", every_s=0.5)
         assert back["started_at"] > before["started_at"]
+        paired_in_registry(llm, "decode-0")
         after = llm.generate(prompts, greedy(8))
         assert [(o.error, o.token_ids) for o in after] == [(None, e) for e in expected]
         sent = {t.request_id: (t.decode_worker, t.blocks_sent) for t in llm.transfers}
         assert [sent[o.request_id] for o in after] == [("decode-0", 3), ("decode-0", 5)]
-        assert llm.deployment.supervisor.restarts == 1
+        # Its prefill worker killed too: started again, and decode-0 (which lived on) pairs with it.
+        prefill_before = next(w for w in llm.worker_status() if w["name"] == "prefill-0")
+        ray_session.kill(llm.deployment.workers["prefill-0"])
+        wait_for(lambda: any(w["name"] == "prefill-0" and w["state"] == "alive" and w["pid"] != prefill_before["pid"]
+                             for w in llm.worker_status())
+                 and next(w for w in llm.worker_status() if w["name"] == "decode-0")["unpaired"] == [],
+                 timeout_s=180, what="prefill-0 to start again and be paired", every_s=0.5)
+        paired_in_registry(llm, "decode-0")
+        last = llm.generate(others, greedy(8))
+        assert [(o.error, o.token_ids) for o in last] == [(None, e) for e in expected_others]
+        sent = {t.request_id: (t.prefill_worker, t.blocks_sent) for t in llm.transfers}
+        assert [sent[o.request_id] for o in last] == [("prefill-0", 4), ("prefill-0", 3)]  # KV over the new group
+        assert llm.deployment.supervisor.restarts == 2
         assert_no_leaks(llm)
+
+
+def paired_in_registry(llm: DisaggregatedLLM, decode: str) -> None:
+    """Until the registry (what routers read) shows ``decode`` paired with every prefill worker."""
+    registry = connect(llm.deployment.registry_url)
+    try:
+        wait_for(lambda: (load := read_loads(registry, CLUSTER, [decode]).get(decode)) is not None
+                 and load.unpaired == (), timeout_s=60, what=f"the registry to show {decode} paired")
+    finally:
+        registry.close()
 
 
 def served_while_decode_0_dies(ray, model_dir, prompts, params):

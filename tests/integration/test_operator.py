@@ -27,7 +27,9 @@ from cluster.ingress.health import HealthMonitor  # noqa: E402
 from cluster.runtime.ray_runtime import ensure_ray  # noqa: E402
 from cluster.ingress.request_path import RequestPath  # noqa: E402
 from cluster.ingress.status import read_status  # noqa: E402
-from cluster.topology import ClusterSpec, KVSpec, ModelSpec, PoolSpec, TracingSpec, parse_topology  # noqa: E402
+from cluster.topology import (  # noqa: E402
+    ClusterSpec, KVSpec, ModelSpec, PoolSpec, RaySpec, TracingSpec, parse_topology,
+)
 from cluster.ingress.tracing import memory_exporter, request_tracer  # noqa: E402
 from conftest import random_prompts, wait_for  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
@@ -66,7 +68,9 @@ def cluster(checkpoint):
     pool = PoolSpec(max_num_batched_tokens=96)
     deployment = Deployment(ClusterSpec(
         name=CLUSTER, model=ModelSpec(path=str(checkpoint("llama"))), prefill=pool, decode=pool,
-        kv=KVSpec(num_blocks=64), router=RouterConfig(local_prefill_max_tokens=0)), verbose=False).start()
+        kv=KVSpec(num_blocks=64), router=RouterConfig(local_prefill_max_tokens=0),
+        ray=RaySpec(restart_workers=False)),  # the health test starts the decode worker again itself
+        verbose=False).start()
     ingress = Ingress(deployment)
     yield ray, deployment, ingress
     ingress.stop()

@@ -174,7 +174,8 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(checkpoint, ray_ses
     prompts = [system + p for p in random_prompts([8 + i for i in range(24)], seed=12)]
     try:
         with DisaggregatedLLM.from_args(str(model_dir), cluster_name=CLUSTER, prefill_workers=2, decode_workers=2,
-                                        registry_url=url, num_kv_blocks=128, verbose=False) as llm:
+                                        registry_url=url, num_kv_blocks=128, verbose=False,
+                                        restart_workers=False) as llm:  # decode-1, killed at the end, stays dead
             client = redis.Redis.from_url(url)
             reader = KVIndexReader(client, CLUSTER)
             assert reader.alive_workers() == {"prefill-0", "prefill-1", "decode-0", "decode-1"}

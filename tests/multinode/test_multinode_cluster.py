@@ -35,6 +35,10 @@ pytestmark = pytest.mark.multinode
 CLUSTER = "tandem-multinode-tests"
 BLOCKS = 64
 NODE = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=80 * 1024**2, include_dashboard=False)
+# The GCS finds a node gone after 3 failed health checks a second apart (Ray's default: 5, 3 s
+# apart): the node-loss test waits for that to see the node's loss recorded.
+HEAD = dict(NODE, _system_config={"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+                                  "health_check_failure_threshold": 3})
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def ray_cluster():
     if ray.is_initialized():  # another tier's Ray in this process: this one is a cluster of its own
         ray.shutdown()
     enable_token_auth_by_default()
-    cluster = Cluster(initialize_head=True, head_node_args=NODE)
+    cluster = Cluster(initialize_head=True, head_node_args=HEAD)
     try:
         nodes = {"prefill": cluster.add_node(**NODE, resources={"prefill_node": 1})}
         ray.init(address=cluster.address, namespace=CLUSTER, log_to_driver=False)
@@ -188,13 +192,17 @@ def test_a_decode_node_lost_mid_stream_then_added_back(checkpoint, ray_cluster):
             after = llm.generate(later, greedy(16))
             assert [(o.error, o.token_ids) for o in after] == [(None, e) for e in expected_later]
             assert {llm.decisions[o.request_id].decode for o in after} == {"decode-1"}
+            wait_for(lambda: any(e.event == "node_lost" for e in read_events(registry, CLUSTER)), timeout_s=60,
+                     what="Ray to find the node dead")
             status = cluster_status(llm)
-            lost_events = [e for e in status["worker_events"] if e["event"] == "lost"]
-            assert [(e["worker"], e["node_id"]) for e in lost_events] == [("decode-0", lost.node_id)]
+            events = [(e["event"], e["worker"], e["node_id"]) for e in status["worker_events"]]
+            assert events == [("node_lost", "", lost.node_id), ("lost", "decode-0", lost.node_id)]
             assert {w["name"]: w["state"] for w in status["workers"]}["decode-0"] == "dead"
             from cluster.cli.status import format_status
 
-            assert f"decode-0 lost on node {lost.node_id[:12]} (127.0.0.1)" in format_status(status)
+            text = format_status(status)
+            assert f"decode-0 lost on node {lost.node_id[:12]} (127.0.0.1)" in text
+            assert f"node {lost.node_id[:12]} (127.0.0.1) left the cluster" in text
 
             # A node added back: decode-0 starts again there, is paired again and is placed on.
             added.append(cluster.add_node(**NODE, resources={"decode_pool": 1}))
@@ -202,7 +210,9 @@ def test_a_decode_node_lost_mid_stream_then_added_back(checkpoint, ray_cluster):
                                           and w["state"] == "alive" and w["unpaired"] == []), None),
                             timeout_s=180, what="decode-0 to start again on the new node", every_s=0.5)
             assert back["node_id"] == added[0].node_id
-            assert "decode-0" in llm.router_status()["failed_workers"]  # found dead under a request
+            wait_for(lambda: (load := read_loads(registry, CLUSTER, ["decode-0"]).get("decode-0")) is not None
+                     and load.unpaired == () and load.node_id == added[0].node_id, timeout_s=60,
+                     what="the registry to show decode-0 paired on its new node")
             # The router reads the new worker's report with the next placement, and places on it again.
             again = llm.generate(later * 2, greedy(16))
             assert [(o.error, o.token_ids) for o in again] == [(None, e) for e in expected_later * 2]
@@ -214,8 +224,9 @@ def test_a_decode_node_lost_mid_stream_then_added_back(checkpoint, ray_cluster):
             events = read_events(registry, CLUSTER)
             registry.close()
             assert [(e.worker, e.event, e.node_id) for e in events] == [
-                ("decode-0", "restarted", added[0].node_id), ("decode-0", "lost", lost.node_id)]
-            assert events[0].at > events[1].at
+                ("decode-0", "restarted", added[0].node_id), ("", "node_lost", lost.node_id),
+                ("decode-0", "lost", lost.node_id)]
+            assert events[0].at > events[1].at > events[2].at
     finally:
         for node in added + [n for n in decode_nodes if n in cluster.worker_nodes]:
             cluster.remove_node(node)

@@ -25,8 +25,9 @@ def message(placed: int = 7, goodput: bool = True) -> tandem_pb2.ClusterStatus:
     m.workers.add(name="decode-0", role="decode", state="dead")
     m.workers.add(name="decode-1", role="decode", state="alive", tp=1, kv_blocks=64, registry="ok",
                   unpaired=["prefill-0"], pair_rebuilds=1)
+    m.worker_events.add(event="node_lost", node_id="ffee00112233", node_address="10.0.0.6", at=1_700_000_003.0)
     m.worker_events.add(worker="decode-0", role="decode", event="lost", node_id="ffee00112233", node_address="10.0.0.6",
-                        node_alive=False, at=1_700_000_000.0, detail="The actor died unexpectedly")
+                        at=1_700_000_000.0, detail="The actor died unexpectedly")
     for i in range(2):
         r = m.routers.add(name=f"router-{i}", policy="slo", registry="ok", waiting=1, in_flight=2, placed=placed,
                           rejected=1, failed_workers=["decode-0"])
@@ -51,9 +52,11 @@ def test_status_dict_sums_the_routers_and_keeps_the_shape_of_status_json():
     assert workers["prefill-0"]["kv_blocks_used"] == 3 and workers["prefill-0"]["tp"] == 2
     assert workers["decode-0"]["state"] == "dead"
     assert (workers["prefill-0"]["node_id"], workers["prefill-0"]["node_address"]) == ("a1b2c3d4e5f60718", "10.0.0.5")
-    assert status["worker_events"] == [{"worker": "decode-0", "role": "decode", "event": "lost",
-                                        "node_id": "ffee00112233", "node_address": "10.0.0.6", "node_alive": False,
-                                        "at": 1_700_000_000.0, "detail": "The actor died unexpectedly"}]
+    assert status["worker_events"] == [
+        {"worker": "", "role": "", "event": "node_lost", "node_id": "ffee00112233", "node_address": "10.0.0.6",
+         "at": 1_700_000_003.0, "detail": ""},
+        {"worker": "decode-0", "role": "decode", "event": "lost", "node_id": "ffee00112233", "node_address": "10.0.0.6",
+         "at": 1_700_000_000.0, "detail": "The actor died unexpectedly"}]
     minute = status["goodput"]["last_minute"]
     assert minute["cluster"]["requests"] == 4 and minute["classes"]["standard"]["mean_ttft_s"] == 0.2
     assert minute["classes"]["standard"]["mean_tpot_s"] is None
@@ -65,8 +68,11 @@ def test_format_status_lists_workers_health_and_goodput():
     assert "cluster c1: model m; API 127.0.0.1:1; dashboard off; serving" in text
     assert "prefill-0  prefill  2   alive  a1b2c3d4@10.0.0.5  3/64" in text
     assert "decode-0   decode   -   dead   -" in text
-    assert ("  2023-11-14 22:13:20 UTC: decode-0 lost on node ffee00112233 (10.0.0.6), the node went with it: "
-            "The actor died unexpectedly") in text.splitlines()
+    lines = text.splitlines()
+    events_at = lines.index("workers lost and started again:")
+    assert lines[events_at:events_at + 3] == [
+        "workers lost and started again:", "  2023-11-14 22:13:23 UTC: node ffee00112233 (10.0.0.6) left the cluster",
+        "  2023-11-14 22:13:20 UTC: decode-0 lost on node ffee00112233 (10.0.0.6): The actor died unexpectedly"]
     assert "decode-1: takes no KV from prefill-0 now (rebuilding the transfer group)" in text
     assert "last minute: 4 requests, goodput 0.05/s, SLO attainment 75%" in text
     assert "  standard: 4 requests, goodput 0.05/s, attainment 75%, mean TTFT 200 ms, mean TPOT -" in text
