@@ -20,6 +20,17 @@ MAX_TOKENS = 24
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    """Greedy sampling of ``max_tokens`` tokens, EOS treated as any other token."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def colocated_tokens(model_dir, prompts, params) -> list[list[int]]:
+    """The colocated engine's tokens for ``prompts``: what a cluster's must equal."""
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=256) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+
 def reference_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
     """``max_tokens`` greedy tokens and their logits, EOS treated as any other token (as our
     ``ignore_eos`` runs do; ``generate`` would stop at it, or mask it with ``min_new_tokens``)."""
@@ -58,7 +69,7 @@ def run_batch(model_dir, dtype="float32", **engine_args) -> BatchRun:
     prompts = random_prompts(PROMPT_LENGTHS, seed=1)
     engine_args = {"num_kv_blocks": 128, "max_num_batched_tokens": 96, **engine_args}
     with LLM(str(model_dir), dtype=dtype, verbose=False, **engine_args) as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        outputs = llm.generate(prompts, greedy())
         assert llm.engine.block_manager.num_free_blocks == engine_args["num_kv_blocks"]
         preemptions = llm.engine.stats.num_preemptions
     return BatchRun(prompts, [o.token_ids for o in outputs], preemptions)

@@ -25,7 +25,7 @@ from cluster.registry.load import read_loads
 from cluster.registry.reporter import connect
 from cluster.runtime.ray_runtime import ensure_ray
 from conftest import random_prompts, wait_for
-from reference_checks import MAX_TOKENS, PROMPT_LENGTHS, run_batch
+from reference_checks import PROMPT_LENGTHS, colocated_tokens, greedy, run_batch
 
 pytestmark = pytest.mark.integration
 
@@ -44,17 +44,6 @@ def disaggregated(model_dir, **kwargs) -> DisaggregatedLLM:
     kwargs = {"num_kv_blocks": BLOCKS, "max_num_batched_tokens": 96, "verbose": False,
               "local_prefill_max_tokens": 0, **kwargs}  # every prompt's KV travels, unless a test says otherwise
     return DisaggregatedLLM.from_args(str(model_dir), cluster_name=CLUSTER, **kwargs)
-
-
-def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def colocated_tokens(model_dir, prompts, params) -> list[list[int]]:
-    from cluster.offline.llm import LLM
-
-    with LLM(str(model_dir), verbose=False, num_kv_blocks=256) as llm:
-        return [o.token_ids for o in llm.generate(prompts, params)]
 
 
 def assert_no_leaks(llm: DisaggregatedLLM) -> None:

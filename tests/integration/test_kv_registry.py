@@ -137,3 +137,33 @@ def test_after_a_redis_restart_the_worker_republishes_its_whole_state(redis_clie
     assert KVIndexReader(redis_client, "c5").prefix_blocks(hashes) == {"w": 4}
     assert publisher.publish([BlockRemoved((hashes[3],))]) is False
     assert KVIndexReader(redis_client, "c5").prefix_blocks(hashes) == {"w": 3}
+
+
+def test_a_worker_its_deployment_saw_die_is_forgotten_at_once_and_its_loss_recorded(redis_client):
+    """``forget``: the dead worker's heartbeat, load, blocks and sequence go now, not after its
+    heartbeat; another worker's stay. Its loss and its return are kept newest first, capped."""
+    from cluster.registry.keys import Keys
+    from cluster.registry.load import WorkerLoad, publish_load, read_loads
+    from cluster.registry.worker_events import EVENTS_KEPT, LOST, RESTARTED, WorkerEvent, read_events, record_event
+
+    hashes = chain(3)
+    for worker in ("decode-0", "decode-1"):
+        KVIndexPublisher(redis_client, "c1", worker, heartbeat_ttl_s=60).publish(
+            [BlockStored(tuple(hashes))])
+        publish_load(redis_client, "c1", WorkerLoad(worker, "decode", 0, 0, 0, 0, 0, 8, 8, 4, 64, 4,
+                                                    node_id=f"node-{worker}", node_address="10.0.0.1"), 60)
+    reader = KVIndexReader(redis_client, "c1")
+    reader.forget("decode-0")
+    assert reader.alive_workers() == {"decode-1"}
+    assert reader.prefix_blocks(hashes) == {"decode-1": 3}
+    assert {k.decode() for k in redis_client.keys("tandem:c1:*decode-0*")} == set()
+    assert {w: load.node_id for w, load in read_loads(redis_client, "c1", ["decode-0", "decode-1"]).items()} == {
+        "decode-1": "node-decode-1"}
+    record_event(redis_client, "c1", WorkerEvent("decode-0", "decode", LOST, "node-decode-0", "10.0.0.1", at=1.0))
+    record_event(redis_client, "c1", WorkerEvent("decode-0", "decode", RESTARTED, "node-x", "10.0.0.2", at=2.0))
+    assert [(e.event, e.node_id, e.at) for e in read_events(redis_client, "c1")] == [
+        (RESTARTED, "node-x", 2.0), (LOST, "node-decode-0", 1.0)]
+    for i in range(EVENTS_KEPT):
+        record_event(redis_client, "c1", WorkerEvent(f"w{i}", "decode", LOST, "n", "a", at=3.0 + i))
+    assert redis_client.llen(Keys("c1").worker_events) == EVENTS_KEPT
+    assert [e.worker for e in read_events(redis_client, "c1", limit=2)] == [f"w{EVENTS_KEPT - 1}", f"w{EVENTS_KEPT - 2}"]

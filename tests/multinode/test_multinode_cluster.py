@@ -20,7 +20,6 @@ import signal
 
 import pytest
 
-from cluster.engine.sampling_params import SamplingParams
 from cluster.offline.disaggregated import DisaggregatedLLM, PoolResources
 from cluster.registry.keys import Keys
 from cluster.registry.kv_index import KVIndexReader
@@ -28,7 +27,9 @@ from cluster.registry.load import read_loads
 from cluster.registry.reporter import connect
 from cluster.registry.worker_events import read_events
 from conftest import random_prompts, wait_for
-from reference_checks import MAX_TOKENS, PROMPT_LENGTHS, assert_equivalent, reference_greedy, run_batch
+from reference_checks import (
+    MAX_TOKENS, PROMPT_LENGTHS, assert_equivalent, colocated_tokens, greedy, reference_greedy, run_batch,
+)
 
 pytestmark = pytest.mark.multinode
 
@@ -73,17 +74,6 @@ def disaggregated(model_dir, cluster, decode_resources, **kwargs) -> Disaggregat
              "decode": PoolResources(resources=decode_resources)}
     return DisaggregatedLLM.from_args(str(model_dir), cluster_name=CLUSTER, ray_address=cluster.address, pools=pools,
                                       **kwargs)
-
-
-def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def colocated_tokens(model_dir, prompts, params) -> list[list[int]]:
-    from cluster.offline.llm import LLM
-
-    with LLM(str(model_dir), verbose=False, num_kv_blocks=256) as llm:
-        return [o.token_ids for o in llm.generate(prompts, params)]
 
 
 def cluster_status(llm: DisaggregatedLLM) -> dict:
