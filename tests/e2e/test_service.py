@@ -572,3 +572,36 @@ def test_up_whose_worker_cannot_start_is_one_line_and_leaves_nothing(model_dir, 
                 and p.info["name"] in ("redis-server", "raylet", "gcs_server")]
 
     wait_for(lambda: not orphans(), timeout_s=30, what="no orphaned Ray or Redis process")
+
+
+def test_tandem_up_starts_a_killed_decode_worker_again(model_dir, reference, tmp_path):
+    """The quick start's shape under `tandem up`: its only decode worker killed, a call finds no
+    live decode worker (UNAVAILABLE) until the `up` process has started it again, paired with the
+    prefill worker; then calls succeed with `tandem run`'s tokens, the prompt's KV sent by the
+    prefill worker again, and `tandem status` lists the loss and the return with the node."""
+    cluster = Cluster("e2e-restart", topology("e2e-restart", model_dir), tmp_path)
+    try:
+        with TandemClient(cluster.api, timeout_s=120) as client:
+            assert stream_tokens(client, REMOTE_PROMPT)[0] == reference["remote"]
+        cluster.ray("ray.kill(ray.get_actor('decode-0'))")
+
+        def remote_served_by_prefill_worker():
+            with TandemClient(cluster.api, timeout_s=120) as client:
+                try:
+                    tokens, messages = stream_tokens(client, REMOTE_PROMPT)
+                except TandemError as exc:
+                    assert exc.code == grpc.StatusCode.UNAVAILABLE and "no live decode worker" in exc.message
+                    return None
+            assert tokens == reference["remote"]
+            return messages[-1].prefill_worker == "prefill-0" and messages[-1].decode_worker == "decode-0"
+
+        wait_for(remote_served_by_prefill_worker, 180, "a call served through decode-0 started again", every_s=1.0)
+        status = cluster.status()
+        events = [(e["event"], e["worker"]) for e in status["worker_events"]]
+        assert events == [("restarted", "decode-0"), ("lost", "decode-0")]
+        assert {w["name"]: w["state"] for w in status["workers"]} == {"prefill-0": "alive", "decode-0": "alive"}
+        text = tandem("status", "--cluster", cluster.name, env=cluster.env).stdout
+        node = status["workers"][1]["node_id"][:12]
+        assert f"decode-0 started again on node {node} (127.0.0.1)" in text
+    finally:
+        cluster.down()
