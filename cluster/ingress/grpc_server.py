@@ -40,6 +40,7 @@ from cluster.engine.structured.spec import StructuredOutput
 from cluster.engine.tool_calls.formats import ToolCalling, ToolCallFormat
 from cluster.engine.tool_calls.parser import CallClosed, ContentDelta, ToolCallParser
 from cluster.engine.tool_calls.tools import function_tool, tool_use
+from cluster.ingress import retry_after
 from cluster.ingress.openai_tools import prompt_tool_format, tool_setup
 from cluster.protocol.messages import ApiRequest, Output, RequestFailed
 from cluster.runtime.ports import host_port
@@ -218,6 +219,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         try:
             async for message in messages:
                 if isinstance(message, RequestFailed):
+                    context.set_trailing_metadata(retry_after.grpc_trailers(message))
                     await context.abort(CODES.get(message.kind, grpc.StatusCode.UNAVAILABLE), message.message)
                 await context.write(response_message(message, reader))
                 if message.finished:

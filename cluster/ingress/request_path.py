@@ -361,7 +361,8 @@ class RequestPath:
             if decision.decode is None and decision.reason.startswith("no live"):
                 journey.outcome = "unavailable"
                 return RequestFailed("unavailable", decision.reason)
-            return RequestFailed("rejected", f"rejected by admission control: {decision.reason}")
+            return RequestFailed("rejected", f"rejected by admission control: {decision.reason}",
+                                 retry_after_s=decision.retry_after_s)
         journey.decision = decision
         attempt.placed_at = time.time()
         if journey.placed_at is None:
@@ -406,7 +407,8 @@ class RequestPath:
                         yield message
                     finally:  # after the last message is on its way
                         router.finished(attempt_id, ttft_s=journey.ttft_s(), tpot_s=journey.tpot_s(),
-                                        service_ttft_s=_service_ttft(journey, attempt.placed_at))
+                                        service_ttft_s=_service_ttft(journey, attempt.placed_at),
+                                        output_tokens=attempt.tokens)
                         told.set_result(None)
                     return
                 if message.token_ids or message.text or message.placement is not None:
