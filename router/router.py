@@ -478,9 +478,10 @@ class Router:
             return self._reject(request, cls, why, now, best, retry_after)
         bound = cls.wait_bound_s
         if bound is not None and spent + wait.wait_s > bound:
-            return self._reject(request, cls, f"predicted to wait {wait.wait_s * 1000:.0f} ms more for a decode slot "
-                                f"(after {spent * 1000:.0f} ms), past its bound of {bound * 1000:.0f} ms; " + why,
-                                now, best, retry_after)
+            more = (f"{wait.wait_s * 1000:.0f} ms more" if math.isfinite(wait.wait_s) else
+                    "with no end in sight (no decoding sequence to free one)")
+            return self._reject(request, cls, f"predicted to wait {more} for a decode slot (after {spent * 1000:.0f} "
+                                f"ms), past its bound of {bound * 1000:.0f} ms; " + why, now, best, retry_after)
         if never or (cls.ttft_s is not None and wait.first_token_s(spent) > cls.ttft_s):
             return self._reject(request, cls, f"its first token is predicted "
                                 f"{wait.first_token_s(spent) * 1000:.0f} ms after arrival however long it waits "

@@ -6,10 +6,11 @@ Two things hold a request back, and each drains at a rate the cost model gives:
 
 - **Decode slots.** A generating worker takes at most ``max_num_seqs`` sequences, fewer where
   a larger batch would break the class's TPOT objective, and no more than its free KV blocks
-  hold. Slots free as sequences finish: by Little's law a worker decoding ``n`` sequences of
-  ``L`` output tokens each, at a step of ``step(n)`` seconds, ends ``n / (L * step(n))`` of them a
-  second (``L`` the mean output length the router learned from finished requests). The first
-  to end, the one closest to its end, does so in ``next_slot_tokens`` steps. The request needs
+  hold. Slots free as sequences finish: by Little's law a worker holding ``n`` sequences
+  (decoding, or placed there and about to) of ``L`` output tokens each, at a step of
+  ``step(n)`` seconds, ends ``n / (L * step(n))`` of them a second (``L`` the mean output length
+  the router learned from finished requests). The first to end, the running one closest to its
+  end, does so in ``next_slot_tokens`` steps. The request needs
   a slot after every request waiting ahead of it.
 - **Prefill backlog.** Prompt tokens queued on the prefill side, and those of the requests
   waiting ahead, are worked through in real time: holding the request does not make its first
@@ -56,12 +57,11 @@ def decode_slots(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: 
     free_blocks = load.free_blocks - sum(-(-tokens // load.block_size) for tokens in pending_prompt_tokens)
     by_blocks = max(0, free_blocks) // max(1, blocks_per_request)
     room = max(0, min(capacity - sequences, by_blocks))
-    decoding = load.running + load.receiving
-    step = model.decode_step_seconds(decoding, load.decode_context_tokens)
+    step = model.decode_step_seconds(sequences, context)
     per_sequence_s = output_tokens * step / model.tokens_per_step  # a sequence's time in the batch
-    departures = decoding / per_sequence_s if decoding and per_sequence_s > 0 else 0.0
+    departures = sequences / per_sequence_s if sequences and per_sequence_s > 0 else 0.0
     first = (max(0.0, step / model.tokens_per_step * load.next_slot_tokens - report_age_s)
-             if decoding and load.next_slot_tokens else math.inf)
+             if load.running and load.next_slot_tokens else math.inf)
     return DecodeSlots(room, departures, first)
 
 

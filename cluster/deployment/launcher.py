@@ -66,7 +66,9 @@ def start_ray(spec: ClusterSpec):
             kwargs["_metrics_export_port"] = obs.metrics_export_port
         if obs.metrics_report_interval_s:
             kwargs["_system_config"] = {"metrics_report_interval_ms": int(obs.metrics_report_interval_s * 1000)}
-        context = ray.init(namespace=spec.name, num_cpus=spec.ray.num_cpus or os.cpu_count(),
+        # address "local": a Ray of its own even where another was started here with `ray start`
+        # (Ray would otherwise join that one, and refuse num_cpus)
+        context = ray.init(address="local", namespace=spec.name, num_cpus=spec.ray.num_cpus or os.cpu_count(),
                            include_dashboard=obs.dashboard,
                            dashboard_host=obs.dashboard_host, dashboard_port=obs.dashboard_port,
                            _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False, **kwargs)
