@@ -381,11 +381,18 @@ class ApiServer:
         for name in ("", SERVICE):
             await self.health.set(name, status)
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self, grace_s: float = 2.0, then=None) -> None:
+        """Stops taking calls (gRPC, then HTTP), lets those in flight end within ``grace_s``, runs
+        ``then()`` (a coroutine function: what is left once no call runs) and ends the loop."""
         if not self._thread.is_alive():
             return
         asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result(timeout=grace_s + 10)
         if self.http_runner is not None:
             asyncio.run_coroutine_threadsafe(self.http_runner.cleanup(), self._loop).result(timeout=grace_s + 10)
+        if then is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(then(), self._loop).result(timeout=10)
+            except Exception:  # noqa: BLE001 - stopping: what could not be written is lost with the process
+                pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
