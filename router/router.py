@@ -19,12 +19,18 @@ the step-time model leaves out, such as control-plane round trips and CPU conten
 rebuilds from the registry and the requests that follow.
 
 Admission is honest about time. A request's TTFT objective counts from when the call reached
-the API (``RouteRequest.arrival``): a class that may not wait (``reject``) must be served in
-time counting what it already spent; a class that may wait is held (``submit``) and offered
-again (``retry_waiting``) whenever the load changes, in priority order, each on its own, so a
-request that cannot be placed never holds back one that can. Whether an objective can ever be
-met is asked of the same prediction that placement uses, with empty queues; one that cannot is
-rejected at once or runs best-effort, never waits for ever. The correction is learned from the
+the API (``RouteRequest.arrival``), and every class must be served in time counting what it
+already spent. A class that may not wait (``reject``) is refused at once; a class that may wait
+is held (``submit``) and offered again (``retry_waiting``) whenever the load changes, in
+priority order, each on its own, so a request that cannot be placed never holds back one that
+can. It is held only within its bound (``max_wait_ms``, by default its TTFT objective): one
+whose predicted wait (``router/wait_forecast.py``: decode slots freeing at the rate the cost
+model gives, behind the requests waiting ahead of it; the prefill backlog) would take it past
+the bound, or its first token past the objective, is refused on arrival rather than after
+waiting for nothing, and one still waiting at its bound is refused then. Every refusal carries
+``retry_after_s``, when the queue is predicted to have drained enough to place a fresh one.
+Whether an objective can ever be met is asked of the same prediction that placement uses, with
+empty queues; one that cannot is rejected at once or runs best-effort, never waits for ever. The correction is learned from the
 time after placement only (a request's own queueing is not work the model left out), is bounded
 (``correction_limit_s``) and decays (``correction_half_life_s``).
 
