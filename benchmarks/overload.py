@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
 import time
@@ -48,6 +49,8 @@ def topology(args) -> dict:
     spec = {"server": {"port": free_port(), "http_port": 0}}
     if args.model:
         spec["model"] = {"path": args.model}
+    if args.router:
+        spec["router"] = json.loads(args.router)
     return spec
 
 
@@ -119,8 +122,8 @@ async def run(api: str, args) -> tuple[list[tuple[int, dict]], float, list[tuple
     load = Load(args)
     try:
         await closed_loop(backend, load, args, 2, args.warmup_s)  # the workers' step-time fits settle
-        ramp, best, clients = [], 0.0, 1
-        while clients <= args.max_clients:
+        ramp, best, clients = [], args.capacity or 0.0, 1
+        while clients <= args.max_clients and not args.capacity:
             summary = judged(await closed_loop(backend, load, args, clients, args.ramp_s), args.ramp_s)
             ramp.append((clients, summary))
             progress(f"ramp: {clients} clients, goodput {summary['goodput']['goodput_rps']:.2f} req/s, "
@@ -131,7 +134,7 @@ async def run(api: str, args) -> tuple[list[tuple[int, dict]], float, list[tuple
             clients *= 2
         capacity = best
         phases = []
-        for factor in LOADS:
+        for factor in args.loads:
             rate = capacity * factor
             summary = judged(await poisson(backend, load, args, rate, args.phase_s), args.phase_s)
             phases.append((factor, rate, summary))
@@ -158,6 +161,9 @@ def main() -> None:
     parser.add_argument("--max-clients", type=int, default=64)
     parser.add_argument("--phase-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--router", help="the topology's router section as JSON (default: the quick start's)")
+    parser.add_argument("--capacity", type=float, help="req/s the cluster serves (skips the ramp)")
+    parser.add_argument("--loads", type=float, nargs="+", default=list(LOADS), help="multiples of the capacity")
     args = parser.parse_args()
 
     stop_on_sigterm()
@@ -194,17 +200,25 @@ def main() -> None:
                 ("load", "offered req/s", "class", "requests", "goodput req/s", "attainment", "rejected", "failed"))
     print_table("rejections (client-side)", [
         (f"{factor:g}x", s["rejected"], ms(s["time_to_reject"], "p50_ms"), ms(s["time_to_reject"], "p90_ms"),
-         ms(s["retry_after"], "p50_ms"), ms(s["retry_after"], "p90_ms"), ms(s["ttft"], "p90_ms"))
+         ms(s["retry_after"], "p50_ms"), ms(s["retry_after"], "p90_ms"), ms(s["ttft"], "p90_ms"), ms(s["tpot"], "p90_ms"))
         for factor, _, s in phases],
-        ("load", "rejected", "time to 429 p50 ms", "p90 ms", "Retry-After p50 ms", "p90 ms", "TTFT p90 ms (kept)"))
+        ("load", "rejected", "time to 429 p50 ms", "p90 ms", "Retry-After p50 ms", "p90 ms", "kept: TTFT p90 ms",
+         "TPOT p90 ms"))
     at = {factor: s["goodput"]["goodput_rps"] for factor, _, s in phases}
-    ratio = at[2.0] / at[1.0] if at[1.0] else float("nan")
-    print(f"goodput at 2x / goodput at 1x: {ratio:.2f} (goal >= 0.90: {'met' if ratio >= 0.9 else 'missed'}); "
-          f"at 4x: {at[4.0] / at[1.0] if at[1.0] else float('nan'):.2f}")
+    if at.get(1.0):
+        ratios = ", ".join(f"at {f:g}x {g / at[1.0]:.2f}" for f, g in at.items() if f > 1)
+        print(f"goodput against goodput at 1x: {ratios} (goal at 2x: >= 0.90)")
     if status:
         workers = status["workers"]
-        print(f"after the run: {sum(w['kv_blocks_used'] for w in workers)} KV blocks in use, router rejections by "
-              f"class {status['router'].get('rejected_by_class')}")
+        router = status["router"]
+        error = router.get("ttft_prediction_error")
+        print(f"after the run: {sum(w['kv_blocks_used'] for w in workers)} KV blocks in use; router: rejections by "
+              f"class {router.get('rejected_by_class')}, mean TTFT prediction error "
+              f"{'-' if error is None else f'{error:.0%}'}, learned correction {router.get('ttft_correction_s')}")
+        minute = (status.get("goodput") or {}).get("last_minute", {}).get("classes", {})
+        print("server-side, last minute (the registry's records, TTFT from arrival at the API): " + "; ".join(
+            f"{name} {c['met']}/{c['requests']} met, mean TTFT {c['mean_ttft_s'] or 0:.2f} s, mean TPOT "
+            f"{(c['mean_tpot_s'] or 0) * 1000:.0f} ms" for name, c in minute.items()))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,10 @@ the bound, or its first token past the objective, is refused on arrival rather t
 waiting for nothing, and one still waiting at its bound is refused then. Every refusal carries
 ``retry_after_s``, when the queue is predicted to have drained enough to place a fresh one.
 Whether an objective can ever be met is asked of the same prediction that placement uses, with
-empty queues; one that cannot is rejected at once or runs best-effort, never waits for ever. The correction is learned from the
-time after placement only (a request's own queueing is not work the model left out), is bounded
-(``correction_limit_s``) and decays (``correction_half_life_s``).
+empty queues; one that cannot is rejected at once or runs best-effort, never waits for ever.
+The correction is learned from the time after placement only (a request's own queueing is not
+work the model left out), is bounded (``correction_limit_s``) and decays
+(``correction_half_life_s``).
 
 When the registry cannot be read, the router places by load only: the fewest requests it has
 in flight on each side, and says so in ``status()``; it tries the registry again after
@@ -62,6 +63,7 @@ _soonest_prefill = soonest_prefill  # the name tests/unit/test_router.py imports
 
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
 OUTPUT_WEIGHT = 0.05  # of each finished request's output length in the running mean
+TPOT_SCALE_LIMITS = (0.5, 4.0)  # the learned TPOT scale stays within these
 GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
 HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
 REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)
@@ -130,6 +132,7 @@ class Decision:
     reason: str = ""
     ttft_correction_s: float = 0.0  # the learned residual included in predicted_ttft_s
     waited_s: float = 0.0  # between arrival at the API and this decision
+    tpot_scale: float = 1.0  # the learned TPOT scale included in predicted_tpot_s
     predicted_wait_s: float | None = None  # queue: until it could be placed (router/wait_forecast.py)
     retry_after_s: float | None = None  # reject: when a fresh request could be placed in time (None: never)
 
@@ -182,6 +185,7 @@ class Router:
         self.waiting = WaitingQueue(self.config.queue_limit)
         self._residual = {"remote": (0.0, -math.inf), "local": (0.0, -math.inf)}  # (value, when last learned)
         self._output_tokens: float | None = None  # mean output length of finished requests (running)
+        self._tpot_scale = (1.0, -math.inf)  # measured over predicted TPOT (running), and when last learned
 
     def correction(self, path: str, now: float) -> float:
         """The learned TTFT correction of a path (``remote`` or ``local`` prefill), decayed by
@@ -190,6 +194,14 @@ class Router:
         if not value:
             return 0.0
         return value * 0.5 ** (max(0.0, now - learned_at) / self.config.correction_half_life_s)
+
+    def tpot_scale(self, now: float) -> float:
+        """Measured over predicted TPOT of finished requests (what a step-time fit misses when
+        the machine's cores are contended, as an overload makes them), decaying towards 1 as
+        ``correction`` does; predicted TPOTs are multiplied by it, and so a worker's batch is
+        bounded by the TPOT objective over it."""
+        value, learned_at = self._tpot_scale
+        return 1.0 + (value - 1.0) * 0.5 ** (max(0.0, now - learned_at) / self.config.correction_half_life_s)
 
     @property
     def ttft_residual(self) -> dict[str, float]:
@@ -297,7 +309,7 @@ class Router:
             reason = (f"the router already holds {self.config.queue_limit} waiting requests (router.queue_limit); "
                       + decision.reason)
             return self._reject(request, self._class_of(request), reason, now,
-                                retry_after_s=decision.predicted_wait_s)
+                                retry_after_s=decision.retry_after_s)
         self.waiting.add(request, request.priority + self._class_of(request).priority,
                          request.arrival if request.arrival is not None else now, self._last_hits, now)
         return decision
@@ -432,6 +444,7 @@ class Router:
         prefill_sides = {p: prefill_side(self.model(loads[p]), queued[p], prompt.hit_blocks(hits, p), prompt)
                          for p in live.prefill}
         remote_correction, local_correction = self.correction("remote", now), self.correction("local", now)
+        scale = self.tpot_scale(now)
         generating = live.generating
         turn_p = live.prefill[self._rotation % len(live.prefill)] if live.prefill else None
         turn_d = generating[self._rotation % len(generating)]
@@ -440,6 +453,7 @@ class Router:
         for d in generating:
             side = decode_side(loads[d], self.model(loads[d]), [p.prompt_tokens for p in pending_on[d]],
                                prompt.hit_blocks(hits, d), prompt, cls.on_overload)
+            side = side._replace(tpot_s=side.tpot_s * scale)
             is_decode = d in live.decode
             cut = cut_off(d, loads[d], request.avoid, prefill_sides) if is_decode else set()
             paired = (paired_prefill(shortlist, live.prefill, cut, prefill_sides, self.config.prefill_shortlist)
@@ -511,8 +525,9 @@ class Router:
         per_request = -(-(len(request.prompt_token_ids) + request.max_tokens) // bs)
         output_tokens = self._mean_output_tokens(request)
         pending_on = self._pending(loads, live.generating)
+        scale = self.tpot_scale(now)
         slots = [decode_slots(loads[d], self.model(loads[d]), [p.prompt_tokens for p in pending_on[d]], per_request,
-                              cls.tpot_s, output_tokens, max(0.0, now - loads[d].updated_at))
+                              cls.tpot_s, output_tokens, max(0.0, now - loads[d].updated_at), scale)
                  for d in live.generating]
         side = best.prefill or best.decode
         prefill_workers = max(1, len(live.prefill)) if best.prefill else 1
@@ -545,7 +560,8 @@ class Router:
         self.counters.local_prefills += c.prefill is None
         decision = Decision("place", request.request_id, c.prefill, c.decode, cls.name, cls.ttft_s, cls.tpot_s,
                             c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason,
-                            ttft_correction_s=c.correction_s, waited_s=_waited(request, now))
+                            ttft_correction_s=c.correction_s, waited_s=_waited(request, now),
+                            tpot_scale=self.tpot_scale(now))
         self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now, request.max_tokens)
         return decision
 
@@ -591,11 +607,13 @@ class Router:
         return placed.decision
 
     def finished(self, request_id: str, service_ttft_s: float | None = None,
-                 now: float | None = None, output_tokens: int | None = None) -> Decision | None:
+                 now: float | None = None, output_tokens: int | None = None,
+                 tpot_s: float | None = None) -> Decision | None:
         """A placed request ended. ``service_ttft_s`` is its TTFT counted from when it was
         placed (dispatch), not from arrival: its own wait for placement is not work the
         step-time model left out, and learning it would make an idle cluster look slow.
-        ``output_tokens``: what it generated, for the mean output length the wait forecast uses."""
+        ``output_tokens``: what it generated, for the mean output length the wait forecast uses;
+        ``tpot_s``: its measured TPOT, for the TPOT scale."""
         placed = self.inflight.pop(request_id, None)
         if placed is None:
             return None
@@ -614,6 +632,12 @@ class Router:
             residual = min(limit, max(-limit, service_ttft_s - (predicted - decision.ttft_correction_s)))
             current = self.correction(path, now)
             self._residual[path] = (current + RESIDUAL_WEIGHT * (residual - current), now)
+        if tpot_s and decision.predicted_tpot_s and not decision.load_only:
+            now = time.time() if now is None else now
+            low, high = TPOT_SCALE_LIMITS
+            ratio = min(high, max(low, tpot_s / (decision.predicted_tpot_s / decision.tpot_scale)))
+            current = self.tpot_scale(now)
+            self._tpot_scale = (current + RESIDUAL_WEIGHT * (ratio - current), now)
         return decision
 
     def worker_failed(self, worker: str) -> None:
@@ -642,7 +666,7 @@ class Router:
             "waiting": len(self.waiting), "waiting_by_class": self.waiting.by_class(),
             "placed_after_waiting": c.waiting_placed,
             "rejected": c.rejected, "rejected_by_class": dict(c.rejected_by_class),
-            "mean_output_tokens": self._output_tokens, "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
+            "mean_output_tokens": self._output_tokens, "tpot_scale": self.tpot_scale(now), "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
             "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},
         }

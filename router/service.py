@@ -208,7 +208,7 @@ class RouterService:
         """A placed request ended: ``ttft_s`` counts from its arrival at the API (its goodput
         record), ``service_ttft_s`` from its placement (what the router learns from, with the
         ``output_tokens`` it generated there)."""
-        decision = self.router.finished(request_id, service_ttft_s, output_tokens=output_tokens)
+        decision = self.router.finished(request_id, service_ttft_s, output_tokens=output_tokens, tpot_s=tpot_s)
         self._told()
         if decision is None:
             return

@@ -42,22 +42,23 @@ class DecodeSlots:
 
 def decode_slots(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: Sequence[int],
                  blocks_per_request: int, tpot_objective_s: float | None, output_tokens: float,
-                 report_age_s: float = 0.0) -> DecodeSlots:
+                 report_age_s: float = 0.0, step_scale: float = 1.0) -> DecodeSlots:
     """A worker's slots as its report shows them plus the placements since (``pending_prompt_tokens``,
     one per request its report cannot show yet); its first sequence to end is that much nearer
-    its end for every second since the report (``report_age_s``)."""
+    its end for every second since the report (``report_age_s``). ``step_scale``: how much slower
+    than the fit steps are measured to run (the router's learned TPOT scale)."""
     sequences = load.running + load.receiving + load.waiting + len(pending_prompt_tokens)
     context = load.decode_context_tokens + sum(pending_prompt_tokens)
     capacity = load.max_num_seqs
     if tpot_objective_s is not None and model.decode is not None:
         a, b, c = model.decode
         per_sequence = b * (1.0 + model.guesses_per_sequence) + c * (context / sequences if sequences else 0.0)
-        budget = tpot_objective_s * model.tokens_per_step - a  # a step within the objective
+        budget = tpot_objective_s / step_scale * model.tokens_per_step - a  # a step within the objective
         capacity = min(capacity, max(0, math.floor(budget / per_sequence)) if per_sequence > 0 else capacity)
     free_blocks = load.free_blocks - sum(-(-tokens // load.block_size) for tokens in pending_prompt_tokens)
     by_blocks = max(0, free_blocks) // max(1, blocks_per_request)
     room = max(0, min(capacity - sequences, by_blocks))
-    step = model.decode_step_seconds(sequences, context)
+    step = model.decode_step_seconds(sequences, context) * step_scale
     per_sequence_s = output_tokens * step / model.tokens_per_step  # a sequence's time in the batch
     departures = sequences / per_sequence_s if sequences and per_sequence_s > 0 else 0.0
     first = (max(0.0, step / model.tokens_per_step * load.next_slot_tokens - report_age_s)

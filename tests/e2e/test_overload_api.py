@@ -21,6 +21,7 @@ import pytest
 
 from conftest import random_prompts, wait_for
 from e2e_cluster import Cluster, topology
+from tandem import TandemClient, TandemError
 from tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -88,6 +89,9 @@ def test_a_request_that_would_wait_past_its_bound_is_refused_at_once_with_retry_
         assert exhausted.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         trailers = dict(exhausted.value.trailing_metadata())
         assert "predicted to wait" in exhausted.value.details()
+        with TandemClient(cluster.api, timeout_s=60) as client, pytest.raises(TandemError) as told:
+            list(client.generate(probe, max_tokens=8, slo_class="standard", ttft_ms=300))
+        assert told.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and told.value.retry_after_s > 0
         assert int(trailers["retry-after"]) == -(-int(trailers["grpc-retry-pushback-ms"]) // 1000)
     finally:
         stop.set()
@@ -113,5 +117,5 @@ def test_a_request_that_would_wait_past_its_bound_is_refused_at_once_with_retry_
     status = wait_for(lambda: (s := cluster.status()) and all(
         w["kv_blocks_used"] == 0 and w["running"] == 0 for w in s["workers"]) and s["in_flight"] == 0 and s,
         60, "every block to be free", every_s=0.5)
-    assert status["router"]["rejected_by_class"] == {"standard": 2}
+    assert status["router"]["rejected_by_class"] == {"standard": 3}
     assert json.loads(json.dumps(status))["queued"] == 0

@@ -141,3 +141,25 @@ def test_max_wait_is_read_checked_and_written_back():
                                    "default_class": "chat"})
     with pytest.raises(RouterConfigError, match=r"router.slo_classes.chat.max_wait_ms: must be a positive number"):
         RouterConfig.from_mapping({"slo_classes": {"chat": {"max_wait_ms": -1}}, "default_class": "chat"})
+
+
+def test_tpot_measured_slower_than_predicted_scales_what_the_router_predicts():
+    """A request that decoded at twice its predicted TPOT (contended cores): the scale moves a
+    tenth of the way (1.1), later TPOTs are predicted 10% slower, and it decays as the TTFT
+    correction does."""
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    first = router.route(RouteRequest("a", PROMPT, 8, "standard"), now=NOW)
+    router.finished("a", now=NOW, tpot_s=2 * first.predicted_tpot_s)
+    assert router.tpot_scale(NOW) == pytest.approx(1.1)
+    second = router.route(RouteRequest("b", PROMPT, 8, "standard"), now=NOW)
+    assert second.predicted_tpot_s == pytest.approx(first.predicted_tpot_s * 1.1)
+    assert second.tpot_scale == pytest.approx(1.1)
+    router.finished("b", now=NOW, tpot_s=second.predicted_tpot_s / 1.1)  # as fitted: towards 1
+    assert router.tpot_scale(NOW) == pytest.approx(1.1 + 0.1 * (1.0 - 1.1))
+    assert router.tpot_scale(NOW + 30.0) == pytest.approx(1.0 + 0.09 * 0.5)  # a half-life later
+    # a worker's batch within 252.5 ms: at scale 1, (0.2525 - 0.02) / 0.005 = 46.5 sequences; at
+    # scale 2, (0.12625 - 0.02) / 0.005 = 21.25: 21
+    model = model_of(router, "d0")
+    wide = replace(load("d0", running=18), max_num_seqs=64)
+    assert decode_slots(wide, model, [], 1, 0.2525, 8).room == 46 - 18
+    assert decode_slots(wide, model, [], 1, 0.2525, 8, step_scale=2.0).room == 21 - 18
