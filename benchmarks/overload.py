@@ -154,7 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="a checkpoint directory (default: the quick start's built-in model)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--output-tokens", type=int, default=48)
+    parser.add_argument("--output-tokens", type=int, default=96)
     parser.add_argument("--interactive-share", type=float, default=0.25)
     parser.add_argument("--warmup-s", type=float, default=15.0)
     parser.add_argument("--ramp-s", type=float, default=20.0)
