@@ -25,6 +25,7 @@ from cluster.engine.request_limits import MAX_SLO_CLASS_CHARS, quote
 
 SCORERS = ("round_robin", "least_loaded", "prefix_affinity", "slo_headroom")
 OVERLOAD_ACTIONS = ("reject", "queue", "admit")
+SLO_CLASS_KEYS = ("ttft_ms", "tpot_ms", "priority", "on_overload", "max_wait_ms")
 
 PRESETS: dict[str, dict[str, float]] = {
     "round_robin": {"round_robin": 1.0},
@@ -46,13 +47,21 @@ class RouterConfigError(ValueError):
 class SloClass:
     """Latency objectives of a class of requests (None: no objective) and what happens when no
     pair can meet them now: ``reject`` at once, ``queue`` (by priority) until one can, or
-    ``admit`` best-effort (it counts against goodput)."""
+    ``admit`` best-effort (it counts against goodput). A ``queue`` class waits at most
+    ``max_wait_s`` (None: its TTFT objective, see :attr:`wait_bound_s`)."""
 
     name: str
     ttft_s: float | None
     tpot_s: float | None
     priority: int = 0
     on_overload: str = "queue"
+    max_wait_s: float | None = None
+
+    @property
+    def wait_bound_s(self) -> float | None:
+        """The longest a request of this class is held for a placement: ``max_wait_s``, else
+        the TTFT objective (a request held longer could not meet it), else no bound."""
+        return self.max_wait_s if self.max_wait_s is not None else self.ttft_s
 
 
 DEFAULT_SLO_CLASSES = (
@@ -64,10 +73,11 @@ DEFAULT_SLO_CLASSES = (
 
 def _slo_class(name: str, spec: Any, where: str) -> SloClass:
     if not isinstance(spec, Mapping):
-        raise RouterConfigError(f"{where}: expected a mapping with ttft_ms, tpot_ms, priority, on_overload")
-    unknown = sorted(set(spec) - {"ttft_ms", "tpot_ms", "priority", "on_overload"})
+        raise RouterConfigError(f"{where}: expected a mapping with ttft_ms, tpot_ms, priority, on_overload, "
+                                "max_wait_ms")
+    unknown = sorted(set(spec) - set(SLO_CLASS_KEYS))
     if unknown:
-        raise RouterConfigError(f"{where}.{unknown[0]}: unknown key; known: on_overload, priority, tpot_ms, ttft_ms")
+        raise RouterConfigError(f"{where}.{unknown[0]}: unknown key; known: {', '.join(sorted(SLO_CLASS_KEYS))}")
     if len(str(name)) > MAX_SLO_CLASS_CHARS:
         raise RouterConfigError(f"{where}: a class name may have at most {MAX_SLO_CLASS_CHARS} characters "
                                 f"(requests must be able to name it)")
@@ -83,7 +93,11 @@ def _slo_class(name: str, spec: Any, where: str) -> SloClass:
         value = spec.get(key)
         return None if value is None else _positive(value, f"{where}.{key}") / 1000.0
 
-    return SloClass(str(name), seconds("ttft_ms"), seconds("tpot_ms"), priority, on_overload)
+    ttft_s, max_wait_s = seconds("ttft_ms"), seconds("max_wait_ms")
+    if max_wait_s is not None and ttft_s is not None and max_wait_s > ttft_s:
+        raise RouterConfigError(f"{where}.max_wait_ms: must be at most ttft_ms ({_milliseconds(ttft_s)}): a request "
+                                f"held longer cannot meet its TTFT objective; raise ttft_ms instead")
+    return SloClass(str(name), ttft_s, seconds("tpot_ms"), priority, on_overload, max_wait_s)
 
 
 def _positive(value: Any, where: str) -> float:
@@ -112,7 +126,7 @@ def _fraction(value: Any, where: str) -> float:
 
 def _slo_class_dict(cls: SloClass) -> dict[str, Any]:
     return {"ttft_ms": _milliseconds(cls.ttft_s), "tpot_ms": _milliseconds(cls.tpot_s),
-            "priority": cls.priority, "on_overload": cls.on_overload}
+            "priority": cls.priority, "on_overload": cls.on_overload, "max_wait_ms": _milliseconds(cls.max_wait_s)}
 
 
 def _milliseconds(seconds: float | None) -> float | int | None:
@@ -198,10 +212,14 @@ class RouterConfig:
         Refuse or queue requests no pair can serve within their objectives.""",
         must_be=(bool, "true or false"), by_policy=lambda policy: policy == "slo", shown="true for ``slo``")
     slo_classes: tuple[SloClass, ...] = setting(DEFAULT_SLO_CLASSES, _slo_classes, """
-        Class name to ``{ttft_ms, tpot_ms, priority, on_overload}``: objectives in milliseconds
-        (null: none), an integer priority, and ``reject``, ``queue`` or ``admit`` when no pair can
-        meet them. Giving this key replaces the three default classes.""",
-        must_be=(Mapping, "a mapping of class name to {ttft_ms, tpot_ms, priority, on_overload}"),
+        Class name to ``{ttft_ms, tpot_ms, priority, on_overload, max_wait_ms}``: objectives in
+        milliseconds (null: none), an integer priority, and ``reject``, ``queue`` or ``admit`` when
+        no pair can meet them. ``max_wait_ms``: the longest a ``queue`` request waits in the
+        router (default: its ``ttft_ms``, at most that; none without one); a request predicted at
+        arrival to wait longer, or still waiting then, is refused at once (HTTP 429 / gRPC
+        RESOURCE_EXHAUSTED) with a ``Retry-After`` from the queue, so those kept meet their
+        objectives. Giving this key replaces the three default classes.""",
+        must_be=(Mapping, "a mapping of class name to {ttft_ms, tpot_ms, priority, on_overload, max_wait_ms}"),
         write=lambda classes: {cls.name: _slo_class_dict(cls) for cls in classes},
         shown=", ".join(cls.name for cls in DEFAULT_SLO_CLASSES))
     default_class: str = setting("standard", _as_given, """

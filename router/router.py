@@ -19,14 +19,21 @@ the step-time model leaves out, such as control-plane round trips and CPU conten
 rebuilds from the registry and the requests that follow.
 
 Admission is honest about time. A request's TTFT objective counts from when the call reached
-the API (``RouteRequest.arrival``): a class that may not wait (``reject``) must be served in
-time counting what it already spent; a class that may wait is held (``submit``) and offered
-again (``retry_waiting``) whenever the load changes, in priority order, each on its own, so a
-request that cannot be placed never holds back one that can. Whether an objective can ever be
-met is asked of the same prediction that placement uses, with empty queues; one that cannot is
-rejected at once or runs best-effort, never waits for ever. The correction is learned from the
-time after placement only (a request's own queueing is not work the model left out), is bounded
-(``correction_limit_s``) and decays (``correction_half_life_s``).
+the API (``RouteRequest.arrival``), and every class must be served in time counting what it
+already spent. A class that may not wait (``reject``) is refused at once; a class that may wait
+is held (``submit``) and offered again (``retry_waiting``) whenever the load changes, in
+priority order, each on its own, so a request that cannot be placed never holds back one that
+can. It is held only within its bound (``max_wait_ms``, by default its TTFT objective): one
+whose predicted wait (``router/wait_forecast.py``: decode slots freeing at the rate the cost
+model gives, behind the requests waiting ahead of it; the prefill backlog) would take it past
+the bound, or its first token past the objective, is refused on arrival rather than after
+waiting for nothing, and one still waiting at its bound is refused then. Every refusal carries
+``retry_after_s``, when the queue is predicted to have drained enough to place a fresh one.
+Whether an objective can ever be met is asked of the same prediction that placement uses, with
+empty queues; one that cannot is rejected at once or runs best-effort, never waits for ever.
+The correction is learned from the time after placement only (a request's own queueing is not
+work the model left out), is bounded (``correction_limit_s``) and decays
+(``correction_half_life_s``).
 
 When the registry cannot be read, the router places by load only: the fewest requests it has
 in flight on each side, and says so in ``status()``; it tries the registry again after
@@ -39,7 +46,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from cluster.engine.block_hash import hash_token_blocks, request_hash_keys
 from cluster.registry.load import WorkerLoad
@@ -49,11 +56,14 @@ from router.cost_model import StepTimeModel
 from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
 from router.picker import explain, fastest, first_meeting, never_meets, rank, with_room
 from router.prefill_choice import prefills_itself
+from router.wait_forecast import WaitForecast, decode_slots, slot_wait_s
 from router.waiting import WaitingQueue
 
 _soonest_prefill = soonest_prefill  # the name tests/unit/test_router.py imports it by, from before router/filters.py
 
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
+OUTPUT_WEIGHT = 0.05  # of each finished request's output length in the running mean
+TPOT_SCALE_LIMITS = (0.5, 4.0)  # the learned TPOT scale stays within these
 GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
 HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
 REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)
@@ -122,6 +132,9 @@ class Decision:
     reason: str = ""
     ttft_correction_s: float = 0.0  # the learned residual included in predicted_ttft_s
     waited_s: float = 0.0  # between arrival at the API and this decision
+    tpot_scale: float = 1.0  # the learned TPOT scale included in predicted_tpot_s
+    predicted_wait_s: float | None = None  # queue: until it could be placed (router/wait_forecast.py)
+    retry_after_s: float | None = None  # reject: when a fresh request could be placed in time (None: never)
 
 
 @dataclass
@@ -129,6 +142,7 @@ class _Placed:
     decision: Decision
     prompt_tokens: int
     placed_at: float
+    max_tokens: int = 0
 
 
 @dataclass
@@ -142,6 +156,7 @@ class RouterCounters:
     ttft_error_n: int = 0
     last_rejection: str = ""
     waiting_placed: int = 0  # placed after having waited in the router
+    rejected_by_class: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -170,6 +185,8 @@ class Router:
         self._last_seen: dict[str, tuple[WorkerLoad, float]] = {}  # each worker's last report, and when read
         self.waiting = WaitingQueue(self.config.queue_limit)
         self._residual = {"remote": (0.0, -math.inf), "local": (0.0, -math.inf)}  # (value, when last learned)
+        self._output_tokens: float | None = None  # mean output length of finished requests (running)
+        self._tpot_scale = (1.0, -math.inf)  # measured over predicted TPOT (running), and when last learned
 
     def correction(self, path: str, now: float) -> float:
         """The learned TTFT correction of a path (``remote`` or ``local`` prefill), decayed by
@@ -178,6 +195,14 @@ class Router:
         if not value:
             return 0.0
         return value * 0.5 ** (max(0.0, now - learned_at) / self.config.correction_half_life_s)
+
+    def tpot_scale(self, now: float) -> float:
+        """Measured over predicted TPOT of finished requests (what a step-time fit misses when
+        the machine's cores are contended, as an overload makes them), decaying towards 1 as
+        ``correction`` does; predicted TPOTs are multiplied by it, and so a worker's batch is
+        bounded by the TPOT objective over it."""
+        value, learned_at = self._tpot_scale
+        return 1.0 + (value - 1.0) * 0.5 ** (max(0.0, now - learned_at) / self.config.correction_half_life_s)
 
     @property
     def ttft_residual(self) -> dict[str, float]:
@@ -250,9 +275,10 @@ class Router:
     # -- placing --------------------------------------------------------------------------
 
     def route(self, request: RouteRequest, now: float | None = None,
-              hits: dict[str, int] | None = None) -> Decision:
+              hits: dict[str, int] | None = None, ahead: tuple[int, int] | None = None) -> Decision:
         """One placement attempt: ``place``, ``queue`` (not held: see ``submit``) or ``reject``.
-        ``hits`` are the prompt's prefix hits when the caller already has fresh ones."""
+        ``hits`` are the prompt's prefix hits when the caller already has fresh ones; ``ahead``
+        the requests (and their prompt tokens) waiting before it, when the caller counted them."""
         now = time.time() if now is None else now
         cls = self._class_of(request)
         loads = self._read_loads(now)
@@ -266,7 +292,8 @@ class Router:
         candidates = self._candidates(request, cls, loads, hits, live, now)
         if not candidates:  # no live prefill worker, and no decode worker may prefill this prompt itself
             return self._without_reports(request, cls, "prefill", now)
-        return self._choose(request, cls, candidates, now)
+        forecast = lambda best: self._forecast(request, cls, loads, live, best, ahead, now)  # noqa: E731
+        return self._choose(request, cls, candidates, now, forecast)
 
     def submit(self, request: RouteRequest, now: float | None = None) -> Decision:
         """``route``, holding a request that must wait: it is answered by a later
@@ -285,7 +312,8 @@ class Router:
         if self.waiting.full():
             reason = (f"the router already holds {self.config.queue_limit} waiting requests (router.queue_limit); "
                       + decision.reason)
-            return self._reject(request, self._class_of(request), reason, now)
+            return self._reject(request, self._class_of(request), reason, now,
+                                retry_after_s=decision.retry_after_s)
         self.waiting.add(request, request.priority + self._class_of(request).priority,
                          request.arrival if request.arrival is not None else now, self._last_hits, now)
         return decision
@@ -298,32 +326,58 @@ class Router:
         since the last offer (a newer load report, a request finished or was forgotten). And
         within one offer, a request that must wait tells about the ones behind it: another of
         the same objectives with at least as many tokens to prefill and as long a prompt would
-        be predicted no faster, so it waits too without being routed."""
+        be predicted no faster, so it waits too without being routed.
+
+        A request past its class's wait bound is refused whether or not anything changed."""
         now = time.time() if now is None else now
+        resolved = self._expired(now)
         loads = self._read_loads(now)
         state = (max((l.updated_at for l in loads.values()), default=None) if loads is not None else now,
                  self._changes)
         if state == self._offered_state:
-            return []
+            return resolved
         self._offered_state = state
-        resolved, must_wait = [], []
+        must_wait = []
+        ahead, ahead_tokens = 0, 0
         for entry in self.waiting.in_order():
             request = entry.request
             size = (self._uncached_tokens(request, entry.hits), len(request.prompt_token_ids))
             kind = (request.slo_class, request.ttft_s, request.tpot_s)
             if any(k == kind and size[0] >= u and size[1] >= n for k, u, n in must_wait):
+                ahead, ahead_tokens = ahead + 1, ahead_tokens + size[1]
                 continue
             fresh = entry.hits if now - entry.hits_at < HITS_TTL_S else None
-            decision = self.route(request, now, hits=fresh)
+            decision = self.route(request, now, hits=fresh, ahead=(ahead, ahead_tokens))
             if fresh is None and self._last_hits is not None:
                 entry.hits, entry.hits_at = self._last_hits, now
             if decision.action == "queue":
                 must_wait.append((kind, *size))
+                ahead, ahead_tokens = ahead + 1, ahead_tokens + size[1]
                 continue
             self.waiting.remove(request.request_id)
             self.counters.waiting_placed += decision.action == "place"
             resolved.append(decision)
         return resolved
+
+    def _expired(self, now: float) -> list[Decision]:
+        """The waiting requests held past their class's wait bound, routed once more: placed if
+        they can be now, else refused with a fresh forecast of when one could be."""
+        out = []
+        for entry in self.waiting.in_order():
+            request = entry.request
+            cls = self._class_of(request)
+            bound = cls.wait_bound_s
+            if bound is None or _waited(request, now) <= bound:
+                continue
+            self.waiting.remove(request.request_id)
+            decision = self.route(request, now)
+            if decision.action == "queue":  # no load report to judge by
+                why = (f"slo_class {cls.name!r} waited {_waited(request, now) * 1000:.0f} ms for a placement, past "
+                       f"its bound of {bound * 1000:.0f} ms (router.slo_classes.{cls.name}.max_wait_ms)")
+                decision = self._reject(request, cls, why, now, retry_after_s=decision.retry_after_s)
+            self.counters.waiting_placed += decision.action == "place"
+            out.append(decision)
+        return out
 
     def _uncached_tokens(self, request: RouteRequest, hits: dict[str, int] | None) -> int:
         best = max(hits.values(), default=0) if hits else 0
@@ -394,6 +448,7 @@ class Router:
         prefill_sides = {p: prefill_side(self.model(loads[p]), queued[p], prompt.hit_blocks(hits, p), prompt)
                          for p in live.prefill}
         remote_correction, local_correction = self.correction("remote", now), self.correction("local", now)
+        scale = self.tpot_scale(now)
         generating = live.generating
         turn_p = live.prefill[self._rotation % len(live.prefill)] if live.prefill else None
         turn_d = generating[self._rotation % len(generating)]
@@ -402,6 +457,7 @@ class Router:
         for d in generating:
             side = decode_side(loads[d], self.model(loads[d]), [p.prompt_tokens for p in pending_on[d]],
                                prompt.hit_blocks(hits, d), prompt, cls.on_overload)
+            side = side._replace(tpot_s=side.tpot_s * scale)
             is_decode = d in live.decode
             cut = cut_off(d, loads[d], request.avoid, prefill_sides) if is_decode else set()
             paired = (paired_prefill(shortlist, live.prefill, cut, prefill_sides, self.config.prefill_shortlist)
@@ -417,38 +473,90 @@ class Router:
                 candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn))
         return candidates
 
-    def _choose(self, request: RouteRequest, cls: SloClass, candidates: list[Candidate], now: float) -> Decision:
+    def _choose(self, request: RouteRequest, cls: SloClass, candidates: list[Candidate], now: float,
+                forecast: Callable[[Candidate], WaitForecast]) -> Decision:
         """The picker's choice as a decision: the best ranked, or under admission control the
-        best that meets the objectives; else the class's ``on_overload`` says what happens."""
+        best that meets the objectives counting the time the request already spent; else the
+        class's ``on_overload`` says what happens. A request that may wait is held only while
+        its predicted wait (``forecast``) keeps within its class's bound and its first token
+        within its objective; otherwise it is refused now, not after waiting for nothing."""
         ranked = rank(candidates, self.config.weights, cls)
         if not self.config.admission_control or (cls.ttft_s is None and cls.tpot_s is None):
             return self._place(request, cls, ranked[0], now)
-        # A class that may not wait must be served in time counting what it already spent; one
-        # that may wait is placed as soon as a pair with room could serve a fresh request in time.
-        spent = _waited(request, now) if cls.on_overload == "reject" else 0.0
+        spent = _waited(request, now)
         chosen = first_meeting(ranked, cls, spent)
         if chosen is not None:
             return self._place(request, cls, chosen, now)
-        never = never_meets(candidates, cls, spent)
         best = fastest(ranked)
+        if cls.on_overload == "admit" or (cls.on_overload == "queue" and never_meets(candidates, cls, 0.0)):
+            never = never_meets(candidates, cls, 0.0 if cls.on_overload == "queue" else spent)
+            return self._place(request, cls, ranked[0], now,
+                               reason="best effort: " + explain(cls, best, never, spent, full=not with_room(candidates)))
+        never = never_meets(candidates, cls, spent)
         why = explain(cls, best, never, spent, full=not with_room(candidates))
+        wait = forecast(best)
+        retry_after = wait.retry_after_s(cls.ttft_s)
+        if not math.isfinite(retry_after):  # nothing decodes and nothing has room: no rate to go by
+            retry_after = cls.wait_bound_s
         if cls.on_overload == "reject":
-            return self._reject(request, cls, why, now, best)
-        if cls.on_overload == "queue" and not never:
-            self.counters.queued += 1
-            return Decision("queue", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
-                            tpot_objective_s=cls.tpot_s, predicted_ttft_s=best.ttft_s,
-                            predicted_tpot_s=best.tpot_s, reason=why, waited_s=_waited(request, now))
-        return self._place(request, cls, ranked[0], now, reason="best effort: " + why)
+            return self._reject(request, cls, why, now, best, retry_after)
+        bound = cls.wait_bound_s
+        if bound is not None and spent + wait.wait_s > bound:
+            more = (f"{wait.wait_s * 1000:.0f} ms more" if math.isfinite(wait.wait_s) else
+                    "with no end in sight (no decoding sequence to free one)")
+            return self._reject(request, cls, f"predicted to wait {more} for a decode slot (after {spent * 1000:.0f} "
+                                f"ms), past its bound of {bound * 1000:.0f} ms; " + why, now, best, retry_after)
+        if never or (cls.ttft_s is not None and wait.first_token_s(spent) > cls.ttft_s):
+            return self._reject(request, cls, f"its first token is predicted "
+                                f"{wait.first_token_s(spent) * 1000:.0f} ms after arrival however long it waits "
+                                f"(backlog {wait.backlog_s * 1000:.0f} ms, slot in {wait.wait_s * 1000:.0f} ms); "
+                                + why, now, best, retry_after)
+        self.counters.queued += 1
+        return Decision("queue", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
+                        tpot_objective_s=cls.tpot_s, predicted_ttft_s=best.ttft_s,
+                        predicted_tpot_s=best.tpot_s, reason=why, waited_s=spent,
+                        predicted_wait_s=wait.wait_s, retry_after_s=retry_after)
+
+    def _forecast(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad], live: LivePools,
+                  best: Candidate, ahead: tuple[int, int] | None, now: float) -> WaitForecast:
+        """When the request could be placed (``router/wait_forecast.py``), behind the requests
+        waiting ahead of it (``ahead``: counted here when the caller did not)."""
+        if ahead is None:
+            arrival = request.arrival if request.arrival is not None else now
+            ahead = self.waiting.ahead_of(request.priority + cls.priority, arrival)
+        ahead_requests, ahead_tokens = ahead
+        bs = self.topology.block_size
+        per_request = -(-(len(request.prompt_token_ids) + request.max_tokens) // bs)
+        output_tokens = self._mean_output_tokens(request)
+        pending_on = self._pending(loads, live.generating)
+        scale = self.tpot_scale(now)
+        slots = [decode_slots(loads[d], self.model(loads[d]), [p.prompt_tokens for p in pending_on[d]], per_request,
+                              cls.tpot_s, output_tokens, max(0.0, now - loads[d].updated_at), scale)
+                 for d in live.generating]
+        side = best.prefill or best.decode
+        prefill_workers = max(1, len(live.prefill)) if best.prefill else 1
+        share = -(-ahead_tokens // prefill_workers)  # the prompts ahead are spread over the prefill pool
+        backlog = best.queue_s + self.model(loads[side]).queue_seconds(share)
+        return WaitForecast(slot_wait_s(slots, ahead_requests + 1), backlog, best.idle_ttft_s)
+
+    def _mean_output_tokens(self, request: RouteRequest) -> float:
+        """The output length of an average request: learned from finished ones, else the mean
+        planned ``max_tokens`` of those in flight, else this request's."""
+        if self._output_tokens is not None:
+            return self._output_tokens
+        if self.inflight:
+            return sum(p.max_tokens for p in self.inflight.values()) / len(self.inflight)
+        return float(max(1, request.max_tokens))
 
     def _reject(self, request: RouteRequest, cls: SloClass, why: str, now: float,
-                fastest: Candidate | None = None) -> Decision:
+                fastest: Candidate | None = None, retry_after_s: float | None = None) -> Decision:
         self.counters.rejected += 1
+        self.counters.rejected_by_class[cls.name] = self.counters.rejected_by_class.get(cls.name, 0) + 1
         self.counters.last_rejection = why
         return Decision("reject", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
                         tpot_objective_s=cls.tpot_s, predicted_ttft_s=fastest.ttft_s if fastest else None,
                         predicted_tpot_s=fastest.tpot_s if fastest else None, reason=why,
-                        waited_s=_waited(request, now))
+                        waited_s=_waited(request, now), retry_after_s=retry_after_s)
 
     def _place(self, request: RouteRequest, cls: SloClass, c: Candidate, now: float, reason: str = "") -> Decision:
         self._rotation += 1
@@ -456,8 +564,9 @@ class Router:
         self.counters.local_prefills += c.prefill is None
         decision = Decision("place", request.request_id, c.prefill, c.decode, cls.name, cls.ttft_s, cls.tpot_s,
                             c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason,
-                            ttft_correction_s=c.correction_s, waited_s=_waited(request, now))
-        self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now)
+                            ttft_correction_s=c.correction_s, waited_s=_waited(request, now),
+                            tpot_scale=self.tpot_scale(now))
+        self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now, request.max_tokens)
         return decision
 
     def _place_by_load(self, request: RouteRequest, cls: SloClass, now: float) -> Decision:
@@ -483,7 +592,7 @@ class Router:
         self.counters.load_only += 1
         decision = Decision("place", request.request_id, p, d, cls.name, cls.ttft_s, cls.tpot_s, load_only=True,
                             reason="registry unreachable: placed by load only", waited_s=_waited(request, now))
-        self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now)
+        self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now, request.max_tokens)
         return decision
 
     # -- what happened afterwards ---------------------------------------------------------
@@ -502,14 +611,20 @@ class Router:
         return placed.decision
 
     def finished(self, request_id: str, service_ttft_s: float | None = None,
-                 now: float | None = None) -> Decision | None:
+                 now: float | None = None, output_tokens: int | None = None,
+                 tpot_s: float | None = None) -> Decision | None:
         """A placed request ended. ``service_ttft_s`` is its TTFT counted from when it was
         placed (dispatch), not from arrival: its own wait for placement is not work the
-        step-time model left out, and learning it would make an idle cluster look slow."""
+        step-time model left out, and learning it would make an idle cluster look slow.
+        ``output_tokens``: what it generated, for the mean output length the wait forecast uses;
+        ``tpot_s``: its measured TPOT, for the TPOT scale."""
         placed = self.inflight.pop(request_id, None)
         if placed is None:
             return None
         self._changed()
+        if output_tokens:
+            mean = self._output_tokens
+            self._output_tokens = float(output_tokens) if mean is None else mean + OUTPUT_WEIGHT * (output_tokens - mean)
         decision = placed.decision
         predicted = decision.predicted_ttft_s
         if service_ttft_s and predicted is not None and not decision.load_only:
@@ -521,6 +636,12 @@ class Router:
             residual = min(limit, max(-limit, service_ttft_s - (predicted - decision.ttft_correction_s)))
             current = self.correction(path, now)
             self._residual[path] = (current + RESIDUAL_WEIGHT * (residual - current), now)
+        if tpot_s and decision.predicted_tpot_s and not decision.load_only:
+            now = time.time() if now is None else now
+            low, high = TPOT_SCALE_LIMITS
+            ratio = min(high, max(low, tpot_s / (decision.predicted_tpot_s / decision.tpot_scale)))
+            current = self.tpot_scale(now)
+            self._tpot_scale = (current + RESIDUAL_WEIGHT * (ratio - current), now)
         return decision
 
     def incarnation(self, worker: str) -> str:
@@ -559,7 +680,8 @@ class Router:
             "placed": c.placed, "local_prefills": c.local_prefills, "queued_decisions": c.queued,
             "waiting": len(self.waiting), "waiting_by_class": self.waiting.by_class(),
             "placed_after_waiting": c.waiting_placed,
-            "rejected": c.rejected, "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
+            "rejected": c.rejected, "rejected_by_class": dict(c.rejected_by_class),
+            "mean_output_tokens": self._output_tokens, "tpot_scale": self.tpot_scale(now), "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
             "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},
         }

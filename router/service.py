@@ -204,10 +204,11 @@ class RouterService:
         self._told()
 
     def finished(self, request_id: str, ttft_s: float | None, tpot_s: float | None, failed: bool = False,
-                 service_ttft_s: float | None = None) -> None:
+                 service_ttft_s: float | None = None, output_tokens: int | None = None) -> None:
         """A placed request ended: ``ttft_s`` counts from its arrival at the API (its goodput
-        record), ``service_ttft_s`` from its placement (what the router learns from)."""
-        decision = self.router.finished(request_id, service_ttft_s)
+        record), ``service_ttft_s`` from its placement (what the router learns from, with the
+        ``output_tokens`` it generated there)."""
+        decision = self.router.finished(request_id, service_ttft_s, output_tokens=output_tokens, tpot_s=tpot_s)
         self._told()
         if decision is None:
             return

@@ -42,6 +42,13 @@ class WaitingQueue:
     def add(self, request, priority: int, arrival: float, hits: dict[str, int] | None, now: float) -> None:
         self._entries[request.request_id] = Waiting((-priority, arrival, next(self._order)), request, hits, now)
 
+    def ahead_of(self, priority: int, arrival: float) -> tuple[int, int]:
+        """The requests that would be offered before one of ``priority`` arriving at ``arrival``,
+        and their prompt tokens."""
+        key = (-priority, arrival)
+        before = [e for e in self._entries.values() if e.sort_key[:2] <= key]
+        return len(before), sum(len(e.request.prompt_token_ids) for e in before)
+
     def remove(self, request_id: str) -> Waiting | None:
         return self._entries.pop(request_id, None)
 

@@ -29,10 +29,11 @@ class TandemError(Exception):
     """A failed call: ``code`` is the ``grpc.StatusCode``, ``message`` the server's details.
     ``str(error)`` is ``"<CODE>: <message>"``, e.g. ``"RESOURCE_EXHAUSTED: queue full"``."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
         super().__init__(code, message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # RESOURCE_EXHAUSTED: when the server predicts a retry could be placed
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -41,8 +42,11 @@ class TandemError(Exception):
     def from_rpc_error(cls, error: grpc.RpcError) -> "TandemError":
         code = error.code() if callable(getattr(error, "code", None)) else None
         details = error.details() if callable(getattr(error, "details", None)) else None
+        trailers = dict(error.trailing_metadata() or ()) if callable(getattr(error, "trailing_metadata", None)) else {}
+        pushback = trailers.get("grpc-retry-pushback-ms")
         return cls(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN,
-                   details if details is not None else str(error))
+                   details if details is not None else str(error),
+                   int(pushback) / 1000 if isinstance(pushback, str) and pushback.isdigit() else None)
 
 
 class GenerateStream(Iterator[tandem_pb2.GenerateResponse]):

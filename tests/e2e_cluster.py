@@ -75,8 +75,20 @@ class Cluster:
             process.wait(timeout=60)
 
     def down(self) -> None:
+        """``tandem down``, which says one line; the cluster's own log gets one line for the stop,
+        and nothing of Ray's (no Serve controller's calls failing as it is killed)."""
+        log = self.cache / "clusters" / f"{self.name}.log"
+        before = log.stat().st_size if log.exists() else 0
         result = tandem("down", "--cluster", self.name, env=self.env)
         assert result.returncode == 0, result.stderr
+        assert result.stderr == f"[tandem] cluster {self.name!r} is down\n"
+        if log.exists():
+            with open(log, errors="replace") as text:
+                text.seek(before)
+                stop = text.read().splitlines()
+            assert stop and stop[-1].startswith(f"[tandem] cluster {self.name!r} stopped in "), stop
+            # (lines the cluster logged before the stop may land here too: a test's killed worker, say)
+            assert not [line for line in stop if "Task ServeController" in line or "Deleting app" in line], stop
 
 
 def topology(name: str, model_dir: Path, **overrides) -> dict:

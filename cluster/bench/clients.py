@@ -104,6 +104,9 @@ class GrpcBackend:
                     result.prompt_tokens = response.usage.prompt_tokens or result.prompt_tokens
         except grpc.aio.AioRpcError as exc:
             result.error = f"{exc.code().name}: {(exc.details() or '')[:300]}"
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                result.rejected, result.finished_at = True, clock()
+                result.retry_after_s = retry_after_s(dict(exc.trailing_metadata() or ()), "grpc-retry-pushback-ms")
         if result.error is None and result.finished_at is None:
             result.error = "unfinished: the stream ended without a finished message"
         return result
@@ -205,6 +208,9 @@ class OpenAIBackend:
             if response.status != 200:
                 text = await response.text()
                 result.error = f"HTTP {response.status}: {text[:300]}"
+                if response.status == 429:
+                    result.rejected, result.finished_at = True, clock()
+                    result.retry_after_s = retry_after_s(response.headers, "retry-after-ms")
                 return chunks
             async for data in _sse_data(response.content):
                 now = clock()
@@ -276,6 +282,19 @@ async def _sse_data(stream):
             buffer.append(line[5:].lstrip())
     if buffer:
         yield "\n".join(buffer)
+
+
+def retry_after_s(headers, milliseconds_key: str) -> float | None:
+    """A refusal's wait in seconds: ``milliseconds_key`` (``retry-after-ms``,
+    ``grpc-retry-pushback-ms``), else ``retry-after`` in seconds; None when it gave none."""
+    for key, scale in ((milliseconds_key, 0.001), ("retry-after", 1.0)):
+        value = headers.get(key)
+        if value is not None:
+            try:
+                return float(value) * scale
+            except ValueError:
+                continue
+    return None
 
 
 def wall_clock(start: float) -> Clock:

@@ -12,7 +12,9 @@ Definitions (the same for a measured run and a simulated one):
   TPOT objectives (a missing objective counts as met, and so does TPOT for a one-token
   answer): ``cluster.registry.goodput.RequestRecord.met``, the registry's own rule;
   attainment is the fraction of requests that did; rates are over the run's span (first
-  request sent to last one ended).
+  request sent to last one ended);
+- rejected: refused by the server's admission control (HTTP 429, gRPC RESOURCE_EXHAUSTED), at
+  once and with a ``Retry-After``: not a failure, but not met either.
 """
 
 from __future__ import annotations
@@ -42,10 +44,16 @@ class RequestResult:
     output_token_ids: list[int] = field(default_factory=list)
     placement: tuple[str, str] | None = None
     retried: int = 0  # sent again on a new connection: a kept-alive one failed before any answer
+    rejected: bool = False  # refused by admission control (429 / RESOURCE_EXHAUSTED); finished_at: when
+    retry_after_s: float | None = None  # what the refusal said (retry-after-ms, else Retry-After)
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.finished_at is not None
+
+    @property
+    def failed(self) -> bool:
+        return not self.ok and not self.rejected
 
     @property
     def ttft_s(self) -> float | None:
@@ -154,7 +162,8 @@ def goodput(results: Sequence[RequestResult], objectives_of, duration_s: float |
         "met": met,
         "ttft_met": sum(rec.met_ttft and not rec.failed for rec in records),
         "tpot_met": sum(rec.met_tpot and not rec.failed for rec in records),
-        "failed": sum(rec.failed for rec in records),
+        "failed": sum(r.failed for r in results),
+        "rejected": sum(r.rejected for r in results),
         "goodput_rps": met / duration if duration > 0 else 0.0,
         "attainment": met / len(records) if records else 0.0,
     }
@@ -179,14 +188,18 @@ def summarize(results: Sequence[RequestResult], objectives: Objectives | None = 
     completion = sum(r.completion_tokens for r in ok)
     errors: dict[str, int] = {}
     for r in results:
-        if not r.ok:
+        if r.failed:
             key = (r.error or "unfinished").split(":")[0][:60]
             errors[key] = errors.get(key, 0) + 1
     classes = sorted({r.slo_class or "" for r in results})
     summary = {
         "requests": len(results),
         "completed": len(ok),
-        "failed": len(results) - len(ok),
+        "failed": sum(r.failed for r in results),
+        "rejected": sum(r.rejected for r in results),
+        "time_to_reject": distribution([r.finished_at - r.sent_at for r in results
+                                        if r.rejected and r.finished_at is not None]),
+        "retry_after": distribution([r.retry_after_s for r in results if r.rejected]),
         "errors": errors,
         "retried": sum(r.retried for r in results),
         "duration_s": duration,

@@ -18,9 +18,15 @@ def format_summary(summary: dict, title: str) -> str:
     """The figures of one run as a table."""
     lines = [title, "-" * len(title)]
     g = summary["goodput"]
-    lines.append(f"requests: {summary['requests']} sent, {summary['completed']} completed, {summary['failed']} failed"
+    lines.append(f"requests: {summary['requests']} sent, {summary['completed']} completed, "
+                 f"{summary.get('rejected', 0)} rejected (429 / RESOURCE_EXHAUSTED), {summary['failed']} failed"
                  + (f" ({', '.join(f'{n} {k}' for k, n in summary['errors'].items())})" if summary["errors"] else "")
                  + f"; {summary.get('retried', 0)} retried on a new connection (a kept-alive one was closed)")
+    if summary.get("rejected"):
+        to_reject, retry = summary["time_to_reject"], summary["retry_after"]
+        lines.append(f"rejections: answered in {_ms(to_reject['p50_ms'])} ms p50, {_ms(to_reject['p90_ms'])} ms p90; "
+                     f"Retry-After {_ms(retry['p50_ms'])} ms p50, {_ms(retry['p90_ms'])} ms p90 "
+                     f"({retry['count']} said one)")
     lines.append(f"duration: {summary['duration_s']:.1f} s; throughput {summary['request_throughput_rps']:.2f} req/s, "
                  f"{summary['input_token_throughput']:.0f} input tok/s, {summary['output_token_throughput']:.0f} "
                  f"output tok/s")
@@ -40,17 +46,18 @@ def format_summary(summary: dict, title: str) -> str:
                  f"({g['met']}/{g['requests']}; TTFT met {g['ttft_met']}, TPOT met {g['tpot_met']})")
     for name, c in summary.get("classes", {}).items():
         lines.append(f"  class {name}: goodput {c['goodput_rps']:.2f} req/s, attainment {c['attainment']:.1%} "
-                     f"({c['met']}/{c['requests']}, {c['failed']} failed)")
+                     f"({c['met']}/{c['requests']}, {c.get('rejected', 0)} rejected, {c['failed']} failed)")
     return "\n".join(lines)
 
 
 def format_sweep(points: Sequence[tuple[float, dict]], goodput_rate: float | None, title: str = "sweep") -> str:
-    header = ("rate req/s", "goodput req/s", "attainment", "TTFT p90 ms", "TPOT p90 ms", "throughput req/s", "failed")
+    header = ("rate req/s", "goodput req/s", "attainment", "TTFT p90 ms", "TPOT p90 ms", "throughput req/s", "rejected",
+              "failed")
     rows = [header]
     for rate, s in points:
         rows.append((f"{rate:g}", f"{s['goodput']['goodput_rps']:.2f}", f"{s['goodput']['attainment']:.1%}",
                      _ms(s["ttft"]["p90_ms"]), _ms(s["tpot"]["p90_ms"]), f"{s['request_throughput_rps']:.2f}",
-                     str(s["failed"])))
+                     str(s.get("rejected", 0)), str(s["failed"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [title, "-" * len(title)]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

@@ -38,7 +38,7 @@ class Progress:
     def __init__(self, total_requests: int, duration_s: float | None, label: str = "bench", stream=None):
         self.total, self.duration_s, self.label = total_requests, duration_s, label
         self.stream = stream or sys.stderr
-        self.sent = self.done = self.failed = 0
+        self.sent = self.done = self.failed = self.rejected = 0
         self.started = time.perf_counter()
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._last_line = 0.0
@@ -51,7 +51,8 @@ class Progress:
         filled = int(round(share * BAR_WIDTH))
         limit = f" of {self.duration_s:.0f}s" if self.duration_s else ""
         return (f"[{self.label}] [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {self.done}/{self.total} requests "
-                f"done ({self.failed} failed), {self.sent - self.done} in flight, {elapsed:.0f}s{limit}")
+                f"done ({self.rejected} rejected, {self.failed} failed), {self.sent - self.done} in flight, "
+                f"{elapsed:.0f}s{limit}")
 
     def show(self, final: bool = False) -> None:
         now = time.perf_counter()
@@ -98,7 +99,8 @@ async def run(backend, workload: Workload, arrivals: Arrivals, limits: Limits, o
             results.append(result)
             if progress:
                 progress.done += 1
-                progress.failed += not result.ok
+                progress.failed += result.failed
+                progress.rejected += result.rejected
             if not result.ok:
                 return
             history.append(answer_tokens(result))

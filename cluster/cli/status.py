@@ -32,12 +32,16 @@ def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashb
     for router in routers:
         for key in ROUTER_SUMS:
             router[key] = int(router.get(key, 0))
+        router["rejected_by_class"] = {name: int(n) for name, n in router.get("rejected_by_class", {}).items()}
         router.setdefault("ttft_prediction_error", None)
     router = dict(routers[0]) if routers else {"policy": "-", "registry": "no router answers",
-                                              **{k: 0 for k in ROUTER_SUMS}}
+                                              **{k: 0 for k in ROUTER_SUMS}, "rejected_by_class": {}}
+    router["rejected_by_class"] = dict(router["rejected_by_class"])
     for other in routers[1:]:
         for key in ROUTER_SUMS:
             router[key] += other[key]
+        for name, n in other["rejected_by_class"].items():
+            router["rejected_by_class"][name] = router["rejected_by_class"].get(name, 0) + n
     for worker in raw.get("workers", []):
         speculation = worker.setdefault("speculation", None)
         if speculation is not None:
@@ -104,6 +108,10 @@ def table(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip() for row in rows]
 
 
+def _by_class(counts: dict[str, int]) -> str:
+    return f" ({', '.join(f'{name} {n}' for name, n in sorted(counts.items()))})" if counts else ""
+
+
 def health_line(status: dict) -> str:
     return "serving" if status["serving"] else f"NOT SERVING: {status['health']}"
 
@@ -113,7 +121,8 @@ def format_status(status: dict) -> str:
     lines = [f"cluster {status['cluster']}: model {status['model']}; API {status.get('api')}; dashboard "
              f"{status.get('dashboard') or 'off'}; {health_line(status)}",
              f"router {router['policy']} (registry {router['registry']}): {status['queued']} waiting for placement, "
-             f"{status['in_flight']} placed and not finished"]
+             f"{status['in_flight']} placed and not finished, {router['rejected']} rejected"
+             + _by_class(router.get("rejected_by_class", {}))]
     lines += table(worker_rows(status))
     lines += speculation_lines(status)
     lines += [f"{w['name']}: takes no KV from {', '.join(w['unpaired'])} now (rebuilding the transfer group)"

@@ -36,7 +36,7 @@ from pathlib import Path
 from cluster.deployment.state_file import process_alive, read_state, state_file
 from cluster.paths import cache_dir
 from cluster.runtime.ports import free_port
-from cluster.runtime.ray_runtime import auth_summary, quiet_auth_notice
+from cluster.runtime.ray_runtime import auth_summary, quiet_auth_notice, silence_ray_output
 from cluster.topology import ClusterSpec
 
 READY_TIMEOUT_S = 600.0
@@ -66,7 +66,9 @@ def start_ray(spec: ClusterSpec):
             kwargs["_metrics_export_port"] = obs.metrics_export_port
         if obs.metrics_report_interval_s:
             kwargs["_system_config"] = {"metrics_report_interval_ms": int(obs.metrics_report_interval_s * 1000)}
-        context = ray.init(namespace=spec.name, num_cpus=spec.ray.num_cpus or os.cpu_count(),
+        # address "local": a Ray of its own even where another was started here with `ray start`
+        # (Ray would otherwise join that one, and refuse num_cpus)
+        context = ray.init(address="local", namespace=spec.name, num_cpus=spec.ray.num_cpus or os.cpu_count(),
                            include_dashboard=obs.dashboard,
                            dashboard_host=obs.dashboard_host, dashboard_port=obs.dashboard_port,
                            _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False, **kwargs)
@@ -233,23 +235,40 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
              f"`tandem top --cluster {spec.name}`, `tandem down --cluster {spec.name}`")
         while not stop.wait(1.0):
             pass
-        _log("stopping")
         return 0
     finally:
-        try:
-            serve_starting.result()  # not torn down half-started
-            if deployed:
-                serve.delete(spec.name)
-            if deployed or spec.ray.address:  # a local Ray stops below, Serve's controller with it (quietly)
-                serve.shutdown()
-        except Exception:  # noqa: BLE001 - tearing down what may be half started
-            pass
-        if deployment is not None:
-            deployment.shutdown()
-        state = read_state(spec.name)
-        if state and state.get("pid") == os.getpid():
-            state_file(spec.name).unlink(missing_ok=True)
-        ray.shutdown()
+        stopping = time.perf_counter()
+        stopped = _stop(spec, ray, serve, serve_starting, deployed, deployment)
+        if stop.is_set():  # a stop asked for (Ctrl-C, `tandem down`), not a start that failed
+            _log(f"cluster {spec.name!r} stopped in {time.perf_counter() - stopping:.1f}s: {stopped}")
+
+
+def _stop(spec: ClusterSpec, ray, serve, serve_starting, deployed: bool, deployment) -> str:
+    """Stops what ``up`` started, in order, printing nothing of Ray's: the ingress replicas
+    (each stops taking calls and lets those in flight end), Serve, the workers (and their
+    placement groups), the registry, then a local Ray. Says what it stopped."""
+    silence_ray_output()
+    done = []
+    try:
+        serve_starting.result()  # not torn down half-started
+        if deployed:
+            serve.delete(spec.name)  # waits for the replicas to drain and stop
+            done.append("API drained")
+        if deployed or spec.ray.address:
+            serve.shutdown()
+            done.append("Serve")
+    except Exception:  # noqa: BLE001 - tearing down what may be half started
+        pass
+    if deployment is not None:
+        deployment.shutdown()
+        done.append("workers and registry")
+    state = read_state(spec.name)
+    if state and state.get("pid") == os.getpid():
+        state_file(spec.name).unlink(missing_ok=True)
+    ray.shutdown()
+    if spec.ray.address:
+        return ", ".join(done) + " stopped; the Ray cluster it joined runs on"
+    return ", ".join(done + ["Ray"]) + " stopped"
 
 
 def _without_password(url: str) -> str:

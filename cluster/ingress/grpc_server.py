@@ -40,6 +40,7 @@ from cluster.engine.structured.spec import StructuredOutput
 from cluster.engine.tool_calls.formats import ToolCalling, ToolCallFormat
 from cluster.engine.tool_calls.parser import CallClosed, ContentDelta, ToolCallParser
 from cluster.engine.tool_calls.tools import function_tool, tool_use
+from cluster.ingress import retry_after
 from cluster.ingress.openai_tools import prompt_tool_format, tool_setup
 from cluster.protocol.messages import ApiRequest, Output, RequestFailed
 from cluster.runtime.ports import host_port
@@ -218,6 +219,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         try:
             async for message in messages:
                 if isinstance(message, RequestFailed):
+                    context.set_trailing_metadata(retry_after.grpc_trailers(message))
                     await context.abort(CODES.get(message.kind, grpc.StatusCode.UNAVAILABLE), message.message)
                 await context.write(response_message(message, reader))
                 if message.finished:
@@ -379,11 +381,18 @@ class ApiServer:
         for name in ("", SERVICE):
             await self.health.set(name, status)
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self, grace_s: float = 2.0, then=None) -> None:
+        """Stops taking calls (gRPC, then HTTP), lets those in flight end within ``grace_s``, runs
+        ``then()`` (a coroutine function: what is left once no call runs) and ends the loop."""
         if not self._thread.is_alive():
             return
         asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self._loop).result(timeout=grace_s + 10)
         if self.http_runner is not None:
             asyncio.run_coroutine_threadsafe(self.http_runner.cleanup(), self._loop).result(timeout=grace_s + 10)
+        if then is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(then(), self._loop).result(timeout=10)
+            except Exception:  # noqa: BLE001 - stopping: what could not be written is lost with the process
+                pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)

@@ -66,7 +66,8 @@ class OpenAIServer:
         try:
             return await handler(request)
         except ApiError as exc:
-            return web.json_response(exc.body(), status=exc.status)  # (aiohttp drains a body left unread)
+            return web.json_response(exc.body(), status=exc.status,  # (aiohttp drains a body left unread)
+                                     headers=exc.headers)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

@@ -34,6 +34,7 @@ from cluster.engine.structured.fields import FIELDS as STRUCTURED_FIELDS
 from cluster.engine.structured.fields import structured_output
 from cluster.engine.tool_calls.formats import ToolCalling, ToolCallFormat
 from cluster.engine.tool_calls.parser import ArgumentsDelta, CallOpened, ContentDelta, ParsedCall
+from cluster.ingress import retry_after
 from cluster.ingress.openai_tools import chat_tool_call, chat_tool_use, prompt_tool_format, tool_setup
 from cluster.protocol.messages import ApiRequest, RequestFailed
 
@@ -66,11 +67,13 @@ CODES = {404: "model_not_found", 429: "rate_limit_exceeded", 503: "service_unava
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         message = " ".join(line.strip() for line in message.splitlines() if line.strip())  # one line, always
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code or CODES.get(status)
+        self.headers = headers or {}  # sent with the status (Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
@@ -336,7 +339,8 @@ def _optional_int(body: Mapping, name: str, minimum: int | None, maximum: int | 
 def error_for(error: RequestFailed) -> ApiError:
     """The request path's error message as an API error with its status."""
     status = STATUS.get(error.kind, 503)
-    return ApiError(status, error.message, _param_of(error.message) if status == 400 else None)
+    return ApiError(status, error.message, _param_of(error.message) if status == 400 else None,
+                    headers=retry_after.http_headers(error))
 
 
 # A message that starts by naming a field: "temperature must be ...", "messages[0].role is missing", "stop: ..."

@@ -35,7 +35,8 @@ HEAD_NODE = {"node:__internal_head__": 0.001}  # the API's address is the head n
 
 
 @serve.deployment(name=INGRESS, num_replicas=1, ray_actor_options={"num_cpus": 0.1, "resources": HEAD_NODE},
-                  health_check_period_s=5, health_check_timeout_s=30)
+                  health_check_period_s=5, health_check_timeout_s=30,
+                  logging_config={"enable_access_log": False})  # Serve's line per handle call is not Tandem's log
 class GrpcIngress:
     def __init__(self, spec: ClusterSpec, info: ServingInfo):
         metrics = IngressMetrics(spec.name, info.workers)
@@ -66,12 +67,8 @@ class GrpcIngress:
         if checks is not None:
             checks.cancel()
         server = getattr(self, "server", None)
-        if server is not None:
-            try:
-                server.submit(self.path.stop()).result(timeout=10)  # its goodput records written, its status gone
-            except Exception:  # noqa: BLE001 - the loop has ended: nothing left to write from here
-                pass
-            server.stop(grace_s=2)
+        if server is not None:  # takes no more calls, lets those in flight end, then writes its goodput
+            server.stop(grace_s=2, then=self.path.stop)  # records and takes its router's status off
 
 
 def ingress_app(spec: ClusterSpec, info: ServingInfo):

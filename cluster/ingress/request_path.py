@@ -354,11 +354,14 @@ class RequestPath:
         # the router plans blocks for the tokens that can come, not for room that never will.
         prompt = request.prompt_token_ids
         planned = min(request.params.max_tokens, self.info.max_model_len - len(prompt))
+        # A request placed again (its worker failed under it) is judged from now: the time it
+        # already spent was the cluster's doing, and refusing it for that would cut its stream.
+        arrival = journey.arrival if not journey.attempts else requested_at
         try:  # a caller that goes away while it waits cancels this: the router drops it
             decision: Decision = await self.router.place(RouteRequest(
                 request_id=request.request_id, prompt_token_ids=prompt, max_tokens=planned,
                 slo_class=journey.slo_class, ttft_s=checked.ttft_s, tpot_s=checked.tpot_s,
-                priority=checked.priority, arrival=journey.arrival, avoid=tuple(avoid)))
+                priority=checked.priority, arrival=arrival, avoid=tuple(avoid)))
         except Exception as exc:  # noqa: BLE001 - a fault of the router's own: one line to the caller
             journey.outcome = "unavailable"
             return RequestFailed("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")
@@ -369,7 +372,8 @@ class RequestPath:
             if decision.decode is None and decision.reason.startswith("no live"):
                 journey.outcome = "unavailable"
                 return RequestFailed("unavailable", decision.reason)
-            return RequestFailed("rejected", f"rejected by admission control: {decision.reason}")
+            return RequestFailed("rejected", f"rejected by admission control: {decision.reason}",
+                                 retry_after_s=decision.retry_after_s)
         journey.decision = decision
         attempt.placed_at = time.time()
         if journey.placed_at is None:
@@ -414,7 +418,8 @@ class RequestPath:
                         yield message
                     finally:  # after the last message is on its way
                         router.finished(attempt_id, ttft_s=journey.ttft_s(), tpot_s=journey.tpot_s(),
-                                        service_ttft_s=_service_ttft(journey, attempt.placed_at))
+                                        service_ttft_s=_service_ttft(journey, attempt.placed_at),
+                                        output_tokens=attempt.tokens)
                         told.set_result(None)
                     return
                 if message.token_ids or message.text or message.placement is not None:

@@ -171,11 +171,15 @@ class RouterMetrics:
         self.tags = {"cluster": cluster, "policy": policy}
         self.decisions = metrics.Counter("tandem_router_decisions", "placements by policy and action",
                                          tag_keys=("cluster", "policy", "action", "path"))
+        self.rejections = metrics.Counter("tandem_router_rejections", "requests refused (HTTP 429, gRPC "
+                                          "RESOURCE_EXHAUSTED) by SLO class", tag_keys=("cluster", "slo_class"))
 
     def decided(self, decision) -> None:
         path = "load_only" if decision.load_only else ("local" if decision.prefill is None and decision.decode
                                                       else "remote")
         self.decisions.inc(1, {**self.tags, "action": decision.action, "path": path})
+        if decision.action == "reject":
+            self.rejections.inc(1, {"cluster": self.tags["cluster"], "slo_class": decision.slo_class or "-"})
 
 
 def _start_at_zero(counter: metrics.Counter, tags: dict[str, str]) -> None:

@@ -477,6 +477,9 @@ class Simulator:
     def _decided(self, flight: _Flight, decision: Decision) -> None:
         if decision.action == "reject":
             kind = "UNAVAILABLE" if decision.reason.startswith("no live") else "RESOURCE_EXHAUSTED"
+            if kind == "RESOURCE_EXHAUSTED":  # as the bench counts a measured refusal
+                flight.result.rejected, flight.result.finished_at = True, self._now - EPOCH
+                flight.result.retry_after_s = decision.retry_after_s
             self._fail(flight, f"{kind}: {decision.reason}")
             return
         flight.decision, flight.placed_at = decision, self._now

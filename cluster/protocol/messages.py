@@ -184,6 +184,7 @@ class RequestFailed:
     kind: str
     message: str
     request_id: str = ""  # set on a request path's first message
+    retry_after_s: float | None = None  # rejected: when the router predicts a retry could be placed
 
     final = True
     finished = True

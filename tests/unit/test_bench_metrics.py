@@ -77,3 +77,17 @@ def test_percentile_interpolates_and_sweep_goodput_is_the_highest_rate_meeting_t
     points = [(1.0, {"goodput": {"attainment": 1.0}}), (2.0, {"goodput": {"attainment": 0.93}}),
               (4.0, {"goodput": {"attainment": 0.6}})]
     assert sweep_goodput(points) == 2.0
+
+
+def test_a_refusal_is_counted_as_rejected_not_failed():
+    r1, r2, r3, r4 = hand_made()
+    refused = RequestResult("r5", None, 70, 3.0, finished_at=3.004, error="HTTP 429: busy", rejected=True,
+                            retry_after_s=1.25)
+    s = summarize([r1, r2, r3, r4, refused], Objectives(ttft_s=0.5, tpot_s=0.2))
+    assert (s["completed"], s["rejected"], s["failed"]) == (3, 1, 1)
+    assert s["errors"] == {"RESOURCE_EXHAUSTED": 1}  # r3 has no rejected mark: a failure
+    assert s["time_to_reject"]["p50_ms"] == pytest.approx(4.0)
+    assert s["retry_after"]["p50_ms"] == pytest.approx(1250.0)
+    g = s["goodput"]
+    assert (g["met"], g["rejected"], g["failed"], g["requests"]) == (2, 1, 1, 5)  # not met, counted apart
+    assert g["attainment"] == pytest.approx(2 / 5)

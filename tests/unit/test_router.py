@@ -193,9 +193,13 @@ def test_admission_rejects_at_once_with_the_reason():
     assert router.status(NOW)["rejected"] == 1
 
 
+def full_decode(next_slot_tokens: int = 4) -> dict[str, WorkerLoad]:
+    """Both decode workers at max_num_seqs (16) sequences, the one closest to its end 4 steps away."""
+    return {d: replace(load(d, running=16, updated_at=NOW), next_slot_tokens=next_slot_tokens) for d in ("d0", "d1")}
+
+
 def test_a_queueable_class_waits_and_a_hopeless_prompt_runs_best_effort():
-    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
-    router = Router(TOPOLOGY, FakeRegistry(busy), config())
+    router = Router(TOPOLOGY, FakeRegistry(full_decode()), config())
     assert route(router, slo_class="standard").action == "queue"
     long_prompt = list(range(6000))  # 6 s of prefill on an idle worker: no queue makes it meet 5 s
     decision = route(Router(TOPOLOGY, FakeRegistry(), config()), prompt=long_prompt, slo_class="standard")
@@ -359,40 +363,39 @@ def test_a_class_that_may_not_wait_counts_the_time_it_already_spent():
 
 
 def test_a_waiting_head_never_holds_back_a_request_that_can_be_placed():
-    busy = {w: load(w, queued=4700) for w in ("p0", "p1")}  # 4.73 s of queue on each prefill worker
-    registry = FakeRegistry(busy)
+    tight = {d: replace(load(d, running=2, free=12), next_slot_tokens=4) for d in ("d0", "d1")}  # 12 free blocks each
+    registry = FakeRegistry(tight)
     router = Router(TOPOLOGY, registry, config())
     head = router.submit(RouteRequest("head", list(range(300)), 8, "standard", priority=5), now=NOW)
-    assert head.action == "queue"  # 4.73 s + 0.31 s of prefill > 5 s, though an idle pair could
+    assert head.action == "queue"  # its 77 blocks fit on no decode worker now
     behind = router.submit(RouteRequest("short", PROMPT, 8, "standard"), now=NOW)
-    assert behind.action == "place"  # 4.73 s + 0.043 s: placed at once, past the waiting head
+    assert behind.action == "place"  # 11 blocks: placed at once, past the waiting head
     assert router.retry_waiting(NOW + 0.01) == []  # nothing changed: it keeps waiting
     assert router.status(NOW)["waiting"] == 1
-    registry.state.update({w: load(w, updated_at=NOW + 0.05) for w in ("p0", "p1")})  # the queues drained
+    registry.state.update({w: load(w, updated_at=NOW + 0.05) for w in ("d0", "d1")})  # blocks freed
     placed = router.retry_waiting(NOW + 0.1)
     assert [(d.request_id, d.action) for d in placed] == [("head", "place")]
     assert router.status(NOW + 0.1)["waiting"] == 0
 
 
 def test_waiting_requests_are_offered_in_priority_order_each_on_its_own():
-    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
-    registry = FakeRegistry(busy)
+    registry = FakeRegistry(full_decode())
     router = Router(TOPOLOGY, registry, config("slo"))
     for rid, priority, arrival in (("low", 0, NOW - 2), ("high", 3, NOW - 1), ("mid", 1, NOW - 3)):
         assert router.submit(RouteRequest(rid, PROMPT, 8, "standard", priority=priority, arrival=arrival),
                              now=NOW).action == "queue"
     assert router.cancel("mid") and not router.cancel("mid")
-    registry.state.update({w: load(w, updated_at=NOW + 0.05) for w in ("p0", "p1")})
+    registry.state.update({w: load(w, updated_at=NOW + 0.05) for w in ("d0", "d1")})
     assert [d.request_id for d in router.retry_waiting(NOW + 0.1)] == ["high", "low"]
 
 
 def test_a_full_queue_rejects_instead_of_holding():
-    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
-    router = Router(TOPOLOGY, FakeRegistry(busy), config(queue_limit=1))
+    router = Router(TOPOLOGY, FakeRegistry(full_decode()), config(queue_limit=1))
     assert router.submit(RouteRequest("a", PROMPT, 8, "standard"), now=NOW).action == "queue"
     second = router.submit(RouteRequest("b", PROMPT, 8, "standard"), now=NOW)
     assert second.action == "reject"
     assert second.reason.startswith("the router already holds 1 waiting requests (router.queue_limit)")
+    assert second.retry_after_s == pytest.approx(0.4)  # behind "a": the first sequence to end, 4 steps of 100 ms
 
 
 def test_before_the_first_reports_requests_wait_and_then_face_admission():
@@ -459,16 +462,15 @@ def test_a_colocated_pool_prefills_and_decodes_on_one_worker():
 
 
 def test_a_long_queue_is_offered_again_only_on_change_and_pruned_by_what_must_wait():
-    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
-    registry = FakeRegistry(busy)
+    registry = FakeRegistry(full_decode())
     router = Router(TOPOLOGY, registry, config())
     for i in range(100):
-        router.submit(RouteRequest(f"long{i}", list(range(200)), 8, "standard"), now=NOW)
-    router.submit(RouteRequest("short", PROMPT, 8, "standard"), now=NOW)
+        assert router.submit(RouteRequest(f"long{i}", list(range(40)), 8, "standard"), now=NOW).action == "queue"
+    assert router.submit(RouteRequest("short", PROMPT, 8, "standard"), now=NOW).action == "queue"
     routed = []
     original = router.route
-    router.route = lambda request, now=None, hits=None: routed.append(request.request_id) or original(request, now,
-                                                                                                       hits)
+    router.route = lambda request, now=None, hits=None, ahead=None: (routed.append(request.request_id)
+                                                                     or original(request, now, hits, ahead))
     assert router.retry_waiting(NOW + 0.1) == []
     assert routed == ["long0", "short"]  # the 99 longer ones behind long0 would wait too: not routed
     assert router.retry_waiting(NOW + 0.2) == [] and len(routed) == 2  # nothing changed: nothing offered
@@ -535,7 +537,7 @@ def test_a_request_forgotten_before_it_arrives_is_never_placed():
     assert (late.action, late.reason) == ("reject", "its caller went away before it was placed")
     assert router.inflight == {}
     assert router.submit(RouteRequest("early", PROMPT, 8, "standard"), now=NOW).action == "place"  # remembered once
-    busy = Router(TOPOLOGY, FakeRegistry({w: load(w, queued=9000) for w in ("p0", "p1")}), config())
+    busy = Router(TOPOLOGY, FakeRegistry(full_decode()), config())
     assert busy.submit(RouteRequest("w", PROMPT, 8, "standard"), now=NOW).action == "queue"
     busy.forget("w")  # a waiting request forgotten leaves the queue
     assert len(busy.waiting) == 0 and "w" not in busy._gone

@@ -30,8 +30,11 @@ def message(placed: int = 7, goodput: bool = True) -> tandem_pb2.ClusterStatus:
                         at=1_700_000_000.0, detail="The actor died unexpectedly")
     for i in range(2):
         r = m.routers.add(name=f"router-{i}", policy="slo", registry="ok", waiting=1, in_flight=2, placed=placed,
-                          rejected=1, failed_workers=["decode-0"])
+                          rejected=1 + 2 * i, failed_workers=["decode-0"])
         r.ttft_correction_s["remote"] = 0.01
+        r.rejected_by_class["standard"] = 1
+        if i:
+            r.rejected_by_class["interactive"] = 2
     if goodput:
         for window in (m.last_minute, m.last_hour):
             window.cluster.CopyFrom(tandem_pb2.SloWindow(window_s=60, requests=4, met=3, goodput_rps=0.05,
@@ -48,6 +51,7 @@ def test_status_dict_sums_the_routers_and_keeps_the_shape_of_status_json():
     assert status["in_flight"] == 4 and status["routers"] == 2 and len(status["each_router"]) == 2
     assert status["router"]["ttft_correction_s"] == {"remote": 0.01}
     assert status["router"]["ttft_prediction_error"] is None
+    assert status["router"]["rejected_by_class"] == {"standard": 2, "interactive": 2}  # summed over the routers
     workers = {w["name"]: w for w in status["workers"]}
     assert workers["prefill-0"]["kv_blocks_used"] == 3 and workers["prefill-0"]["tp"] == 2
     assert workers["decode-0"]["state"] == "dead"
@@ -66,6 +70,7 @@ def test_status_dict_sums_the_routers_and_keeps_the_shape_of_status_json():
 def test_format_status_lists_workers_health_and_goodput():
     text = format_status(status_dict(message(), api="127.0.0.1:1"))
     assert "cluster c1: model m; API 127.0.0.1:1; dashboard off; serving" in text
+    assert "2 waiting for placement, 4 placed and not finished, 4 rejected (interactive 2, standard 2)" in text
     assert "prefill-0  prefill  2   alive  a1b2c3d4@10.0.0.5  3/64" in text
     assert "decode-0   decode   -   dead   -" in text
     lines = text.splitlines()
@@ -86,7 +91,7 @@ def test_format_status_lists_workers_health_and_goodput():
 def test_a_top_frame_shows_rates_since_the_last_frame():
     first, second = status_dict(message(placed=7), api="a"), status_dict(message(placed=12), api="a")
     frame = render(second, first, 2.0, 0.0)
-    assert "placed 24 (5.0/s)" in frame and "rejected 2 (0.0/s)" in frame
+    assert "placed 24 (5.0/s)" in frame and "rejected 4 (0.0/s)" in frame
     assert "failed workers: decode-0" in frame
     assert "prefill-0" in frame and "#" in frame.split("prefill-0")[1].splitlines()[0]  # the KV bar
     assert "goodput, last minute: 4 requests" in frame

@@ -169,7 +169,8 @@ def test_to_dict_router_in_input_format():
     router = spec.to_dict()["router"]
     assert router == {
         "policy": "least_loaded", "weights": {"least_loaded": 1.0}, "admission_control": False,
-        "slo_classes": {"fast": {"ttft_ms": 300, "tpot_ms": None, "priority": 3, "on_overload": "reject"}},
+        "slo_classes": {"fast": {"ttft_ms": 300, "tpot_ms": None, "priority": 3, "on_overload": "reject",
+                                 "max_wait_ms": None}},
         "default_class": "fast", "skip_prefill_fraction": 0.9, "load_refresh_s": 0.05, "registry_retry_s": 1.0,
         "queue_limit": 4096, "correction_limit_ms": 500, "correction_half_life_s": 30.0,
         "local_prefill_max_tokens": 256, "migration_limit": 3, "prefill_shortlist": 16,

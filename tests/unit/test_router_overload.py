@@ -1,0 +1,165 @@
+"""Overload: a request that may wait is held only as long as its class's bound, refused at once
+when the router predicts it would wait longer, and every refusal says when to retry, from the
+queue and the workers' step-time fits (exact arithmetic on hand-made loads)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from router.config import RouterConfig, RouterConfigError
+from router.router import RouteRequest, Router
+from router.wait_forecast import DecodeSlots, WaitForecast, decode_slots, slot_wait_s
+from test_router import NOW, PROMPT, TOPOLOGY, FakeRegistry, config, full_decode, load
+
+pytestmark = pytest.mark.unit
+
+# decode step = 20 ms + 5 ms per sequence + 0.1 ms per context token (test_router's fits)
+STEP_16 = 0.020 + 0.005 * 16  # 100 ms: a full worker's step
+
+
+def model_of(router: Router, worker: str):
+    return router.model(router.registry.loads([worker])[worker])
+
+
+def test_slots_free_at_the_rate_sequences_finish():
+    """16 sequences of 8 tokens at 100 ms a step: 16 / 0.8 s = 20 a second per worker; the first
+    frees its slot after its last 4 steps."""
+    router = Router(TOPOLOGY, FakeRegistry(full_decode()), config())
+    slots = decode_slots(full_decode()["d0"], model_of(router, "d0"), [], blocks_per_request=11,
+                         tpot_objective_s=0.25, output_tokens=8)
+    assert slots == DecodeSlots(room=0, departures_per_s=pytest.approx(20.0), first_departure_s=pytest.approx(0.4))
+    assert slot_wait_s([slots, slots], 1) == pytest.approx(0.4)  # the first to end
+    assert slot_wait_s([slots, slots], 41) == pytest.approx(41 / 40)  # 40 ahead: at 40 a second
+    assert slot_wait_s([DecodeSlots(3, 0.0, float("inf"))], 3) == 0.0  # room now
+    assert slot_wait_s([DecodeSlots(0, 0.0, float("inf"))], 1) == float("inf")  # nothing decodes
+
+
+def test_the_tpot_objective_and_free_blocks_bound_a_worker_s_slots():
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    model = model_of(router, "d0")
+    # 4 sequences of 1,000 context tokens: each adds 5 + 100 ms to a step; within 250 ms, 2 fit
+    long_context = load("d0", running=4, context=4000)
+    assert decode_slots(long_context, model, [], 11, tpot_objective_s=0.25, output_tokens=8).room == 0
+    assert decode_slots(long_context, model, [], 11, tpot_objective_s=None, output_tokens=8).room == 100 // 11
+    # 2 running, 23 free blocks, a placement since the report holding 33 prompt tokens (9 blocks):
+    # 14 blocks left, one request of 11
+    few_blocks = load("d0", running=2, free=23)
+    assert decode_slots(few_blocks, model, [33], 11, tpot_objective_s=None, output_tokens=8).room == 1
+
+
+def test_forecast_first_token_and_retry_after():
+    held = WaitForecast(wait_s=2.0, backlog_s=0.5, after_s=0.3)
+    assert held.first_token_s(spent_s=1.0) == pytest.approx(3.3)
+    assert held.retry_after_s(5.0) == pytest.approx(2.0)  # the slot is what it waits for
+    backlog = WaitForecast(wait_s=0.0, backlog_s=9.05, after_s=0.043)
+    assert backlog.retry_after_s(5.0) == pytest.approx(4.093)  # until the backlog leaves time for its prefill
+    assert backlog.retry_after_s(None) == 0.0
+
+
+def test_a_held_request_is_told_its_predicted_wait_behind_those_ahead():
+    router = Router(TOPOLOGY, FakeRegistry(full_decode()), config())
+    first = router.submit(RouteRequest("a", PROMPT, 8, "standard"), now=NOW)
+    assert (first.action, first.predicted_wait_s, first.retry_after_s) == ("queue", pytest.approx(0.4),
+                                                                         pytest.approx(0.4))
+    for i in range(40):
+        router.submit(RouteRequest(f"b{i}", PROMPT, 8, "standard"), now=NOW)
+    last = router.submit(RouteRequest("c", PROMPT, 8, "standard"), now=NOW)
+    assert last.predicted_wait_s == pytest.approx(42 / 40)  # 41 ahead and itself, 40 slots a second
+
+
+def test_the_learned_output_length_sets_how_fast_slots_free():
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    route = router.route(RouteRequest("done", PROMPT, 8, "batch"), now=NOW)
+    assert route.action == "place"
+    router.finished("done", output_tokens=40, now=NOW)  # the mean output: 40 tokens
+    router.registry.state.update(full_decode())
+    router._loads_read_at = -1e9
+    decision = router.submit(RouteRequest("a", PROMPT, 8, "standard"), now=NOW)
+    # 16 sequences of 40 tokens at 100 ms a step: 4 a second per worker, 8 in all; 1 needed
+    assert decision.predicted_wait_s == pytest.approx(max(0.4, 1 / 8))
+    assert router.status(NOW)["mean_output_tokens"] == 40
+
+
+def test_a_request_predicted_to_wait_past_its_bound_is_refused_on_arrival():
+    classes = {"standard": {"ttft_ms": 5000, "tpot_ms": 250, "on_overload": "queue", "max_wait_ms": 300}}
+    router = Router(TOPOLOGY, FakeRegistry(full_decode()), config(slo_classes=classes))
+    decision = router.submit(RouteRequest("a", PROMPT, 8, "standard", arrival=NOW), now=NOW)
+    assert decision.action == "reject"
+    assert decision.retry_after_s == pytest.approx(0.4)
+    assert decision.reason.startswith("predicted to wait 400 ms more for a decode slot (after 0 ms), past its "
+                                      "bound of 300 ms; no decode worker has a free slot")
+    assert len(router.waiting) == 0 and router.inflight == {}
+    assert router.status(NOW)["rejected_by_class"] == {"standard": 1}
+
+
+def test_a_prefill_backlog_past_the_objective_is_refused_at_once():
+    """9,000 queued prompt tokens (9.05 s of prefill) on each prefill worker: holding the
+    request would not bring its first token sooner than 9.09 s, past its 5 s."""
+    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
+    router = Router(TOPOLOGY, FakeRegistry(busy), config())
+    decision = router.submit(RouteRequest("a", PROMPT, 8, "standard", arrival=NOW), now=NOW)
+    assert decision.action == "reject"
+    assert decision.retry_after_s == pytest.approx(9.05 + 0.043 - 5.0)
+    assert decision.reason.startswith("its first token is predicted 9093 ms after arrival however long it waits "
+                                      "(backlog 9050 ms, slot in 0 ms)")
+
+
+def test_a_held_request_past_its_bound_is_refused_with_a_fresh_forecast():
+    classes = {"standard": {"ttft_ms": 5000, "tpot_ms": 250, "on_overload": "queue", "max_wait_ms": 500}}
+    registry = FakeRegistry(full_decode())
+    router = Router(TOPOLOGY, registry, config(slo_classes=classes))
+    assert router.submit(RouteRequest("a", PROMPT, 8, "standard", arrival=NOW), now=NOW).action == "queue"
+    assert router.retry_waiting(NOW + 0.3) == []  # its slot 100 ms away, by the report 300 ms old: it waits
+    registry.state.update(full_decode(next_slot_tokens=9))  # a report: still full, and its first slot further off
+    for d in ("d0", "d1"):
+        registry.state[d] = replace(registry.state[d], updated_at=NOW + 0.5)
+    [refused] = router.retry_waiting(NOW + 0.6)
+    assert (refused.action, refused.request_id) == ("reject", "a")
+    assert refused.retry_after_s == pytest.approx(0.8)  # 9 steps of 100 ms from a report 100 ms old
+    assert len(router.waiting) == 0
+
+
+def test_a_class_that_may_not_wait_is_told_when_to_retry():
+    router = Router(TOPOLOGY, FakeRegistry({w: load(w, queued=3000) for w in ("p0", "p1")}), config())
+    decision = router.submit(RouteRequest("i", PROMPT, 8, "interactive"), now=NOW)
+    assert decision.action == "reject"
+    assert decision.retry_after_s == pytest.approx(3.02 + 0.043 - 1.0)  # the backlog leaves its 43 ms in 1 s
+
+
+def test_max_wait_is_read_checked_and_written_back():
+    classes = {"chat": {"ttft_ms": 800, "max_wait_ms": 300}}
+    cfg = RouterConfig.from_mapping({"slo_classes": classes, "default_class": "chat"})
+    assert cfg.slo_class("chat").wait_bound_s == pytest.approx(0.3)
+    assert cfg.to_mapping()["slo_classes"]["chat"]["max_wait_ms"] == 300
+    assert RouterConfig.from_mapping(cfg.to_mapping()) == cfg
+    assert RouterConfig().slo_class("standard").wait_bound_s == 5.0  # default: its TTFT objective
+    assert RouterConfig().slo_class("batch").wait_bound_s is None
+    with pytest.raises(RouterConfigError, match=r"router.slo_classes.chat.max_wait_ms: must be at most ttft_ms \(800\)"):
+        RouterConfig.from_mapping({"slo_classes": {"chat": {"ttft_ms": 800, "max_wait_ms": 900}},
+                                   "default_class": "chat"})
+    with pytest.raises(RouterConfigError, match=r"router.slo_classes.chat.max_wait_ms: must be a positive number"):
+        RouterConfig.from_mapping({"slo_classes": {"chat": {"max_wait_ms": -1}}, "default_class": "chat"})
+
+
+def test_tpot_measured_slower_than_predicted_scales_what_the_router_predicts():
+    """A request that decoded at twice its predicted TPOT (contended cores): the scale moves a
+    tenth of the way (1.1), later TPOTs are predicted 10% slower, and it decays as the TTFT
+    correction does."""
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    first = router.route(RouteRequest("a", PROMPT, 8, "standard"), now=NOW)
+    router.finished("a", now=NOW, tpot_s=2 * first.predicted_tpot_s)
+    assert router.tpot_scale(NOW) == pytest.approx(1.1)
+    second = router.route(RouteRequest("b", PROMPT, 8, "standard"), now=NOW)
+    assert second.predicted_tpot_s == pytest.approx(first.predicted_tpot_s * 1.1)
+    assert second.tpot_scale == pytest.approx(1.1)
+    router.finished("b", now=NOW, tpot_s=second.predicted_tpot_s / 1.1)  # as fitted: towards 1
+    assert router.tpot_scale(NOW) == pytest.approx(1.1 + 0.1 * (1.0 - 1.1))
+    assert router.tpot_scale(NOW + 30.0) == pytest.approx(1.0 + 0.09 * 0.5)  # a half-life later
+    # a worker's batch within 252.5 ms: at scale 1, (0.2525 - 0.02) / 0.005 = 46.5 sequences; at
+    # scale 2, (0.12625 - 0.02) / 0.005 = 21.25: 21
+    model = model_of(router, "d0")
+    wide = replace(load("d0", running=18), max_num_seqs=64)
+    assert decode_slots(wide, model, [], 1, 0.2525, 8).room == 46 - 18
+    assert decode_slots(wide, model, [], 1, 0.2525, 8, step_scale=2.0).room == 21 - 18
