@@ -66,6 +66,7 @@ OUTPUT_WEIGHT = 0.05  # of each finished request's output length in the running 
 TPOT_SCALE_LIMITS = (0.5, 4.0)  # the learned TPOT scale stays within these
 GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
 HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
+RESTART_WAIT_S = 30.0  # how long requests wait for a dead worker to start again, when its deployment restarts it
 REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)
 
 
@@ -92,6 +93,7 @@ class Topology:
     block_size: int
     hash_keys: tuple = ()
     colocated: tuple[str, ...] = ()
+    restarts_workers: bool = False  # the deployment starts a dead worker again (``ray.restart_workers``)
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -170,6 +172,7 @@ class Router:
         self.inflight: dict[str, _Placed] = {}
         self.failed: set[str] = set()
         self._failed_incarnation: dict[str, str] = {}  # each failed worker's last reported incarnation
+        self._failed_at: dict[str, float] = {}  # when each failed worker was found dead
         self.counters = RouterCounters()
         self._rotation = 0
         self._models: dict[str, tuple[tuple, StepTimeModel]] = {}
@@ -373,7 +376,7 @@ class Router:
             decision = self.route(request, now)
             if decision.action == "queue":  # no load report to judge by
                 why = (f"slo_class {cls.name!r} waited {_waited(request, now) * 1000:.0f} ms for a placement, past "
-                       f"its bound of {bound * 1000:.0f} ms (router.slo_classes.{cls.name}.max_wait_ms)")
+                       f"its bound of {bound * 1000:.0f} ms (router.slo_classes.{cls.name}.max_wait_ms): {decision.reason}")
                 decision = self._reject(request, cls, why, now, retry_after_s=decision.retry_after_s)
             self.counters.waiting_placed += decision.action == "place"
             out.append(decision)
@@ -404,14 +407,26 @@ class Router:
         if every one has reported before and is gone or failed, nothing can serve it."""
         names = self.topology.prefill if side == "prefill" else self.topology.decode + self.topology.colocated
         starting = [w for w in names if w not in self._reported and w not in self.failed]
-        if starting:
+        returning = [w for w in names if self._restarting(w, now)]
+        if starting or returning:
+            reason = (f"waiting for the first load report of {starting[0]}" if starting else
+                      f"waiting for {returning[0]} to start again")
             self.counters.queued += 1
             return Decision("queue", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
-                            tpot_objective_s=cls.tpot_s, reason=f"waiting for the first load report of {starting[0]}",
-                            waited_s=_waited(request, now))
+                            tpot_objective_s=cls.tpot_s, reason=reason, waited_s=_waited(request, now))
         self.counters.rejected += 1
         return Decision("reject", request.request_id, slo_class=cls.name, reason=f"no live {side} worker",
                         waited_s=_waited(request, now))
+
+    def _restarting(self, worker: str, now: float) -> bool:
+        """Whether ``worker``, reported once and dead or silent now, is expected back: its
+        deployment restarts dead workers, and it went less than ``RESTART_WAIT_S`` ago (a
+        request waits for it, within its class's bound, rather than failing at once)."""
+        if not self.topology.restarts_workers or worker not in self._reported:
+            return False
+        seen = self._last_seen.get(worker)
+        gone_at = max(self._failed_at.get(worker, -math.inf), seen[1] if seen else -math.inf)
+        return now - gone_at < RESTART_WAIT_S
 
     def _prefix_hits(self, request: RouteRequest, live: Sequence[str], now: float) -> dict[str, int] | None:
         keys = request_hash_keys(self.topology.hash_keys, request.cache_salt)
@@ -650,18 +665,20 @@ class Router:
         seen = self._last_seen.get(worker)
         return seen[0].incarnation if seen else ""
 
-    def worker_failed(self, worker: str) -> None:
+    def worker_failed(self, worker: str, now: float | None = None) -> None:
         """A call to ``worker`` failed: no placement goes to it until it returns, told by
         ``worker_returned`` or seen in a report of another incarnation (started again)."""
         self.failed.add(worker)
         seen = self._last_seen.get(worker)
         self._failed_incarnation[worker] = seen[0].incarnation if seen else ""
+        self._failed_at[worker] = time.time() if now is None else now
         self._changed()
 
     def worker_returned(self, worker: str) -> None:
         if worker in self.failed:
             self.failed.discard(worker)
             self._failed_incarnation.pop(worker, None)
+            self._failed_at.pop(worker, None)
             self._changed()
 
     def status(self, now: float | None = None) -> dict:

@@ -136,7 +136,7 @@ class Deployment:
         smallest = min(generating, key=lambda d: d["num_blocks"])
         names = {role: tuple(self.pools[role].names()) if role in self.pools else () for role in ROLES}
         topology = Topology(names["prefill"], names["decode"], smallest["block_size"],
-                            tuple(smallest["hash_keys"]), names["colocated"])
+                            tuple(smallest["hash_keys"]), names["colocated"], self.spec.ray.restart_workers)
         kv = self.spec.kv
         return ServingInfo(
             self.cluster_name, str(model_dir), self.spec.model.name or model_dir.name, config.architecture,

@@ -575,10 +575,11 @@ def test_up_whose_worker_cannot_start_is_one_line_and_leaves_nothing(model_dir, 
 
 
 def test_tandem_up_starts_a_killed_decode_worker_again(model_dir, reference, tmp_path):
-    """The quick start's shape under `tandem up`: its only decode worker killed, a call finds no
-    live decode worker (UNAVAILABLE) until the `up` process has started it again, paired with the
-    prefill worker; then calls succeed with `tandem run`'s tokens, the prompt's KV sent by the
-    prefill worker again, and `tandem status` lists the loss and the return with the node."""
+    """The quick start's shape under `tandem up`: its only decode worker killed, a call waits in
+    the router while the `up` process starts it again, paired with the prefill worker (refused
+    with RESOURCE_EXHAUSTED, naming the restart, only if that takes longer than the class's wait
+    bound); then calls succeed with `tandem run`'s tokens, the prompt's KV sent by the prefill
+    worker again, and `tandem status` lists the loss and the return with the node."""
     cluster = Cluster("e2e-restart", topology("e2e-restart", model_dir), tmp_path)
     try:
         with TandemClient(cluster.api, timeout_s=120) as client:
@@ -590,7 +591,8 @@ def test_tandem_up_starts_a_killed_decode_worker_again(model_dir, reference, tmp
                 try:
                     tokens, messages = stream_tokens(client, REMOTE_PROMPT)
                 except TandemError as exc:
-                    assert exc.code == grpc.StatusCode.UNAVAILABLE and "no live decode worker" in exc.message
+                    assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    assert "waiting for decode-0 to start again" in exc.message
                     return None
             assert tokens == reference["remote"]
             return messages[-1].prefill_worker == "prefill-0" and messages[-1].decode_worker == "decode-0"

@@ -570,3 +570,41 @@ def test_the_shortlist_keeps_placements_and_the_round_robin_rotation():
     assert [route(rotating, f"r{i}").prefill for i in range(4)] == ["p0", "p1", "p2", "p3"]
     with pytest.raises(RouterConfigError, match="router.prefill_shortlist"):
         config(prefill_shortlist=0)
+
+
+def test_a_dead_worker_its_deployment_restarts_is_waited_for_within_the_class_bound():
+    """With ``ray.restart_workers`` the router holds a request that finds no live decode worker
+    while the dead one is expected back (``RESTART_WAIT_S``): placed on its new incarnation,
+    refused at its class's wait bound, and without restarts refused at once as before."""
+    from router.router import RESTART_WAIT_S
+
+    registry = FakeRegistry()
+    registry.state.update({w: replace(l, incarnation="first") for w, l in registry.state.items()})
+    reports = dict(registry.state)
+    router = Router(replace(TOPOLOGY, restarts_workers=True), registry, config())
+    assert router.submit(RouteRequest("a", PROMPT, 8, "standard"), now=NOW).action == "place"
+    router.finished("a", now=NOW)
+    for d in ("d0", "d1"):
+        router.worker_failed(d, now=NOW + 1)
+        del registry.state[d]
+    held = router.submit(RouteRequest("b", PROMPT, 8, "standard", arrival=NOW + 1), now=NOW + 1)
+    assert (held.action, held.reason) == ("queue", "waiting for d0 to start again")
+    registry.state["d1"] = replace(reports["d1"], incarnation="second", updated_at=NOW + 2)  # d1 is back
+    resolved = router.retry_waiting(NOW + 3)
+    assert [(d.request_id, d.action, d.decode) for d in resolved] == [("b", "place", "d1")]
+    assert router.failed == {"d0"}
+    del registry.state["d1"]
+    router.worker_failed("d1", now=NOW + 4)
+    late = router.submit(RouteRequest("c", PROMPT, 8, "standard", arrival=NOW + 4), now=NOW + 4)
+    assert late.action == "queue"
+    bound = router.config.slo_class("standard").wait_bound_s
+    refused = router.retry_waiting(NOW + 4 + bound + 0.5)
+    assert [(d.request_id, d.action) for d in refused] == [("c", "reject")]
+    gone = router.submit(RouteRequest("e", PROMPT, 8, "standard"), now=NOW + 4 + RESTART_WAIT_S)
+    assert (gone.action, gone.reason) == ("reject", "no live decode worker")
+    plain = Router(TOPOLOGY, FakeRegistry(), config())
+    plain.submit(RouteRequest("f", PROMPT, 8, "standard"), now=NOW)
+    plain.registry.state.clear()
+    for d in ("d0", "d1"):
+        plain.worker_failed(d, now=NOW + 1)
+    assert plain.submit(RouteRequest("g", PROMPT, 8, "standard"), now=NOW + 1).reason == "no live decode worker"
