@@ -4,13 +4,16 @@ A draft is a smaller random checkpoint with the target's tokenizer: its guesses 
 and greedy output must still be the output without speculation, token for token, on every
 architecture. A draft that is the model itself must have every greedy guess kept: the check that
 the draft's KV follows the target's (prompt chunks, kept guesses, the prefix cache, preemption) to
-the token. Blocks: none held once every request ended, after rejected guesses, cancellations and
-preemptions. A draft that cannot guess for the target is refused naming speculative.draft_model.
+the token. The draft runs only for guesses and catches up in one forward when a request's
+guessing resumes (exact forward sizes). Blocks: none held once every request ended, after
+rejected guesses, cancellations and preemptions. A draft that cannot guess for the target is
+refused naming speculative.draft_model.
 """
 
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 
@@ -136,9 +139,11 @@ def test_a_draft_that_cannot_guess_for_the_target_is_refused_naming_the_key(chec
             LLM(model_dir, verbose=False, num_kv_blocks=16, speculative=draft(path))
 
 
-def _guessing_switch(monkeypatch, engine):
-    """Guesses only while ``switch["on"]`` (every proposal in full, as with ``adaptive=False``),
-    and a log of the draft's forwards: (rows, the requests' first row positions)."""
+@contextmanager
+def switched_self_draft(model_dir, monkeypatch, num_kv_blocks: int):
+    """An engine with the model as its own draft (block size 16, up to 3 guesses) that guesses
+    only while ``switch["on"]`` (every proposal in full), and a log of the draft's forwards:
+    (rows, each span's first position)."""
     import cluster.engine.engine as engine_module
 
     switch = {"on": False}
@@ -146,32 +151,36 @@ def _guessing_switch(monkeypatch, engine):
     monkeypatch.setattr(engine_module, "plan_guesses",
                         lambda first, then, available, rows, cost, round_cost=None:
                         list(available) if switch["on"] else [0] * len(available))
-    forwards = []
-    run = engine.proposer._forward
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=num_kv_blocks, block_size=16,
+             speculative=draft(model_dir, num_tokens=3, adaptive=True)) as llm:
+        engine, forwards = llm.engine, []
+        run = engine.proposer._forward
 
-    def logged(plan):
-        forwards.append((len(plan.input_ids), [p.context_len - p.query_len for p in plan.prefills]))
-        return run(plan)
+        def logged(plan):
+            forwards.append((len(plan.input_ids), [p.context_len - p.query_len for p in plan.prefills]))
+            return run(plan)
 
-    monkeypatch.setattr(engine.proposer, "_forward", logged)
-    return switch, forwards
+        monkeypatch.setattr(engine.proposer, "_forward", logged)
+        yield engine, switch, forwards
+
+
+def run_to_the_end(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def test_a_draft_runs_nothing_while_nothing_is_guessed_and_catches_up_in_one_forward(checkpoint, monkeypatch):
     """A self-draft kept idle for the prompts and 6 decode steps runs no forward; when guessing
     resumes, one forward feeds each request every token it missed (prompt and output so far,
     from position 0), then every guess is kept: the caught-up KV is the target's. A second pass
-    of the same prompts trusts the draft's KV of the cached blocks it completed (its catch-up
-    starts at the cached prefix), while a pass over blocks the draft never filled starts at 0."""
+    of the same prompts trusts the draft's KV of the cached blocks it completed: its catch-up
+    starts at the cached prefix."""
     model_dir = checkpoint("llama")
     prompts = random_prompts([40, 23], seed=5)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     with LLM(str(model_dir), verbose=False, num_kv_blocks=64) as plain:
         expected = greedy(plain, prompts, 20)
-    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, block_size=16,
-             speculative=draft(model_dir, num_tokens=3, adaptive=True)) as llm:
-        engine = llm.engine
-        switch, forwards = _guessing_switch(monkeypatch, engine)
+    with switched_self_draft(model_dir, monkeypatch, 64) as (engine, switch, forwards):
         requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
         for _ in range(7):  # the prompts' step, then 6 decodes
             engine.step()
@@ -181,8 +190,7 @@ def test_a_draft_runs_nothing_while_nothing_is_guessed_and_catches_up_in_one_for
         engine.step()  # a plain decode (no guesses were held for it); then the first guesses
         assert forwards[0] == (40 + 8 + 23 + 8, [0, 0])  # every token of both, in one forward
         assert [f[0] for f in forwards[1:3]] == [2, 2]  # then 2 decode rounds of both
-        while engine.has_unfinished_requests():
-            engine.step()
+        run_to_the_end(engine)
         assert [r.output_token_ids for r in requests] == expected
         assert engine.stats.proposed_tokens > 0 and engine.stats.accepted_tokens == engine.stats.proposed_tokens
         assert engine.block_manager.num_free_blocks == 64
@@ -194,34 +202,30 @@ def test_a_draft_runs_nothing_while_nothing_is_guessed_and_catches_up_in_one_for
         engine.step()
         assert [r.num_cached_tokens for r in again] == [32, 16]
         assert forwards[0] == ((41 - 32) + (24 - 16), [32, 16])
-        while engine.has_unfinished_requests():
-            engine.step()
+        run_to_the_end(engine)
         assert [r.output_token_ids for r in again] == expected
         assert engine.stats.accepted_tokens == engine.stats.proposed_tokens
         assert engine.block_manager.num_free_blocks == 64
 
 
 def test_cached_blocks_the_draft_never_filled_are_computed_again(checkpoint, monkeypatch):
+    """A first pass that never guessed left the target's KV in the prefix cache and none of the
+    draft's: the second pass's catch-up starts at 0, and every guess is still kept."""
     model_dir = checkpoint("llama")
     prompts = random_prompts([40], seed=7)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(str(model_dir), verbose=False, num_kv_blocks=32) as plain:
         expected = greedy(plain, prompts, 12)
-    with LLM(str(model_dir), verbose=False, num_kv_blocks=32, block_size=16,
-             speculative=draft(model_dir, num_tokens=3, adaptive=True)) as llm:
-        engine = llm.engine
-        switch, forwards = _guessing_switch(monkeypatch, engine)
+    with switched_self_draft(model_dir, monkeypatch, 32) as (engine, switch, forwards):
         first = engine.add_request("idle", prompts[0], params)
-        while engine.has_unfinished_requests():
-            engine.step()
+        run_to_the_end(engine)
         assert forwards == [] and first.output_token_ids == expected[0]
         switch["on"] = True
         second = engine.add_request("guessing", prompts[0], params)
         engine.step()
         assert second.num_cached_tokens == 32  # the target's KV comes from the cache ...
         assert forwards[0] == (41, [0])  # ... the draft's does not: it never computed those blocks
-        while engine.has_unfinished_requests():
-            engine.step()
+        run_to_the_end(engine)
         assert second.output_token_ids == expected[0]
         assert engine.stats.proposed_tokens > 0 and engine.stats.accepted_tokens == engine.stats.proposed_tokens
         assert engine.block_manager.num_free_blocks == 32
