@@ -33,9 +33,9 @@ from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.speculative.config import SpeculativeConfigError
 from cluster.engine.speculative.draft import DraftProposer
-from cluster.engine.speculative.draft_model import check_draft, read_draft
+from cluster.engine.speculative.draft_model import check_draft, draft_quantization, read_draft
 from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, StepCost, plan_guesses, update_acceptance,
-                                                worth_a_row)
+                                                update_continuation, worth_a_row)
 from cluster.engine.speculative.proposer import NgramProposer, Proposer
 from cluster.engine.speculative.verify import accepted_prefix
 from cluster.engine.structured.backend import GrammarBackend
@@ -237,11 +237,10 @@ class LLMEngine:
             check_draft(draft, self.model_config, self.tokenizer, self.max_model_len)
         except SpeculativeConfigError as exc:
             raise EngineConfigError(str(exc)) from None
-        shipped = "gguf" if draft.source.is_gguf else draft.config.quant_method
         device = torch.device(cfg.device)
         try:
             backend = resolve_attention_backend(cfg.attention_backend, device)
-            quantization = resolve_quantization("auto", shipped, device.type, backend)
+            quantization = draft_quantization(draft, self.model_config.quantization, device.type, backend)
         except (BackendUnavailableError, QuantizationChoiceError) as exc:
             raise EngineConfigError(f"speculative.draft_model: {exc}") from None
         config = replace(draft.config, quantization=quantization, kv_cache_dtype="auto")
@@ -440,9 +439,6 @@ class LLMEngine:
             masks = masks.result() if masks is not None else None
             sampled = self.runner.sample(logits, inputs.sampling_requests, masks) if inputs.sampling_requests else None
         self.transfer_errors.update(inputs.transfer_errors)
-        # The blocks each request held in this step (a finished one's go back in update(), which
-        # rebinds its block_ids): where a draft model writes its KV of the step's tokens.
-        held = {id(r): r.block_ids for r, _ in out.scheduled()} if self.proposer is not None else {}
 
         tokens: dict[str, list[int]] = {}
         stopped: set[str] = set()
@@ -467,10 +463,10 @@ class LLMEngine:
             tokens[request.request_id] = emitted
         self.scheduler.update(out, tokens, frozenset(stopped))
         self._fail_refused(sampling)
-        draft_started = time.perf_counter()
+        draft_before = self.proposer.forward_seconds if isinstance(self.proposer, DraftProposer) else 0.0
         if self.proposer is not None:
-            self._propose(out, held)
-        draft_seconds = time.perf_counter() - draft_started if isinstance(self.proposer, DraftProposer) else 0.0
+            self._propose(out)
+        draft_seconds = self.proposer.forward_seconds - draft_before if isinstance(self.proposer, DraftProposer) else 0.0
         if self._masks is not None:  # the next step's, built while this one's outputs are handed out
             self._masks.build_ahead(self.scheduler.running)
 
@@ -520,6 +516,8 @@ class LLMEngine:
         request.num_proposed_tokens += proposed
         request.num_accepted_tokens += accepted
         request.acceptance = update_acceptance(request.acceptance, proposed, accepted)
+        request.continuation = update_continuation(request.continuation, proposed, accepted)
+        self.proposer.observe(request, proposed, accepted)
         self.stats.proposed_tokens += proposed
         self.stats.accepted_tokens += accepted
         self.stats.verify_steps += 1
@@ -540,10 +538,10 @@ class LLMEngine:
             self._cost_fitted_at = self.stats.num_steps
         return self._cost
 
-    def _propose(self, out, held) -> None:
+    def _propose(self, out) -> None:
         """Guesses for the next step of every decoding request that may speculate, as many as
         :func:`plan_guesses` finds worth their rows (and the proposer's own steps). The proposer
-        is told of every step, guesses or none (a draft model follows the target's KV)."""
+        is told of every step, guesses or none (a draft model catches its KV up when guessing resumes)."""
         spec, scheduler, proposer = self.speculative, self.scheduler, self.proposer
         decoding = []
         rows = 0
@@ -565,14 +563,15 @@ class LLMEngine:
                 rooms.append(room)
         available = proposer.available(candidates, rooms) if candidates else []
         if spec.adaptive and candidates:
-            counts = plan_guesses([r.acceptance for r in candidates], available, rows, cost, proposer.round_cost())
+            counts = plan_guesses(proposer.first_odds(candidates), [r.continuation for r in candidates], available, rows,
+                                  cost, proposer.round_cost())
         else:
             counts = available
         if proposer.writes_kv:  # the guesses' KV goes into their look-ahead slots: held now, from free blocks only
             spare = len(scheduler.running)  # a block each for the next step's plain decodes
             counts = [min(n, max(0, scheduler.reserve_lookahead(r, r.num_tokens + n, spare) - r.num_tokens)) if n else 0
                       for r, n in zip(candidates, counts)]
-        guesses = proposer.propose(out, held, candidates, counts)
+        guesses = proposer.propose(out, candidates, counts)
         for request, proposal in zip(candidates, guesses):
             if proposal and request.grammar is not None:  # guesses the grammar refuses could never be kept
                 proposal = proposal[: request.grammar.valid_prefix(proposal)]

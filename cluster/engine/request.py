@@ -78,10 +78,12 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list, init=False)
     times: RequestTimes = field(init=False)
     order: tuple[int, float, int] = field(init=False)
-    # Speculative decoding (cluster/engine/speculative): the guesses the next step checks, how
-    # often this request's guesses were kept, its proposer's index, and its counts.
+    # Speculative decoding (cluster/engine/speculative): the guesses the next step checks, the
+    # running odds that its first guess is kept and that a guess after a kept one is (policy.py),
+    # its proposer's index, and its counts.
     spec_token_ids: list[int] = field(default_factory=list, init=False)
     acceptance: float = field(default=0.5, init=False)
+    continuation: float = field(default=0.7, init=False)
     proposer_state: Any = field(default=None, init=False)
     num_proposed_tokens: int = field(default=0, init=False)
     num_accepted_tokens: int = field(default=0, init=False)

@@ -118,9 +118,10 @@ class SpeculativeSpec:
         occurrence of the request's latest tokens earlier in its prompt and output (no extra
         model; strong where the answer repeats its prompt: code edits, summaries, RAG). ``draft``:
         the greedy tokens of a smaller model with the same tokenizer (``draft_model``), run by each
-        worker beside the model, with a KV cache of its own in the model's blocks (a decode worker
-        builds the draft's KV of each prompt that arrives from a prefill worker itself, in the
-        request's first step).""")
+        worker beside the model, with a KV cache of its own in the model's blocks, computed only
+        for requests given guesses (caught up in one forward when a request's guessing resumes;
+        a decode worker builds the draft's KV of a prompt that arrived from a prefill worker
+        itself, at the request's first guess).""")
     num_tokens: int = key(4, checks.integer(1, MAX_NUM_TOKENS), f"""
         The most tokens guessed for a request in one step, an integer in 1..{MAX_NUM_TOKENS}.""")
     adaptive: bool = key(True, checks.boolean, """
@@ -133,7 +134,8 @@ class SpeculativeSpec:
         The longest (tried first), an integer in 1..{MAX_NGRAM}, at least ``ngram_min``.""")
     draft_model: str | None = key(None, checks.string(null=True), """
         With ``method: draft`` (and only then), the draft checkpoint: a local Hugging Face-format
-        directory or ``.gguf`` file, as ``model.path``, quantized or not (served as it ships). Its
+        directory or ``.gguf`` file, as ``model.path``, quantized or not (a quantized draft is served
+        as it ships; a float one is quantized at load, int8, where the model runs quantized). Its
         tokenizer must be the model's (the same vocabulary), its vocabulary no larger, its context
         at least ``model.max_model_len``; checked here where both are readable.""")
 

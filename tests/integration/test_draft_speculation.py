@@ -4,13 +4,16 @@ A draft is a smaller random checkpoint with the target's tokenizer: its guesses 
 and greedy output must still be the output without speculation, token for token, on every
 architecture. A draft that is the model itself must have every greedy guess kept: the check that
 the draft's KV follows the target's (prompt chunks, kept guesses, the prefix cache, preemption) to
-the token. Blocks: none held once every request ended, after rejected guesses, cancellations and
-preemptions. A draft that cannot guess for the target is refused naming speculative.draft_model.
+the token. The draft runs only for guesses and catches up in one forward when a request's
+guessing resumes (exact forward sizes). Blocks: none held once every request ended, after
+rejected guesses, cancellations and preemptions. A draft that cannot guess for the target is
+refused naming speculative.draft_model.
 """
 
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 
@@ -106,7 +109,8 @@ def test_no_block_is_held_after_requests_with_a_third_cancelled_and_preemptions(
 
 def test_the_adaptive_policy_counts_the_drafts_measured_steps(checkpoint):
     """Adaptive with a self-draft: the draft's forwards are timed and fitted, and guesses are made
-    and all kept; each step's record says how much of it was the draft's."""
+    (one each until the step cost is fitted) and all kept; each step's record says how much of it
+    was the draft's, none in a step that made no guesses (the draft runs only for guesses)."""
     model_dir = checkpoint("llama")
     prompts = random_prompts([12, 20], seed=2)
     with LLM(str(model_dir), verbose=False, num_kv_blocks=64, speculative=draft(model_dir, adaptive=True)) as llm:
@@ -115,7 +119,9 @@ def test_the_adaptive_policy_counts_the_drafts_measured_steps(checkpoint):
         assert engine.proposer.round_cost() is not None and len(engine.proposer.forwards) > 0
         assert engine.stats.proposed_tokens > 0 and engine.stats.accepted_tokens == engine.stats.proposed_tokens
         steps = list(engine.stats.steps)
-        assert all(0 < s.draft_seconds < s.seconds for s in steps)
+        assert all(s.draft_seconds < s.seconds for s in steps)
+        # a step's draft time is its proposing of the next step's guesses
+        assert [s.draft_seconds > 0 for s in steps[:-1]] == [s.guess_tokens > 0 for s in steps[1:]]
 
 
 def test_a_draft_that_cannot_guess_for_the_target_is_refused_naming_the_key(checkpoint, draft_checkpoint, tmp_path):
@@ -131,3 +137,117 @@ def test_a_draft_that_cannot_guess_for_the_target_is_refused_naming_the_key(chec
     for path, message in cases:
         with pytest.raises(EngineConfigError, match=message):
             LLM(model_dir, verbose=False, num_kv_blocks=16, speculative=draft(path))
+
+
+@contextmanager
+def switched_self_draft(model_dir, monkeypatch, num_kv_blocks: int):
+    """An engine with the model as its own draft (block size 16, up to 3 guesses) that guesses
+    only while ``switch["on"]`` (every proposal in full), and a log of the draft's forwards:
+    (rows, each span's first position)."""
+    import cluster.engine.engine as engine_module
+
+    switch = {"on": False}
+    monkeypatch.setattr(engine_module, "worth_a_row", lambda *args: True)
+    monkeypatch.setattr(engine_module, "plan_guesses",
+                        lambda first, then, available, rows, cost, round_cost=None:
+                        list(available) if switch["on"] else [0] * len(available))
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=num_kv_blocks, block_size=16,
+             speculative=draft(model_dir, num_tokens=3, adaptive=True)) as llm:
+        engine, forwards = llm.engine, []
+        run = engine.proposer._forward
+
+        def logged(plan):
+            forwards.append((len(plan.input_ids), [p.context_len - p.query_len for p in plan.prefills]))
+            return run(plan)
+
+        monkeypatch.setattr(engine.proposer, "_forward", logged)
+        yield engine, switch, forwards
+
+
+def run_to_the_end(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_draft_runs_nothing_while_nothing_is_guessed_and_catches_up_in_one_forward(checkpoint, monkeypatch):
+    """A self-draft kept idle for the prompts and 6 decode steps runs no forward; when guessing
+    resumes, one forward feeds each request every token it missed (prompt and output so far,
+    from position 0), then every guess is kept: the caught-up KV is the target's. A second pass
+    of the same prompts trusts the draft's KV of the cached blocks it completed: its catch-up
+    starts at the cached prefix."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([40, 23], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64) as plain:
+        expected = greedy(plain, prompts, 20)
+    with switched_self_draft(model_dir, monkeypatch, 64) as (engine, switch, forwards):
+        requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        for _ in range(7):  # the prompts' step, then 6 decodes
+            engine.step()
+        assert forwards == [] and engine.stats.proposed_tokens == 0
+        assert [r.num_output_tokens for r in requests] == [7, 7]
+        switch["on"] = True
+        engine.step()  # a plain decode (no guesses were held for it); then the first guesses
+        assert forwards[0] == (40 + 8 + 23 + 8, [0, 0])  # every token of both, in one forward
+        assert [f[0] for f in forwards[1:3]] == [2, 2]  # then 2 decode rounds of both
+        run_to_the_end(engine)
+        assert [r.output_token_ids for r in requests] == expected
+        assert engine.stats.proposed_tokens > 0 and engine.stats.accepted_tokens == engine.stats.proposed_tokens
+        assert engine.block_manager.num_free_blocks == 64
+
+        # Again, guessing throughout: the first pass's catch-up completed the prompts' full
+        # blocks (2 of 16 tokens and 1), which the target's prefix cache serves now.
+        forwards.clear()
+        again = [engine.add_request(f"s{i}", p, params) for i, p in enumerate(prompts)]
+        engine.step()
+        assert [r.num_cached_tokens for r in again] == [32, 16]
+        assert forwards[0] == ((41 - 32) + (24 - 16), [32, 16])
+        run_to_the_end(engine)
+        assert [r.output_token_ids for r in again] == expected
+        assert engine.stats.accepted_tokens == engine.stats.proposed_tokens
+        assert engine.block_manager.num_free_blocks == 64
+
+
+def test_cached_blocks_the_draft_never_filled_are_computed_again(checkpoint, monkeypatch):
+    """A first pass that never guessed left the target's KV in the prefix cache and none of the
+    draft's: the second pass's catch-up starts at 0, and every guess is still kept."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([40], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=32) as plain:
+        expected = greedy(plain, prompts, 12)
+    with switched_self_draft(model_dir, monkeypatch, 32) as (engine, switch, forwards):
+        first = engine.add_request("idle", prompts[0], params)
+        run_to_the_end(engine)
+        assert forwards == [] and first.output_token_ids == expected[0]
+        switch["on"] = True
+        second = engine.add_request("guessing", prompts[0], params)
+        engine.step()
+        assert second.num_cached_tokens == 32  # the target's KV comes from the cache ...
+        assert forwards[0] == (41, [0])  # ... the draft's does not: it never computed those blocks
+        run_to_the_end(engine)
+        assert second.output_token_ids == expected[0]
+        assert engine.stats.proposed_tokens > 0 and engine.stats.accepted_tokens == engine.stats.proposed_tokens
+        assert engine.block_manager.num_free_blocks == 32
+
+
+def test_a_float_draft_is_quantized_like_a_quantized_target_and_runs_its_fused_step(checkpoint):
+    """A target quantized at load (int8) runs the fused CPU step; its float self-draft is
+    quantized alike at load and runs there too, so it still guesses the target's every token.
+    Beside a float target, a float draft stays float."""
+    from cluster.engine.speculative.draft_model import draft_quantization, read_draft
+
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([9, 30], seed=3)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, quantization="int8") as plain:
+        expected = greedy(plain, prompts)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, quantization="int8",
+             speculative=draft(model_dir)) as llm:
+        runner = llm.engine.proposer.runner
+        assert runner.config.quantization == "int8" and runner.native_step is not None
+        assert greedy(llm, prompts) == expected
+        stats = llm.engine.stats
+        assert stats.proposed_tokens > 0 and stats.accepted_tokens == stats.proposed_tokens
+    checkpoint_of = read_draft(str(model_dir))
+    assert draft_quantization(checkpoint_of, "gguf", "cpu", "torch") == "int8"
+    assert draft_quantization(checkpoint_of, "none", "cpu", "torch") == "none"

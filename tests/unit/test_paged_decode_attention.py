@@ -62,7 +62,8 @@ def dense_reference(q, k_cache, v_cache, tables, lengths, num_kv_heads, window):
 
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size",
-    [(8, 4, 64, 16), (4, 4, 64, 16), (16, 4, 64, 8), (8, 1, 64, 16), (8, 2, 128, 16), (4, 4, 128, 32), (6, 2, 48, 16)],
+    [(8, 4, 64, 16), (4, 4, 64, 16), (16, 4, 64, 8), (8, 1, 64, 16), (8, 2, 128, 16), (4, 4, 128, 32), (9, 3, 64, 16),
+     (6, 2, 128, 16), (6, 2, 48, 16)],
 )
 @pytest.mark.parametrize("window", [None, 37])
 def test_matches_dense_attention(kernel, num_heads, num_kv_heads, head_dim, block_size, window):

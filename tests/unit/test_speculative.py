@@ -12,7 +12,8 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
 from cluster.engine.speculative.ngram import NgramIndex
-from cluster.engine.speculative.policy import StepCost, plan_guesses, update_acceptance
+from cluster.engine.speculative.policy import StepCost, plan_guesses, update_acceptance, update_continuation
+from cluster.engine.speculative.proposer import NgramProposer
 from cluster.engine.speculative.verify import accepted_prefix
 
 pytestmark = pytest.mark.unit
@@ -55,49 +56,86 @@ def test_a_verify_emits_samples_while_they_equal_the_guesses_then_the_first_that
 
 # -- the policy ------------------------------------------------------------------------------
 
-def test_step_cost_is_the_least_squares_line_of_seconds_on_rows():
+def test_step_cost_is_the_least_squares_line_of_seconds_on_rows_and_each_widths_mean():
     cost = StepCost.fit([(1, 0.006), (2, 0.007), (3, 0.008), (5, 0.010)])
     assert cost.fixed_s == pytest.approx(0.005) and cost.per_row_s == pytest.approx(0.001)
+    assert cost.widths == {}  # no width measured MIN_FITTED_STEPS times: the line everywhere
+    assert cost.seconds(4) == pytest.approx(0.009)
     assert StepCost.fit([(1, 0.006)] * 10) is None  # one width: nothing says what a row costs
     assert StepCost.fit([(1, 0.006), (2, 0.007)]) is None  # too few steps
+    # four steps of 5 rows at 12 ms (the fused CPU step's fifth row): that width's mean, and no
+    # wider step is taken for shorter than it
+    cost = StepCost.fit([(1, 0.006)] * 4 + [(5, 0.012)] * 4)
+    assert cost.widths == {1: pytest.approx(0.006), 5: pytest.approx(0.012)}
+    assert cost.seconds(5) == pytest.approx(0.012) and cost.seconds(1) == pytest.approx(0.006)
+    assert cost.seconds(3) == pytest.approx(0.009)  # the line: 0.0045 + 0.0015 * 3
+    assert cost.seconds(6) == pytest.approx(0.0135)  # the line is above the 5-row mean here
+    assert StepCost(0.005, 0.001, {5: 0.020}).seconds(6) == pytest.approx(0.020)  # never below a narrower width
 
 
-def test_guesses_are_added_while_each_is_worth_its_row():
+def test_guesses_are_those_whose_number_makes_the_most_tokens_per_second():
     cost = StepCost(fixed_s=0.005, per_row_s=0.001)
-    # one request, acceptance 0.8: gains 0.8, 0.64, 0.512, ... against 0.001 * tokens / seconds:
-    # 0.8 > 1/6 ms.. -> 1.8 tokens in 7 ms (0.257); 0.64 > 0.257 -> 2.44 in 8 ms (0.305);
-    # 0.512 > 0.305 -> 2.952 in 9 ms (0.328); 0.4096 > 0.328 -> 3.3616 in 10 ms (0.336);
-    # 0.32768 < 0.336: stop at 4
-    assert plan_guesses([0.8], [8], rows=1, cost=cost) == [4]
-    assert plan_guesses([0.8], [2], rows=1, cost=cost) == [2]  # no more than the proposal has
-    assert plan_guesses([0.1], [8], rows=1, cost=cost) == [0]  # 0.1 < 1/6: not worth a row
+    # one request, odds 0.8 then 0.8: gains 0.8, 0.64, 0.512, 0.41, 0.33, ...; rates 1 / 6 ms
+    # (0.167), 1.8 / 7 (0.257), 2.44 / 8 (0.305), 2.95 / 9 (0.328), 3.36 / 10 (0.336),
+    # 3.69 / 11 (0.335): the most at 4
+    assert plan_guesses([0.8], [0.8], [8], rows=1, cost=cost) == [4]
+    assert plan_guesses([0.8], [0.8], [2], rows=1, cost=cost) == [2]  # no more than the proposal has
+    assert plan_guesses([0.1], [0.8], [8], rows=1, cost=cost) == [0]  # 1.1 / 7 < 1 / 6: not worth a row
+    # a first guess that may well fail, after which guesses are kept in runs: 7 of a proposal of 8
+    assert plan_guesses([0.3], [0.95], [8], rows=1, cost=cost) == [7]
     # 32 rows already: a row is worth 32/37 = 0.86 tokens, more than any guess adds
-    assert plan_guesses([0.8] * 32, [8] * 32, rows=32, cost=cost) == [0] * 32
-    assert plan_guesses([0.8, 0.3], [4, 4], rows=2, cost=None) == [1, 1]  # no fit yet: one each, to measure
+    assert plan_guesses([0.8] * 32, [0.8] * 32, [8] * 32, rows=32, cost=cost) == [0] * 32
+    assert plan_guesses([0.8, 0.3], [0.8, 0.8], [4, 4], rows=2, cost=None) == [1, 1]  # no fit yet: one each, to measure
+    # a fifth row as dear as three (12 ms for 5 rows, 1 ms a row up to 4): three guesses, not four
+    widths = StepCost(0.005, 0.001, {1: 0.006, 2: 0.007, 3: 0.008, 4: 0.009, 5: 0.012, 6: 0.013, 7: 0.014, 8: 0.015})
+    assert plan_guesses([0.8], [0.8], [8], rows=1, cost=widths) == [3]
 
 
 def test_a_draft_models_steps_are_counted_in_what_a_guess_costs():
     cost = StepCost(fixed_s=0.005, per_row_s=0.001)
-    # A free draft: as without one (see above), 4 guesses at acceptance 0.8.
-    assert plan_guesses([0.8], [8], rows=1, cost=cost, round_cost=StepCost(0.0, 0.0)) == [4]
-    # A draft step of 2 ms + 0.1 ms a row: the first guess costs 1.1 ms of rows (its forward runs
-    # anyway: 6 + 2 ms), 0.8 > 1.1 * 1 / 8; the second needs a draft step (1 + 2 + 0.1 ms):
-    # 0.64 > 3.1 * 1.8 / 9.1 = 0.613; the third: 0.512 < 3.1 * 2.44 / 12.2 = 0.62: stop at 2.
-    assert plan_guesses([0.8], [8], rows=1, cost=cost, round_cost=StepCost(0.002, 0.0001)) == [2]
-    # A dear draft step: only the first guess, which needs none.
-    assert plan_guesses([0.8], [8], rows=1, cost=cost, round_cost=StepCost(0.05, 0.0001)) == [1]
-    # A guess that rides a draft step another request's surer guess opened costs only its row:
-    # alone (rows=2), a request of acceptance 0.8 gets one guess; beside one of 0.95, three.
+    # A free draft: as without one (see above), 4 guesses at odds 0.8.
+    assert plan_guesses([0.8], [0.8], [8], rows=1, cost=cost, round_cost=StepCost(0.0, 0.0)) == [4]
+    # The draft runs only in steps that guess. A draft step of 2 ms + 0.1 ms a row: the first
+    # guess costs its forward (2.1 ms) and a row (1 ms): 1.8 tokens in 9.1 ms (0.198 > 1 / 6);
+    # the second a draft step (2.1 ms) and a row: 2.44 in 12.2 (0.2); the third 2.95 in 15.3
+    # (0.193): the most at 2.
+    assert plan_guesses([0.8], [0.8], [8], rows=1, cost=cost, round_cost=StepCost(0.002, 0.0001)) == [2]
+    # A draft step as dear as the target's, every guess kept: 2 tokens in 13 ms < 1 in 6: none,
+    # and a dearer one still: none (the draft then runs nothing at all).
+    assert plan_guesses([1.0], [1.0], [8], rows=1, cost=cost, round_cost=StepCost(0.006, 0.001)) == [0]
+    assert plan_guesses([0.8], [0.8], [8], rows=1, cost=cost, round_cost=StepCost(0.05, 0.0001)) == [0]
+    # A guess that rides a draft step another request's surer guess opened costs only its rows
     draft = StepCost(0.001, 0.0001)
-    assert plan_guesses([0.8], [8], rows=2, cost=cost, round_cost=draft) == [1]
-    assert plan_guesses([0.95, 0.8], [8, 8], rows=2, cost=cost, round_cost=draft) == [4, 3]
+    assert plan_guesses([0.8], [0.8], [8], rows=2, cost=cost, round_cost=draft) == [1]
+    assert plan_guesses([0.95, 0.8], [0.95, 0.8], [8, 8], rows=2, cost=cost, round_cost=draft) == [4, 1]
 
 
-def test_acceptance_follows_the_checked_guesses_and_drifts_back_while_none_are_made():
-    assert update_acceptance(0.5, 4, 4) == pytest.approx(0.65)
+def test_odds_follow_the_checked_guesses_and_drift_back_while_none_are_made():
+    assert update_acceptance(0.5, 4, 4) == pytest.approx(0.65)  # the first guess was kept
+    assert update_acceptance(0.5, 4, 1) == pytest.approx(0.65)
     assert update_acceptance(0.5, 4, 0) == pytest.approx(0.35)
     assert update_acceptance(0.1, 0, 0) == pytest.approx(0.12)  # 5% of the gap back to the prior 0.5
     assert update_acceptance(0.9, 0, 0) == 0.9
+    # after a kept guess: 4 checked of which 4 kept -> 3 of 3 continued; 1 kept -> 0 of 1
+    assert update_continuation(0.5, 4, 4) == pytest.approx(0.65)
+    assert update_continuation(0.5, 4, 1) == pytest.approx(0.35)
+    assert update_continuation(0.5, 4, 2) == pytest.approx(0.5 * 0.7 + 0.3 * 0.5)  # 1 of 2
+    assert update_continuation(0.5, 4, 0) == 0.5  # no guess after a kept one was checked
+    assert update_continuation(0.5, 1, 1) == 0.5
+
+
+def test_ngram_odds_are_the_engines_for_the_proposals_match_length():
+    config = SpeculativeConfig(ngram_min=1, ngram_max=3)
+    proposer = NgramProposer(config)
+    a = Request("a", [5, 6, 7, 8, 5, 6, 7], SamplingParams(max_tokens=10), eos_token_ids=frozenset({EOS}))
+    b = Request("b", [1, 2, 3, 9, 3], SamplingParams(max_tokens=10), eos_token_ids=frozenset({EOS}))
+    assert proposer.available([a, b], [4, 4]) == [4, 2]  # a: [5, 6, 7] matched, [8, 5, 6, 7]; b: [3], [9, 3]
+    assert (a.proposer_state.matched, b.proposer_state.matched) == (3, 1)
+    assert proposer.first_odds([a, b]) == [0.5, 0.5]  # the prior, each length
+    proposer.observe(a, 2, 2)  # a 3-token match's first guess kept, a 1-token one's not
+    proposer.observe(b, 2, 0)
+    assert proposer.first_odds([a, b]) == [pytest.approx(0.55), pytest.approx(0.45)]
+    assert proposer.first_by_match[2] == 0.5
 
 
 def test_the_config_refuses_what_it_cannot_serve_with_one_line():

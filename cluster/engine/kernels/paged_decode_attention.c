@@ -113,10 +113,12 @@ typedef void (*attend_fn)(const float *, const float *, const float *, const int
 
 SPECIALISE(64, 1)
 SPECIALISE(64, 2)
+SPECIALISE(64, 3)
 SPECIALISE(64, 4)
 SPECIALISE(64, 8)
 SPECIALISE(128, 1)
 SPECIALISE(128, 2)
+SPECIALISE(128, 3)
 SPECIALISE(128, 4)
 SPECIALISE(128, 8)
 
@@ -129,8 +131,8 @@ static void attend_any(const float *q, const float *k_cache, const float *v_cach
 }
 
 static attend_fn pick(int64_t head_dim, int64_t group) {
-    static const attend_fn d64[] = {0, attend_d64_g1, attend_d64_g2, 0, attend_d64_g4, 0, 0, 0, attend_d64_g8};
-    static const attend_fn d128[] = {0, attend_d128_g1, attend_d128_g2, 0, attend_d128_g4, 0, 0, 0, attend_d128_g8};
+    static const attend_fn d64[] = {0, attend_d64_g1, attend_d64_g2, attend_d64_g3, attend_d64_g4, 0, 0, 0, attend_d64_g8};
+    static const attend_fn d128[] = {0, attend_d128_g1, attend_d128_g2, attend_d128_g3, attend_d128_g4, 0, 0, 0, attend_d128_g8};
     attend_fn fn = 0;
     if (group >= 1 && group <= 8) fn = head_dim == 64 ? d64[group] : head_dim == 128 ? d128[group] : 0;
     return fn ? fn : attend_any;

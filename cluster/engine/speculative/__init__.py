@@ -9,6 +9,6 @@ without speculation, token for token, and a sampled token is a draw from the tar
 distribution (for a deterministic proposal, rejection sampling accepts a guess ``d`` with
 probability ``p(d)`` and otherwise draws from ``p`` without ``d``: exactly what one draw from
 ``p`` compared with ``d`` does). ``policy`` chooses how many guesses each request gets from the
-engine's measured step times and each request's measured acceptance, none where verifying would
-cost more than it saves.
+engine's measured step times and the measured odds that guesses are kept, none where verifying
+would cost more than it saves.
 """

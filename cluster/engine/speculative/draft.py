@@ -3,16 +3,20 @@ process by its own model runner, with its own KV tensors.
 
 Its KV cache has the target's number of blocks and block size and is indexed by the target's
 block tables, so there is no second block manager: the look-ahead slots the engine holds for a
-request's guesses are where the draft writes their KV. It computes KV for every token the target
-computes (each step's prompt chunks, decodes and kept guesses, in one forward after the target's
-step), so a block in the prefix cache holds the draft's KV too, and a request whose prompt's KV
-arrived from a prefill worker has the draft's KV for it built here, in its first step, before its
-first guess. Per request (``Request.proposer_state``) it tracks how many leading tokens its KV
-holds. A round of guesses: that forward also feeds each guessing request the tokens its KV lacks
-(the step's new token, and the last guess where every guess was kept) and samples its first
-guess; then k-1 decode steps, batched across the guessing requests, each sample the next. Guesses
-are greedy. A guess not kept leaves stale KV past the kept tokens, overwritten when the real
-tokens are fed (every position read is below the request's tracked count).
+request's guesses are where the draft writes their KV. Per request (``Request.proposer_state``)
+it tracks how many leading tokens its KV holds, and it computes nothing for a request until the
+request is given guesses: then one forward feeds each guessing request every token its KV lacks
+(the prompt, or the tokens made while it did not guess, and the step's new token) and samples
+its first guess; then k-1 decode steps, batched across the guessing requests, each sample the
+next. While the policy gives no guesses (a wide batch, a draft that does not pay) the draft runs
+nothing at all. Guesses are greedy. A guess not kept leaves stale KV past the kept tokens,
+overwritten when the real tokens are fed (every position read is below the request's tracked
+count).
+
+A block in the prefix cache holds the draft's KV only if the draft computed it: the draft keeps,
+for each block whose KV it completed for real tokens, the hash the block was cached under, and a
+request starting on cached blocks trusts the draft's KV of its leading blocks whose hashes still
+match (a block the draft writes again is dropped from that record until completed again).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from itertools import chain
 from typing import Mapping, Sequence
 
 from cluster.engine.model_runner import ModelRunner, PrefillPlan, StepPlan
@@ -32,6 +35,7 @@ from cluster.engine.speculative.policy import FITTED_STEPS, MIN_FITTED_STEPS, RE
 @dataclass
 class DraftState:
     computed: int  # leading tokens of the request whose draft KV is in its blocks
+    recorded: int = 0  # leading blocks recorded in ``DraftProposer.filled`` (a block is hashed a step after it fills)
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,6 @@ class _Span:
     request: Request
     start: int
     end: int
-    blocks: list[int]
 
 
 class DraftProposer:
@@ -52,6 +55,8 @@ class DraftProposer:
         self.block_size = runner.block_size
         self.max_rows_fitted = max_rows_fitted
         self.forwards: deque[tuple[int, float]] = deque(maxlen=FITTED_STEPS)  # (rows, seconds)
+        self.forward_seconds = 0.0  # every forward's, summed
+        self.filled: dict[int, bytes] = {}  # block id -> the hash of the content whose draft KV it holds
         self._cost: StepCost | None = None
         self._fitted_at = -REFIT_STEPS
         self._count = 0
@@ -66,6 +71,12 @@ class DraftProposer:
     def available(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
         return list(rooms)
 
+    def first_odds(self, requests: Sequence[Request]) -> list[float]:
+        return [r.acceptance for r in requests]
+
+    def observe(self, request: Request, proposed: int, accepted: int) -> None:
+        pass  # the request's own odds are all the policy uses
+
     def round_cost(self) -> StepCost | None:
         """A line fitted to the draft's recent forwards, as the engine fits its own steps; where
         they all had one width (batch 1), their mean as a fixed cost."""
@@ -77,60 +88,72 @@ class DraftProposer:
             self._fitted_at = self._count
         return self._cost
 
-    def propose(self, step: SchedulerOutput, held: Mapping[int, list[int]], requests: Sequence[Request],
-                counts: Sequence[int]) -> list[list[int]]:
+    def propose(self, step: SchedulerOutput, requests: Sequence[Request], counts: Sequence[int]) -> list[list[int]]:
         for request in step.preempted:
             request.proposer_state = None  # its blocks went back: its KV is rebuilt from its new ones
+        for request, _ in step.scheduled():
+            self._track(request)
         wanted = {id(r): n for r, n in zip(requests, counts) if n > 0}
-        spans = self._catch_up(step, held, requests, wanted)
-        if not spans:
+        if not wanted:
             return [[] for _ in requests]
-        guessing = [s for s in spans if id(s.request) in wanted]
-        guesses = {id(s.request): [token] for s, token in zip(guessing, self._run_spans(spans, wanted))}
-        for depth in range(1, max(wanted.values(), default=0)):
-            rows = [s for s in guessing if wanted[id(s.request)] > depth]
+        spans = [self._behind(r) for r in requests if id(r) in wanted]
+        guesses = {id(s.request): [token] for s, token in zip(spans, self._run_spans(spans))}
+        for depth in range(1, max(wanted.values())):
+            rows = [s for s in spans if wanted[id(s.request)] > depth]
             for span, token in zip(rows, self._run_decodes(rows, guesses, depth)):
                 guesses[id(span.request)].append(token)
         return [guesses.get(id(r), []) for r in requests]
 
-    def _catch_up(self, step: SchedulerOutput, held: Mapping[int, list[int]], requests: Sequence[Request],
-                  wanted: Mapping[int, int]) -> list[_Span]:
-        """Per request of the step (and each guessing one): the tokens whose KV the target has
-        and the draft lacks, and for a guessing request its newest token too."""
-        chunk_starts = {id(r): r.num_computed_tokens - n for r, n in step.prefills}  # counts are past the step
-        spans, seen = [], set()
-        for request in chain((r for r, _ in step.scheduled()), requests):
-            if id(request) in seen:
-                continue
-            seen.add(id(request))
-            state = request.proposer_state
-            if state is None:  # new here: a prompt's first chunk (after any cached prefix), or KV that arrived
-                state = request.proposer_state = DraftState(chunk_starts.get(id(request), request.num_cached_tokens))
-            state.computed = min(state.computed, request.num_computed_tokens)  # guesses not kept: stale past here
-            if request.finished:  # its blocks went back in this step: only those now cached are worth filling
-                end, blocks = min(request.num_computed_tokens, request.num_registered_blocks * self.block_size), \
-                    held.get(id(request), [])
-            else:
-                end = request.num_tokens if id(request) in wanted else request.num_computed_tokens
-                blocks = request.block_ids
-            if end > state.computed:
-                spans.append(_Span(request, state.computed, end, blocks))
-                state.computed = end
-        return spans
+    def _track(self, request: Request) -> DraftState:
+        """The request's state, made on first sight from its cached blocks whose draft KV is
+        known to be there; guesses not kept are stale past its computed tokens."""
+        state = request.proposer_state
+        if state is None:
+            start = self._filled_prefix(request)
+            state = request.proposer_state = DraftState(start, start // self.block_size)
+        state.computed = min(state.computed, request.num_computed_tokens)
+        return state
 
-    def _run_spans(self, spans: list[_Span], wanted: Mapping[int, int]) -> list[int]:
-        """One forward over every span; the greedy token after each guessing request's span."""
+    def _filled_prefix(self, request: Request) -> int:
+        """Leading tokens of the request's cached blocks whose draft KV the draft completed."""
+        bs, blocks = self.block_size, 0
+        for block_id, block_hash in zip(request.block_ids[: request.num_cached_tokens // bs], request.block_hashes):
+            if self.filled.get(block_id) != block_hash:
+                break
+            blocks += 1
+        return blocks * bs
+
+    def _behind(self, request: Request) -> _Span:
+        """A guessing request's tokens whose draft KV is missing, its newest token included."""
+        state = self._track(request)
+        return _Span(request, state.computed, request.num_tokens)
+
+    def _written(self, blocks: Sequence[int]) -> None:
+        for block_id in blocks:
+            self.filled.pop(block_id, None)
+
+    def _run_spans(self, spans: list[_Span]) -> list[int]:
+        """One forward over every span; the greedy token after each. The blocks the spans fill
+        with real tokens are recorded as holding the draft's KV of their content."""
         bs = self.block_size
         ids, positions, slots, prefills, sample_rows = [], [], [], [], []
         for span in spans:
-            prefills.append(PrefillPlan(len(ids), span.end - span.start, span.end,
-                                        tuple(span.blocks[: -(-span.end // bs)])))
+            blocks = span.request.block_ids
+            prefills.append(PrefillPlan(len(ids), span.end - span.start, span.end, tuple(blocks[: -(-span.end // bs)])))
             ids.extend(span.request.token_ids[span.start: span.end])
             positions.extend(range(span.start, span.end))
-            slots.extend(span.blocks[p // bs] * bs + p % bs for p in range(span.start, span.end))
-            if id(span.request) in wanted:
-                sample_rows.append(len(ids) - 1)
-        return self._forward(StepPlan(ids, positions, slots, [], [], prefills, sample_rows))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(span.start, span.end))
+            sample_rows.append(len(ids) - 1)
+            self._written(blocks[span.start // bs: -(-span.end // bs)])
+        tokens = self._forward(StepPlan(ids, positions, slots, [], [], prefills, sample_rows))
+        for span in spans:
+            request, state = span.request, span.request.proposer_state
+            state.computed = span.end
+            full = min(span.end // bs, len(request.block_hashes))
+            for i in range(min(state.recorded, span.start // bs), full):
+                self.filled[request.block_ids[i]] = request.block_hashes[i]
+            state.recorded = full
+        return tokens
 
     def _run_decodes(self, rows: list[_Span], guesses: Mapping[int, list[int]], depth: int) -> list[int]:
         """One decode step feeding each request its latest guess (at position ``num_tokens + depth - 1``)."""
@@ -145,6 +168,7 @@ class DraftProposer:
             lens.append(position + 1)
             table.append(request.block_ids[: -(-(position + 1) // bs)])
             request.proposer_state.computed = position + 1
+            self._written([request.block_ids[position // bs]])
         widest = max(len(t) for t in table)
         table = [t + [0] * (widest - len(t)) for t in table]
         return self._forward(StepPlan(ids, positions, slots, lens, table, [], list(range(len(rows)))))
@@ -154,8 +178,9 @@ class DraftProposer:
         runner = self.runner
         logits = runner.execute(runner.build_inputs(plan))
         tokens = logits.argmax(dim=-1).tolist() if plan.sample_rows else []
-        rows = len(plan.input_ids)
+        rows, seconds = len(plan.input_ids), time.perf_counter() - started
+        self.forward_seconds += seconds
         if rows <= self.max_rows_fitted:
-            self.forwards.append((rows, time.perf_counter() - started))
+            self.forwards.append((rows, seconds))
             self._count += 1
         return tokens

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from cluster.engine.models.config import ModelConfig, ModelConfigError
 from cluster.engine.models.read_config import load_model_config
 from cluster.engine.models.source import ModelSource, ModelSourceError, resolve_model_source
+from cluster.engine.quantization.choice import resolve_quantization
 from cluster.engine.request_limits import clip
 from cluster.engine.speculative.config import SpeculativeConfigError
 from cluster.engine.tokenizer import Tokenizer, TokenizerError
@@ -63,3 +64,19 @@ def check_draft_path(path: str, target: ModelSource, target_config: ModelConfig,
                      max_model_len: int) -> None:
     """The whole check from paths (``tandem validate``): reads the draft and both tokenizers."""
     check_draft(read_draft(path, dtype), target_config, _tokenizer(target), max_model_len)
+
+
+FLOAT_DRAFT_QUANTIZATION = "int8"  # the closest to the draft's own floats of the forms quantized at load
+
+
+def draft_quantization(draft: DraftCheckpoint, target_quantization: str, device: str, attention_backend: str) -> str:
+    """The draft's ``ModelConfig.quantization``: a quantized draft as shipped where the kernels
+    run; a float draft quantized at load (int8) where the target runs quantized weights, so that
+    the draft runs the target's fast path (on the CPU the fused step, which a float model does not
+    take: a float SmolLM2-135M draft ran the torch path at 0.34-0.67x of plain decoding), and in
+    floats where the target runs floats (a draft that is the target then guesses its very tokens).
+    Raises QuantizationChoiceError as :func:`resolve_quantization` does."""
+    shipped = "gguf" if draft.source.is_gguf else draft.config.quant_method
+    if shipped is None and target_quantization != "none":
+        return resolve_quantization(FLOAT_DRAFT_QUANTIZATION, None, device, attention_backend)
+    return resolve_quantization("auto", shipped, device, attention_backend)

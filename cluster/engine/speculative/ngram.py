@@ -19,6 +19,7 @@ class NgramIndex:
         self.sizes = range(ngram_max, ngram_min - 1, -1)
         self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
         self.indexed = 0  # followers recorded for positions < indexed
+        self.matched = 0  # the length of the suffix the latest proposal matched (0: none)
 
     def extend(self, tokens: Sequence[int]) -> None:
         for position in range(max(self.indexed, 1), len(tokens)):
@@ -34,5 +35,7 @@ class NgramIndex:
             if len(tokens) > n:
                 follower = self.tables[n].get(tuple(tokens[-n:]))
                 if follower is not None:
+                    self.matched = n
                     return list(tokens[follower: follower + k])
+        self.matched = 0
         return []

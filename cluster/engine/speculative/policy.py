@@ -1,40 +1,61 @@
 """How many guesses each request gets in the next step: as many as raise the step's expected
-tokens per second, from the engine's measured step times and each request's measured acceptance.
+tokens per second, from the engine's measured step times and the measured odds of guesses.
 
-A step of ``R`` rows takes about ``fixed + per_row * R`` seconds (fitted to the engine's recent
-steps, start-up profile included). A request whose guesses are each kept with probability ``a``
-emits ``1 + a + a^2 + ... + a^k`` tokens for ``k`` guesses, so its ``j``-th guess adds ``a^j``
-expected tokens and one row. Guesses are added best first while each adds more tokens than the
-rows it costs are worth at the current rate (``gain > per_row * tokens / seconds``): at batch 1
-on a CPU a row is cheap against the step's fixed cost and a well-guessed request gets several;
-in a wide batch the step is already compute-bound and a guess must be nearly sure to be made.
-A draft model's guesses also cost its own steps (``round_cost`` in :func:`plan_guesses`).
+A guess's odds are two numbers: ``first``, that a request's first guess is kept, and ``then``,
+that a guess is kept once the one before it was. Kept guesses come in runs (on text that repeats
+its prompt a guess after a kept one was kept 85-94% of the time, a first guess 24% after a
+1-token match and 87% after a 4-token one), so a request with odds ``(f, t)`` gains
+``f * t^(j-1)`` expected tokens from its ``j``-th guess, each a row of the step.
+
+A step's seconds for ``R`` rows are measured: the median of the recent steps of that width where
+there are enough of them, else a line ``fixed + per_row * R`` fitted to the engine's recent
+steps (start-up profile included). The CPU's fused step works rows four at a time (each weight
+widened once per four rows), so a fifth row costs about three of the others: the line alone
+missed that jump. The guesses are taken best first and the step gets the number of them whose
+expected tokens per second is highest, none where no number beats the step without guesses:
+at batch 1 on a CPU a row is cheap against the step's fixed cost and a well-guessed request gets
+several; in a wide batch the step is already compute-bound and a guess must be nearly sure to
+be made. A draft model's guesses also cost its own steps (``round_cost`` in :func:`plan_guesses`).
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from collections import defaultdict
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Iterable, Mapping, Sequence
 
-ACCEPTANCE_PRIOR = 0.5  # a request's acceptance before any of its guesses were checked
-ACCEPTANCE_WEIGHT = 0.3  # weight of the latest step in a request's running acceptance
+ACCEPTANCE_PRIOR = 0.5  # a request's odds of a first guess kept before any of its guesses were checked
+CONTINUATION_PRIOR = 0.7  # ... and of a guess kept after a kept one
+ACCEPTANCE_WEIGHT = 0.3  # weight of the latest step in a request's running odds
 RECOVERY = 0.05  # per step without guesses, of the gap back to the prior
 FITTED_STEPS = 256  # the most recent steps the step cost is fitted to ...
 REFIT_STEPS = 16  # ... every this many steps
-MIN_FITTED_STEPS = 4
+MIN_FITTED_STEPS = 4  # ... and the fewest of one width whose median stands for that width
 
 
 @dataclass(frozen=True)
 class StepCost:
     fixed_s: float
     per_row_s: float
+    widths: Mapping[int, float] = field(default_factory=dict)  # rows -> median seconds, where measured enough
+
+    def seconds(self, rows: int) -> float:
+        """A step of ``rows`` rows: its measured median, else the line, and never less than a
+        narrower width measured (a row more never makes a step shorter)."""
+        measured = self.widths.get(rows)
+        if measured is not None:
+            return measured
+        narrower = [s for r, s in self.widths.items() if r < rows]
+        return max([self.fixed_s + self.per_row_s * rows, *narrower])
 
     @classmethod
     def fit(cls, steps: Iterable[tuple[int, float]]) -> "StepCost | None":
         """Least squares of seconds on rows over ``(rows, seconds)`` (the caller picks the steps:
-        the latest ``FITTED_STEPS``); None with too few steps or a single width (then nothing
-        says what a row costs)."""
+        the latest ``FITTED_STEPS``), and the median of each width with ``MIN_FITTED_STEPS``
+        steps (a median: a step slowed by another process on a shared CPU does not move it);
+        None with too few steps or a single width (then nothing says what a row costs)."""
         points = list(steps)
         if len(points) < MIN_FITTED_STEPS:
             return None
@@ -46,59 +67,77 @@ class StepCost:
             return None
         per_row = max(0.0, sum((r - mean_rows) * (s - mean_s) for r, s in points) / spread)
         fixed = max(mean_s - per_row * mean_rows, 1e-6)
-        return cls(fixed, per_row)
+        by_width: dict[int, list[float]] = defaultdict(list)
+        for rows, seconds in points:
+            by_width[rows].append(seconds)
+        widths = {rows: median(s) for rows, s in by_width.items() if len(s) >= MIN_FITTED_STEPS}
+        return cls(fixed, per_row, widths)
 
 
-def update_acceptance(current: float, proposed: int, accepted: int) -> float:
-    """A request's running acceptance after a step that checked ``proposed`` of its guesses.
-    A step without guesses moves it back toward the prior by ``RECOVERY`` of the gap: a request
-    whose guesses stopped paying is tried again now and then, as its text may change."""
+def update_acceptance(current: float, proposed: int, accepted: int, prior: float = ACCEPTANCE_PRIOR) -> float:
+    """A request's running odds of a first guess kept, after a step that checked ``proposed`` of
+    its guesses (kept: ``accepted``). A step without guesses moves it back toward the prior by
+    ``RECOVERY`` of the gap: a request whose guesses stopped paying is tried again now and then,
+    as its text may change."""
     if not proposed:
-        return current + RECOVERY * (ACCEPTANCE_PRIOR - current) if current < ACCEPTANCE_PRIOR else current
-    return (1 - ACCEPTANCE_WEIGHT) * current + ACCEPTANCE_WEIGHT * accepted / proposed
+        return current + RECOVERY * (prior - current) if current < prior else current
+    return (1 - ACCEPTANCE_WEIGHT) * current + ACCEPTANCE_WEIGHT * (1.0 if accepted else 0.0)
+
+
+def update_continuation(current: float, proposed: int, accepted: int) -> float:
+    """A request's running odds of a guess kept after a kept one: the guesses checked after a
+    kept one are ``min(accepted + 1, proposed) - 1``, of which ``accepted - 1`` were kept."""
+    checked = min(accepted + 1, proposed) - 1
+    if accepted < 1 or checked < 1:
+        return current
+    return (1 - ACCEPTANCE_WEIGHT) * current + ACCEPTANCE_WEIGHT * (accepted - 1) / checked
 
 
 def worth_a_row(gain: float, rows: int, cost: StepCost) -> bool:
-    """Whether a guess adding ``gain`` expected tokens to a step of ``rows`` rows pays for its row."""
+    """Whether a guess adding ``gain`` expected tokens to a step of ``rows`` rows pays for its
+    row at the line's cost of a row (the engine skips the lookups of a step where none does)."""
     return gain > cost.per_row_s * rows / (cost.fixed_s + cost.per_row_s * rows)
 
 
-def plan_guesses(acceptance: Sequence[float], available: Sequence[int], rows: int,
+def plan_guesses(first: Sequence[float], then: Sequence[float], available: Sequence[int], rows: int,
                  cost: StepCost | None, round_cost: StepCost | None = None) -> list[int]:
-    """Guesses per request: ``acceptance[i]`` and ``available[i]`` (the most request ``i`` can
-    have: its proposal's length) for the requests that may speculate; ``rows``: the step's rows
-    without guesses (every decode and prompt token). Without a fitted cost (every step so far
-    had one width), one guess each: the wider steps it makes are what the fit needs.
+    """Guesses per request: ``first[i]``, ``then[i]`` (request ``i``'s odds) and ``available[i]``
+    (the most it can have: its proposal's length) for the requests that may speculate; ``rows``:
+    the step's rows without guesses (every decode and prompt token). Without a fitted cost
+    (every step so far had one width), one guess each: the wider steps it makes are what the fit
+    needs.
 
     ``round_cost``: a proposer's own step (a draft model's), None where guessing costs nothing
-    worth counting. A request's first guess comes from the forward the draft runs after every
-    step anyway (its cost: a row there, and the draft's fixed cost is counted in the step's);
-    its ``j``-th guess needs the draft's ``j-1``-th decode step: a row in it, and the step's
-    fixed cost for the first guess that needs that step. A guess not worth what it costs drops
-    its request; others may still pay (a step already run costs them only a row)."""
-    guesses = [0] * len(acceptance)
+    worth counting. The draft runs only in steps that guess: the first guess of a step costs the
+    draft's forward (its fixed cost and a row; the tokens it missed while not guessing are not
+    counted), a request's ``j``-th guess a row in the draft's ``j-1``-th decode step, and the
+    step's fixed cost for the first guess that needs that step."""
+    guesses = [0] * len(first)
     if cost is None:
         return [min(1, n) for n in available]
+    draft_s = 0.0
+    best_rate, best_taken = rows / cost.seconds(rows), 0
+    taken: list[int] = []  # requests in the order their guesses are taken, best first
     tokens = float(rows)
-    seconds = cost.fixed_s + cost.per_row_s * rows + (round_cost.fixed_s if round_cost else 0.0)
     rounds_run: set[int] = set()
-    heap = [(-a, i) for i, (a, n) in enumerate(zip(acceptance, available)) if n > 0 and a > 0]
+    heap = [(-f, i) for i, (f, n) in enumerate(zip(first, available)) if n > 0 and f > 0]
     heapq.heapify(heap)
     while heap:
         gain, i = heapq.heappop(heap)
         gain = -gain
-        depth = guesses[i] + 1
-        extra = cost.per_row_s
-        if round_cost is not None:
-            extra += round_cost.per_row_s + (round_cost.fixed_s if depth > 1 and depth not in rounds_run else 0.0)
-        if gain <= extra * tokens / seconds:  # the rate is tokens / seconds, not rows / seconds
-            if round_cost is None:
-                break  # the best remaining guess is worth less than the row it takes
-            continue
         guesses[i] += 1
-        rounds_run.add(depth)
+        taken.append(i)
         tokens += gain
-        seconds += extra
-        if guesses[i] < available[i]:
-            heapq.heappush(heap, (-gain * acceptance[i], i))
+        if round_cost is not None:
+            depth = guesses[i]
+            draft_s += round_cost.per_row_s + (round_cost.fixed_s if depth not in rounds_run else 0.0)
+            rounds_run.add(depth)
+        rate = tokens / (cost.seconds(rows + len(taken)) + draft_s)
+        if rate > best_rate:
+            best_rate, best_taken = rate, len(taken)
+        if guesses[i] < available[i] and then[i] > 0:
+            heapq.heappush(heap, (-gain * then[i], i))
+    guesses = [0] * len(first)
+    for i in taken[:best_taken]:
+        guesses[i] += 1
     return guesses

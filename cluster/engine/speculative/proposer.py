@@ -2,20 +2,24 @@
 (an EAGLE or MTP head would be a third: its ``propose`` would read the target's hidden states).
 
 After each target step the engine asks ``available`` how many guesses each decoding request
-could get, the policy (``policy.py``) chooses how many it gets (counting ``round_cost``, what each
-round of guessing costs), the engine holds cache slots for them where ``writes_kv`` (a model that
+could get and ``first_odds`` how likely each one's first guess is to be kept, the policy
+(``policy.py``) chooses how many it gets (counting ``round_cost``, what each round of guessing
+costs), the engine holds cache slots for them where ``writes_kv`` (a model that
 writes its guesses' KV), and ``propose`` makes them. ``propose`` is called after every step, with
-no request where none guesses: a model follows the target's step there (its own KV)."""
+no request where none guesses (a model catches its KV up when guessing resumes). Each
+verify's outcome is reported back (``observe``)."""
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from cluster.engine.request import Request
 from cluster.engine.scheduler import SchedulerOutput
 from cluster.engine.speculative.config import SpeculativeConfig
 from cluster.engine.speculative.ngram import NgramIndex
-from cluster.engine.speculative.policy import StepCost
+from cluster.engine.speculative.policy import ACCEPTANCE_PRIOR, StepCost
+
+MATCH_WEIGHT = 0.1  # weight of a verify in its match length's running odds (the engine's: many verifies)
 
 
 class Proposer(Protocol):
@@ -24,23 +28,34 @@ class Proposer(Protocol):
     def available(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
         """How many guesses each request could be given (at most its room)."""
 
-    def propose(self, step: SchedulerOutput, held: Mapping[int, list[int]], requests: Sequence[Request],
-                counts: Sequence[int]) -> list[list[int]]:
-        """``counts[i]`` guesses for ``requests[i]``, after the target's ``step`` (``held``: the
-        block ids each of its requests held in it, by ``id(request)``, finished ones included)."""
+    def first_odds(self, requests: Sequence[Request]) -> list[float]:
+        """The odds that each request's first guess (of the proposal ``available`` found) is kept."""
+
+    def observe(self, request: Request, proposed: int, accepted: int) -> None:
+        """A verify of ``request`` checked ``proposed`` of its guesses and kept ``accepted``."""
+
+    def propose(self, step: SchedulerOutput, requests: Sequence[Request], counts: Sequence[int]) -> list[list[int]]:
+        """``counts[i]`` guesses for ``requests[i]``, after the target's ``step``."""
 
     def round_cost(self) -> StepCost | None:
         """What one round of guesses costs (a model's step), None where it is not worth counting."""
 
 
 class NgramProposer:
-    """Prompt lookup (``ngram.py``): each request's index, kept in ``Request.proposer_state``."""
+    """Prompt lookup (``ngram.py``): each request's index, kept in ``Request.proposer_state``.
+
+    How often a first guess is kept depends most on how long a suffix it matched (text that
+    repeats its prompt: 24% after one token, 40% after two, 73% after three, 87% after four), so
+    a proposal's odds are the engine's running odds for its match length (a request's own running
+    odds mixed its long matches with its short ones: after 1-token matches failed, its 4-token
+    ones went unguessed)."""
 
     writes_kv = False
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self._proposals: dict[int, list[int]] = {}
+        self.first_by_match = {n: ACCEPTANCE_PRIOR for n in range(config.ngram_min, config.ngram_max + 1)}
 
     def available(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
         self._proposals = {}
@@ -50,8 +65,16 @@ class NgramProposer:
             self._proposals[id(request)] = request.proposer_state.propose(request.token_ids, room)
         return [len(self._proposals[id(r)]) for r in requests]
 
-    def propose(self, step: SchedulerOutput, held: Mapping[int, list[int]], requests: Sequence[Request],
-                counts: Sequence[int]) -> list[list[int]]:
+    def first_odds(self, requests: Sequence[Request]) -> list[float]:
+        return [self.first_by_match.get(r.proposer_state.matched, 0.0) for r in requests]
+
+    def observe(self, request: Request, proposed: int, accepted: int) -> None:
+        matched = request.proposer_state.matched if request.proposer_state is not None else 0
+        if matched in self.first_by_match:  # the verify checks the proposal the index made last
+            kept = 1.0 if accepted else 0.0
+            self.first_by_match[matched] += MATCH_WEIGHT * (kept - self.first_by_match[matched])
+
+    def propose(self, step: SchedulerOutput, requests: Sequence[Request], counts: Sequence[int]) -> list[list[int]]:
         return [self._proposals[id(r)][:n] for r, n in zip(requests, counts)]
 
     def round_cost(self) -> StepCost | None:
