@@ -309,8 +309,11 @@ class RaySpec:
         A worker whose actor dies (its process, or its whole node) is started again under its
         name, in a new placement group once some node has room for it (a node that comes back,
         or a new one), and paired again with its KV transfer peers; routers place on it once it
-        reports. ``tandem status`` lists each worker lost and started again, with its node and
-        when. False: a dead worker stays dead until the cluster is restarted.""")
+        reports. A request that finds no live worker of a role meanwhile waits for it (up to 30 s
+        after the loss, and within its SLO class's wait bound, past which it gets a 429 naming the
+        restart). ``tandem status`` lists each worker lost and started again, with its node and
+        when. False: a dead worker stays dead until the cluster is restarted, and a request that
+        finds none of a role gets a 503 at once.""")
 
 
 POOLS_DOC = """
