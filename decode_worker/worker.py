@@ -129,7 +129,6 @@ class DecodeWorker(EngineWorker):
         self._unpaired: frozenset[str] = frozenset(prefill_peers)
         self._pairing: dict[str, asyncio.Lock] = {}  # prefill worker -> held while its group is (re)built
         self.pair_rebuilds = 0
-        self._namespace = config.cluster_name
         self._stream: StreamServer | None = None
         super().__init__(config, registry_url, profile)
 
@@ -158,7 +157,7 @@ class DecodeWorker(EngineWorker):
         async with self._pairing.setdefault(prefill, asyncio.Lock()):
             if prefill in self._peers:
                 self._set_unpaired(self._unpaired | {prefill})
-            worker = ray.get_actor(prefill, namespace=self._namespace)
+            worker = ray.get_actor(prefill, namespace=ray.get_runtime_context().namespace)
             await asyncio.gather(worker.join_pair.remote(layout, spec), self.join_pair(layout, spec))
             self._peers[prefill] = layout.name
             self._tags[layout.name] = itertools.count()  # a new group: no transfer is in flight on it
@@ -229,7 +228,7 @@ class DecodeWorker(EngineWorker):
                     base = spec.name.partition(".rebuilt-")[0]
                     new = dataclasses.replace(spec, name=f"{base}.rebuilt-{self.pair_rebuilds}",
                                               timeout_s=REJOIN_TIMEOUT_S)
-                    worker = ray.get_actor(prefill, namespace=self._namespace)
+                    worker = ray.get_actor(prefill, namespace=ray.get_runtime_context().namespace)
                     await asyncio.gather(worker.join_pair.remote(layout, new), self.join_pair(layout, new))
                     self._tags[pair] = itertools.count()
                     self._set_unpaired(self._unpaired - {prefill})
@@ -352,7 +351,7 @@ class DecodeWorker(EngineWorker):
         stream.busy.append(receiving)
         receiving.add_done_callback(lambda _: times.setdefault("received", time.time()))
         try:
-            worker = ray.get_actor(prefill, namespace=self._namespace)
+            worker = ray.get_actor(prefill, namespace=ray.get_runtime_context().namespace)
             prefill_started = time.time()
             result: PrefillResult = await worker.prefill.remote(request_id, request.prompt_token_ids, request.params,
                                                                 target, request.resumed_tokens)

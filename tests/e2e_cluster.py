@@ -74,6 +74,11 @@ class Cluster:
             process.stdin.close()
             process.wait(timeout=60)
 
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the cluster's own log, for a failure's message."""
+        log = self.cache / "clusters" / f"{self.name}.log"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else "(no log)"
+
     def down(self) -> None:
         """``tandem down``, which says one line; the cluster's own log gets one line for the stop,
         and nothing of Ray's (no Serve controller's calls failing as it is killed)."""

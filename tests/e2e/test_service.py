@@ -586,6 +586,8 @@ def test_tandem_up_starts_a_killed_decode_worker_again(model_dir, reference, tmp
             assert stream_tokens(client, REMOTE_PROMPT)[0] == reference["remote"]
         cluster.ray("ray.kill(ray.get_actor('decode-0'))")
 
+        seen = []  # what each call found, for a failure's message
+
         def remote_served_by_prefill_worker():
             with TandemClient(cluster.api, timeout_s=120) as client:
                 try:
@@ -593,11 +595,16 @@ def test_tandem_up_starts_a_killed_decode_worker_again(model_dir, reference, tmp
                 except TandemError as exc:
                     assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
                     assert "waiting for decode-0 to start again" in exc.message
+                    seen.append("refused while decode-0 starts again")
                     return None
             assert tokens == reference["remote"]
+            seen.append(f"served by {messages[-1].prefill_worker or 'itself'} -> {messages[-1].decode_worker}")
             return messages[-1].prefill_worker == "prefill-0" and messages[-1].decode_worker == "decode-0"
 
-        wait_for(remote_served_by_prefill_worker, 180, "a call served through decode-0 started again", every_s=1.0)
+        try:
+            wait_for(remote_served_by_prefill_worker, 300, "a call served through decode-0 started again", every_s=1.0)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; calls: {seen[-5:]}; cluster log:\n{cluster.log_tail()}") from None
         status = cluster.status()
         events = [(e["event"], e["worker"]) for e in status["worker_events"]]
         assert events == [("restarted", "decode-0"), ("lost", "decode-0")]
