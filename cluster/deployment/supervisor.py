@@ -41,6 +41,7 @@ START_TIMEOUT_S = 300.0  # a worker started again that is not up by then is star
 RETRY_S = (1.0, 2.0, 5.0, 10.0)  # between attempts to start a worker again, the last repeated
 NAME_WAIT_S = 60.0  # for Ray to free a dead worker's name
 NODE_WAIT_S = 120.0  # for Ray to find the node of a lost worker dead, if it is
+PAIR_TRIES = 4  # builds of a transfer group whose two workers both live
 
 
 class Supervisor:
@@ -197,19 +198,32 @@ class Supervisor:
 
     def _pair(self, name: str) -> None:
         """Pairs a worker started again with each of its peers that is up (a peer still
-        restarting pairs with it when its own turn comes). A pair that cannot be built now (its
-        peer died meanwhile) is left to that peer's restart."""
+        restarting pairs with it when its own turn comes). A pair whose peer died meanwhile is
+        left to that peer's restart; one whose group failed to build with both sides alive (a
+        rendezvous that timed out on a busy node) is built again, in a new group, up to
+        ``PAIR_TRIES`` times: left unpaired, the decode worker would prefill every prompt itself."""
         deployment, ray = self.deployment, self.ray
         with self._pairing:
             with self._lock:
                 self.restarting.discard(name)
                 pairs = [(p, d) for p, d in deployment.pairs(name)
                          if p not in self.restarting and d not in self.restarting]
-            for (p, d), (_, ref) in zip(pairs, deployment.pair_calls(pairs, generation=next(self._generations))):
-                try:
-                    ray.get(ref, timeout=120)
-                except (ray.exceptions.RayError, ValueError) as exc:
-                    _log(f"the KV transfer group of {p} and {d} was not built ({_first_line(exc)})")
+            for attempt in range(PAIR_TRIES):
+                failed = []
+                for (p, d), (_, ref) in zip(pairs, deployment.pair_calls(pairs, generation=next(self._generations))):
+                    try:
+                        ray.get(ref, timeout=120)
+                    except ray.exceptions.RayActorError as exc:
+                        _log(f"the KV transfer group of {p} and {d} was not built ({_first_line(exc)})")
+                    except (ray.exceptions.RayError, ValueError) as exc:
+                        again = attempt + 1 < PAIR_TRIES
+                        _log(f"the KV transfer group of {p} and {d} was not built ({_first_line(exc)})"
+                             + ("; building it again" if again else ""))
+                        failed.append((p, d))
+                if not failed or attempt + 1 == PAIR_TRIES or self._stop.wait(RETRY_S[min(attempt, len(RETRY_S) - 1)]):
+                    return
+                with self._lock:
+                    pairs = [(p, d) for p, d in failed if p not in self.restarting and d not in self.restarting]
 
     def _registry(self, write) -> None:
         deployment = self.deployment
