@@ -424,6 +424,8 @@ class Router:
         request waits for it, within its class's bound, rather than failing at once)."""
         if not self.topology.restarts_workers or worker not in self._reported:
             return False
+        if worker in (self._loads or {}) and worker not in self.failed:
+            return False  # alive: what it lacks (a pair, say) is not a restart
         seen = self._last_seen.get(worker)
         gone_at = max(self._failed_at.get(worker, -math.inf), seen[1] if seen else -math.inf)
         return now - gone_at < RESTART_WAIT_S

@@ -602,6 +602,11 @@ def test_a_dead_worker_its_deployment_restarts_is_waited_for_within_the_class_bo
     assert [(d.request_id, d.action) for d in refused] == [("c", "reject")]
     gone = router.submit(RouteRequest("e", PROMPT, 8, "standard"), now=NOW + 4 + RESTART_WAIT_S)
     assert (gone.action, gone.reason) == ("reject", "no live decode worker")
+    # Only a worker gone is waited for: a live one (whatever it lacks, a pair say) is not coming back.
+    registry.state.update({"p0": replace(reports["p0"], updated_at=NOW + 40)})
+    router.worker_failed("d0", now=NOW + 39)
+    router.retry_waiting(NOW + 40)
+    assert (router._restarting("p0", NOW + 40), router._restarting("d0", NOW + 40)) == (False, True)
     plain = Router(TOPOLOGY, FakeRegistry(), config())
     plain.submit(RouteRequest("f", PROMPT, 8, "standard"), now=NOW)
     plain.registry.state.clear()
