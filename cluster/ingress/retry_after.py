@@ -15,15 +15,19 @@ def whole_seconds(seconds: float) -> int:
     return max(1, math.ceil(seconds))
 
 
+def whole_milliseconds(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
 def http_headers(error: RequestFailed) -> dict[str, str]:
     if error.retry_after_s is None:
         return {}
     return {"Retry-After": str(whole_seconds(error.retry_after_s)),
-            "retry-after-ms": str(max(1, math.ceil(error.retry_after_s * 1000)))}
+            "retry-after-ms": str(whole_milliseconds(error.retry_after_s))}
 
 
 def grpc_trailers(error: RequestFailed) -> tuple[tuple[str, str], ...]:
     if error.retry_after_s is None:
         return ()
     return (("retry-after", str(whole_seconds(error.retry_after_s))),
-            ("grpc-retry-pushback-ms", str(max(1, math.ceil(error.retry_after_s * 1000)))))
+            ("grpc-retry-pushback-ms", str(whole_milliseconds(error.retry_after_s))))
