@@ -30,6 +30,8 @@ MIN_SAMPLES = 3
 OUTLIER_MADS = 4.0  # a step slower than the fit by this many (scaled) median absolute deviations is a hiccup
 OUTLIER_FLOOR_S = 0.001  # ... and by at least this much: exact timings are never hiccups
 OUTLIER_ROUNDS = 3
+RECENT_DECODE_STEPS = 32  # the latest steps with decodes that the measured step scale is taken over ...
+SCALE_TRIM = 8  # ... without the slowest 1 in this many (a collection pause is not the worker's pace)
 
 
 def fit_nonnegative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...] | None:
@@ -141,3 +143,23 @@ class StepTimeModel:
 
     def transfer_seconds(self, blocks: int) -> float:
         return self.transfer_s_per_block * max(0, blocks)
+
+
+def measured_step_scale(model: StepTimeModel, steps: Sequence[StepSample], recent: int = RECENT_DECODE_STEPS) -> float:
+    """How much longer the worker's latest steps with decodes took than its decode fit
+    predicts for their batches: the fit leaves out what a running sequence waits for besides
+    its own decode, the prompts prefilled in the same steps and the slow steps that contended
+    cores make (``fit_robust`` drops them), but a sequence's TPOT counts every step it is in.
+    Under an overload these are most of it: 4x the load the quick start serves measured 396-508
+    ms TPOTs where the fit predicted under 100. The slowest steps by that ratio, one in
+    ``SCALE_TRIM``, are left out: one pause among a window of 7 ms steps would stop admission.
+    1.0 with no decode steps or no fit."""
+    if model.decode is None:
+        return 1.0
+    pairs = [(s.seconds, model.decode_step_seconds(s.decodes, s.decode_context)) for s in steps if s.decodes][-recent:]
+    pairs = [(measured, predicted) for measured, predicted in pairs if predicted > 0]
+    if not pairs:
+        return 1.0
+    pairs.sort(key=lambda pair: pair[0] / pair[1])
+    kept = pairs[:len(pairs) - len(pairs) // SCALE_TRIM]
+    return sum(m for m, _ in kept) / sum(p for _, p in kept)

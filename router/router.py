@@ -52,7 +52,7 @@ from cluster.engine.block_hash import hash_token_blocks, request_hash_keys
 from cluster.registry.load import WorkerLoad
 from router.candidates import Candidate, Prompt, decode_side, local_candidate, prefill_side, remote_candidates
 from router.config import RouterConfig, SloClass
-from router.cost_model import StepTimeModel
+from router.cost_model import StepTimeModel, measured_step_scale
 from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
 from router.picker import explain, fastest, first_meeting, never_meets, rank, with_room
 from router.prefill_choice import prefills_itself
@@ -64,6 +64,7 @@ _soonest_prefill = soonest_prefill  # the name tests/unit/test_router.py imports
 RESIDUAL_WEIGHT = 0.1  # of each finished request's TTFT residual in the running correction
 OUTPUT_WEIGHT = 0.05  # of each finished request's output length in the running mean
 TPOT_SCALE_LIMITS = (0.5, 4.0)  # the learned TPOT scale stays within these
+MEASURED_SCALE_LIMIT = 16.0  # a worker's measured step scale is taken up to this
 GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
 HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
 RESTART_WAIT_S = 30.0  # how long requests wait for a dead worker to start again, when its deployment restarts it
@@ -134,7 +135,7 @@ class Decision:
     reason: str = ""
     ttft_correction_s: float = 0.0  # the learned residual included in predicted_ttft_s
     waited_s: float = 0.0  # between arrival at the API and this decision
-    tpot_scale: float = 1.0  # the learned TPOT scale included in predicted_tpot_s
+    tpot_scale: float = 1.0  # the TPOT scale included in predicted_tpot_s (Router.step_scale)
     predicted_wait_s: float | None = None  # queue: until it could be placed (router/wait_forecast.py)
     retry_after_s: float | None = None  # reject: when a fresh request could be placed in time (None: never)
 
@@ -190,6 +191,7 @@ class Router:
         self._residual = {"remote": (0.0, -math.inf), "local": (0.0, -math.inf)}  # (value, when last learned)
         self._output_tokens: float | None = None  # mean output length of finished requests (running)
         self._tpot_scale = (1.0, -math.inf)  # measured over predicted TPOT (running), and when last learned
+        self._measured_scales: dict[str, tuple[tuple, float]] = {}  # per worker: its steps, their measured scale
 
     def correction(self, path: str, now: float) -> float:
         """The learned TTFT correction of a path (``remote`` or ``local`` prefill), decayed by
@@ -206,6 +208,16 @@ class Router:
         bounded by the TPOT objective over it."""
         value, learned_at = self._tpot_scale
         return 1.0 + (value - 1.0) * 0.5 ** (max(0.0, now - learned_at) / self.config.correction_half_life_s)
+
+    def step_scale(self, load: WorkerLoad, now: float) -> float:
+        """What the worker's predicted decode steps are multiplied by: the TPOT scale learned
+        from finished requests, or where larger the one its latest steps measure
+        (``measured_step_scale``), which an overload shows within a report rather than when
+        the requests it slows end, a minute later."""
+        cached = self._measured_scales.get(load.worker)
+        if cached is None or cached[0] is not load.steps:
+            cached = self._measured_scales[load.worker] = (load.steps, measured_step_scale(self.model(load), load.steps))
+        return max(self.tpot_scale(now), min(cached[1], MEASURED_SCALE_LIMIT))
 
     @property
     def ttft_residual(self) -> dict[str, float]:
@@ -465,7 +477,6 @@ class Router:
         prefill_sides = {p: prefill_side(self.model(loads[p]), queued[p], prompt.hit_blocks(hits, p), prompt)
                          for p in live.prefill}
         remote_correction, local_correction = self.correction("remote", now), self.correction("local", now)
-        scale = self.tpot_scale(now)
         generating = live.generating
         turn_p = live.prefill[self._rotation % len(live.prefill)] if live.prefill else None
         turn_d = generating[self._rotation % len(generating)]
@@ -474,7 +485,9 @@ class Router:
         for d in generating:
             side = decode_side(loads[d], self.model(loads[d]), [p.prompt_tokens for p in pending_on[d]],
                                prompt.hit_blocks(hits, d), prompt, cls.on_overload)
+            scale = self.step_scale(loads[d], now)
             side = side._replace(tpot_s=side.tpot_s * scale)
+            first = len(candidates)
             is_decode = d in live.decode
             cut = cut_off(d, loads[d], request.avoid, prefill_sides) if is_decode else set()
             paired = (paired_prefill(shortlist, live.prefill, cut, prefill_sides, self.config.prefill_shortlist)
@@ -488,6 +501,8 @@ class Router:
                                every_pair_cut_off=every_pair_cut_off, config=self.config):
                 local_turn = d == turn_d and (turn_p is None or d in live.colocated)
                 candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn))
+            for c in candidates[first:]:
+                c.tpot_scale = scale
         return candidates
 
     def _choose(self, request: RouteRequest, cls: SloClass, candidates: list[Candidate], now: float,
@@ -546,9 +561,9 @@ class Router:
         per_request = -(-(len(request.prompt_token_ids) + request.max_tokens) // bs)
         output_tokens = self._mean_output_tokens(request)
         pending_on = self._pending(loads, live.generating)
-        scale = self.tpot_scale(now)
         slots = [decode_slots(loads[d], self.model(loads[d]), [p.prompt_tokens for p in pending_on[d]], per_request,
-                              cls.tpot_s, output_tokens, max(0.0, now - loads[d].updated_at), scale)
+                              cls.tpot_s, output_tokens, max(0.0, now - loads[d].updated_at),
+                              self.step_scale(loads[d], now))
                  for d in live.generating]
         side = best.prefill or best.decode
         prefill_workers = max(1, len(live.prefill)) if best.prefill else 1
@@ -582,7 +597,7 @@ class Router:
         decision = Decision("place", request.request_id, c.prefill, c.decode, cls.name, cls.ttft_s, cls.tpot_s,
                             c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason,
                             ttft_correction_s=c.correction_s, waited_s=_waited(request, now),
-                            tpot_scale=self.tpot_scale(now))
+                            tpot_scale=c.tpot_scale)
         self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now, request.max_tokens)
         return decision
 
@@ -700,7 +715,9 @@ class Router:
             "waiting": len(self.waiting), "waiting_by_class": self.waiting.by_class(),
             "placed_after_waiting": c.waiting_placed,
             "rejected": c.rejected, "rejected_by_class": dict(c.rejected_by_class),
-            "mean_output_tokens": self._output_tokens, "tpot_scale": self.tpot_scale(now), "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
+            "mean_output_tokens": self._output_tokens, "tpot_scale": self.tpot_scale(now),
+            "measured_step_scales": {w: scale for w, (_, scale) in sorted(self._measured_scales.items())},
+            "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
             "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},
         }

@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import pytest
 
+from cluster.registry.load import StepSample
 from router.config import RouterConfig, RouterConfigError
+from router.cost_model import measured_step_scale
 from router.router import RouteRequest, Router
 from router.wait_forecast import DecodeSlots, WaitForecast, decode_slots, slot_wait_s
 from test_router import NOW, PROMPT, TOPOLOGY, FakeRegistry, config, full_decode, load
@@ -163,3 +165,43 @@ def test_tpot_measured_slower_than_predicted_scales_what_the_router_predicts():
     wide = replace(load("d0", running=18), max_num_seqs=64)
     assert decode_slots(wide, model, [], 1, 0.2525, 8).room == 46 - 18
     assert decode_slots(wide, model, [], 1, 0.2525, 8, step_scale=2.0).room == 21 - 18
+
+
+def test_a_worker_s_latest_steps_measure_how_much_slower_its_decodes_run_than_its_fit():
+    """Fit: 20 ms + 5 ms per sequence (+ 0.1 ms per context token). 8 decode steps of 4
+    sequences as fitted (40 ms each), then 8 steps that also prefilled a prompt and took 120 ms:
+    the slowest 2 of 16 are left out, (8 * 40 + 6 * 120) / (14 * 40) = 1040 / 560. A single
+    613 ms pause among 32 fitted steps is left out: 1.0."""
+
+    router = Router(TOPOLOGY, FakeRegistry(), config())
+    model = model_of(router, "d0")
+    fitted = StepSample(0, 0, 4, 0, 0.040)
+    mixed = StepSample(64, 2080, 4, 0, 0.120)
+    assert measured_step_scale(model, (fitted,) * 8 + (mixed,) * 8) == pytest.approx(1040 / 560)
+    assert measured_step_scale(model, (fitted,) * 31 + (StepSample(0, 0, 4, 0, 0.613),)) == pytest.approx(1.0)
+    assert measured_step_scale(model, (StepSample(64, 2080, 0, 0, 0.1),)) == 1.0  # no decodes: nothing to scale
+    # only the latest 32 steps with decodes count: 40 slow ones, then 32 as fitted
+    assert measured_step_scale(model, (mixed,) * 40 + (fitted,) * 32) == pytest.approx(1.0)
+
+
+def test_a_worker_measured_slower_than_its_fit_is_predicted_slower_at_once():
+    """A decode worker whose latest steps ran 3x its fit (prompts prefilled among its decodes,
+    contended cores): its TPOT predictions are 3x at once, not a finished request later, so an
+    interactive request (TPOT <= 100 ms) is refused where it fits (5 sequences: 45 ms + context);
+    the decision records the scale."""
+    slow = tuple(StepSample(64, 2080, 4, 0, 3 * 0.040) for _ in range(32))  # left out of the fit: they prefilled
+    base = load("d0", running=4)
+    measured = {"d0": replace(base, steps=base.steps + slow)}
+    routers = {}
+    for name, loads in (("fitted", {"d0": base}), ("measured", measured)):
+        routers[name] = Router(TOPOLOGY, FakeRegistry(loads), config())
+        routers[name].worker_failed("d1", now=NOW)
+    assert routers["measured"].step_scale(measured["d0"], NOW) == pytest.approx(3.0)
+    fitted = routers["fitted"].route(RouteRequest("a", PROMPT, 8, "standard"), now=NOW)
+    slowed = routers["measured"].route(RouteRequest("a", PROMPT, 8, "standard"), now=NOW)
+    assert (fitted.decode, slowed.decode) == ("d0", "d0")
+    assert slowed.predicted_tpot_s == pytest.approx(3 * fitted.predicted_tpot_s)
+    assert (fitted.tpot_scale, slowed.tpot_scale) == (pytest.approx(1.0), pytest.approx(3.0))
+    assert routers["fitted"].route(RouteRequest("i", PROMPT, 8, "interactive"), now=NOW).action == "place"
+    assert routers["measured"].route(RouteRequest("i", PROMPT, 8, "interactive"), now=NOW).action == "reject"
+    assert routers["measured"].status(NOW)["measured_step_scales"]["d0"] == pytest.approx(3.0)  # tandem status shows it
