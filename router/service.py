@@ -208,6 +208,7 @@ class RouterService:
         """A placed request ended: ``ttft_s`` counts from its arrival at the API (its goodput
         record), ``service_ttft_s`` from its placement (what the router learns from, with the
         ``output_tokens`` it generated there)."""
+        placed = self.router.inflight.get(request_id)
         decision = self.router.finished(request_id, service_ttft_s, output_tokens=output_tokens, tpot_s=tpot_s)
         self._told()
         if decision is None:
@@ -215,7 +216,9 @@ class RouterService:
         self._record(RequestRecord(request_id=request_id, slo_class=decision.slo_class,
                                    prefill_worker=decision.prefill, decode_worker=decision.decode, ttft_s=ttft_s,
                                    tpot_s=tpot_s, ttft_objective_s=decision.ttft_objective_s,
-                                   tpot_objective_s=decision.tpot_objective_s, failed=failed))
+                                   tpot_objective_s=decision.tpot_objective_s, failed=failed,
+                                   prompt_tokens=placed.prompt_tokens if placed is not None else 0,
+                                   output_tokens=output_tokens or 0))
 
     def _told(self) -> None:
         if self._changed is not None and len(self.router.waiting):

@@ -52,7 +52,7 @@ def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashb
         goodput = {window: _windows(raw[window]) for window in ("last_minute", "last_hour")}
     return {"cluster": message.cluster, "model": message.model, "serving": message.serving, "health": message.health,
             "workers": raw.get("workers", []), "router": router, "routers": len(routers), "each_router": routers,
-            "goodput": goodput, "worker_events": raw.get("worker_events", []),
+            "goodput": goodput, "worker_events": raw.get("worker_events", []), "planner": _planner(raw),
             "queued": router["waiting"], "in_flight": router["in_flight"], "api": api, "dashboard": dashboard}
 
 
@@ -128,6 +128,7 @@ def format_status(status: dict) -> str:
     lines += [f"{w['name']}: takes no KV from {', '.join(w['unpaired'])} now (rebuilding the transfer group)"
               for w in status["workers"] if w.get("unpaired")]
     lines += worker_event_lines(status)
+    lines += planner_lines(status)
     goodput = status.get("goodput")
     if goodput:
         for window in ("last_minute", "last_hour"):
@@ -135,6 +136,33 @@ def format_status(status: dict) -> str:
     else:
         lines.append("goodput: registry unreachable")
     return "\n".join(lines)
+
+
+def _planner(raw: dict) -> dict | None:
+    planner = raw.get("planner")
+    if not planner:
+        return None
+    defaults = {"number": 0, "at": 0.0, "mode": "", "current": "", "proposed": "", "acted": False,
+                "predicted_goodput_rps": 0.0, "predicted_attainment": 0.0, "observed": "", "detail": "",
+                "measured_goodput_rps": None, "measured_attainment": None, "measured_at": None}  # proto3 leaves these out
+    planner["decisions"] = [{**defaults, **d, "number": int(d.get("number", 0))} for d in planner.get("decisions", [])]
+    return planner
+
+
+def planner_lines(status: dict) -> list[str]:
+    """The live planner's latest look and its decisions, oldest first."""
+    from cluster.plan.live.journal import PlannerDecision
+
+    planner = status.get("planner")
+    if not planner:
+        return []
+    lines = [f"planner ({planner.get('mode', '')}): {planner.get('observed', '')}",
+             f"  proposal: {planner.get('proposal', '')}" + (f" ({planner['waiting']})" if planner.get("waiting") else "")]
+    decisions = planner.get("decisions") or []
+    if decisions:
+        lines.append("  decisions:")
+        lines += [f"    {PlannerDecision(**d).line()}" for d in decisions]
+    return lines
 
 
 def worker_event_lines(status: dict) -> list[str]:

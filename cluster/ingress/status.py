@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 import redis
 
+from cluster.plan.live.journal import Journal
 from cluster.registry.worker_events import WorkerEvent, read_events
 from tandem.v1 import tandem_pb2
 
@@ -17,9 +18,10 @@ async def read_status(monitor) -> tandem_pb2.ClusterStatus:
     """The cluster as this replica sees it now (``monitor``: its :class:`~cluster.ingress.health.HealthMonitor`)."""
     info, router = monitor.info, monitor.path.router
     loop = asyncio.get_running_loop()
-    routers, workers, goodput, events = await asyncio.gather(
+    routers, workers, goodput, events, planner = await asyncio.gather(
         router.statuses(), monitor.worker_statuses(info.workers), loop.run_in_executor(None, router.goodput),
-        loop.run_in_executor(None, _worker_events, router.client, info.cluster))
+        loop.run_in_executor(None, _worker_events, router.client, info.cluster),
+        loop.run_in_executor(None, _planner, router.client, info.cluster))
     message = tandem_pb2.ClusterStatus(cluster=info.cluster, model=info.model_name,
                                        serving=bool(monitor.serving), health=monitor.reason)
     for name in info.workers:
@@ -33,7 +35,28 @@ async def read_status(monitor) -> tandem_pb2.ClusterStatus:
             _goodput_view(getattr(message, window), goodput[window])
     for event in events:
         message.worker_events.add(**_fields(tandem_pb2.WorkerEvent, asdict(event)))
+    if planner is not None:
+        latest, decisions = planner
+        message.planner.CopyFrom(tandem_pb2.PlannerStatus(
+            mode=latest.get("mode", ""), latest_at=latest.get("at", 0.0), observed=latest.get("observed", ""),
+            proposal=latest.get("proposal", ""), waiting=latest.get("waiting", "")))
+        for decision in decisions[-PLANNER_DECISIONS_SHOWN:]:
+            message.planner.decisions.add(**_fields(tandem_pb2.PlannerDecision, asdict(decision)))
     return message
+
+
+PLANNER_DECISIONS_SHOWN = 20
+
+
+def _planner(client, cluster: str):
+    """(On a thread.) The live planner's latest look and decisions; None when it never looked
+    (it is off) or the registry is unreachable."""
+    try:
+        journal = Journal(client, cluster)
+        latest = journal.latest()
+        return (latest, journal.decisions()) if latest is not None else None
+    except redis.RedisError:
+        return None
 
 
 def _worker_events(client, cluster: str) -> list[WorkerEvent]:

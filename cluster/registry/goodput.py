@@ -16,7 +16,9 @@ keys whatever the request rate:
 A bucket's fields are ``<scope>|<counter>``. The scopes are ``cluster``, ``worker:<name>`` (the
 prefill and the decode worker, once each, or once when they are the same) and
 ``class:<slo_class>``. The counters are ``n``, ``met``, ``ttft_met``, ``tpot_met``, ``failed``,
-and the sums ``ttft_us``/``tpot_us`` (microseconds) with their counts ``ttft_n``/``tpot_n``.
+and the sums ``ttft_us``/``tpot_us`` (microseconds) with their counts ``ttft_n``/``tpot_n``, and
+``prompt_tokens``/``output_tokens`` with their count ``tokens_n`` (the workload's shape, which the
+live planner sizes the pools for).
 
 A window of up to 120 s reads the 1-second buckets of its last ``window_s`` seconds. A longer
 one (up to an hour) reads the minute buckets covering it; the oldest of those is included
@@ -60,6 +62,8 @@ class RequestRecord:
     tpot_objective_s: float | None
     failed: bool = False
     finished_at: float = 0.0        # wall clock (time.time()); 0 means "now" when recorded
+    prompt_tokens: int = 0          # of a placed request (0: not known, as for a refusal) ...
+    output_tokens: int = 0          # ... and the tokens it generated
 
     @property
     def met_ttft(self) -> bool:
@@ -90,6 +94,9 @@ class GoodputWindow:
     mean_tpot_s: float | None
     goodput_rps: float      # met / span, span = min(window_s, now - first record of the cluster), at least 1 s
     attainment: float       # met / requests; 0.0 with no requests
+    mean_prompt_tokens: float | None = None  # of the placed requests that ended in the window
+    mean_output_tokens: float | None = None
+    rate_rps: float = 0.0   # requests / span: what was offered, refused ones included
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -139,6 +146,8 @@ def _counts(record: RequestRecord) -> Counts:
         counts.update(ttft_us=round(record.ttft_s * 1e6), ttft_n=1)
     if record.tpot_s is not None:
         counts.update(tpot_us=round(record.tpot_s * 1e6), tpot_n=1)
+    if record.prompt_tokens:
+        counts.update(prompt_tokens=record.prompt_tokens, output_tokens=record.output_tokens, tokens_n=1)
     return {counter: value for counter, value in counts.items() if value}
 
 
@@ -225,6 +234,9 @@ def _window(window_s: float, counts: Counts, since: float | None, now: float) ->
         mean_tpot_s=_mean_s(counts, "tpot"),
         goodput_rps=met / max(1.0, span),
         attainment=met / requests if requests else 0.0,
+        mean_prompt_tokens=counts["prompt_tokens"] / counts["tokens_n"] if counts.get("tokens_n") else None,
+        mean_output_tokens=counts.get("output_tokens", 0) / counts["tokens_n"] if counts.get("tokens_n") else None,
+        rate_rps=requests / max(1.0, span),
     )
 
 

@@ -12,6 +12,8 @@ one Redis never see each other's data.
                                                 every few seconds; an entry not rewritten for a while is gone
     tandem:<c>:worker_events              LIST  JSON workers lost and started again, newest first, capped
                                                 (cluster/registry/worker_events.py)
+    tandem:<c>:planner:decisions          HASH  decision number -> JSON, the live planner's latest decisions
+    tandem:<c>:planner:latest             STR   JSON, its latest look (cluster/plan/live/journal.py)
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ class Keys:
     @property
     def worker_events(self) -> str:
         return self.prefix + "worker_events"
+
+    @property
+    def planner_decisions(self) -> str:
+        return self.prefix + "planner:decisions"
+
+    @property
+    def planner_latest(self) -> str:
+        return self.prefix + "planner:latest"
 
     @property
     def routers(self) -> str:

@@ -24,6 +24,7 @@ from cluster.topology.spec import (
     NodeConstraints,
     ObservabilitySpec,
     PoolSpec,
+    PlannerSpec,
     RaySpec,
     SPECULATING_ROLES,
     RegistrySpec,
@@ -237,6 +238,7 @@ def _check(text: str, source: str, model_elsewhere: bool = False
         server=_server(top),
         observability=_observability(top),
         ray=_ray(top),
+        planner=_planner(top),
     )
     _check_pools(ctx, spec)
     _check_ports(ctx, spec)
@@ -356,6 +358,18 @@ def _ray(top: _Section) -> RaySpec:
     if ray.address and ray.num_cpus is not None:
         top.ctx.error("ray.num_cpus", "only for a local Ray: remove it, or ray.address to start one")
     return ray
+
+
+def _planner(top: _Section) -> PlannerSpec:
+    planner = PlannerSpec(**top.section("planner").values())
+    for role in ("prefill", "decode"):
+        low, high = getattr(planner, f"{role}_min"), getattr(planner, f"{role}_max")
+        if high is not None and high < low:
+            top.ctx.error(f"planner.{role}_max", f"must be at least {role}_min ({low}), got {high}")
+    if planner.max_workers is not None and planner.max_workers < planner.prefill_min + planner.decode_min:
+        top.ctx.error("planner.max_workers", f"must be at least prefill_min + decode_min "
+                      f"({planner.prefill_min + planner.decode_min}), got {planner.max_workers}")
+    return planner
 
 
 def _check_ports(ctx: _Context, spec: ClusterSpec) -> None:

@@ -316,6 +316,48 @@ class RaySpec:
         finds none of a role gets a 503 at once.""")
 
 
+PLANNER_MODES = ("off", "advise", "act")
+
+
+@dataclass(frozen=True)
+class PlannerSpec:
+    check_order: ClassVar[tuple[str, ...]] = ("mode", "interval_s", "window_s", "prefill_min", "prefill_max",
+                                              "decode_min", "decode_max", "max_workers", "min_gain",
+                                              "confirmations", "cooldown_s")
+    mode: str = key("off", checks.choice(PLANNER_MODES), """
+        The live planner (``cluster/plan/live/``): every ``interval_s`` it reads the registry's
+        goodput, offered rate and request lengths of the last ``window_s`` and the workers'
+        measured step times, and simulates each prefill:decode split within the bounds below
+        with the router's own code (as ``tandem plan`` does). ``off``; ``advise``: the split
+        that meets the SLO classes with the fewest workers (else the highest goodput) is said
+        in ``tandem status``, a metric and a log line with its predicted goodput; ``act``:
+        the cluster is resized to it as ``tandem scale`` would. Every decision is kept with its
+        prediction and, a window later, the goodput measured after it. Disaggregated pools
+        only (no colocated workers).""")
+    interval_s: float = key(30.0, checks.number(1.0, 30.0), """
+        Seconds between two looks, 1..30.""")
+    window_s: float = key(60.0, checks.number(5.0, 90.0), """
+        The goodput window each look reads, 5..90 s (the registry keeps 1-second counts for
+        130 s); also how long after a decision its measured goodput is taken.""")
+    prefill_min: int = key(1, checks.integer(1), """
+        Fewest prefill workers, at least 1.""")
+    prefill_max: int | None = key(None, checks.integer(1, null=True), """
+        Most prefill workers. Null: ``max_workers`` less ``decode_min``.""")
+    decode_min: int = key(1, checks.integer(1), """
+        Fewest decode workers, at least 1.""")
+    decode_max: int | None = key(None, checks.integer(1, null=True), """
+        Most decode workers. Null: ``max_workers`` less ``prefill_min``.""")
+    max_workers: int | None = key(None, checks.integer(2, null=True), """
+        Most workers in all. Null: as many as the topology starts with.""")
+    min_gain: float = key(0.1, checks.number(0.0), """
+        A different split is taken only when it is predicted to serve at least this much more
+        goodput than the current one (0.1: 10%), or to meet the objectives with fewer workers.""")
+    confirmations: int = key(2, checks.integer(1), """
+        ... and only when that many looks in a row proposed it (no flapping on one window).""")
+    cooldown_s: float = key(120.0, checks.number(0.0), """
+        Least seconds between two resizes (the window after one measures what it did).""")
+
+
 POOLS_DOC = """
     The worker pools, with the same keys and defaults. Prefill workers compute prompts' KV
     and stream it to decode workers, which generate; colocated workers prefill and decode
@@ -341,6 +383,7 @@ class ClusterSpec:
     server: ServerSpec = section(ServerSpec)
     observability: ObservabilitySpec = section(ObservabilitySpec)
     ray: RaySpec = section(RaySpec)
+    planner: PlannerSpec = section(PlannerSpec)
 
     def pool(self, role: str) -> PoolSpec:
         if role not in ROLES:

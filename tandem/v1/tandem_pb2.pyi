@@ -454,7 +454,7 @@ class GoodputView(_message.Message):
     def __init__(self, cluster: _Optional[_Union[SloWindow, _Mapping]] = ..., classes: _Optional[_Mapping[str, SloWindow]] = ..., workers: _Optional[_Mapping[str, SloWindow]] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("cluster", "model", "workers", "routers", "last_minute", "last_hour", "serving", "health", "worker_events")
+    __slots__ = ("cluster", "model", "workers", "routers", "last_minute", "last_hour", "serving", "health", "worker_events", "planner")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -464,6 +464,7 @@ class ClusterStatus(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     WORKER_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -473,4 +474,51 @@ class ClusterStatus(_message.Message):
     serving: bool
     health: str
     worker_events: _containers.RepeatedCompositeFieldContainer[WorkerEvent]
-    def __init__(self, cluster: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., last_minute: _Optional[_Union[GoodputView, _Mapping]] = ..., last_hour: _Optional[_Union[GoodputView, _Mapping]] = ..., serving: _Optional[bool] = ..., health: _Optional[str] = ..., worker_events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ...) -> None: ...
+    planner: PlannerStatus
+    def __init__(self, cluster: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., last_minute: _Optional[_Union[GoodputView, _Mapping]] = ..., last_hour: _Optional[_Union[GoodputView, _Mapping]] = ..., serving: _Optional[bool] = ..., health: _Optional[str] = ..., worker_events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ..., planner: _Optional[_Union[PlannerStatus, _Mapping]] = ...) -> None: ...
+
+class PlannerStatus(_message.Message):
+    __slots__ = ("mode", "latest_at", "observed", "proposal", "waiting", "decisions")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LATEST_AT_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    latest_at: float
+    observed: str
+    proposal: str
+    waiting: str
+    decisions: _containers.RepeatedCompositeFieldContainer[PlannerDecision]
+    def __init__(self, mode: _Optional[str] = ..., latest_at: _Optional[float] = ..., observed: _Optional[str] = ..., proposal: _Optional[str] = ..., waiting: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlannerDecision, _Mapping]]] = ...) -> None: ...
+
+class PlannerDecision(_message.Message):
+    __slots__ = ("number", "at", "mode", "current", "proposed", "acted", "predicted_goodput_rps", "predicted_attainment", "observed", "detail", "measured_goodput_rps", "measured_attainment", "measured_at")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    ACTED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_GOODPUT_RPS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_GOODPUT_RPS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    at: float
+    mode: str
+    current: str
+    proposed: str
+    acted: bool
+    predicted_goodput_rps: float
+    predicted_attainment: float
+    observed: str
+    detail: str
+    measured_goodput_rps: float
+    measured_attainment: float
+    measured_at: float
+    def __init__(self, number: _Optional[int] = ..., at: _Optional[float] = ..., mode: _Optional[str] = ..., current: _Optional[str] = ..., proposed: _Optional[str] = ..., acted: _Optional[bool] = ..., predicted_goodput_rps: _Optional[float] = ..., predicted_attainment: _Optional[float] = ..., observed: _Optional[str] = ..., detail: _Optional[str] = ..., measured_goodput_rps: _Optional[float] = ..., measured_attainment: _Optional[float] = ..., measured_at: _Optional[float] = ...) -> None: ...

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.registry.goodput import GoodputReader, GoodputRecorder, GoodputWindow, RequestRecord
@@ -63,7 +65,8 @@ def test_cluster_worker_and_class_counts(redis_client):
     assert cluster == GoodputWindow(
         window_s=60, requests=5, met=2, ttft_met=3, tpot_met=4, failed=1,
         mean_ttft_s=pytest.approx(0.25), mean_tpot_s=pytest.approx(0.04),
-        goodput_rps=pytest.approx(2 / 29), attainment=0.4)  # first record at T0 + 1: a 29 s span
+        goodput_rps=pytest.approx(2 / 29), attainment=0.4,  # first record at T0 + 1: a 29 s span
+        rate_rps=pytest.approx(5 / 29))  # the hand-made records carry no token counts: no means
     expected = {  # (requests, met, ttft_met, tpot_met, failed, mean_ttft_s, mean_tpot_s)
         ("worker", "p0"): (3, 1, 2, 2, 1, 0.3, 0.05),
         ("worker", "d0"): (2, 1, 1, 2, 0, 0.2, 0.02),
@@ -171,11 +174,13 @@ def test_summary(redis_client):
     assert minute["cluster"] == {
         "window_s": 60, "requests": 5, "met": 2, "ttft_met": 3, "tpot_met": 4, "failed": 1,
         "mean_ttft_s": pytest.approx(0.25), "mean_tpot_s": pytest.approx(0.04),
-        "goodput_rps": pytest.approx(2 / 60), "attainment": 0.4}  # first record 90 s ago: a full window
+        "goodput_rps": pytest.approx(2 / 60), "attainment": 0.4,  # first record 90 s ago: a full window
+        "mean_prompt_tokens": None, "mean_output_tokens": None, "rate_rps": pytest.approx(5 / 60)}
     assert hour["cluster"] == {
         "window_s": 3600, "requests": 6, "met": 3, "ttft_met": 4, "tpot_met": 5, "failed": 1,
         "mean_ttft_s": pytest.approx(3.0 / 5), "mean_tpot_s": pytest.approx(0.04),
-        "goodput_rps": pytest.approx(3 / 90), "attainment": 0.5}
+        "goodput_rps": pytest.approx(3 / 90), "attainment": 0.5,
+        "mean_prompt_tokens": None, "mean_output_tokens": None, "rate_rps": pytest.approx(6 / 90)}
     assert hour["workers"]["old-w"] == GoodputReader(redis_client, "c").window(3600, worker="old-w", now=NOW).to_dict()
     assert hour["workers"]["old-w"]["requests"] == 1 and hour["workers"]["old-w"]["mean_tpot_s"] is None
     assert minute["classes"]["batch"] == GoodputReader(redis_client, "c").window(60, slo_class="batch", now=NOW).to_dict()
@@ -186,3 +191,15 @@ def test_summary_of_an_empty_cluster(redis_client):
     for name, window_s in GoodputReader.WINDOWS.items():
         assert summary[name]["workers"] == summary[name]["classes"] == {}
         assert summary[name]["cluster"] == GoodputWindow(window_s, 0, 0, 0, 0, 0, None, None, 0.0, 0.0).to_dict()
+
+
+def test_the_workload_s_shape_and_offered_rate(redis_client):
+    """Placed requests carry their prompt and output tokens; a refusal (no tokens known) counts
+    in the offered rate but not in the means: (100 + 300) / 2 prompt, (20 + 60) / 2 output."""
+    records = [replace(req("a", at=T0 + 1), prompt_tokens=100, output_tokens=20),
+               replace(req("b", at=T0 + 2), prompt_tokens=300, output_tokens=60),
+               req("refused", decode=None, prefill=None, ttft=None, tpot=None, failed=True, at=T0 + 3)]
+    record_all(redis_client, "shape", records)
+    w = GoodputReader(redis_client, "shape").window(60, now=NOW)
+    assert (w.mean_prompt_tokens, w.mean_output_tokens) == (200, 40)
+    assert w.rate_rps == pytest.approx(3 / 29)

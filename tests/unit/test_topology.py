@@ -698,7 +698,7 @@ def test_error_text_is_one_line_per_issue():
     assert isinstance(info.value, ValueError)
     assert str(info.value).splitlines() == [
         "site.yaml:2: prefill.tp: must be an integer >= 1; got 0",
-        "site.yaml:3: bogus: unknown key; known: cluster, colocated, decode, kv, model, observability, prefill, ray, "
+        "site.yaml:3: bogus: unknown key; known: cluster, colocated, decode, kv, model, observability, planner, prefill, ray, "
         "registry, "
         "router, server",
     ]

@@ -1,0 +1,123 @@
+"""The live planner: every ``planner.interval_s`` a look at the last window's traffic, a
+proposal of the split it needs (``propose.py``), and, past the hysteresis, a decision:
+said (``advise``) or carried out by resizing the pools (``act``). Each decision is kept with
+its prediction (``journal.py``) and measured a window after it. It runs on a thread of the
+process that deployed the cluster, beside the supervisor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from cluster.plan.live.hysteresis import Hysteresis
+from cluster.plan.live.journal import Journal, PlannerDecision
+from cluster.plan.live.observe import Observation, measured_profile, observe
+from cluster.plan.live.propose import Bounds, Proposal, Split, propose
+from cluster.plan.simulator import SimConfig
+from cluster.registry.goodput import GoodputReader
+
+log = logging.getLogger(__name__)
+
+
+class LivePlanner:
+    """``split_now()``: the pools' sizes now. ``resize(split)``: makes them so (act), returning
+    a line saying what it did; raises when it could not."""
+
+    def __init__(self, spec, client, cluster: str, split_now: Callable[[], Split],
+                 workers_now: Callable[[], list[str]], vocab_size: int, max_model_len: int,
+                 resize: Callable[[Split], str] | None = None, clock: Callable[[], float] = time.time):
+        self.spec, self.planner = spec, spec.planner
+        self.client, self.cluster = client, cluster
+        self.split_now, self.workers_now, self.resize = split_now, workers_now, resize
+        self.vocab_size, self.max_model_len, self.clock = vocab_size, max_model_len, clock
+        self.bounds = Bounds.of(self.planner, split_now().workers)
+        self.hysteresis = Hysteresis(self.planner.min_gain, self.planner.confirmations, self.planner.cooldown_s)
+        self.journal = Journal(client, cluster)
+        self.reader = GoodputReader(client, cluster)
+        self._numbers = iter(range(len(self.journal.decisions()) + 1, 1 << 62))
+        self._unmeasured: list[PlannerDecision] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-planner", daemon=True)
+
+    def start(self) -> "LivePlanner":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.planner.interval_s):
+            try:
+                self.look()
+            except Exception as exc:  # noqa: BLE001 - one bad look (registry down, no fit yet) is said, not fatal
+                log.warning("[planner] look failed: %s", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+
+    # -- one look ----------------------------------------------------------------------------
+
+    def look(self) -> PlannerDecision | None:
+        """Measures the decisions whose window has passed, then proposes and maybe decides."""
+        now = self.clock()
+        self._measure_due(now)
+        observation = observe(self.reader, self.planner.window_s, now)
+        current = self.split_now()
+        latest = {"at": now, "mode": self.planner.mode, "current": current.label(), "observed": observation.describe()}
+        if not observation.has_traffic:
+            self.journal.set_latest({**latest, "proposal": "nothing to size for"})
+            return None
+        proposal = self.proposal(observation, current)
+        why_not = self.hysteresis.offer(proposal, now)
+        latest.update(proposal=proposal.describe(), waiting=why_not or "",
+                      predictions={s.label(): round(p.goodput_rps, 3) for s, p in sorted(proposal.predictions.items())})
+        self.journal.set_latest(latest)
+        if why_not is not None:
+            return None
+        decision = self._decide(proposal, observation)
+        self.hysteresis.acted(decision.at)
+        return decision
+
+    def proposal(self, observation: Observation, current: Split) -> Proposal:
+        workers = self.workers_now()
+        tps = {w: self.spec.pool(w.rsplit("-", 1)[0]).tp for w in workers if w.rsplit("-", 1)[0] in ("prefill", "decode")}
+        profile = measured_profile(self.client, self.cluster, workers, tps, self.max_model_len)
+        config = SimConfig(router=self.spec.router, duration_s=self.planner.window_s)
+        objectives = {c.name: _objectives(c) for c in self.spec.router.slo_classes}
+        return propose(observation, current, self.bounds, profile.spec, config, objectives, self.vocab_size)
+
+    def _decide(self, proposal: Proposal, observation: Observation) -> PlannerDecision:
+        acted, detail, after = False, "", proposal.current
+        if self.planner.mode == "act":
+            if self.resize is None:
+                detail = "this deployment cannot resize itself"
+            else:
+                try:
+                    detail, acted, after = self.resize(proposal.best), True, proposal.best
+                except Exception as exc:  # noqa: BLE001 - a failed resize is a decision that did not happen
+                    detail = f"resize failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"
+        predicted = proposal.predictions[after]
+        decision = PlannerDecision(next(self._numbers), self.clock(), self.planner.mode, proposal.current.label(),
+                                   proposal.best.label(), acted, predicted.goodput_rps, predicted.attainment,
+                                   observation.describe(), detail)
+        self.journal.add(decision)
+        self._unmeasured.append(decision)
+        log.warning("[planner] %s", decision.line())
+        return decision
+
+    def _measure_due(self, now: float) -> None:
+        window = self.planner.window_s
+        for decision in [d for d in self._unmeasured if now >= d.at + window]:
+            w = self.reader.window(window, now=decision.at + window)
+            done = self.journal.measured(decision, w.goodput_rps, w.attainment, now)
+            self._unmeasured.remove(decision)
+            log.warning("[planner] measured: %s", done.line())
+
+
+def _objectives(slo_class):
+    from cluster.bench.metrics import Objectives
+
+    return Objectives(slo_class.ttft_s, slo_class.tpot_s)

@@ -1,0 +1,106 @@
+"""Which prefill:decode split the traffic just seen needs: each split within the planner's
+bounds simulated with the cluster's own router and engine scheduler (``cluster/plan/simulator.py``)
+at the observed rate and lengths, and the one that meets the SLO classes with the fewest
+workers chosen (the highest goodput where none meets them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cluster.bench.arrivals import Arrivals
+from cluster.bench.metrics import ATTAINMENT_GOAL, Objectives
+from cluster.bench.workloads import Length, synthetic
+from cluster.plan.search import evaluate
+from cluster.plan.simulator import Pools, SimConfig, WorkerSpec
+from cluster.plan.live.observe import Observation
+
+LENGTH_SPREAD = 0.25  # prompt and output lengths drawn normal around the observed means, this relative spread
+SIMULATED_REQUESTS = (40, 400)  # the least and most requests one simulation sends
+
+
+@dataclass(frozen=True, order=True)
+class Split:
+    prefill: int
+    decode: int
+
+    @property
+    def workers(self) -> int:
+        return self.prefill + self.decode
+
+    def label(self) -> str:
+        return f"{self.prefill}P+{self.decode}D"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    prefill_min: int
+    prefill_max: int
+    decode_min: int
+    decode_max: int
+    max_workers: int
+
+    def splits(self) -> list[Split]:
+        return [Split(p, d) for p in range(self.prefill_min, self.prefill_max + 1)
+                for d in range(self.decode_min, self.decode_max + 1) if p + d <= self.max_workers]
+
+    @classmethod
+    def of(cls, spec, workers_now: int) -> "Bounds":
+        """The topology's ``planner`` bounds, nulls filled from the workers it starts with."""
+        most = spec.max_workers or workers_now
+        return cls(spec.prefill_min, spec.prefill_max or most - spec.decode_min, spec.decode_min,
+                   spec.decode_max or most - spec.prefill_min, most)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    goodput_rps: float
+    attainment: float
+
+
+@dataclass(frozen=True)
+class Proposal:
+    current: Split
+    best: Split
+    predictions: dict[Split, Prediction] = field(compare=False)
+
+    @property
+    def gain(self) -> float:
+        """Predicted goodput of the best split over the current one's, less 1."""
+        now, best = self.predictions[self.current].goodput_rps, self.predictions[self.best].goodput_rps
+        return best / now - 1.0 if now > 0 else (float("inf") if best > 0 else 0.0)
+
+    def describe(self) -> str:
+        b, c = self.predictions[self.best], self.predictions[self.current]
+        if self.best == self.current:
+            return (f"keep {self.current.label()}: predicted goodput {c.goodput_rps:.2f} req/s, "
+                    f"attainment {c.attainment:.0%}")
+        return (f"{self.current.label()} -> {self.best.label()}: predicted goodput {b.goodput_rps:.2f} req/s "
+                f"(attainment {b.attainment:.0%}) against {c.goodput_rps:.2f} ({c.attainment:.0%}) now")
+
+
+def chosen(predictions: dict[Split, Prediction], goal: float = ATTAINMENT_GOAL) -> Split:
+    """The split meeting the attainment goal with the fewest workers (then the highest
+    goodput); where none meets it, the highest goodput (then the fewest workers)."""
+    meeting = [s for s, p in predictions.items() if p.attainment >= goal]
+    if meeting:
+        return min(meeting, key=lambda s: (s.workers, -predictions[s].goodput_rps, s))
+    return min(predictions, key=lambda s: (-predictions[s].goodput_rps, s.workers, s))
+
+
+def propose(observation: Observation, current: Split, bounds: Bounds,
+            spec_for: Callable[[str], WorkerSpec], config: SimConfig, class_objectives: dict[str, Objectives],
+            vocab_size: int, seed: int = 0) -> Proposal:
+    """Every split within ``bounds`` (and the current one) simulated under the observed traffic."""
+    duration = config.duration_s or observation.window_s
+    count = min(max(round(observation.rate_rps * duration), SIMULATED_REQUESTS[0]), SIMULATED_REQUESTS[1])
+    prompt, output = observation.mean_prompt_tokens, observation.mean_output_tokens
+    workload = synthetic(count, Length("normal", prompt, LENGTH_SPREAD * prompt),
+                         Length("normal", output, LENGTH_SPREAD * output), vocab_size, seed)
+    arrivals = Arrivals("poisson", rate=observation.rate_rps, seed=seed)
+    predictions = {}
+    for split in sorted({current, *bounds.splits()}):
+        pools = Pools(prefill=(split.prefill, spec_for("prefill")), decode=(split.decode, spec_for("decode")))
+        e = evaluate(pools, workload, arrivals, None, config, class_objectives)
+        predictions[split] = Prediction(e.goodput_rps, e.attainment)
+    return Proposal(current, chosen(predictions), predictions)
