@@ -81,7 +81,7 @@ def test_it_acts_on_a_confirmed_proposal_and_measures_it_a_window_later(redis_cl
     assert latest["current"] == "1P+1D" and set(latest["predictions"]) == {"1P+1D", "1P+2D", "2P+1D"}
     assert decision.predicted_goodput_rps == pytest.approx(latest["predictions"]["2P+1D"], abs=1e-3)  # rounded there
     # the window after it: 2 req/s met (60 in 30 s), then the look that measures it
-    record_traffic(redis_client, decision.at, 30, 2, prompt=1024, output=16)
+    record_traffic(redis_client, int(decision.at) + 1, 30, 2, prompt=1024, output=16)  # the window's 30 whole seconds
     publish_workers(redis_client, cluster)
     now[0] = decision.at + 30.5
     live.look()
