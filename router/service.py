@@ -40,6 +40,7 @@ from dataclasses import replace
 import redis
 
 from cluster.observability.metrics import RouterMetrics, SloMetrics
+from cluster.registry.planner_decisions import Journal
 from cluster.registry.goodput import GoodputReader, GoodputRecorder, RequestRecord
 from cluster.registry.keys import Keys
 from cluster.registry.reporter import connect
@@ -161,7 +162,15 @@ class RouterService:
             self.slo_metrics.queue_length(len(self.router.waiting), len(self.router.inflight))
             await loop.run_in_executor(None, self._publish_status, self.status())
             self.slo_metrics.slo(await loop.run_in_executor(None, self.goodput))
+            self.slo_metrics.planner(await loop.run_in_executor(None, self._planner_look))
             await asyncio.sleep(GAUGES_EVERY_S)
+
+    def _planner_look(self) -> dict | None:
+        """(On a thread.) The live planner's latest look, for the gauges; None when it is off."""
+        try:
+            return Journal(self.client, self.cluster).latest()
+        except redis.RedisError:
+            return None
 
     def _publish_status(self, status: dict) -> None:
         """(On a thread.) Publishes this router's status for ``tandem status``."""

@@ -151,7 +151,7 @@ def _planner(raw: dict) -> dict | None:
 
 def planner_lines(status: dict) -> list[str]:
     """The live planner's latest look and its decisions, oldest first."""
-    from cluster.plan.live.journal import PlannerDecision
+    from cluster.registry.planner_decisions import PlannerDecision
 
     planner = status.get("planner")
     if not planner:

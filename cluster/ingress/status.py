@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import redis
 
-from cluster.plan.live.journal import Journal
+from cluster.registry.planner_decisions import Journal
 from cluster.registry.worker_events import WorkerEvent, read_events
 from tandem.v1 import tandem_pb2
 

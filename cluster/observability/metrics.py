@@ -84,10 +84,26 @@ class SloMetrics:
                                         tag_keys=class_keys)
         self.requests = metrics.Gauge("tandem_slo_requests", "requests finished in the last minute",
                                       tag_keys=class_keys)
+        self.planner_workers = metrics.Gauge("tandem_planner_workers", "the live planner's latest look: workers per "
+                                             "role now (split=current) and as it proposes (split=proposed)",
+                                             tag_keys=("cluster", "router", "split", "role"))
+        self.planner_goodput = metrics.Gauge("tandem_planner_predicted_goodput_rps", "the live planner's latest look: "
+                                             "predicted goodput of each split it simulated",
+                                             tag_keys=("cluster", "router", "split"))
 
     def queue_length(self, waiting: int, in_flight: int) -> None:
         self.queue.set(waiting, self.tags)
         self.in_flight.set(in_flight, self.tags)
+
+    def planner(self, latest: dict | None) -> None:
+        """The live planner's latest look (``cluster/plan/live/``); None (off, or no look yet) sets nothing."""
+        if not latest or "workers" not in latest:
+            return
+        for split, roles in latest["workers"].items():
+            for role, count in roles.items():
+                self.planner_workers.set(count, {**self.tags, "split": split, "role": role})
+        for split, goodput in latest.get("predictions", {}).items():
+            self.planner_goodput.set(goodput, {**self.tags, "split": split})
 
     def slo(self, summary: dict | None) -> None:
         """Sets every class's gauges from a registry summary; None (the registry unreachable)

@@ -13,7 +13,7 @@ one Redis never see each other's data.
     tandem:<c>:worker_events              LIST  JSON workers lost and started again, newest first, capped
                                                 (cluster/registry/worker_events.py)
     tandem:<c>:planner:decisions          HASH  decision number -> JSON, the live planner's latest decisions
-    tandem:<c>:planner:latest             STR   JSON, its latest look (cluster/plan/live/journal.py)
+    tandem:<c>:planner:latest             STR   JSON, its latest look (cluster/registry/planner_decisions.py)
 """
 
 from __future__ import annotations

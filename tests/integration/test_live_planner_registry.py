@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.plan.live.controller import LivePlanner
-from cluster.plan.live.journal import Journal
+from cluster.registry.planner_decisions import Journal
 from cluster.plan.live.propose import Split
 from cluster.registry.goodput import GoodputRecorder, RequestRecord
 from cluster.registry.load import StepSample, WorkerLoad, publish_load

@@ -1,7 +1,7 @@
 """The live planner: every ``planner.interval_s`` a look at the last window's traffic, a
 proposal of the split it needs (``propose.py``), and, past the hysteresis, a decision:
 said (``advise``) or carried out by resizing the pools (``act``). Each decision is kept with
-its prediction (``journal.py``) and measured a window after it. It runs on a thread of the
+its prediction (``cluster/registry/planner_decisions.py``) and measured a window after it. It runs on a thread of the
 process that deployed the cluster, beside the supervisor.
 """
 
@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from cluster.plan.live.hysteresis import Hysteresis
-from cluster.plan.live.journal import Journal, PlannerDecision
+from cluster.registry.planner_decisions import Journal, PlannerDecision
 from cluster.plan.live.observe import Observation, measured_profile, observe
 from cluster.plan.live.propose import Bounds, Proposal, Split, propose
 from cluster.plan.simulator import SimConfig
@@ -73,6 +73,8 @@ class LivePlanner:
         proposal = self.proposal(observation, current)
         why_not = self.hysteresis.offer(proposal, now)
         latest.update(proposal=proposal.describe(), waiting=why_not or "",
+                      workers={"current": {"prefill": current.prefill, "decode": current.decode},
+                               "proposed": {"prefill": proposal.best.prefill, "decode": proposal.best.decode}},
                       predictions={s.label(): round(p.goodput_rps, 3) for s, p in sorted(proposal.predictions.items())})
         self.journal.set_latest(latest)
         if why_not is not None:
