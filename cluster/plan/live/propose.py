@@ -39,10 +39,11 @@ class Bounds:
     decode_min: int
     decode_max: int
     max_workers: int
+    min_workers: int = 0  # a search that only moves workers between the roles: as many as max_workers
 
     def splits(self) -> list[Split]:
         return [Split(p, d) for p in range(self.prefill_min, self.prefill_max + 1)
-                for d in range(self.decode_min, self.decode_max + 1) if p + d <= self.max_workers]
+                for d in range(self.decode_min, self.decode_max + 1) if self.min_workers <= p + d <= self.max_workers]
 
     @classmethod
     def of(cls, spec, workers_now: int) -> "Bounds":
@@ -54,6 +55,10 @@ class Bounds:
 
 @dataclass(frozen=True)
 class Prediction:
+    """A split's simulated attainment, and the goodput it gives at the observed rate: the rate
+    times the attainment, what the registry then measures over a window of steady traffic (a
+    simulation's own met-over-span also counts its ramp and its tail)."""
+
     goodput_rps: float
     attainment: float
 
@@ -102,5 +107,5 @@ def propose(observation: Observation, current: Split, bounds: Bounds,
     for split in sorted({current, *bounds.splits()}):
         pools = Pools(prefill=(split.prefill, spec_for("prefill")), decode=(split.decode, spec_for("decode")))
         e = evaluate(pools, workload, arrivals, None, config, class_objectives)
-        predictions[split] = Prediction(e.goodput_rps, e.attainment)
+        predictions[split] = Prediction(observation.rate_rps * e.attainment, e.attainment)
     return Proposal(current, chosen(predictions), predictions)
