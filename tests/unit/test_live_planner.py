@@ -38,6 +38,8 @@ def test_the_split_that_meets_the_objectives_with_fewest_workers_is_chosen():
     meets, misses = Prediction(2.0, 0.95), Prediction(3.0, 0.80)
     assert chosen({P1D1: meets, P1D2: Prediction(2.5, 0.99), P2D1: misses}) == P1D1  # fewest that meet
     assert chosen({P1D1: Prediction(1.0, 0.5), P1D2: misses, P2D1: Prediction(2.0, 0.7)}) == P1D2  # none meet: goodput
+    tie = {P1D2: Prediction(3.0, 1.0), P2D1: Prediction(3.0, 1.0)}
+    assert (chosen(tie), chosen(tie, current=P2D1), chosen(tie, current=P1D2)) == (P1D2, P2D1, P1D2)  # the current stays
 
 
 @pytest.mark.parametrize("rate, prompt, output, best", [

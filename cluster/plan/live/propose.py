@@ -84,21 +84,25 @@ class Proposal:
                 f"(attainment {b.attainment:.0%}) against {c.goodput_rps:.2f} ({c.attainment:.0%}) now")
 
 
-def chosen(predictions: dict[Split, Prediction], goal: float = ATTAINMENT_GOAL) -> Split:
+def chosen(predictions: dict[Split, Prediction], current: Split | None = None, goal: float = ATTAINMENT_GOAL) -> Split:
     """The split meeting the attainment goal with the fewest workers (then the highest
-    goodput); where none meets it, the highest goodput (then the fewest workers)."""
+    goodput); where none meets it, the highest goodput (then the fewest workers). On a tie
+    the ``current`` split stays: moving a worker costs a drain for nothing."""
+    def stays(s: Split) -> bool:
+        return s != current
+
     meeting = [s for s, p in predictions.items() if p.attainment >= goal]
     if meeting:
-        return min(meeting, key=lambda s: (s.workers, -predictions[s].goodput_rps, s))
-    return min(predictions, key=lambda s: (-predictions[s].goodput_rps, s.workers, s))
+        return min(meeting, key=lambda s: (s.workers, -predictions[s].goodput_rps, stays(s), s))
+    return min(predictions, key=lambda s: (-predictions[s].goodput_rps, s.workers, stays(s), s))
 
 
 def propose(observation: Observation, current: Split, bounds: Bounds,
             spec_for: Callable[[str], WorkerSpec], config: SimConfig, class_objectives: dict[str, Objectives],
-            vocab_size: int, seed: int = 0) -> Proposal:
+            vocab_size: int, seed: int = 0, max_requests: int = SIMULATED_REQUESTS[1]) -> Proposal:
     """Every split within ``bounds`` (and the current one) simulated under the observed traffic."""
     duration = config.duration_s or observation.window_s
-    count = min(max(round(observation.rate_rps * duration), SIMULATED_REQUESTS[0]), SIMULATED_REQUESTS[1])
+    count = min(max(round(observation.rate_rps * duration), SIMULATED_REQUESTS[0]), max_requests)
     prompt, output = observation.mean_prompt_tokens, observation.mean_output_tokens
     workload = synthetic(count, Length("normal", prompt, LENGTH_SPREAD * prompt),
                          Length("normal", output, LENGTH_SPREAD * output), vocab_size, seed)
@@ -108,4 +112,4 @@ def propose(observation: Observation, current: Split, bounds: Bounds,
         pools = Pools(prefill=(split.prefill, spec_for("prefill")), decode=(split.decode, spec_for("decode")))
         e = evaluate(pools, workload, arrivals, None, config, class_objectives)
         predictions[split] = Prediction(observation.rate_rps * e.attainment, e.attainment)
-    return Proposal(current, chosen(predictions), predictions)
+    return Proposal(current, chosen(predictions, current), predictions)

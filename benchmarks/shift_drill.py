@@ -1,0 +1,209 @@
+"""A shift drill: traffic that changes its prompt and output lengths half way (short prompts
+with long answers, then long prompts with short answers), with the live planner off and in
+``act``, side by side in one run: goodput and attainment per phase, the decisions taken, and
+each decision's predicted goodput against the goodput measured in the window after it.
+
+``--scale sim`` (default): in the planner's simulator at a 16-GPU scale (H100s, the
+Llama-3-70B shape from the roofline, 4 workers of TP 4 whose split the planner may change).
+Traffic is simulated window by window (``--window-s``); each window runs on the split in
+force at its start, from empty queues and caches (the simulator cannot change a running
+cluster's pools), so a split's first window after a change is slightly optimistic for both
+runs alike. After each window the planner of the ``act`` run looks (the same code as a live
+cluster's: ``cluster/plan/live/``, its proposal simulated on other seeds than the windows).
+
+Goals (issue #26): with ``act``, goodput in the second phase >= 1.3x the fixed split's, and
+each decision's predicted goodput within 20% of what was measured after it.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/shift_drill.py            # about 10 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+from common import machine_rows, print_table
+
+from cluster.bench.arrivals import Arrivals
+from cluster.bench.metrics import Objectives
+from cluster.bench.workloads import Length, synthetic
+from cluster.plan.live.hysteresis import Hysteresis
+from cluster.plan.live.observe import Observation
+from cluster.plan.live.propose import LENGTH_SPREAD, Bounds, Split, propose
+from cluster.plan.roofline import hardware, model_shape, worker_spec
+from cluster.plan.search import evaluate
+from cluster.plan.simulator import Pools, SimConfig
+from router.config import RouterConfig
+
+VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    rate: float
+    prompt: int
+    output: int
+
+
+@dataclass
+class Window:
+    phase: str
+    index: int
+    split: Split
+    requests: int
+    met: int
+    goodput_rps: float
+    attainment: float
+
+
+@dataclass
+class Decision:
+    at_window: int
+    current: Split
+    proposed: Split
+    predicted_goodput_rps: float
+    predicted_attainment: float
+    measured_goodput_rps: float | None = None
+
+    @property
+    def error(self) -> float | None:
+        if not self.measured_goodput_rps:
+            return None
+        return (self.predicted_goodput_rps - self.measured_goodput_rps) / self.measured_goodput_rps
+
+
+def log(message: str) -> None:
+    print(f"[shift] {message}", file=sys.stderr, flush=True)
+
+
+def traffic(phase: Phase, window_s: float, seed: int):
+    count = max(1, round(phase.rate * window_s))
+    workload = synthetic(count, Length("normal", phase.prompt, LENGTH_SPREAD * phase.prompt),
+                         Length("normal", phase.output, LENGTH_SPREAD * phase.output), VOCAB, seed)
+    return workload, Arrivals("poisson", rate=phase.rate, seed=seed)
+
+
+def run(label: str, phases: list[Phase], start: Split, act: bool, spec, args, objectives, config) -> tuple[list[Window], list[Decision]]:
+    split, windows, decisions = start, [], []
+    hysteresis = Hysteresis(min_gain=args.min_gain, confirmations=args.confirmations, cooldown_s=args.cooldown_s)
+    bounds = Bounds(1, args.workers - 1, 1, args.workers - 1, args.workers, min_workers=args.workers)
+    index = 0
+    for phase in phases:
+        for _ in range(args.windows):
+            workload, arrivals = traffic(phase, args.window_s, seed=1000 + index)
+            pools = Pools(prefill=(split.prefill, spec), decode=(split.decode, spec))
+            e = evaluate(pools, workload, arrivals, None, config, objectives)
+            met = e.summary["goodput"]["met"]
+            window = Window(phase.name, index, split, e.summary["goodput"]["requests"], met, met / args.window_s,
+                            e.attainment)
+            windows.append(window)
+            if decisions and decisions[-1].at_window == index - 1 and decisions[-1].measured_goodput_rps is None:
+                decisions[-1].measured_goodput_rps = window.goodput_rps
+            log(f"{label}: window {index} ({phase.name}) on {split.label()}: goodput {window.goodput_rps:.1f} req/s, "
+                f"attainment {window.attainment:.0%}")
+            index += 1
+            if not act:
+                continue
+            observed = Observation(index * args.window_s, args.window_s, window.requests, phase.rate,
+                                   window.goodput_rps, window.attainment, phase.prompt, phase.output)
+            started = time.perf_counter()
+            proposal = propose(observed, split, bounds, lambda role: spec, config, objectives, VOCAB, seed=index,
+                               max_requests=args.max_requests)
+            why_not = hysteresis.offer(proposal, index * args.window_s)
+            log(f"{label}: look after window {index - 1} ({time.perf_counter() - started:.0f} s): "
+                f"{proposal.describe()}" + (f" ({why_not})" if why_not else " -> resize"))
+            if why_not is None:
+                predicted = proposal.predictions[proposal.best]
+                decisions.append(Decision(index - 1, split, proposal.best, predicted.goodput_rps, predicted.attainment))
+                hysteresis.acted(index * args.window_s)
+                split = proposal.best
+    return windows, decisions
+
+
+def phase_figures(windows: list[Window], phase: str) -> tuple[float, float]:
+    mine = [w for w in windows if w.phase == phase]
+    requests, met = sum(w.requests for w in mine), sum(w.met for w in mine)
+    return met / (len(mine) * WINDOW_S), met / requests if requests else 0.0
+
+
+WINDOW_S = 30.0
+
+
+def main() -> int:
+    global WINDOW_S
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", choices=("sim",), default="sim")
+    parser.add_argument("--gpus", type=int, default=16, help="GPUs the split is made of")
+    parser.add_argument("--tp", type=int, default=4, help="TP degree of every worker")
+    parser.add_argument("--hardware", default="h100")
+    parser.add_argument("--model-shape", default="llama-3-70b")
+    parser.add_argument("--phase1", default="64,256,60", help="prompt,output,rate of the first phase")
+    parser.add_argument("--phase2", default="1024,16,30", help="prompt,output,rate of the second phase")
+    parser.add_argument("--windows", type=int, default=4, help="windows per phase")
+    parser.add_argument("--window-s", type=float, default=20.0)
+    parser.add_argument("--max-requests", type=int, default=1200, help="most requests of one proposal's simulation")
+    parser.add_argument("--min-gain", type=float, default=0.1)
+    parser.add_argument("--confirmations", type=int, default=2)
+    parser.add_argument("--cooldown-s", type=float, default=40.0)
+    args = parser.parse_args()
+    WINDOW_S = args.window_s
+    args.workers = args.gpus // args.tp
+    phases = []
+    for name, text in (("phase 1", args.phase1), ("phase 2", args.phase2)):
+        prompt, output, rate = text.split(",")
+        phases.append(Phase(name, float(rate), int(prompt), int(output)))
+    spec = worker_spec(hardware(args.hardware), model_shape(args.model_shape), args.tp)
+    config = SimConfig(router=RouterConfig(), duration_s=args.window_s)
+    objectives = {c.name: Objectives(c.ttft_s, c.tpot_s) for c in RouterConfig().slo_classes}
+    # the fixed split: the planner's choice for the first phase, as an operator sizing for it would take
+    first = phases[0]
+    bounds = Bounds(1, args.workers - 1, 1, args.workers - 1, args.workers, min_workers=args.workers)
+    log(f"sizing the fixed split for {first.name} ({first.prompt} in / {first.output} out at {first.rate:g} req/s)")
+    start = propose(Observation(0, args.window_s, 1, first.rate, 0, 0, first.prompt, first.output),
+                    Split(args.workers // 2, args.workers - args.workers // 2), bounds, lambda role: spec, config,
+                    objectives, VOCAB, seed=7, max_requests=args.max_requests).best
+    log(f"fixed split: {start.label()}")
+    results = {}
+    for label, act in (("off", False), ("act", True)):
+        results[label] = run(label, phases, start, act, spec, args, objectives, config)
+
+    print_table("machine", machine_rows())
+    print(f"\nsimulated: {args.gpus} x {args.hardware}, {args.model_shape}, {args.workers} workers of TP {args.tp} "
+          f"(a split of P+D workers); windows of {args.window_s:g} s, "
+          f"{args.windows} per phase; fixed split {start.label()} (the planner's for phase 1)")
+    rows = []
+    for phase in phases:
+        row = [f"{phase.name}: {phase.prompt} in / {phase.output} out, {phase.rate:g} req/s"]
+        for label in ("off", "act"):
+            goodput, attainment = phase_figures(results[label][0], phase.name)
+            row += [f"{goodput:.1f}", f"{attainment:.0%}"]
+        off, act = phase_figures(results["off"][0], phase.name)[0], phase_figures(results["act"][0], phase.name)[0]
+        row.append(f"{act / off:.2f}x" if off else "-")
+        rows.append(tuple(row))
+    print_table("goodput per phase (req/s) and attainment", rows,
+                ("phase", "off goodput", "off attainment", "act goodput", "act attainment", "act / off"))
+    decisions = results["act"][1]
+    print_table("decisions (act)", [(f"after window {d.at_window}", f"{d.current.label()} -> {d.proposed.label()}",
+                                     f"{d.predicted_goodput_rps:.1f}",
+                                     f"{d.measured_goodput_rps:.1f}" if d.measured_goodput_rps is not None else "-",
+                                     f"{d.error:+.0%}" if d.error is not None else "-") for d in decisions],
+                ("when", "resize", "predicted goodput", "measured after", "error"))
+    print_table("splits per window", [(f"{w.index} ({w.phase})", off.split.label(), w.split.label())
+                                      for w, off in zip(results["act"][0], results["off"][0])],
+                ("window", "off", "act"))
+    off2 = phase_figures(results["off"][0], phases[1].name)[0]
+    act2 = phase_figures(results["act"][0], phases[1].name)[0]
+    ratio = act2 / off2 if off2 else float("inf")
+    within = [d for d in decisions if d.error is not None and abs(d.error) <= 0.2]
+    print(f"\ngoal: act's goodput in phase 2 >= 1.3x the fixed split's: {ratio:.2f}x "
+          f"({'met' if ratio >= 1.3 else 'NOT met'})")
+    print(f"goal: every decision's predicted goodput within 20% of measured: {len(within)} of {len(decisions)} "
+          f"({'met' if decisions and len(within) == len(decisions) else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
