@@ -31,7 +31,7 @@ from cluster.bench.metrics import Objectives
 from cluster.bench.workloads import Length, synthetic
 from cluster.plan.live.hysteresis import Hysteresis
 from cluster.plan.live.observe import Observation
-from cluster.plan.live.propose import LENGTH_SPREAD, Bounds, Split, propose
+from cluster.plan.live.propose import LENGTH_SPREAD, Bounds, Split, chosen, propose
 from cluster.plan.roofline import hardware, model_shape, worker_spec
 from cluster.plan.search import evaluate
 from cluster.plan.simulator import Pools, SimConfig
@@ -140,7 +140,7 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=4, help="TP degree of every worker")
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--model-shape", default="llama-3-70b")
-    parser.add_argument("--phase1", default="64,256,60", help="prompt,output,rate of the first phase")
+    parser.add_argument("--phase1", default="64,256,70", help="prompt,output,rate of the first phase")
     parser.add_argument("--phase2", default="1024,16,30", help="prompt,output,rate of the second phase")
     parser.add_argument("--windows", type=int, default=4, help="windows per phase")
     parser.add_argument("--window-s", type=float, default=20.0)
@@ -162,9 +162,10 @@ def main() -> int:
     first = phases[0]
     bounds = Bounds(1, args.workers - 1, 1, args.workers - 1, args.workers, min_workers=args.workers)
     log(f"sizing the fixed split for {first.name} ({first.prompt} in / {first.output} out at {first.rate:g} req/s)")
-    start = propose(Observation(0, args.window_s, 1, first.rate, 0, 0, first.prompt, first.output),
-                    Split(args.workers // 2, args.workers - args.workers // 2), bounds, lambda role: spec, config,
-                    objectives, VOCAB, seed=7, max_requests=args.max_requests).best
+    sizing = propose(Observation(0, args.window_s, 1, first.rate, 0, 0, first.prompt, first.output),
+                     Split(args.workers // 2, args.workers - args.workers // 2), bounds, lambda role: spec, config,
+                     objectives, VOCAB, seed=7, max_requests=args.max_requests)
+    start = chosen(sizing.predictions)  # no split is in force yet: none is preferred on a tie
     log(f"fixed split: {start.label()}")
     results = {}
     for label, act in (("off", False), ("act", True)):
