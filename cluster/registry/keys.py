@@ -10,8 +10,10 @@ one Redis never see each other's data.
     tandem:<c>:goodput:...                      finished-request counters (cluster/registry/goodput.py)
     tandem:<c>:routers                    HASH  router name -> its JSON status (router/service.py), rewritten
                                                 every few seconds; an entry not rewritten for a while is gone
-    tandem:<c>:worker_events              LIST  JSON workers lost and started again, newest first, capped
-                                                (cluster/registry/worker_events.py)
+    tandem:<c>:worker_events              LIST  JSON workers lost, started again, added, draining and removed,
+                                                newest first, capped (cluster/registry/worker_events.py)
+    tandem:<c>:membership                 STR   JSON workers by role and those draining, versioned
+                                                (cluster/registry/membership.py)
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class Keys:
     @property
     def worker_events(self) -> str:
         return self.prefix + "worker_events"
+
+    @property
+    def membership(self) -> str:
+        return self.prefix + "membership"
 
     @property
     def routers(self) -> str:

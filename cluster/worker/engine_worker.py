@@ -185,6 +185,12 @@ class EngineWorker:
     def free_blocks(self) -> int:
         return self._free_blocks()
 
+    def in_flight(self) -> int:
+        """Requests this worker holds now, from their arrival to their end (what a drain waits for)."""
+        with self._lock:
+            scheduler = self.engine.scheduler
+            return len(scheduler.waiting) + len(scheduler.running) + len(scheduler.receiving)
+
     def _free_blocks(self) -> int:
         with self._lock:
             return self.engine.block_manager.num_free_blocks
