@@ -194,6 +194,12 @@ class Deployment:
         on_cpu = not pool.resources.gpus_per_rank and not self.device.startswith("cuda")
         return group_node(self.placement_groups[name]), pool.tp, on_cpu
 
+    def kv_share_of(self, name: str) -> float:
+        """The share of its node's KV budget of the placed worker ``name``, counting every
+        worker of the pools now (those placed before keep the share they started with)."""
+        names = [n for members in self.members.values() for n in members]
+        return kv_memory_shares([self._rank_place(n) for n in names])[names.index(name)]
+
     def engine_config(self, name: str, kv_memory_share: float) -> EngineConfig:
         """The engine settings of the worker ``name``: its pool's, on its device."""
         pool = self.pool_of(name)

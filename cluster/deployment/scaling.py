@@ -89,17 +89,13 @@ class Scaler:
     def _start(self, name: str) -> None:
         """Places, starts and pairs ``name``, and waits for its first report; undoes it all if
         any step fails."""
-        from cluster.deployment.deployment import kv_memory_shares
-
         d, role = self.deployment, name.rpartition("-")[0]
         pairing = d.supervisor.pairing if d.supervisor is not None else nullcontext()
         try:
             group = d.reserve(name)
             with pairing:
                 d.members[role].append(name)
-                names = [n for members in d.members.values() for n in members]
-                shares = kv_memory_shares([d._rank_place(n) for n in names])
-                d.configs[name] = d.engine_config(name, shares[names.index(name)])
+                d.configs[name] = d.engine_config(name, d.kv_share_of(name))
                 worker = d.launch(name, group)
                 d._await_workers([(name, worker.started.remote())])
                 restarting = d.supervisor.restarting if d.supervisor is not None else set()
