@@ -323,6 +323,20 @@ class Deployment:
             client.close()
         return self.membership
 
+    def _forget_membership(self) -> None:
+        import redis
+
+        from cluster.registry.keys import Keys
+
+        try:
+            client = connect(self.registry_url)
+            try:
+                client.delete(Keys(self.cluster_name).membership)
+            finally:
+                client.close()
+        except redis.RedisError:
+            pass
+
     @property
     def scale(self):
         """Resizing this running deployment: ``scale.add(role)``, ``scale.remove(worker)``,
@@ -381,6 +395,8 @@ class Deployment:
         for group in getattr(self, "placement_groups", {}).values():
             remove_placement_group(group)
         self.placement_groups = {}
+        if getattr(self, "membership", Membership(0)).version and self.local_redis is None:
+            self._forget_membership()  # a registry that outlives the cluster keeps no record of its workers
         if getattr(self, "local_redis", None) is not None:
             self.local_redis.stop()
             self.local_redis = None
