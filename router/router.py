@@ -677,6 +677,11 @@ class Router:
         if membership.version <= self.topology.version:
             return False
         self.topology = self.topology.with_membership(membership)
+        named = set(self.topology.workers)
+        for gone in [w for w in self._last_seen if w not in named]:  # removed: nothing of theirs is kept
+            self._last_seen.pop(gone)
+            self._models.pop(gone, None)
+            self._loads.pop(gone, None)
         self._loads_read_at = -math.inf  # the next placement reads the added workers' reports
         self._changed()
         return True

@@ -61,6 +61,7 @@ def test_a_worker_added_is_placed_on_once_the_record_names_it_and_an_older_recor
     assert not router.set_membership(Membership(1, ("p0",), ("d0",)))  # stale: kept as it is
     assert router.topology.decode == ("d1", "d2") and router.topology.version == 2
     assert router.topology.workers == ("p0", "p1", "d1", "d2")
+    assert router.status(NOW + 0.2)["live_workers"] == ["d1", "d2", "p0", "p1"]  # nothing kept of d0
 
 
 def test_the_membership_record_round_trips_and_names_each_workers_state():
