@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from cluster.deployment.scale_client import scale_cluster
+from cluster.protocol.messages import ScaleRequest
 from conftest import random_prompts, wait_for
 from e2e_cluster import Cluster, tandem, topology
 from tandem.client import TandemClient
@@ -97,7 +99,7 @@ def scale(cluster: Cluster, *args: str) -> tuple[float, float, str]:
     return started, time.monotonic(), result.stdout
 
 
-def test_streams_survive_a_worker_added_one_drained_and_one_moved(model_dir, tmp_path):
+def test_streams_survive_a_worker_added_one_drained_and_one_moved(model_dir, tmp_path, monkeypatch):
     reference = reference_tokens(model_dir, tmp_path)
     cluster = Cluster("e2e-scale", topology("e2e-scale", model_dir, prefill={"replicas": 2}, kv={"num_blocks": 160},
                                             router={"local_prefill_max_tokens": 32, "policy": "round_robin"}), tmp_path)
@@ -145,6 +147,18 @@ def test_streams_survive_a_worker_added_one_drained_and_one_moved(model_dir, tmp
         events = [(e["event"], e["worker"]) for e in reversed(status["worker_events"])]
         assert events == [("added", "decode-1"), ("draining", "decode-0"), ("removed", "decode-0"),
                           ("draining", "prefill-1"), ("removed", "prefill-1"), ("added", "decode-2")]
+
+        # What cannot be done is one line, and changes nothing: on the command line ...
+        refused = tandem("scale", "--cluster", cluster.name, "remove", "prefill-0", env=cluster.env)
+        assert (refused.returncode, refused.stderr) == (1, "tandem scale: worker: prefill-0 is the last prefill worker "
+                                                           "of the decode workers; add another first (`tandem scale add "
+                                                           "prefill`)\n")
+        # ... and from Python
+        monkeypatch.setenv("TANDEM_CACHE_DIR", str(cluster.cache))
+        result = scale_cluster(cluster.name, ScaleRequest("remove", worker="decode-0"))
+        assert (result.ok, result.message) == (False, "worker: 'decode-0' is not a worker of this cluster; its "
+                                                      "workers: prefill-0, decode-1, decode-2")
+        assert result.members == {"prefill": ["prefill-0"], "decode": ["decode-1", "decode-2"]}
 
         client = redis.Redis.from_url(cluster.state["registry_url"])
         try:
