@@ -187,3 +187,23 @@ def test_a_worker_that_has_not_guessed_yet_shows_zeros():
     worker = speculating_worker()
     assert (worker["speculation"]["proposed_tokens"], worker["speculation"]["acceptance_rate"],
             worker["speculation"]["tokens_per_verify"]) == (0, 0.0, 0.0)
+
+
+def test_a_draining_worker_and_the_resize_steps_in_the_status():
+    m = tandem_pb2.ClusterStatus(cluster="c1", model="m", serving=True)
+    m.workers.add(name="decode-0", role="decode", state="alive", tp=1, kv_blocks_used=5, kv_blocks=64, running=2,
+                  registry="ok", drain="draining", node_id="a1b2c3d4e5f60718", node_address="10.0.0.5")
+    m.workers.add(name="decode-1", role="decode", state="alive", tp=1, kv_blocks=64, registry="ok", drain="serving")
+    for event, at, detail in (("removed", 3.0, "drained in 1.3s"), ("draining", 2.0, ""), ("added", 1.0, "")):
+        worker = "decode-1" if event == "added" else "decode-0"
+        m.worker_events.add(worker=worker, role="decode", event=event, node_id="a1b2c3d4e5f60718",
+                            node_address="10.0.0.5", at=1_700_000_000.0 + at, detail=detail)
+    status = status_dict(m)
+    assert [(w["name"], w["drain"]) for w in status["workers"]] == [("decode-0", "draining"), ("decode-1", "serving")]
+    lines = format_status(status).splitlines()
+    assert any(line.startswith("decode-0  decode  1   draining  a1b2c3d4@10.0.0.5  5/64") for line in lines), lines
+    events_at = lines.index("worker events:")
+    assert lines[events_at + 1:events_at + 4] == [
+        "  2023-11-14 22:13:23 UTC: decode worker decode-0 removed on node a1b2c3d4e5f6 (10.0.0.5) (drained in 1.3s)",
+        "  2023-11-14 22:13:22 UTC: decode worker decode-0 draining on node a1b2c3d4e5f6 (10.0.0.5)",
+        "  2023-11-14 22:13:21 UTC: decode worker decode-1 added on node a1b2c3d4e5f6 (10.0.0.5)"]
