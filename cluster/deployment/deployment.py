@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from cluster.deployment.supervisor import Supervisor
-from cluster.deployment.pools import EngineOverrides, Pool, PoolResources, device_of, pools_of, resolve_registry_url
+from cluster.deployment.pools import (EngineOverrides, Pool, PoolResources, device_of, pair_name, pools_of,
+                                      resolve_registry_url)
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.models.read_config import load_model_config
 from cluster.kv_transfer.agent import PairLayout
@@ -301,8 +302,7 @@ class Deployment:
         prefixes: the old groups' may still be held by the survivors)."""
         calls = []
         for p_name, d_name in pairs:
-            p, d = p_name.rpartition("-")[2], d_name.rpartition("-")[2]
-            pair = f"p{p}-d{d}"
+            pair = pair_name(p_name, d_name)
             layout = PairLayout(pair, self.pools["prefill"].tp, self.pools["decode"].tp, self._num_kv_heads,
                                 self.spec.kv.transport)
             group = f"kv-{pair}" + (f".g{generation}" if generation else "")

@@ -31,6 +31,7 @@ from typing import Callable
 import redis
 
 from cluster.deployment.drain import Drain, DrainLook
+from cluster.deployment.pools import pair_name
 from cluster.deployment.supervisor import first_line, log, write_registry
 from cluster.engine.request_limits import quote
 from cluster.registry.kv_index import KVIndexReader
@@ -150,12 +151,7 @@ class Scaler:
                     phase = drain.phase
                     say(f"{worker} {phase}" + (" (every router places by the new membership)"
                                                 if phase == "emptying" else ""))
-            if role == "prefill":  # its decode workers take KV from it no more
-                for decode in d.members.get("decode", []):
-                    try:
-                        d._ray.get(d.workers[decode].drop_peer.remote(worker), timeout=30)
-                    except Exception:  # noqa: BLE001 - dead (its supervisor pairs the one started again)
-                        pass
+            self._unpair(worker, role)
             self._stop(worker)
             d.members[role].remove(worker)
             d.draining.discard(worker)
@@ -167,6 +163,23 @@ class Scaler:
                                     detail=f"drained in {took:.1f}s{moved}"))
             say(f"{worker} removed after {took:.1f}s{moved}; its placement group freed")
             return drain
+
+    def _unpair(self, worker: str, role: str) -> None:
+        """Its KV transfer peers leave their groups with it: a prefill worker's decode workers
+        take KV from it no more; a decode worker's prefill workers close their groups (and
+        their rendezvous ports). A peer that does not answer is left to its own restart."""
+        d = self.deployment
+        if role == "prefill":
+            calls = [d.workers[decode].drop_peer.remote(worker) for decode in d.members.get("decode", [])]
+        elif role == "decode":
+            calls = [d.workers[p].leave_pair.remote(pair_name(p, worker)) for p in d.members.get("prefill", [])]
+        else:
+            calls = []
+        for call in calls:
+            try:
+                d._ray.get(call, timeout=30)
+            except Exception:  # noqa: BLE001 - dead, or restarting
+                pass
 
     def _removable(self, worker: str) -> str:
         """The role of ``worker``, one that can be removed now; ScaleError otherwise."""

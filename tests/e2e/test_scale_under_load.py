@@ -3,8 +3,8 @@ worker, the tiny random checkpoint) while streams run: a decode worker added, th
 worker drained and removed, a prefill worker moved to decode. Every one of at least 200 greedy
 streams completes with `tandem run`'s tokens (none failed, repeated or lost), each resize step
 overlaps streams in flight, the added workers serve, and afterwards no worker holds a KV block,
-the registry holds no worker, key or block of the removed ones, and `tandem status` shows the
-steps."""
+the registry holds no worker, key or block of the removed ones, the survivors hold no transfer
+group with them, and `tandem status` shows the steps."""
 
 from __future__ import annotations
 
@@ -144,6 +144,9 @@ def test_streams_survive_a_worker_added_one_drained_and_one_moved(model_dir, tmp
 
         wait_for(every_block_free, 60, "every live worker serving with no KV block in use")
         status = cluster.status()
+        # the survivors left their transfer groups with the removed workers (and closed their ports)
+        assert {w["name"]: w["transfer_groups"] for w in status["workers"]} == {
+            "prefill-0": ["p0-d1", "p0-d2"], "decode-1": ["p0-d1"], "decode-2": ["p0-d2"]}
         events = [(e["event"], e["worker"]) for e in reversed(status["worker_events"])]
         assert events == [("added", "decode-1"), ("draining", "decode-0"), ("removed", "decode-0"),
                           ("draining", "prefill-1"), ("removed", "prefill-1"), ("added", "decode-2")]
