@@ -109,6 +109,8 @@ class Scaler:
                                                 f"{p if w == name else w} was not built: {first_line(exc)}") from None
             self._await_report(name)
         except BaseException:
+            if name in d.workers:
+                self._unpair(name, role)  # the peers that built a group with it leave it
             if name in d.members.get(role, []):
                 d.members[role].remove(name)
             self._stop(name)
@@ -170,14 +172,15 @@ class Scaler:
         their rendezvous ports). A peer that does not answer is left to its own restart."""
         d = self.deployment
         if role == "prefill":
-            calls = [d.workers[decode].drop_peer.remote(worker) for decode in d.members.get("decode", [])]
+            calls = [lambda peer=peer: d.workers[peer].drop_peer.remote(worker) for peer in d.members.get("decode", [])]
         elif role == "decode":
-            calls = [d.workers[p].leave_pair.remote(pair_name(p, worker)) for p in d.members.get("prefill", [])]
+            calls = [lambda peer=peer: d.workers[peer].leave_pair.remote(pair_name(peer, worker))
+                     for peer in d.members.get("prefill", [])]
         else:
             calls = []
         for call in calls:
             try:
-                d._ray.get(call, timeout=30)
+                d._ray.get(call(), timeout=30)
             except Exception:  # noqa: BLE001 - dead, or restarting
                 pass
 
@@ -240,7 +243,11 @@ class Scaler:
                 raise ScaleError(f"role: the topology declares no {quote(role)} pool; move to one of "
                                  f"{', '.join(sorted(r for r in d.pools if r != current))}")
             self.remove(worker, timeout_s, say)
-            return self.add(role, say)
+            try:
+                return self.add(role, say)
+            except ScaleError as exc:
+                raise ScaleError(f"{worker} was removed, but no {role} worker could be added in its place: {exc}") \
+                    from None
 
     # -- the registry ------------------------------------------------------------------------
 
