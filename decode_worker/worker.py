@@ -163,6 +163,25 @@ class DecodeWorker(EngineWorker):
             self._tags[layout.name] = itertools.count()  # a new group: no transfer is in flight on it
             self._set_unpaired(self._unpaired - {prefill})
 
+    async def drop_peer(self, prefill: str) -> None:
+        """Takes KV from ``prefill`` no more, forgets it and leaves their transfer group (its
+        deployment removes it, once no request of this worker's is being prefilled there)."""
+        async with self._pairing.setdefault(prefill, asyncio.Lock()):
+            pair = self._peers.pop(prefill, None)
+            if pair is not None:
+                self._groups.pop(pair, None)
+                self._tags.pop(pair, None)
+                await self.leave_pair(pair)
+            self._set_unpaired(self._unpaired - {prefill})
+
+    async def leave_pair(self, pair: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._receives, super().leave_pair, pair)
+
+    async def in_flight(self) -> int:
+        """Requests on this worker's streams now, from their arrival (before their blocks are
+        reserved) to their last delta."""
+        return len(self._streams)
+
     async def describe(self) -> dict:
         return await self._call(super().describe)
 

@@ -68,6 +68,11 @@ class PrefillWorker(EngineWorker):
                              cached_tokens=request.num_cached_tokens, blocks_sent=blocks if error is None else 0,
                              error=error or request.error, first_logprob=logprob, first_top_logprobs=top)
 
+    def in_flight(self) -> int:
+        """Prefill calls not answered yet (each holds its request until its KV is sent)."""
+        with self._lock:
+            return len(self._done)
+
     def _has_work(self) -> bool:
         return self.engine.has_unfinished_requests()
 

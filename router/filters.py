@@ -1,7 +1,8 @@
 """Filters: which workers, and which (prefill, decode) pairs, can take a request at all.
 
-Each is one rule, applied before anything is scored: a worker is live while it reports its load
-and no call to it has failed; a pair is out of use while its decode worker cannot take KV from
+Each is one rule, applied before anything is scored: a worker is live while it reports its load,
+no call to it has failed and it is not draining (its deployment is removing it: its requests in
+flight finish, no new one goes to it); a pair is out of use while its decode worker cannot take KV from
 that prefill worker (the pair is being rebuilt, or the request's transfer already failed on it);
 past ``prefill_shortlist`` workers, only the prefill workers soonest done are paired at all; and a
 decode worker has room when the request fits in its KV blocks and running batch. Room does not
@@ -27,9 +28,14 @@ def not_failed(pool: Sequence[str], failed: Container[str]) -> list[str]:
     return [w for w in pool if w not in failed]
 
 
+def not_draining(pool: Sequence[str], draining: Container[str]) -> list[str]:
+    """The pool's workers that take new placements: not draining (in pool order)."""
+    return [w for w in pool if w not in draining]
+
+
 @dataclass(frozen=True)
 class LivePools:
-    """The workers of each pool that can take a request now: reporting and not failed."""
+    """The workers of each pool that can take a request now: reporting, not failed, not draining."""
 
     prefill: list[str]
     decode: list[str]
@@ -37,8 +43,9 @@ class LivePools:
 
     @classmethod
     def of(cls, prefill: Sequence[str], decode: Sequence[str], colocated: Sequence[str],
-           loads: Mapping[str, WorkerLoad], failed: Container[str]) -> "LivePools":
-        return cls(*(not_failed(reporting(pool, loads), failed) for pool in (prefill, decode, colocated)))
+           loads: Mapping[str, WorkerLoad], failed: Container[str], draining: Container[str] = ()) -> "LivePools":
+        return cls(*(not_draining(not_failed(reporting(pool, loads), failed), draining)
+                     for pool in (prefill, decode, colocated)))
 
     @property
     def generating(self) -> list[str]:

@@ -50,6 +50,7 @@ from typing import Callable, Protocol, Sequence
 
 from cluster.engine.block_hash import hash_token_blocks, request_hash_keys
 from cluster.registry.load import WorkerLoad
+from cluster.registry.membership import Membership
 from router.candidates import Candidate, Prompt, decode_side, local_candidate, prefill_side, remote_candidates
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel, measured_step_scale
@@ -95,10 +96,17 @@ class Topology:
     hash_keys: tuple = ()
     colocated: tuple[str, ...] = ()
     restarts_workers: bool = False  # the deployment starts a dead worker again (``ray.restart_workers``)
+    draining: tuple[str, ...] = ()  # members of the pools that take no new placements (being removed)
+    version: int = 0  # of the deployment's membership record it was read from (0: as the deployment started)
 
     @property
     def workers(self) -> tuple[str, ...]:
         return self.prefill + self.decode + self.colocated
+
+    def with_membership(self, membership: Membership) -> "Topology":
+        """This topology with the pools, the draining workers and the version of ``membership``."""
+        return replace(self, prefill=membership.prefill, decode=membership.decode, colocated=membership.colocated,
+                       draining=membership.draining, version=membership.version)
 
 
 @dataclass(frozen=True)
@@ -301,7 +309,8 @@ class Router:
             hits = self._prefix_hits(request, sorted(loads), now)
         if loads is None or hits is None:
             return self._place_by_load(request, cls, now)
-        live = LivePools.of(self.topology.prefill, self.topology.decode, self.topology.colocated, loads, self.failed)
+        topology = self.topology
+        live = LivePools.of(topology.prefill, topology.decode, topology.colocated, loads, self.failed, topology.draining)
         if not live.generating:
             return self._without_reports(request, cls, "decode", now)
         candidates = self._candidates(request, cls, loads, hits, live, now)
@@ -604,7 +613,7 @@ class Router:
     def _place_by_load(self, request: RouteRequest, cls: SloClass, now: float) -> Decision:
         """No registry: the live workers with the fewest of this router's requests in flight."""
         def least_busy(names: Sequence[str], side: str) -> str | None:
-            alive = [w for w in names if w not in self.failed]
+            alive = [w for w in names if w not in self.failed and w not in self.topology.draining]
             if not alive:
                 return None
             count = {w: 0 for w in alive}
@@ -676,6 +685,23 @@ class Router:
             self._tpot_scale = (current + RESIDUAL_WEIGHT * (ratio - current), now)
         return decision
 
+    def set_membership(self, membership: Membership) -> bool:
+        """Places by the deployment's newer ``membership`` (workers added, draining, removed);
+        False if it is not newer than the one in use. Requests waiting are offered again: an
+        added worker may take them."""
+        if membership.version <= self.topology.version:
+            return False
+        self.topology = self.topology.with_membership(membership)
+        named = set(self.topology.workers)
+        for gone in [w for w in self._last_seen if w not in named]:  # removed: nothing of theirs is kept
+            self._last_seen.pop(gone)
+            self._models.pop(gone, None)
+            self._measured_scales.pop(gone, None)
+            self._loads.pop(gone, None)
+        self._loads_read_at = -math.inf  # the next placement reads the added workers' reports
+        self._changed()
+        return True
+
     def incarnation(self, worker: str) -> str:
         """The incarnation of ``worker`` in its latest report read ("" before any): another one
         is the worker started again under its name."""
@@ -708,7 +734,8 @@ class Router:
             registry = "ok"
         return {
             "policy": self.config.policy, "weights": dict(self.config.weights), "registry": registry,
-            "workers": list(self.topology.workers),
+            "workers": list(self.topology.workers), "topology_version": self.topology.version,
+            "draining_workers": list(self.topology.draining),
             "live_workers": sorted(self._loads) if self._registry_down_since is None else [],
             "failed_workers": sorted(self.failed), "in_flight": len(self.inflight),
             "placed": c.placed, "local_prefills": c.local_prefills, "queued_decisions": c.queued,

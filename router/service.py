@@ -19,6 +19,12 @@ finished (told by ``finished``) or the load reports refreshed (every ``load_refr
 anything waits). A caller that goes away cancels its call, which drops the request from the
 queue.
 
+The workers it places on are the deployment's membership record (``cluster/registry/membership.py``),
+read every ``MEMBERSHIP_POLL_S`` off the placement path: a worker added is placed on once the
+record names it, a draining one is placed on no more, and the router publishes the record's
+version it now places by at once (the deployment waits for every router's word before it counts
+a draining worker's requests as the last).
+
 Registry reads on the placement path are single round trips to Redis, made on the event loop
 itself (a thread hop would cost more than the read); writes (goodput records, the status, the
 sweep) run on a thread, off the critical path. A registry that stops answering is found by
@@ -43,6 +49,7 @@ from cluster.observability.metrics import RouterMetrics, SloMetrics
 from cluster.registry.planner_decisions import Journal
 from cluster.registry.goodput import GoodputReader, GoodputRecorder, RequestRecord
 from cluster.registry.keys import Keys
+from cluster.registry.membership import read_membership
 from cluster.registry.reporter import connect
 from router.config import RouterConfig
 from router.registry_view import RedisRegistryView
@@ -52,6 +59,7 @@ SWEEP_EVERY_S = 2.0
 GOODPUT_BUFFER = 10_000
 GAUGES_EVERY_S = 2.0  # goodput, attainment and queue gauges, and the published status: busy or idle
 STATUS_KEPT_S = 15.0  # a published status not rewritten for this long is a router that is gone
+MEMBERSHIP_POLL_S = 0.2  # how often the deployment's membership record is read
 
 
 class RouterService:
@@ -70,6 +78,7 @@ class RouterService:
         self._gauges: asyncio.Task | None = None
         self._housekeeping: asyncio.Task | None = None
         self._probe: asyncio.Task | None = None
+        self._membership: asyncio.Task | None = None
         self._records_waiting: asyncio.Event | None = None
         self._flushing = threading.Lock()  # the housekeeping thread and a goodput() call may both flush
         self._waiters: dict[str, asyncio.Future] = {}
@@ -111,6 +120,28 @@ class RouterService:
             self._housekeeping = loop.create_task(self._keep_house())
         if self._probe is None or self._probe.done():
             self._probe = loop.create_task(self._probe_registry())
+        if self._membership is None or self._membership.done():
+            self._membership = loop.create_task(self._follow_membership())
+
+    async def _follow_membership(self) -> None:
+        """Reads the deployment's membership record (on a thread) every ``MEMBERSHIP_POLL_S``;
+        a newer one is placed by at once, and this router's status, naming its version, is
+        published at once."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                membership = await loop.run_in_executor(None, read_membership, self.client, self.cluster)
+            except redis.RedisError:
+                membership = None
+            if membership is not None and self.router.set_membership(membership):
+                await loop.run_in_executor(None, self._publish_status, self.status())
+                self._told()
+            await asyncio.sleep(MEMBERSHIP_POLL_S)
+
+    @property
+    def topology(self) -> Topology:
+        """The workers it places on now (with those draining)."""
+        return self.router.topology
 
     async def _probe_registry(self) -> None:
         """While the router finds the registry down: asks it, on a thread, every
@@ -129,7 +160,7 @@ class RouterService:
 
     async def stop(self) -> None:
         """Stops its tasks, writes the records still waiting and takes its status off the registry."""
-        for task in (self._gauges, self._housekeeping, self._retrier, self._probe):
+        for task in (self._gauges, self._housekeeping, self._retrier, self._probe, self._membership):
             if task is not None:
                 task.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self._leave)
@@ -291,25 +322,30 @@ class RouterService:
         return {**others, self.name: own}
 
     def _published(self) -> dict[str, dict]:
-        key = Keys(self.cluster).routers
         try:
-            published = self.client.hgetall(key)
+            out, stale = published_statuses(self.client, self.cluster)
         except redis.RedisError:
             return {}
-        out, stale, now = {}, [], time.time()
-        for name, raw in published.items():
-            name = name.decode() if isinstance(name, bytes) else name
-            try:
-                status = json.loads(raw)
-            except ValueError:
-                continue
-            if now - status.pop("at", 0.0) > STATUS_KEPT_S:
-                stale.append(name)
-            else:
-                out[name] = status
         if stale:
             try:
-                self.client.hdel(key, *stale)
+                self.client.hdel(Keys(self.cluster).routers, *stale)
             except redis.RedisError:
                 pass
         return out
+
+
+def published_statuses(client: redis.Redis, cluster: str) -> tuple[dict[str, dict], list[str]]:
+    """The statuses every live router last published, by name, and the names of those gone
+    (not heard from for ``STATUS_KEPT_S``)."""
+    out, stale, now = {}, [], time.time()
+    for name, raw in client.hgetall(Keys(cluster).routers).items():
+        name = name.decode() if isinstance(name, bytes) else name
+        try:
+            status = json.loads(raw)
+        except ValueError:
+            continue
+        if now - status.pop("at", 0.0) > STATUS_KEPT_S:
+            stale.append(name)
+        else:
+            out[name] = status
+    return out, stale

@@ -257,6 +257,9 @@ def _add_service_commands(sub) -> None:
     top.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between frames (default: 1)")
     top.add_argument("--iterations", type=int, metavar="N", help="stop after N frames (default: until Ctrl-C)")
     top.set_defaults(func=_cmd_top)
+    from cluster.cli.scale import add_scale_command
+
+    add_scale_command(sub)
 
 
 def _generate_unavailable(error: ImportError):

@@ -86,6 +86,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _profile_from_cluster(args, state: dict, spec):
     from cluster.plan.step_models import collect_from_registry, hop_from_corrections, pool_steps
+    from cluster.registry.membership import read_membership
     from cluster.registry.reporter import connect
 
     url = args.redis_url or state.get("registry_url")
@@ -98,16 +99,20 @@ def _profile_from_cluster(args, state: dict, spec):
         if password:
             scheme, _, rest = url.partition("://")
             url = f"{scheme}://:{password}@{rest}"
+    workers = list(state.get("workers", []))  # as the cluster started; its membership record, if it resized
     try:
         client = connect(url, timeout_s=5.0)
-        collector = collect_from_registry(client, args.from_cluster, list(state.get("workers", [])), args.watch)
+        membership = read_membership(client, args.from_cluster)
+        if membership is not None:
+            workers = list(membership.workers)
+        collector = collect_from_registry(client, args.from_cluster, workers, args.watch)
     except Exception as exc:  # noqa: BLE001 - redis errors and bad URLs alike: one line
         raise ConnectionError(f"cannot read the registry of {args.from_cluster!r} ({url}): "
                               f"{str(exc).splitlines()[0][:200]}") from None
     hop = hop_from_corrections(state.get("ttft_correction_s") or {})
     tps = {}
     if spec is not None:
-        for name in state.get("workers", []):
+        for name in workers:
             role = name.rsplit("-", 1)[0]
             if role in ("prefill", "decode", "colocated"):
                 tps[name] = spec.pool(role).tp

@@ -77,7 +77,8 @@ def worker_rows(status: dict) -> list[tuple[str, ...]]:
         if w.get("state") != "alive":
             rows.append((w["name"], w["role"], "-", w.get("state") or "dead", "-", "-", "-", "-", "-", "-"))
             continue
-        rows.append((w["name"], w["role"], str(w["tp"]), w["state"], node_label(w),
+        state = "draining" if w.get("drain") == "draining" else w["state"]  # alive, taking no new requests
+        rows.append((w["name"], w["role"], str(w["tp"]), state, node_label(w),
                      f"{w['kv_blocks_used']}/{w['kv_blocks']}", str(w["waiting"]), str(w["running"]),
                      str(w["receiving"]), f"{w['prefix_cache_hit_rate']:.0%}"))
     return rows
@@ -166,11 +167,11 @@ def planner_lines(status: dict) -> list[str]:
 
 
 def worker_event_lines(status: dict) -> list[str]:
-    """The workers lost and started again, newest first."""
+    """The workers lost, started again, added, draining and removed, newest first."""
     from cluster.registry.worker_events import WorkerEvent
 
     events = status.get("worker_events") or []
-    return ["workers lost and started again:"] + [f"  {WorkerEvent(**e).line()}" for e in events] if events else []
+    return ["worker events:"] + [f"  {WorkerEvent(**e).line()}" for e in events] if events else []
 
 
 def goodput_lines(title: str, view: dict) -> list[str]:

@@ -12,6 +12,12 @@ node); each decode worker builds its pairs (``pair_with``), and fetches KV from 
 worker the router chose. Without a Redis URL a private redis-server runs on loopback and stops
 with the deployment. With ``ray.restart_workers`` a :class:`~cluster.deployment.supervisor.Supervisor`
 starts again, in its place, a worker that dies.
+
+The pools resize on a running deployment (``deployment.scale``: ``cluster/deployment/scaling.py``):
+a worker added, one drained and removed, one moved to the other role. Which workers each pool has
+now is ``members`` (names are never used twice: ``decode-2`` after ``decode-0`` and ``decode-1``
+whatever became of them), published to the registry as a versioned membership record
+(``cluster/registry/membership.py``) that routers place by.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import time
 from pathlib import Path
 
 from cluster.deployment.supervisor import Supervisor
-from cluster.deployment.pools import EngineOverrides, Pool, PoolResources, device_of, pools_of, resolve_registry_url
+from cluster.deployment.pools import (EngineOverrides, Pool, PoolResources, device_of, pair_name, pools_of,
+                                      resolve_registry_url)
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.models.read_config import load_model_config
 from cluster.kv_transfer.agent import PairLayout
@@ -36,6 +43,7 @@ from cluster.runtime.ray_node import NodePlace, group_node, node_place
 from cluster.runtime.ray_runtime import ensure_ray
 from cluster.registry.load import read_loads
 from cluster.registry.local_redis import LocalRedis
+from cluster.registry.membership import Membership, publish_membership
 from cluster.registry.reporter import connect
 from cluster.runtime.startup import TOPOLOGY_SETTINGS, SettingNames, guarded, placement_failed, worker_failed
 from cluster.topology import ROLES, ClusterSpec
@@ -70,6 +78,10 @@ class Deployment:
         self.configs: dict[str, EngineConfig] = {}
         self.nodes: dict[str, NodePlace] = {}  # worker name -> the node its placement group is on
         self.supervisor: Supervisor | None = None
+        self.members: dict[str, list[str]] = {role: pool.names() for role, pool in self.pools.items()}
+        self.next_index: dict[str, int] = {role: pool.replicas for role, pool in self.pools.items()}
+        self.draining: set[str] = set()
+        self.membership = Membership(0)
         self._abandoned: list = []  # start-up calls left unread when another failed
         self._ray = None
         self._num_kv_heads = 0
@@ -94,6 +106,7 @@ class Deployment:
             self._await_workers(self.pair_calls(self.pairs()))
             self.info = self._serving_info(model_dir, config, described)
             self._wait_for_registry()
+            self.publish_membership()
             if self.spec.ray.restart_workers:
                 self.supervisor = Supervisor(self).start()
         except BaseException:
@@ -134,7 +147,7 @@ class Deployment:
         generating worker with the fewest blocks."""
         generating = [d for n, d in described.items() if not n.startswith("prefill-")]
         smallest = min(generating, key=lambda d: d["num_blocks"])
-        names = {role: tuple(self.pools[role].names()) if role in self.pools else () for role in ROLES}
+        names = {role: tuple(self.members.get(role, ())) for role in ROLES}
         topology = Topology(names["prefill"], names["decode"], smallest["block_size"],
                             tuple(smallest["hash_keys"]), names["colocated"], self.spec.ray.restart_workers)
         kv = self.spec.kv
@@ -166,33 +179,47 @@ class Deployment:
         """Places every worker's ranks first, so that each rank's share of its node's KV budget
         is known before any engine sizes its cache; then starts the workers (guarded: a
         constructor's failure is raised by ``started()``, not printed by Ray)."""
-        ray_address = self.spec.ray.address
-        common = dict(model=str(model_dir), cluster_name=self.cluster_name, ray_address=ray_address)
+        self._model_dir = model_dir
         device = self.device
-        gpus = itertools.count(int(device.partition(":")[2] or 0)) if device.startswith("cuda") else None
-
-        def device_for(tp: int) -> str:
-            """Without Ray-assigned GPUs, each worker's ranks take the next ``tp`` devices of this node."""
-            if gpus is None:
-                return device
-            first = next(gpus)
-            for _ in range(tp - 1):
-                next(gpus)
-            return f"cuda:{first}"
-
+        self._gpus = itertools.count(int(device.partition(":")[2] or 0)) if device.startswith("cuda") else None
         workers = [(pool, name) for role in ROLES if (pool := self.pools.get(role)) for name in pool.names()]
-        groups = [self._reserve(name, pool, ray_address is None) for pool, name in workers]
-        on_cpu = [not pool.resources.gpus_per_rank and not device.startswith("cuda") for pool, _ in workers]
-        shares = kv_memory_shares([(group_node(group), pool.tp, cpu)
-                                   for group, (pool, _), cpu in zip(groups, workers, on_cpu)])
+        groups = [self.reserve(name) for _, name in workers]
+        shares = kv_memory_shares([self._rank_place(name) for _, name in workers])
         for (pool, name), group, share in zip(workers, groups, shares):
-            # With GPUs per rank, Ray assigns each rank its device (it sees only that one, as cuda:0).
-            self.configs[name] = EngineConfig(
-                **{**common, **dict(pool.engine_args)}, tensor_parallel_size=pool.tp, engine_name=name,
-                device="cuda:0" if pool.resources.gpus_per_rank else device_for(pool.tp),
-                cpus_per_rank=pool.resources.cpus_per_rank, gpus_per_rank=pool.resources.gpus_per_rank,
-                kv_memory_share=share)
+            self.configs[name] = self.engine_config(name, share)
             self.launch(name, group)
+
+    def _rank_place(self, name: str) -> tuple[str, int, bool]:
+        """(node id, ranks, on a CPU) of a placed worker, for its share of the node's KV budget."""
+        pool = self.pool_of(name)
+        on_cpu = not pool.resources.gpus_per_rank and not self.device.startswith("cuda")
+        return group_node(self.placement_groups[name]), pool.tp, on_cpu
+
+    def kv_share_of(self, name: str) -> float:
+        """The share of its node's KV budget of the placed worker ``name``, counting every
+        worker of the pools now (those placed before keep the share they started with)."""
+        names = [n for members in self.members.values() for n in members]
+        return kv_memory_shares([self._rank_place(n) for n in names])[names.index(name)]
+
+    def engine_config(self, name: str, kv_memory_share: float) -> EngineConfig:
+        """The engine settings of the worker ``name``: its pool's, on its device."""
+        pool = self.pool_of(name)
+        common = dict(model=str(self._model_dir), cluster_name=self.cluster_name, ray_address=self.spec.ray.address)
+        # With GPUs per rank, Ray assigns each rank its device (it sees only that one, as cuda:0).
+        return EngineConfig(
+            **{**common, **dict(pool.engine_args)}, tensor_parallel_size=pool.tp, engine_name=name,
+            device="cuda:0" if pool.resources.gpus_per_rank else self._device_for(pool.tp),
+            cpus_per_rank=pool.resources.cpus_per_rank, gpus_per_rank=pool.resources.gpus_per_rank,
+            kv_memory_share=kv_memory_share)
+
+    def _device_for(self, tp: int) -> str:
+        """Without Ray-assigned GPUs, each worker's ranks take the next ``tp`` devices of this node."""
+        if self._gpus is None:
+            return self.device
+        first = next(self._gpus)
+        for _ in range(tp - 1):
+            next(self._gpus)
+        return f"cuda:{first}"
 
     def pool_of(self, name: str) -> Pool:
         return self.pools[name.rpartition("-")[0]]
@@ -229,12 +256,13 @@ class Deployment:
         return placement_group([pool.resources.bundle()] * pool.tp, strategy="STRICT_PACK",
                                name=f"{self.cluster_name}-{name}")
 
-    def _reserve(self, name: str, pool: Pool, local_ray: bool):
+    def reserve(self, name: str):
         """The worker's placement group, once Ray has placed it. On a local Ray a placement no
         node could ever hold fails at once; otherwise (nodes may yet join, or free up) after
         ``REGISTRY_WAIT_S``."""
         from ray.util.placement_group import placement_group_table
 
+        pool, local_ray = self.pool_of(name), self.spec.ray.address is None
         group = self.placement_groups[name] = self.placement_group(name)
         deadline = time.monotonic() + REGISTRY_WAIT_S
         while not group.wait(0.2):
@@ -264,9 +292,7 @@ class Deployment:
 
     def pairs(self, worker: str | None = None) -> list[tuple[str, str]]:
         """The (prefill, decode) pairs that KV travels between: every pair, or those of ``worker``."""
-        if "prefill" not in self.pools or "decode" not in self.pools:
-            return []
-        return [(p, d) for p in self.pools["prefill"].names() for d in self.pools["decode"].names()
+        return [(p, d) for p in self.members.get("prefill", ()) for d in self.members.get("decode", ())
                 if worker in (None, p, d)]
 
     def pair_calls(self, pairs: list[tuple[str, str]], generation: int = 0) -> list[tuple[str, object]]:
@@ -276,14 +302,50 @@ class Deployment:
         prefixes: the old groups' may still be held by the survivors)."""
         calls = []
         for p_name, d_name in pairs:
-            p, d = p_name.rpartition("-")[2], d_name.rpartition("-")[2]
-            pair = f"p{p}-d{d}"
+            pair = pair_name(p_name, d_name)
             layout = PairLayout(pair, self.pools["prefill"].tp, self.pools["decode"].tp, self._num_kv_heads,
                                 self.spec.kv.transport)
             group = f"kv-{pair}" + (f".g{generation}" if generation else "")
             spec = GroupSpec(self.cluster_name, group, layout.size, master_addr=self.nodes[p_name].address or "127.0.0.1")
             calls.append((d_name, self.workers[d_name].pair_with.remote(p_name, layout, spec)))
         return calls
+
+    def publish_membership(self) -> Membership:
+        """Writes the pools' members now (and those draining) to the registry, as the next
+        version of the membership record that routers place by; returns it."""
+        self.membership = Membership(self.membership.version + 1,
+                                     *(tuple(self.members.get(role, ())) for role in ROLES),
+                                     draining=tuple(sorted(self.draining)))
+        client = connect(self.registry_url)
+        try:
+            publish_membership(client, self.cluster_name, self.membership)
+        finally:
+            client.close()
+        return self.membership
+
+    def _forget_membership(self) -> None:
+        import redis
+
+        from cluster.registry.keys import Keys
+
+        try:
+            client = connect(self.registry_url)
+            try:
+                client.delete(Keys(self.cluster_name).membership)
+            finally:
+                client.close()
+        except redis.RedisError:
+            pass
+
+    @property
+    def scale(self):
+        """Resizing this running deployment: ``scale.add(role)``, ``scale.remove(worker)``,
+        ``scale.move(worker, role)`` (``cluster/deployment/scaling.py``)."""
+        if getattr(self, "_scaler", None) is None:
+            from cluster.deployment.scaling import Scaler
+
+            self._scaler = Scaler(self)
+        return self._scaler
 
     def _wait_for_registry(self) -> None:
         """Until every worker's first report is in the registry (they report right after their
@@ -333,6 +395,8 @@ class Deployment:
         for group in getattr(self, "placement_groups", {}).values():
             remove_placement_group(group)
         self.placement_groups = {}
+        if getattr(self, "membership", Membership(0)).version and self.local_redis is None:
+            self._forget_membership()  # a registry that outlives the cluster keeps no record of its workers
         if getattr(self, "local_redis", None) is not None:
             self.local_redis.stop()
             self.local_redis = None

@@ -6,9 +6,10 @@ replicas through Ray Serve. The ``up`` process owns the deployment: it stays in 
 until interrupted, or with ``--detach`` re-runs itself in the background and returns once the
 API answers. Its state file (``<cache>/clusters/<name>.json``: pid, Ray address, API,
 dashboard, the actors' names, the registry's URL without its password, the topology, and how
-to reach the API: its certificate and where its token is, never the token) is how ``down``
-(SIGTERM to that pid; it stops everything it started), ``status`` and ``top`` (through the
-API: ``cluster/cli/status.py``), ``bench`` and ``plan`` find it.
+to reach the API: its certificate and where its token is, never the token; its control port and
+where that port's token is) is how ``down`` (SIGTERM to that pid; it stops everything it
+started), ``status`` and ``top`` (through the API: ``cluster/cli/status.py``), ``scale`` (through
+the control port: ``cluster/deployment/control.py``), ``bench`` and ``plan`` find it.
 
 For the Ray dashboard, ``up`` passes the topology's Prometheus and Grafana addresses to Ray
 (``RAY_PROMETHEUS_HOST``, ``RAY_GRAFANA_HOST``, ``RAY_GRAFANA_IFRAME_HOST``), and writes
@@ -185,6 +186,7 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     deployment = None
+    control = None
     deployed = False
     # Serve's controller starts while the workers load: it needs nothing of theirs.
     pool = ThreadPoolExecutor(1, thread_name_prefix="serve-start")
@@ -206,6 +208,11 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
             _log(f"cluster {spec.name!r} did not start: the gRPC API on {spec.server.host}:{spec.server.port} "
                  f"(server.host, server.port) did not come up: {exception_line(exc)}")
             return 1
+        from cluster.deployment.control import ControlServer
+
+        control = ControlServer(deployment)
+        control_token_file = control_token_path(spec.name)
+        control.start(control_token_file)
         context = ray.get_runtime_context()
         http = None
         tls = spec.server.tls
@@ -221,7 +228,8 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
                                      if spec.server.auth_token_file else None),
                  "ray_auth_mode": os.environ.get("RAY_AUTH_MODE", "token"), "model": info.model_name,
                  "workers": list(info.workers),
-                 "registry_url": _without_password(deployment.registry_url), "topology": spec_yaml}
+                 "registry_url": _without_password(deployment.registry_url), "topology": spec_yaml,
+                 "control": control.address, "control_token_file": str(control_token_file)}
         path = state_file(spec.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state))
@@ -232,12 +240,16 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
              f"ingress replica(s)); try `tandem generate --addr {api} \"Hello\"`")
         _log(f"dashboard: {dashboard}" if dashboard else "dashboard: off (observability.dashboard: true starts it)")
         _log(f"Ray: {context.gcs_address}, {auth_summary()}; `tandem status --cluster {spec.name}`, "
-             f"`tandem top --cluster {spec.name}`, `tandem down --cluster {spec.name}`")
+             f"`tandem top --cluster {spec.name}`, `tandem scale --cluster {spec.name} add decode`, "
+             f"`tandem down --cluster {spec.name}`")
         while not stop.wait(1.0):
             pass
         return 0
     finally:
         stopping = time.perf_counter()
+        if control is not None:  # no resize starts while the cluster stops
+            control.stop()
+            control_token_path(spec.name).unlink(missing_ok=True)
         stopped = _stop(spec, ray, serve, serve_starting, deployed, deployment)
         if stop.is_set():  # a stop asked for (Ctrl-C, `tandem down`), not a start that failed
             _log(f"cluster {spec.name!r} stopped in {time.perf_counter() - stopping:.1f}s: {stopped}")
@@ -269,6 +281,11 @@ def _stop(spec: ClusterSpec, ray, serve, serve_starting, deployed: bool, deploym
     if spec.ray.address:
         return ", ".join(done) + " stopped; the Ray cluster it joined runs on"
     return ", ".join(done + ["Ray"]) + " stopped"
+
+
+def control_token_path(cluster: str) -> Path:
+    """Where ``up`` keeps its control port's token (readable by its user only)."""
+    return cache_dir() / "clusters" / f"{cluster}.control"
 
 
 def _without_password(url: str) -> str:

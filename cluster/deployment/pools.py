@@ -71,6 +71,11 @@ def device_of(spec: ClusterSpec, engine: EngineOverrides = EngineOverrides()) ->
     return str(engine.common.get("device", generating.device))
 
 
+def pair_name(prefill: str, decode: str) -> str:
+    """The transfer group of a prefill and a decode worker, from their names: ``p1-d0``."""
+    return f"p{prefill.rpartition('-')[2]}-d{decode.rpartition('-')[2]}"
+
+
 def resolve_registry_url(spec: ClusterSpec) -> str | None:
     url = spec.registry.url
     if url and spec.registry.password_env:

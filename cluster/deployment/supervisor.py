@@ -19,6 +19,9 @@ everything on it). For a dead worker the supervisor
 4. records it started again. Routers place on it once it reports: a worker they found dead
    comes back when its report shows another incarnation (``router/router.py``).
 
+A worker its deployment drains and removes (``cluster/deployment/scaling.py``) is ``retire``d first:
+if it dies while draining, its requests move as from any dead worker, and it is not started again.
+
 Each restart runs on a thread of its own (one may wait long for a node); restarts pair under
 one lock, so two workers lost together (a prefill and a decode worker of one node) are paired
 with each other by whichever comes up last.
@@ -50,20 +53,26 @@ class Supervisor:
         self.ray = deployment._ray
         self.restarts = 0  # workers started again since the deployment started
         self.restarting: set[str] = set()  # dead workers not yet up again
+        self.retired: set[str] = set()  # workers being removed: never started again
         self._generations = itertools.count(1)  # names new transfer groups, unique for the deployment's life
         self._nodes_watched: set[str] = set()  # nodes of lost workers, watched once each
         self._watches: dict[object, str] = {}  # pending lifetime() call -> worker name
         self._lock = threading.Lock()  # the watches and the restarting set
-        self._pairing = threading.Lock()  # held by a restart while it pairs its worker
+        self.pairing = threading.Lock()  # held while a worker is paired (a restart's, or one added to a pool)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._run, name="tandem-supervisor", daemon=True)
 
     def start(self) -> "Supervisor":
         for name in self.deployment.workers:
-            self._watch(name)
+            self.watch(name)
         self._thread.start()
         return self
+
+    def retire(self, name: str) -> None:
+        """``name`` is being removed: not started again if it dies (nor once it is stopped)."""
+        with self._lock:
+            self.retired.add(name)
 
     def stop(self) -> None:
         """Stops watching (the deployment is stopping its workers) and abandons restarts in progress."""
@@ -72,7 +81,8 @@ class Supervisor:
             if thread.is_alive():
                 thread.join(timeout=30)
 
-    def _watch(self, name: str) -> None:
+    def watch(self, name: str) -> None:
+        """Watches ``name`` (a worker started, or added to a pool), to start it again if it dies."""
         with self._lock:
             self._watches[self.deployment.workers[name].lifetime.remote()] = name
 
@@ -91,7 +101,7 @@ class Supervisor:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    if not self._stop.is_set():
+                    if not self._stop.is_set() and name not in self.retired:
                         self._lost(name, exc)
                 # A lifetime call that returned: the worker was shut down on purpose.
 
@@ -105,7 +115,7 @@ class Supervisor:
             pass
         node = deployment.nodes.get(name, NodePlace())
         event = WorkerEvent(name, deployment.pool_of(name).role, LOST, node.node_id, node.address,
-                            detail=_first_line(error))
+                            detail=first_line(error))
         self._registry(lambda client: (KVIndexReader(client, deployment.cluster_name).forget(name),
                                        record_event(client, deployment.cluster_name, event)))
         if event.role == "prefill":  # its decode workers take no KV from its name until it is paired again
@@ -114,7 +124,7 @@ class Supervisor:
                     ray.get(deployment.workers[decode].unpair.remote(name), timeout=10)
                 except ray.exceptions.RayError:
                     pass  # dead too, or too busy: a transfer to the new one fails, and the pair is rebuilt
-        _log(f"{name} lost on node {node}; starting it again once a node has room for it")
+        log(f"{name} lost on node {node}; starting it again once a node has room for it")
         with self._lock:
             self.restarting.add(name)
             watch_node = node.node_id and node.node_id not in self._nodes_watched
@@ -134,7 +144,7 @@ class Supervisor:
         deadline = time.monotonic() + NODE_WAIT_S
         while not self._stop.wait(1.0) and time.monotonic() < deadline:
             if not any(n["NodeID"] == node.node_id and n["Alive"] for n in self.ray.nodes()):
-                _log(f"node {node} left the cluster")
+                log(f"node {node} left the cluster")
                 self._registry(lambda client: record_event(client, self.deployment.cluster_name, WorkerEvent(
                     "", "", NODE_LOST, node.node_id, node.address)))
                 return
@@ -151,7 +161,7 @@ class Supervisor:
                 worker = self._launch(name, group)
                 ray.get(worker.started.remote(), timeout=START_TIMEOUT_S)
             except ray.exceptions.RayError as exc:  # it died again (its node too, perhaps), or never came up
-                _log(f"{name} did not start again: {_first_line(exc)}; trying again")
+                log(f"{name} did not start again: {first_line(exc)}; trying again")
                 try:
                     ray.kill(deployment.workers[name], no_restart=True)
                 except Exception:  # noqa: BLE001 - it is gone already
@@ -167,8 +177,8 @@ class Supervisor:
         self.restarts += 1
         self._registry(lambda client: record_event(client, deployment.cluster_name, WorkerEvent(
             name, deployment.pool_of(name).role, RESTARTED, node.node_id, node.address)))
-        _log(f"{name} started again on node {node} after {time.monotonic() - started:.1f}s")
-        self._watch(name)
+        log(f"{name} started again on node {node} after {time.monotonic() - started:.1f}s")
+        self.watch(name)
 
     def _placed_group(self, name: str):
         """A new placement group for the worker in place of its old one, once Ray placed it
@@ -203,7 +213,7 @@ class Supervisor:
         rendezvous that timed out on a busy node) is built again, in a new group, up to
         ``PAIR_TRIES`` times: left unpaired, the decode worker would prefill every prompt itself."""
         deployment, ray = self.deployment, self.ray
-        with self._pairing:
+        with self.pairing:
             with self._lock:
                 self.restarting.discard(name)
                 pairs = [(p, d) for p, d in deployment.pairs(name)
@@ -214,10 +224,10 @@ class Supervisor:
                     try:
                         ray.get(ref, timeout=120)
                     except ray.exceptions.RayActorError as exc:
-                        _log(f"the KV transfer group of {p} and {d} was not built ({_first_line(exc)})")
+                        log(f"the KV transfer group of {p} and {d} was not built ({first_line(exc)})")
                     except (ray.exceptions.RayError, ValueError) as exc:
                         again = attempt + 1 < PAIR_TRIES
-                        _log(f"the KV transfer group of {p} and {d} was not built ({_first_line(exc)})"
+                        log(f"the KV transfer group of {p} and {d} was not built ({first_line(exc)})"
                              + ("; building it again" if again else ""))
                         failed.append((p, d))
                 if not failed or attempt + 1 == PAIR_TRIES or self._stop.wait(RETRY_S[min(attempt, len(RETRY_S) - 1)]):
@@ -226,21 +236,26 @@ class Supervisor:
                     pairs = [(p, d) for p, d in failed if p not in self.restarting and d not in self.restarting]
 
     def _registry(self, write) -> None:
-        deployment = self.deployment
+        write_registry(self.deployment.registry_url, write)
+
+
+def write_registry(url: str, write) -> None:
+    """``write(client)`` on a client of the registry at ``url``; a registry that is down is
+    logged, never raised (it never stops a restart or a resize)."""
+    try:
+        client = connect(url)
         try:
-            client = connect(deployment.registry_url)
-            try:
-                write(client)
-            finally:
-                client.close()
-        except Exception as exc:  # noqa: BLE001 - the registry being down never stops a restart
-            _log(f"could not write to the registry: {_first_line(exc)}")
+            write(client)
+        finally:
+            client.close()
+    except Exception as exc:  # noqa: BLE001 - the registry being down
+        log(f"could not write to the registry: {first_line(exc)}")
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
 
 
-def _log(message: str) -> None:
+def log(message: str) -> None:
     print(f"[tandem] {message}", file=sys.stderr, flush=True)

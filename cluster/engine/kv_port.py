@@ -41,6 +41,10 @@ class KVPort(Protocol):
 
     def join(self, layout, spec, prefill_side: bool) -> None: ...
 
+    def leave(self, pair: str) -> None:
+        """Closes the pair's group (its peer is being removed): its connections and, on the side
+        that hosts it, its rendezvous store's port. A pair never joined is ignored."""
+
     def senders(self, streams: Sequence[KVStream]) -> list[LayerSender]: ...
 
     def finish(self, senders: Sequence[LayerSender]) -> dict[str, str | None]:

@@ -367,6 +367,10 @@ class ModelRunner:
     def join_transfer(self, layout, spec, prefill_side: bool) -> None:
         self.transfers.join(layout, spec, prefill_side)
 
+    def leave_transfer(self, pair: str) -> None:
+        if self._transfers is not None:
+            self._transfers.leave(pair)
+
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
         """Receives a request's KV into ``dst_blocks``; returns None, or the error."""
         return self.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s)

@@ -62,14 +62,16 @@ class HealthMonitor:
     async def check(self) -> tuple[bool, str]:
         """(serving, why not)."""
         router = self.path.router
-        workers = await self.worker_statuses(self.info.workers)
+        topology = router.topology  # the deployment's workers now (it resizes)
+        workers = await self.worker_statuses(topology.workers)
         failed = set(router.failed_workers)
         returned = [name for name, status in workers.items() if status.get("state") == "alive" and name in failed]
         for name in returned:  # serving means the router places on it again
             router.worker_returned(name)
             failed.discard(name)
-        generating = self.info.decode + self.info.colocated
-        able = [n for n in generating if workers[n].get("state") == "alive" and n not in failed]
+        generating = topology.decode + topology.colocated
+        able = [n for n in generating if workers[n].get("state") == "alive" and n not in failed
+                and n not in topology.draining]
         if able:
             return True, ""
         states = ", ".join(f"{n} {'failed' if n in failed else workers[n].get('state', 'dead')}" for n in generating)

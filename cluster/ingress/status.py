@@ -17,15 +17,17 @@ from tandem.v1 import tandem_pb2
 async def read_status(monitor) -> tandem_pb2.ClusterStatus:
     """The cluster as this replica sees it now (``monitor``: its :class:`~cluster.ingress.health.HealthMonitor`)."""
     info, router = monitor.info, monitor.path.router
+    topology = router.topology  # the deployment's workers now (it resizes), with those draining
     loop = asyncio.get_running_loop()
     routers, workers, goodput, events, planner = await asyncio.gather(
-        router.statuses(), monitor.worker_statuses(info.workers), loop.run_in_executor(None, router.goodput),
+        router.statuses(), monitor.worker_statuses(topology.workers), loop.run_in_executor(None, router.goodput),
         loop.run_in_executor(None, _worker_events, router.client, info.cluster),
         loop.run_in_executor(None, _planner, router.client, info.cluster))
     message = tandem_pb2.ClusterStatus(cluster=info.cluster, model=info.model_name,
                                        serving=bool(monitor.serving), health=monitor.reason)
-    for name in info.workers:
-        message.workers.add(**_fields(tandem_pb2.WorkerStatus, workers[name]))
+    for name in topology.workers:
+        drain = "draining" if name in topology.draining else "serving"
+        message.workers.add(**_fields(tandem_pb2.WorkerStatus, {**workers[name], "drain": drain}))
     for name, status in sorted(routers.items()):
         router = message.routers.add(**_fields(tandem_pb2.RouterStatus, {**status, "name": name}))
         if status.get("ttft_prediction_error") is None:

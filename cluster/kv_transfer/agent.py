@@ -62,6 +62,11 @@ class TransferAgent:
         rank = self.tp_rank if prefill_side else layout.prefill_tp + self.tp_rank
         self.pairs[layout.name] = (layout, create_transport(layout.transport, spec=spec, rank=rank, device=self.device))
 
+    def leave(self, pair: str) -> None:
+        joined = self.pairs.pop(pair, None)
+        if joined is not None:
+            joined[1].close()
+
     def senders(self, streams: list[KVStream]) -> list[KVSender]:
         num_layers = self.kv_cache.shape[0]
         out = []

@@ -95,6 +95,9 @@ class TPFollower:
     def join_transfer(self, layout, spec: GroupSpec, prefill_side: bool) -> None:
         self.runner.join_transfer(layout, spec, prefill_side)
 
+    def leave_transfer(self, pair: str) -> None:
+        self.runner.leave_transfer(pair)
+
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
         return self.runner.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
 
@@ -195,6 +198,12 @@ class TensorParallelRunner(ModelRunner):
         refs = [f.join_transfer.remote(layout, spec, prefill_side) for f in self.followers]
         super().join_transfer(layout, spec, prefill_side)
         self._wait(refs, "joining a KV-transfer group")
+
+    def leave_transfer(self, pair: str) -> None:
+        """Every rank leaves the pair's group."""
+        refs = [f.leave_transfer.remote(pair) for f in self.followers]
+        super().leave_transfer(pair)
+        self._wait(refs, "leaving a KV-transfer group")
 
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
         """Every rank receives its heads; returns None, or the first error."""

@@ -18,13 +18,13 @@ from typing import Any
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured.spec import StructuredOutput
-from cluster.protocol.messages import (Finished, Hello, RequestFailed, TokenDelta, TransferReport, Usage,
-                                       WorkerFailure, WorkerRequest)
+from cluster.protocol.messages import (Finished, Hello, RequestFailed, ScaleProgress, ScaleRequest, ScaleResult,
+                                       TokenDelta, TransferReport, Usage, WorkerFailure, WorkerRequest)
 
 TAG = "@type"
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
     Hello, WorkerRequest, SamplingParams, TokenDelta, Finished, Usage, TransferReport, WorkerFailure,
-    RequestFailed, StructuredOutput)}
+    RequestFailed, StructuredOutput, ScaleRequest, ScaleProgress, ScaleResult)}
 
 
 # A field declared a scalar, or a list or tuple of scalars, is already msgpack's plain data: it

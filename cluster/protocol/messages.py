@@ -256,3 +256,39 @@ class Output:
     @property
     def finished(self) -> bool:
         return self.end is not None
+
+
+# -- `tandem scale` and the process that owns a deployment (cluster/deployment/control.py) ----------
+#
+# One Hello, one ScaleRequest; ScaleProgress lines come back while it runs, then one ScaleResult.
+
+
+@dataclass(frozen=True)
+class ScaleRequest:
+    """``add`` a worker to the pool ``role``; ``remove`` the worker ``worker`` (drained first:
+    its requests in flight finish, or after ``timeout_s`` move); ``move`` it to the pool ``role``."""
+
+    action: str
+    role: str = ""
+    worker: str = ""
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class ScaleProgress:
+    """One step of a resize, as a line for the operator."""
+
+    line: str
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    """How a resize ended: ``ok``, or ``message`` says why not (one line naming what to change);
+    ``worker`` is the worker added (add, move) or removed (remove); ``members`` the pools after."""
+
+    ok: bool
+    message: str = ""
+    worker: str = ""
+    members: dict[str, list[str]] = field(default_factory=dict)
+    final: bool = True

@@ -10,8 +10,10 @@ one Redis never see each other's data.
     tandem:<c>:goodput:...                      finished-request counters (cluster/registry/goodput.py)
     tandem:<c>:routers                    HASH  router name -> its JSON status (router/service.py), rewritten
                                                 every few seconds; an entry not rewritten for a while is gone
-    tandem:<c>:worker_events              LIST  JSON workers lost and started again, newest first, capped
-                                                (cluster/registry/worker_events.py)
+    tandem:<c>:worker_events              LIST  JSON workers lost, started again, added, draining and removed,
+                                                newest first, capped (cluster/registry/worker_events.py)
+    tandem:<c>:membership                 STR   JSON workers by role and those draining, versioned
+                                                (cluster/registry/membership.py)
     tandem:<c>:planner:decisions          HASH  decision number -> JSON, the live planner's latest decisions
     tandem:<c>:planner:latest             STR   JSON, its latest look (cluster/registry/planner_decisions.py)
 """
@@ -50,6 +52,10 @@ class Keys:
     @property
     def planner_latest(self) -> str:
         return self.prefix + "planner:latest"
+
+    @property
+    def membership(self) -> str:
+        return self.prefix + "membership"
 
     @property
     def routers(self) -> str:

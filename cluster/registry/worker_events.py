@@ -1,7 +1,8 @@
 """What happened to the cluster's workers: each one lost (its actor died, alone or with its
-node), each one started again in its place, and each node of a lost worker that left the
-cluster, with the node and when. The deployment that
-watches its workers (``cluster/deployment/supervisor.py``) writes them; ``tandem status`` shows
+node), each one started again in its place, each node of a lost worker that left the
+cluster, and each resize step (a worker added, draining, removed), with the node and when. The
+deployment that watches its workers (``cluster/deployment/supervisor.py``) and resizes its pools
+(``cluster/deployment/scaling.py``) writes them; ``tandem status`` shows
 them (through an ingress replica, which reads them here).
 
 One Redis list of JSON records, newest first, capped at ``EVENTS_KEPT``.
@@ -19,13 +20,14 @@ from cluster.registry.keys import Keys
 
 EVENTS_KEPT = 200
 LOST, RESTARTED, NODE_LOST = "lost", "restarted", "node_lost"
+ADDED, DRAINING, REMOVED = "added", "draining", "removed"
 
 
 @dataclass(frozen=True)
 class WorkerEvent:
     worker: str  # "" for NODE_LOST
     role: str
-    event: str  # LOST, RESTARTED or NODE_LOST
+    event: str  # LOST, RESTARTED, NODE_LOST, ADDED, DRAINING or REMOVED
     node_id: str  # lost: the node it ran on; restarted: the node it runs on now; node_lost: the node
     node_address: str
     at: float = field(default_factory=time.time)
@@ -46,7 +48,10 @@ class WorkerEvent:
             return f"{when}: {node} left the cluster"
         if self.event == LOST:
             return f"{when}: {self.worker} lost on {node}" + (f": {self.detail}" if self.detail else "")
-        return f"{when}: {self.worker} started again on {node}"
+        if self.event == RESTARTED:
+            return f"{when}: {self.worker} started again on {node}"
+        done = {ADDED: "added", DRAINING: "draining", REMOVED: "removed"}[self.event]
+        return f"{when}: {self.role} worker {self.worker} {done} on {node}" + (f" ({self.detail})" if self.detail else "")
 
 
 def record_event(client: redis.Redis, cluster: str, event: WorkerEvent) -> None:

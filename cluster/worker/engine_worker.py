@@ -153,6 +153,11 @@ class EngineWorker:
         self.engine.runner.join_transfer(layout, spec, self.prefill_side)
         self.pairs_joined.add(layout.name)
 
+    def leave_pair(self, pair: str) -> None:
+        """Leaves the transfer group ``pair`` (every TP rank): its peer is being removed."""
+        self.engine.runner.leave_transfer(pair)
+        self.pairs_joined.discard(pair)
+
     def status(self) -> dict:
         """What ``tandem status`` shows of this worker. Its state is ``alive`` while the thread
         that steps its engine runs, ``stopped`` once it ended (a step raised): such a worker
@@ -170,7 +175,8 @@ class EngineWorker:
                     "receiving": len(scheduler.receiving), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
                     "registry": "ok" if self.reporter is None or self.reporter.connected else "unreachable",
                     "speculation": self._speculation(), "node_id": self.node.node_id,
-                    "node_address": self.node.address, "started_at": self.started_at}
+                    "node_address": self.node.address, "started_at": self.started_at,
+                    "transfer_groups": sorted(self.pairs_joined)}
 
     def _speculation(self) -> dict | None:
         """Speculative decoding since the worker started, where its engine speculates (else None)."""
@@ -184,6 +190,12 @@ class EngineWorker:
 
     def free_blocks(self) -> int:
         return self._free_blocks()
+
+    def in_flight(self) -> int:
+        """Requests this worker holds now, from their arrival to their end (what a drain waits for)."""
+        with self._lock:
+            scheduler = self.engine.scheduler
+            return len(scheduler.waiting) + len(scheduler.running) + len(scheduler.receiving)
 
     def _free_blocks(self) -> int:
         with self._lock:

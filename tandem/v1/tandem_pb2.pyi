@@ -265,7 +265,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds", "speculation", "node_id", "node_address", "started_at")
+    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds", "speculation", "node_id", "node_address", "started_at", "drain", "transfer_groups")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,8 @@ class WorkerStatus(_message.Message):
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -302,7 +304,9 @@ class WorkerStatus(_message.Message):
     node_id: str
     node_address: str
     started_at: float
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., started_at: _Optional[float] = ...) -> None: ...
+    drain: str
+    transfer_groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., started_at: _Optional[float] = ..., drain: _Optional[str] = ..., transfer_groups: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
     __slots__ = ("worker", "role", "event", "node_id", "node_address", "at", "detail")

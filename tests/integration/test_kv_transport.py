@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from cluster.kv_transfer.agent import PairLayout, TransferAgent
 from cluster.kv_transfer.endpoint import KVEndpoint
 from cluster.kv_transfer.kv_blocks import pack_layer
 from cluster.kv_transfer.sender import layer_tag
@@ -48,6 +49,30 @@ def test_layers_arrive_in_the_receivers_own_blocks(ray):
     assert torch.equal(ray.get(receiver.blocks.remote(dst_blocks)), source[:, :, src_blocks])
     assert ray.get(receiver.untouched_sum.remote(dst_blocks)) == 0
     ray.kill(receiver)
+
+
+def test_a_pair_left_frees_its_rendezvous_port_for_a_group_of_the_same_name(ray):
+    """Leaving a pair's group (a worker removed by a resize: ``TransferAgent.leave``) closes it
+    and lets its rendezvous store go: a group of the same name, on the same port, builds again
+    and carries KV (a store still held would keep the port, and the second rendezvous fail)."""
+    spec = GroupSpec(CLUSTER, "transfer-left", 2, timeout_s=30)
+    agent = TransferAgent(torch.randn(SHAPE), tp_rank=0)
+    layout = PairLayout("p0-d0", 1, 1, SHAPE[4], "torch_distributed")
+    for _ in range(2):
+        receiver = start_endpoint(ray, spec)
+        agent.join(layout, spec, prefill_side=True)
+        _, transport = agent.pairs["p0-d0"]
+        done = receiver.receive_layers.remote(0, [1, 2], 0, SHAPE[4], 30)
+        for layer in range(SHAPE[0]):
+            message = pack_layer(agent.kv_cache, layer, torch.tensor([3, 4]), 0, SHAPE[4])
+            transport.send(message, peer=1, tag=layer_tag(0, layer)).wait(30)
+        ray.get(done)
+        assert torch.equal(ray.get(receiver.blocks.remote([1, 2])), agent.kv_cache[:, :, [3, 4]])
+        del transport
+        agent.leave("p0-d0")
+        assert agent.pairs == {}
+        ray.kill(receiver)
+    agent.leave("p0-d0")  # a pair not joined (any more) is no error
 
 
 def test_heads_from_two_senders_fill_one_receiver(ray):

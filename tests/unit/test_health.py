@@ -53,11 +53,13 @@ class Actor:
 
 
 class FakeRouter:
-    """The replica's router, as the health check uses it: the workers it marked failed."""
+    """The replica's router, as the health check uses it: the workers it places on (the
+    deployment's, as it started) and those it marked failed."""
 
     def __init__(self, failed=()):
         self.failed_workers = frozenset(failed)
         self.returned = []
+        self.topology = INFO.router_topology
 
     def worker_returned(self, name):
         self.returned.append(name)

@@ -12,8 +12,8 @@ import pytest
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured.spec import StructuredOutput
 from cluster.protocol.codec import MESSAGES, TAG, UnknownMessage, decode_message, encode_message
-from cluster.protocol.messages import (FailureKind, Finished, Hello, RequestFailed, TokenDelta, TransferReport, Usage,
-                                       WorkerFailure, WorkerRequest)
+from cluster.protocol.messages import (FailureKind, Finished, Hello, RequestFailed, ScaleProgress, ScaleRequest,
+                                       ScaleResult, TokenDelta, TransferReport, Usage, WorkerFailure, WorkerRequest)
 
 pytestmark = pytest.mark.unit
 
@@ -36,6 +36,10 @@ EXAMPLES = [
     WorkerFailure(FailureKind.NO_ROOM, "decode-0 has no free KV blocks for this prompt now"),
     WorkerFailure(FailureKind.UNPAIRED, "KV transfer failed: receive: timed out", "prefill-1"),
     RequestFailed("invalid", "max_tokens must be >= 1"),
+    ScaleRequest("move", role="decode", worker="prefill-1", timeout_s=30.0),
+    ScaleProgress("decode-0 draining: routers place on it no more"),
+    ScaleResult(True, worker="decode-2", members={"prefill": ["prefill-0"], "decode": ["decode-1", "decode-2"]}),
+    ScaleResult(False, "worker: 'decode-9' is not a worker of this cluster; its workers: prefill-0, decode-0"),
 ]
 
 

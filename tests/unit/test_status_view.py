@@ -74,9 +74,9 @@ def test_format_status_lists_workers_health_and_goodput():
     assert "prefill-0  prefill  2   alive  a1b2c3d4@10.0.0.5  3/64" in text
     assert "decode-0   decode   -   dead   -" in text
     lines = text.splitlines()
-    events_at = lines.index("workers lost and started again:")
+    events_at = lines.index("worker events:")
     assert lines[events_at:events_at + 3] == [
-        "workers lost and started again:", "  2023-11-14 22:13:23 UTC: node ffee00112233 (10.0.0.6) left the cluster",
+        "worker events:", "  2023-11-14 22:13:23 UTC: node ffee00112233 (10.0.0.6) left the cluster",
         "  2023-11-14 22:13:20 UTC: decode-0 lost on node ffee00112233 (10.0.0.6): The actor died unexpectedly"]
     assert "decode-1: takes no KV from prefill-0 now (rebuilding the transfer group)" in text
     assert "last minute: 4 requests, goodput 0.05/s, SLO attainment 75%" in text
@@ -212,3 +212,23 @@ def test_the_live_planner_s_look_and_decisions_are_shown():
         "    22:14:10 did not resize 2P+1D -> 1P+2D: predicted 1.00 req/s (0%); resize failed: no room",
     ]
     assert json.loads(json.dumps(view))["planner"]["decisions"][0]["number"] == 1
+
+
+def test_a_draining_worker_and_the_resize_steps_in_the_status():
+    m = tandem_pb2.ClusterStatus(cluster="c1", model="m", serving=True)
+    m.workers.add(name="decode-0", role="decode", state="alive", tp=1, kv_blocks_used=5, kv_blocks=64, running=2,
+                  registry="ok", drain="draining", node_id="a1b2c3d4e5f60718", node_address="10.0.0.5")
+    m.workers.add(name="decode-1", role="decode", state="alive", tp=1, kv_blocks=64, registry="ok", drain="serving")
+    for event, at, detail in (("removed", 3.0, "drained in 1.3s"), ("draining", 2.0, ""), ("added", 1.0, "")):
+        worker = "decode-1" if event == "added" else "decode-0"
+        m.worker_events.add(worker=worker, role="decode", event=event, node_id="a1b2c3d4e5f60718",
+                            node_address="10.0.0.5", at=1_700_000_000.0 + at, detail=detail)
+    status = status_dict(m)
+    assert [(w["name"], w["drain"]) for w in status["workers"]] == [("decode-0", "draining"), ("decode-1", "serving")]
+    lines = format_status(status).splitlines()
+    assert any(line.startswith("decode-0  decode  1   draining  a1b2c3d4@10.0.0.5  5/64") for line in lines), lines
+    events_at = lines.index("worker events:")
+    assert lines[events_at + 1:events_at + 4] == [
+        "  2023-11-14 22:13:23 UTC: decode worker decode-0 removed on node a1b2c3d4e5f6 (10.0.0.5) (drained in 1.3s)",
+        "  2023-11-14 22:13:22 UTC: decode worker decode-0 draining on node a1b2c3d4e5f6 (10.0.0.5)",
+        "  2023-11-14 22:13:21 UTC: decode worker decode-1 added on node a1b2c3d4e5f6 (10.0.0.5)"]

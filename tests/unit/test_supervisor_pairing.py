@@ -51,11 +51,11 @@ class FakeDeployment:
 
 def supervisor(outcomes, monkeypatch):
     monkeypatch.setattr(supervisor_module, "RETRY_S", (0.0,))
-    monkeypatch.setattr(supervisor_module, "_log", lambda message: None)
+    monkeypatch.setattr(supervisor_module, "log", lambda message: None)
     deployment = FakeDeployment(FakeRay(outcomes))
     sup = Supervisor.__new__(Supervisor)
     sup.deployment, sup.ray, sup.restarting = deployment, deployment._ray, {"decode-0"}
-    sup._lock, sup._pairing, sup._stop = threading.Lock(), threading.Lock(), threading.Event()
+    sup._lock, sup.pairing, sup._stop = threading.Lock(), threading.Lock(), threading.Event()
     sup._generations = iter(range(1, 100))
     return sup, deployment
 
