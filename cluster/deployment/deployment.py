@@ -78,6 +78,7 @@ class Deployment:
         self.configs: dict[str, EngineConfig] = {}
         self.nodes: dict[str, NodePlace] = {}  # worker name -> the node its placement group is on
         self.supervisor: Supervisor | None = None
+        self.planner = None  # the live planner (cluster/plan/live/controller.py), when planner.mode is not off
         self.members: dict[str, list[str]] = {role: pool.names() for role, pool in self.pools.items()}
         self.next_index: dict[str, int] = {role: pool.replicas for role, pool in self.pools.items()}
         self.draining: set[str] = set()
@@ -109,6 +110,8 @@ class Deployment:
             self.publish_membership()
             if self.spec.ray.restart_workers:
                 self.supervisor = Supervisor(self).start()
+            if self.spec.planner.mode != "off":
+                self.planner = self._live_planner().start()
         except BaseException:
             self.shutdown()
             raise
@@ -310,6 +313,16 @@ class Deployment:
             calls.append((d_name, self.workers[d_name].pair_with.remote(p_name, layout, spec)))
         return calls
 
+    def _live_planner(self):
+        """The live planner (``planner.mode``: advise or act) on this deployment's pools."""
+        from cluster.deployment.planner_resize import resize_to, split_of
+        from cluster.plan.live.controller import LivePlanner
+
+        return LivePlanner(self.spec, connect(self.registry_url), self.cluster_name, lambda: split_of(self),
+                           lambda: [w for role in ("prefill", "decode") for w in self.members.get(role, ())],
+                           self.info.vocab_size, self.info.max_model_len,
+                           resize=lambda split: resize_to(self, split))
+
     def publish_membership(self) -> Membership:
         """Writes the pools' members now (and those draining) to the registry, as the next
         version of the membership record that routers place by; returns it."""
@@ -374,6 +387,9 @@ class Deployment:
         ray = self._ray
         if ray is None:  # never started
             return
+        if getattr(self, "planner", None) is not None:
+            self.planner.stop()  # first: it resizes no more
+            self.planner = None
         if getattr(self, "supervisor", None) is not None:
             self.supervisor.stop()  # first: the workers stopped below are not started again
             self.supervisor = None

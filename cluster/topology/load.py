@@ -241,6 +241,9 @@ def _check(text: str, source: str, model_elsewhere: bool = False
         planner=_planner(top),
     )
     _check_pools(ctx, spec)
+    if spec.planner.mode != "off" and (spec.colocated.replicas or not spec.prefill.replicas or not spec.decode.replicas):
+        ctx.error("planner.mode", f"{spec.planner.mode} sizes prefill and decode pools: the topology needs both and "
+                  "no colocated workers (or set planner.mode: off)")
     _check_ports(ctx, spec)
     _check_exposure(ctx, spec)
     _check_model(ctx, spec, model_elsewhere or spec.ray.address is not None)

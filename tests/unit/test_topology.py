@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -778,3 +779,19 @@ def test_topology_error_crosses_processes_whole():
     copy = pickle.loads(pickle.dumps(info.value))
     assert copy.errors == info.value.errors and str(copy) == str(info.value)
     assert str(copy).startswith("t.yaml:2: prefill.tp: ")
+
+
+def test_the_live_planner_s_keys_are_checked():
+    spec = parse_topology("planner: {mode: act, decode_max: 3, cooldown_s: 60}\n")
+    assert (spec.planner.mode, spec.planner.decode_max, spec.planner.cooldown_s, spec.planner.confirmations) == (
+        "act", 3, 60.0, 2)
+    for text, message in (
+            ("planner: {mode: auto}", "planner.mode: must be one of off, advise, act"),
+            ("planner: {prefill_min: 2, prefill_max: 1}", "planner.prefill_max: must be at least prefill_min (2), got 1"),
+            ("planner: {max_workers: 2, prefill_min: 2}", "planner.max_workers: must be at least prefill_min + "
+                                                          "decode_min (3), got 2"),
+            ("planner: {window_s: 300}", "planner.window_s:"),
+            ("planner: {mode: advise}\ncolocated: {replicas: 1}", "planner.mode: advise sizes prefill and decode pools"),
+    ):
+        with pytest.raises(TopologyError, match=re.escape(message)):
+            parse_topology(text)
