@@ -11,6 +11,13 @@ cluster's pools), so a split's first window after a change is slightly optimisti
 runs alike. After each window the planner of the ``act`` run looks (the same code as a live
 cluster's: ``cluster/plan/live/``, its proposal simulated on other seeds than the windows).
 
+``--scale local``: on this machine, the quick start's default model in a cluster of 3 workers
+on its cores (1 prefill + 2 decode to start, the split for the first phase), driven through the
+gRPC API by Poisson arrivals of the ``standard`` class, once with ``planner.mode: off`` and once
+with ``act`` (bounds: 3 workers, moves only; a look every ``--interval-s``). Goodput per phase is
+measured at the client; each decision's prediction and the goodput measured a window after it
+come from the planner's own record (``tandem status``).
+
 Goals (issue #26): with ``act``, goodput in the second phase >= 1.3x the fixed split's, and
 each decision's predicted goodput within 20% of what was measured after it.
 
@@ -135,7 +142,10 @@ WINDOW_S = 30.0
 def main() -> int:
     global WINDOW_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", choices=("sim",), default="sim")
+    parser.add_argument("--scale", choices=("sim", "local"), default="sim")
+    parser.add_argument("--local-phase1", default="64,256,0.6,90", help="local: prompt,output,rate,seconds")
+    parser.add_argument("--local-phase2", default="1024,16,2.0,150", help="local: prompt,output,rate,seconds")
+    parser.add_argument("--interval-s", type=float, default=10.0, help="local: between the planner's looks")
     parser.add_argument("--gpus", type=int, default=16, help="GPUs the split is made of")
     parser.add_argument("--tp", type=int, default=4, help="TP degree of every worker")
     parser.add_argument("--hardware", default="h100")
@@ -149,6 +159,8 @@ def main() -> int:
     parser.add_argument("--confirmations", type=int, default=2)
     parser.add_argument("--cooldown-s", type=float, default=40.0)
     args = parser.parse_args()
+    if args.scale == "local":
+        return local_drill(args)
     WINDOW_S = args.window_s
     args.workers = args.gpus // args.tp
     phases = []
@@ -203,6 +215,122 @@ def main() -> int:
           f"({'met' if ratio >= 1.3 else 'NOT met'})")
     print(f"goal: every decision's predicted goodput within 20% of measured: {len(within)} of {len(decisions)} "
           f"({'met' if decisions and len(within) == len(decisions) else 'NOT met'})")
+    return 0
+
+
+# -- on this machine ------------------------------------------------------------------------------
+
+LOCAL_VOCAB = (100, 40000)  # token ids drawn from here: plain text pieces of the default model's vocabulary
+
+
+def local_topology(args, mode: str) -> dict:
+    from local_cluster import free_port
+
+    return {"server": {"port": free_port(), "http_port": 0}, "prefill": {"replicas": 1}, "decode": {"replicas": 2},
+            "planner": {"mode": mode, "interval_s": args.interval_s, "window_s": args.window_s, "min_workers": 3,
+                        "max_workers": 3, "confirmations": args.confirmations, "cooldown_s": args.cooldown_s,
+                        "min_gain": args.min_gain}}
+
+
+async def drive(api: str, phases: list[tuple[Phase, float]], seed: int) -> dict[str, list]:
+    import asyncio
+    import random
+
+    from cluster.bench.clients import GrpcBackend, SendOptions
+
+    backend = GrpcBackend(api)
+    rng, arrivals = random.Random(seed), random.Random(seed + 1)
+    out: dict[str, list] = {}
+    start = time.perf_counter()
+    clock = lambda: time.perf_counter() - start  # noqa: E731
+    tasks, count, phase_start = [], 0, 0.0
+
+    async def send(phase: Phase, results: list) -> None:
+        nonlocal count
+        count += 1
+        n = max(8, int(rng.gauss(phase.prompt, LENGTH_SPREAD * phase.prompt)))
+        prompt = [rng.randrange(*LOCAL_VOCAB) for _ in range(n)]
+        results.append(await backend.send(f"r{count}", prompt, phase.output, "standard",
+                                          SendOptions(ignore_eos=True, timeout_s=300), clock))
+
+    try:
+        for phase, seconds in phases:
+            results = out.setdefault(phase.name, [])
+            at = phase_start
+            log(f"local: {phase.name} ({phase.prompt} in / {phase.output} out at {phase.rate:g} req/s, {seconds:g} s)")
+            while True:
+                at += arrivals.expovariate(phase.rate)
+                if at >= phase_start + seconds:
+                    break
+                await asyncio.sleep(max(0.0, at - clock()))
+                tasks.append(asyncio.ensure_future(send(phase, results)))
+            phase_start += seconds
+        await asyncio.gather(*tasks)
+    finally:
+        await backend.close()
+    return out
+
+
+def local_drill(args) -> int:
+    import asyncio
+
+    from cluster.bench.metrics import summarize
+    from cluster.paths import cache_dir
+    from local_cluster import LocalCluster, stop_on_sigterm
+
+    stop_on_sigterm()
+    phases = []
+    for name, text in (("phase 1", args.local_phase1), ("phase 2", args.local_phase2)):
+        prompt, output, rate, seconds = text.split(",")
+        phases.append((Phase(name, float(rate), int(prompt), int(output)), float(seconds)))
+    objectives = {c.name: Objectives(c.ttft_s, c.tpot_s) for c in RouterConfig().slo_classes}
+    figures, decisions, finals = {}, {}, {}
+    for mode in ("off", "act"):
+        with LocalCluster(f"shift-{mode}", local_topology(args, mode), cache=cache_dir()) as cluster:
+            results = asyncio.run(drive(cluster.api, phases, seed=11))
+            if mode == "act":  # the last decision's window passes, and a look measures it
+                time.sleep(args.window_s + args.interval_s)
+            status = cluster.status() or {}
+        figures[mode] = {}
+        for phase, seconds in phases:
+            summary = summarize(results[phase.name], class_objectives=objectives)
+            g = summary["goodput"]
+            figures[mode][phase.name] = (g["met"] / seconds, g["attainment"], g["requests"], g["failed"],
+                                         summary["ttft"].get("p90_ms"), summary["tpot"].get("p90_ms"))
+        decisions[mode] = (status.get("planner") or {}).get("decisions", [])
+        finals[mode] = sorted(w["name"] for w in status.get("workers", []))
+        log(f"local {mode}: " + "; ".join(f"{name}: goodput {f[0]:.2f} req/s, attainment {f[1]:.0%}"
+                                          for name, f in figures[mode].items()))
+
+    print_table("machine", machine_rows() + [
+        ("cluster", "the quick start's default model; 3 workers on this machine's cores, 1 prefill + 2 decode to start"),
+        ("planner", f"act: a look every {args.interval_s:g} s over {args.window_s:g} s, {args.confirmations} looks to "
+                    f"confirm, cooldown {args.cooldown_s:g} s, min gain {args.min_gain:.0%}; moves only (3 workers)")])
+    rows = []
+    for phase, seconds in phases:
+        off, act = figures["off"][phase.name], figures["act"][phase.name]
+        rows.append((f"{phase.name}: {phase.prompt} in / {phase.output} out, {phase.rate:g} req/s, {seconds:g} s",
+                     f"{off[0]:.2f}", f"{off[1]:.0%}", f"{act[0]:.2f}", f"{act[1]:.0%}",
+                     f"{act[0] / off[0]:.2f}x" if off[0] else "-", f"{off[3]} / {act[3]}"))
+    print_table("goodput per phase (req/s, at the client) and attainment", rows,
+                ("phase", "off goodput", "off attainment", "act goodput", "act attainment", "act / off",
+                 "failed off / act"))
+    made = decisions["act"]
+    print_table("decisions (act), from the planner's record", [
+        (d["number"], time.strftime("%H:%M:%S", time.gmtime(d["at"])), f"{d['current']} -> {d['proposed']}",
+         "yes" if d["acted"] else "no", f"{d['predicted_goodput_rps']:.2f}",
+         f"{d['measured_goodput_rps']:.2f}" if d["measured_goodput_rps"] is not None else "-",
+         f"{(d['predicted_goodput_rps'] - d['measured_goodput_rps']) / d['measured_goodput_rps']:+.0%}"
+         if d["measured_goodput_rps"] else "-", d["detail"][:60]) for d in made],
+        ("#", "at", "resize", "acted", "predicted req/s", "measured after", "error", "detail"))
+    print(f"\nworkers at the end: off {', '.join(finals['off'])}; act {', '.join(finals['act'])}")
+    off2, act2 = figures["off"]["phase 2"][0], figures["act"]["phase 2"][0]
+    ratio = act2 / off2 if off2 else float("inf")
+    errors = [abs(d["predicted_goodput_rps"] - d["measured_goodput_rps"]) / d["measured_goodput_rps"]
+              for d in made if d["measured_goodput_rps"]]
+    print(f"goal: act's goodput in phase 2 >= 1.3x the fixed split's: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})")
+    print(f"goal: every decision's predicted goodput within 20% of measured: "
+          f"{sum(e <= 0.2 for e in errors)} of {len(made)} ({'met' if made and len(errors) == len(made) and max(errors) <= 0.2 else 'NOT met'})")
     return 0
 
 

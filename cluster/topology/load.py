@@ -369,6 +369,8 @@ def _planner(top: _Section) -> PlannerSpec:
         low, high = getattr(planner, f"{role}_min"), getattr(planner, f"{role}_max")
         if high is not None and high < low:
             top.ctx.error(f"planner.{role}_max", f"must be at least {role}_min ({low}), got {high}")
+    if planner.min_workers is not None and planner.max_workers is not None and planner.min_workers > planner.max_workers:
+        top.ctx.error("planner.min_workers", f"must be at most max_workers ({planner.max_workers}), got {planner.min_workers}")
     if planner.max_workers is not None and planner.max_workers < planner.prefill_min + planner.decode_min:
         top.ctx.error("planner.max_workers", f"must be at least prefill_min + decode_min "
                       f"({planner.prefill_min + planner.decode_min}), got {planner.max_workers}")

@@ -322,7 +322,7 @@ PLANNER_MODES = ("off", "advise", "act")
 @dataclass(frozen=True)
 class PlannerSpec:
     check_order: ClassVar[tuple[str, ...]] = ("mode", "interval_s", "window_s", "prefill_min", "prefill_max",
-                                              "decode_min", "decode_max", "max_workers", "min_gain",
+                                              "decode_min", "decode_max", "min_workers", "max_workers", "min_gain",
                                               "confirmations", "cooldown_s")
     mode: str = key("off", checks.choice(PLANNER_MODES), """
         The live planner (``cluster/plan/live/``): every ``interval_s`` it reads the registry's
@@ -347,6 +347,9 @@ class PlannerSpec:
         Fewest decode workers, at least 1.""")
     decode_max: int | None = key(None, checks.integer(1, null=True), """
         Most decode workers. Null: ``max_workers`` less ``prefill_min``.""")
+    min_workers: int | None = key(None, checks.integer(2, null=True), """
+        Fewest workers in all (equal to ``max_workers``: the planner only moves workers between
+        the roles). Null: ``prefill_min + decode_min``.""")
     max_workers: int | None = key(None, checks.integer(2, null=True), """
         Most workers in all. Null: as many as the topology starts with.""")
     min_gain: float = key(0.1, checks.number(0.0), """

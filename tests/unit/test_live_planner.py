@@ -32,6 +32,7 @@ def test_bounds_fill_their_nulls_from_the_workers_the_topology_starts_with():
     assert Bounds.of(PlannerSpec(), 3).splits() == [P1D1, P1D2, P2D1]
     assert Bounds.of(PlannerSpec(max_workers=4, decode_max=2), 3).splits() == [
         P1D1, P1D2, P2D1, Split(2, 2), Split(3, 1)]
+    assert Bounds.of(PlannerSpec(min_workers=3), 3).splits() == [P1D2, P2D1]  # moves only
 
 
 def test_the_split_that_meets_the_objectives_with_fewest_workers_is_chosen():

@@ -50,7 +50,7 @@ class Bounds:
         """The topology's ``planner`` bounds, nulls filled from the workers it starts with."""
         most = spec.max_workers or workers_now
         return cls(spec.prefill_min, spec.prefill_max or most - spec.decode_min, spec.decode_min,
-                   spec.decode_max or most - spec.prefill_min, most)
+                   spec.decode_max or most - spec.prefill_min, most, spec.min_workers or 0)
 
 
 @dataclass(frozen=True)
