@@ -27,6 +27,7 @@ each decision's predicted goodput within 20% of what was measured after it.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import sys
 import time
 from dataclasses import dataclass
@@ -297,6 +298,9 @@ def local_drill(args) -> int:
             g = summary["goodput"]
             figures[mode][phase.name] = (g["met"] / seconds, g["attainment"], g["requests"], g["failed"],
                                          summary["ttft"].get("p90_ms"), summary["tpot"].get("p90_ms"))
+            errors = Counter((r.error or "")[:120] for r in results[phase.name] if not r.ok and not r.rejected)
+            for error, n in errors.most_common(3):
+                log(f"local {mode}, {phase.name}: {n} failed: {error}")
         decisions[mode] = (status.get("planner") or {}).get("decisions", [])
         finals[mode] = sorted(w["name"] for w in status.get("workers", []))
         log(f"local {mode}: " + "; ".join(f"{name}: goodput {f[0]:.2f} req/s, attainment {f[1]:.0%}"
@@ -325,7 +329,7 @@ def local_drill(args) -> int:
         ("#", "at", "resize", "acted", "predicted req/s", "measured after", "error", "detail"))
     print(f"\nworkers at the end: off {', '.join(finals['off'])}; act {', '.join(finals['act'])}")
     off2, act2 = figures["off"]["phase 2"][0], figures["act"]["phase 2"][0]
-    ratio = act2 / off2 if off2 else float("inf")
+    ratio = act2 / off2 if off2 else (float("inf") if act2 else 0.0)
     errors = [abs(d["predicted_goodput_rps"] - d["measured_goodput_rps"]) / d["measured_goodput_rps"]
               for d in made if d["measured_goodput_rps"]]
     print(f"goal: act's goodput in phase 2 >= 1.3x the fixed split's: {ratio:.2f}x ({'met' if ratio >= 1.3 else 'NOT met'})")
