@@ -20,6 +20,8 @@ from prefill_worker.worker import PrefillWorker
 
 pytestmark = pytest.mark.unit
 
+PROBE_TOLERANCE = step_profile.PROBE_TOLERANCE  # the module's own, before a fixture widens it
+
 
 @pytest.fixture
 def model(checkpoint, tmp_path):
@@ -146,7 +148,7 @@ def test_a_kept_profile_its_probe_contradicts_is_measured_again(model, measured,
     for kept in data["steps"]:
         kept["seconds"] *= 1000  # as measured by an engine 1,000 times slower than this one
     path.write_text(json.dumps(data))
-    monkeypatch.setattr(step_profile, "PROBE_TOLERANCE", 2.0)
+    monkeypatch.setattr(step_profile, "PROBE_TOLERANCE", PROBE_TOLERANCE)
     again = engine(model)
     assert step_profile.start_up(again, "decode") is True
     assert measured == ["decode", "decode"]
