@@ -60,7 +60,6 @@ DECODE_BATCH = 32  # the widest decode batch measured (less where max_num_seqs o
 PROMPTS_TIME_LIMIT_S = 10.0
 DECODE_TIME_LIMIT_S = 20.0
 WARM_UP_TOKENS = 16  # the warm-up's prompt: the profile's first prompt shape, so the probe has its kept twin
-PROBE_RUNS = 3  # the probe's request, run this many times: each shape's fastest step is compared
 PROBE_TOLERANCE = 2.0  # a probe under half the kept steps' time has the profile measured again
 PROFILE_FORMAT = 2  # 2: measured on a warm engine, checked by a probe (1 was keyed by the engine's code)
 KEPT_PROFILES = 64  # the most recently used are kept
@@ -92,17 +91,13 @@ def start_up(engine: LLMEngine, role: str) -> bool:
 
 
 def probe(engine, role: str) -> list[StepRecord]:
-    """The warm-up request run ``PROBE_RUNS`` times, timed: the fastest step of each shape (a
-    16-token prompt, and a one-sequence decode step where the worker generates)."""
-    fastest: dict[tuple[int, int], StepRecord] = {}
-    for _ in range(PROBE_RUNS):
-        _warm_up(engine, role)
-        for step in engine.stats.steps:
-            shape = _shape(step)
-            if shape not in fastest or step.seconds < fastest[shape].seconds:
-                fastest[shape] = step
+    """The warm-up request run once more, timed: a 16-token prompt, and a one-sequence decode
+    step where the worker generates. Once is enough: noise only slows a step, and a slower probe
+    never contradicts a profile (:func:`profile_holds`)."""
+    _warm_up(engine, role)
+    steps = list(engine.stats.steps)
     _forget_requests(engine, ())
-    return list(fastest.values())
+    return steps
 
 
 def profile_holds(kept: list[StepRecord], probed: list[StepRecord], tolerance: float | None = None) -> bool:
