@@ -29,7 +29,8 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import replace
 from pathlib import Path
 
@@ -185,23 +186,27 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     deployment = None
-    deployed = False
-    # Serve's controller starts while the workers load: it needs nothing of theirs.
-    pool = ThreadPoolExecutor(1, thread_name_prefix="serve-start")
-    serve_starting = pool.submit(serve.start, proxy_location="Disabled")
-    pool.shutdown(wait=False)
+    # Serve's controller starts while the workers load: it needs nothing of theirs. The ingress
+    # replicas start as soon as the workers are described, while the workers pair up.
+    serving = ThreadPoolExecutor(1, thread_name_prefix="serve-start")
+    serve_starting = serving.submit(serve.start, proxy_location="Disabled")
+    ingress: list[Future] = []
+
+    def deploy_ingress(info) -> str:
+        serve_starting.result()
+        handle = serve.run(ingress_app(spec, info), name=spec.name, route_prefix=None)
+        return handle.address.remote().result()
+
     try:
         try:
-            deployment = Deployment(spec).start()
+            deployment = Deployment(spec).start(
+                described=lambda info: ingress.append(serving.submit(deploy_ingress, info)))
         except ClusterStartError as exc:  # its workers, placement, registry or model
             _log(f"cluster {spec.name!r} did not start: {exc}")
             return 1
         info = deployment.info
         try:
-            serve_starting.result()
-            deployed = True
-            handle = serve.run(ingress_app(spec, info), name=spec.name, route_prefix=None)
-            api = handle.address.remote().result()
+            api = ingress[0].result()
         except Exception as exc:  # noqa: BLE001 - Serve reports a replica that cannot start as a RuntimeError
             _log(f"cluster {spec.name!r} did not start: the gRPC API on {spec.server.host}:{spec.server.port} "
                  f"(server.host, server.port) did not come up: {exception_line(exc)}")
@@ -237,21 +242,24 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
             pass
         return 0
     finally:
+        serving.shutdown(wait=False)
         stopping = time.perf_counter()
-        stopped = _stop(spec, ray, serve, serve_starting, deployed, deployment)
+        stopped = _stop(spec, ray, serve, serve_starting, ingress[0] if ingress else None, deployment)
         if stop.is_set():  # a stop asked for (Ctrl-C, `tandem down`), not a start that failed
             _log(f"cluster {spec.name!r} stopped in {time.perf_counter() - stopping:.1f}s: {stopped}")
 
 
-def _stop(spec: ClusterSpec, ray, serve, serve_starting, deployed: bool, deployment) -> str:
+def _stop(spec: ClusterSpec, ray, serve, serve_starting: Future, ingress: Future | None, deployment) -> str:
     """Stops what ``up`` started, in order, printing nothing of Ray's: the ingress replicas
     (each stops taking calls and lets those in flight end), Serve, the workers (and their
     placement groups), the registry, then a local Ray. Says what it stopped."""
     silence_ray_output()
     done = []
+    deployed = ingress is not None
     try:
         serve_starting.result()  # not torn down half-started
-        if deployed:
+        if ingress is not None:
+            futures_wait([ingress])  # nor half-deployed (it may have failed: deleted all the same)
             serve.delete(spec.name)  # waits for the replicas to drain and stop
             done.append("API drained")
         if deployed or spec.ray.address:
