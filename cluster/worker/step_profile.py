@@ -27,8 +27,9 @@ profile was measured slow (an engine since made faster, or a busy machine), whil
 may only mean a busy machine now. An engine made slower, or faster by less than the tolerance,
 keeps the profile: the router refits each worker's cost model to the live steps its reports
 carry, which replace the profile's within a few dozen steps. The ``KEPT_PROFILES`` most recently used are kept; deleting
-the folder clears them. Workers starting together on one machine measure (and probe) one at a
-time (:func:`measuring_alone`): a profile is a worker's steps alone on its node.
+the folder clears them. Workers starting together on one machine warm up, measure and probe one
+at a time (:func:`measuring_alone`): a profile is a worker's steps alone on its node, with no
+other worker's warm-up (a cold engine's first steps) beside it.
 """
 from __future__ import annotations
 
@@ -71,20 +72,21 @@ def start_up(engine: LLMEngine, role: str) -> bool:
     key while a probe confirms it, or one measured now (then kept). True when it was measured."""
     key = profile_key(engine, role)
     kept = kept_steps(key)
-    _warm_up(engine, role)
-    wait = getattr(engine.runner, "wait_for_kv_memory", None)
     if kept is not None:
-        with measuring_alone():
+        with measuring_alone():  # alone: a cold engine's first steps would slow another worker's profile
+            _warm_up(engine, role)
             probed = probe(engine, role)
         if profile_holds(kept, probed):
             _forget_requests(engine, kept)
             return False
         _log(f"{engine.config.engine_name or role}: the kept step profile does not hold here any more "
              f"({_probe_summary(kept, probed)}); measuring it again")
-    _forget_requests(engine, ())
+    wait = getattr(engine.runner, "wait_for_kv_memory", None)
     if wait is not None:  # measured alone, not beside the KV cache's pages being faulted in
         wait()
     with measuring_alone():
+        _warm_up(engine, role)
+        _forget_requests(engine, ())
         measure(engine, role)
     keep_steps(key, list(engine.stats.steps))
     return True
