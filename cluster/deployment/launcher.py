@@ -41,6 +41,7 @@ from cluster.runtime.ray_runtime import auth_summary, quiet_auth_notice, silence
 from cluster.topology import ClusterSpec
 
 READY_TIMEOUT_S = 600.0
+INGRESS_DEPLOY_WAIT_S = 30.0  # a stop waits this long for the ingress's deploy to end before deleting it
 
 
 def _log(message: str) -> None:
@@ -259,7 +260,9 @@ def _stop(spec: ClusterSpec, ray, serve, serve_starting: Future, ingress: Future
     try:
         serve_starting.result()  # not torn down half-started
         if ingress is not None:
-            futures_wait([ingress])  # nor half-deployed (it may have failed: deleted all the same)
+            # nor half-deployed, unless its deploy hangs on replicas that cannot serve (their
+            # workers stopped by a start that failed after they were described): deleted all the same
+            futures_wait([ingress], timeout=INGRESS_DEPLOY_WAIT_S)
             serve.delete(spec.name)  # waits for the replicas to drain and stop
             done.append("API drained")
         if deployed or spec.ray.address:
