@@ -27,6 +27,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from cluster.deployment.supervisor import Supervisor
 from cluster.deployment.pools import (EngineOverrides, Pool, PoolResources, device_of, pair_name, pools_of,
@@ -87,9 +88,12 @@ class Deployment:
         self._ray = None
         self._num_kv_heads = 0
 
-    def start(self) -> "Deployment":
+    def start(self, described: Callable[[ServingInfo], None] | None = None) -> "Deployment":
         """Places and starts every worker, pairs prefill with decode workers and waits for their
-        first reports. A worker that cannot be placed or started raises
+        first reports. ``described`` is called with the serving info as soon as the workers are
+        up, before they pair: ``tandem up`` starts the ingress replicas meanwhile (a request
+        that comes before a pair is built is prefilled on its decode worker, or waits in the
+        router for the workers' first reports). A worker that cannot be placed or started raises
         :class:`~cluster.runtime.startup.ClusterStartError`, one line naming it and the setting to
         change, after stopping everything started so far."""
         model_dir = self.spec.model_dir()
@@ -101,11 +105,13 @@ class Deployment:
         try:
             self._start_workers(model_dir)
             self._await_workers([(name, w.started.remote()) for name, w in self.workers.items()])
-            described = dict(zip(self.workers, self._await_workers(
+            description = dict(zip(self.workers, self._await_workers(
                 [(name, w.describe.remote()) for name, w in self.workers.items()])))
             self._num_kv_heads = config.num_kv_heads
+            self.info = self._serving_info(model_dir, config, description)
+            if described is not None:
+                described(self.info)
             self._await_workers(self.pair_calls(self.pairs()))
-            self.info = self._serving_info(model_dir, config, described)
             self._wait_for_registry()
             self.publish_membership()
             if self.spec.ray.restart_workers:

@@ -30,7 +30,8 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from cluster.runtime.ray_runtime import auth_summary, quiet_auth_notice, silence
 from cluster.topology import ClusterSpec
 
 READY_TIMEOUT_S = 600.0
+INGRESS_DEPLOY_WAIT_S = 30.0  # a stop waits this long for the ingress's deploy to end before deleting it
 
 
 def _log(message: str) -> None:
@@ -187,23 +189,27 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     deployment = None
     control = None
-    deployed = False
-    # Serve's controller starts while the workers load: it needs nothing of theirs.
-    pool = ThreadPoolExecutor(1, thread_name_prefix="serve-start")
-    serve_starting = pool.submit(serve.start, proxy_location="Disabled")
-    pool.shutdown(wait=False)
+    # Serve's controller starts while the workers load: it needs nothing of theirs. The ingress
+    # replicas start as soon as the workers are described, while the workers pair up.
+    serving = ThreadPoolExecutor(1, thread_name_prefix="serve-start")
+    serve_starting = serving.submit(serve.start, proxy_location="Disabled")
+    ingress: list[Future] = []
+
+    def deploy_ingress(info) -> str:
+        serve_starting.result()
+        handle = serve.run(ingress_app(spec, info), name=spec.name, route_prefix=None)
+        return handle.address.remote().result()
+
     try:
         try:
-            deployment = Deployment(spec).start()
+            deployment = Deployment(spec).start(
+                described=lambda info: ingress.append(serving.submit(deploy_ingress, info)))
         except ClusterStartError as exc:  # its workers, placement, registry or model
             _log(f"cluster {spec.name!r} did not start: {exc}")
             return 1
         info = deployment.info
         try:
-            serve_starting.result()
-            deployed = True
-            handle = serve.run(ingress_app(spec, info), name=spec.name, route_prefix=None)
-            api = handle.address.remote().result()
+            api = ingress[0].result()
         except Exception as exc:  # noqa: BLE001 - Serve reports a replica that cannot start as a RuntimeError
             _log(f"cluster {spec.name!r} did not start: the gRPC API on {spec.server.host}:{spec.server.port} "
                  f"(server.host, server.port) did not come up: {exception_line(exc)}")
@@ -246,24 +252,29 @@ def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
             pass
         return 0
     finally:
+        serving.shutdown(wait=False)
         stopping = time.perf_counter()
         if control is not None:  # no resize starts while the cluster stops
             control.stop()
             control_token_path(spec.name).unlink(missing_ok=True)
-        stopped = _stop(spec, ray, serve, serve_starting, deployed, deployment)
+        stopped = _stop(spec, ray, serve, serve_starting, ingress[0] if ingress else None, deployment)
         if stop.is_set():  # a stop asked for (Ctrl-C, `tandem down`), not a start that failed
             _log(f"cluster {spec.name!r} stopped in {time.perf_counter() - stopping:.1f}s: {stopped}")
 
 
-def _stop(spec: ClusterSpec, ray, serve, serve_starting, deployed: bool, deployment) -> str:
+def _stop(spec: ClusterSpec, ray, serve, serve_starting: Future, ingress: Future | None, deployment) -> str:
     """Stops what ``up`` started, in order, printing nothing of Ray's: the ingress replicas
     (each stops taking calls and lets those in flight end), Serve, the workers (and their
     placement groups), the registry, then a local Ray. Says what it stopped."""
     silence_ray_output()
     done = []
+    deployed = ingress is not None
     try:
         serve_starting.result()  # not torn down half-started
-        if deployed:
+        if ingress is not None:
+            # nor half-deployed, unless its deploy hangs on replicas that cannot serve (their
+            # workers stopped by a start that failed after they were described): deleted all the same
+            futures_wait([ingress], timeout=INGRESS_DEPLOY_WAIT_S)
             serve.delete(spec.name)  # waits for the replicas to drain and stop
             done.append("API drained")
         if deployed or spec.ray.address:

@@ -7,20 +7,30 @@ sequences down to one, so the cost model sees the batch sizes it will predict ra
 handful to extrapolate from (a fit from batches of 1 to 4 put 16 sequences at 111 ms a step
 where they took about 30). A fresh profile is bounded by time: prompts stop being added after
 ``PROMPTS_TIME_LIMIT_S``, and the decode batch is cut after ``DECODE_TIME_LIMIT_S`` (its widest
-batches measured first); the router gets what was measured by then.
+batches measured first); the router gets what was measured by then. It is measured on a warm
+engine (after the warm-up request), so its first prompt is not the model's first step.
 
 Its steps are kept as JSON under ``<tandem cache>/step-profiles/``, keyed by everything that
-sets a step's time (:func:`profile_key`): the checkpoint's files (path, size, modification
-time), the engine settings that shape a step (dtype, quantization, device, block size, token
-budget, batch limit, context length, KV blocks, TP degree, threads, attention backend, native
-kernels), the machine (CPU model and count, the GPU's name), the software (torch and Tandem's
-versions and a digest of the engine's sources) and the profile's own recipe. A later start of
-the same worker reuses them (:func:`start_up`) and only runs one short request to warm the
-model up; a changed key measures afresh. The ``KEPT_PROFILES`` most recently used are kept;
-deleting the folder clears them. Workers starting together on one machine measure one at a time
-(:func:`measuring_alone`): a profile is a worker's steps alone on its node.
+sets a step's time and is known before a step runs (:func:`profile_key`): the checkpoint's files
+(path, size, modification time), the engine settings that shape a step (dtype, quantization,
+device, block size, token budget, batch limit, context length, KV blocks, TP degree, threads,
+attention backend, native kernels), the machine (CPU model and count, the GPU's name), torch's
+version and the profile's own recipe. What the key cannot see, the engine's code (a development
+checkout edits it without a new version), is checked by a measured probe instead: a later start
+with the same key runs its warm-up request, then the same request timed (:func:`probe`, alone on
+the machine), and keeps the profile unless the probe's steps take less than
+1/``PROBE_TOLERANCE`` (a quarter) of the kept steps of the same shapes (:func:`profile_holds`); then it
+measures afresh. Only a faster probe contradicts a profile: timing noise on a shared machine is
+one-sided (other work only slows a step down; a probe on 2 busy cores took 4x a profile measured
+minutes before with no change to the engine), so a probe much faster than the profile means the
+profile was measured slow (an engine since made faster, or a busy machine), while a slower one
+may only mean a busy machine now. An engine made slower, or faster by less than the tolerance,
+keeps the profile: the router refits each worker's cost model to the live steps its reports
+carry, which replace the profile's within a few dozen steps. The ``KEPT_PROFILES`` most recently used are kept; deleting
+the folder clears them. Workers starting together on one machine warm up, measure and probe one
+at a time (:func:`measuring_alone`): a profile is a worker's steps alone on its node, with no
+other worker's warm-up (a cold engine's first steps) beside it.
 """
-
 from __future__ import annotations
 
 import fcntl
@@ -29,17 +39,16 @@ import json
 import os
 import random
 import socket
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
-from functools import cache
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from statistics import median
 from typing import Iterable
 
 import torch
 
-import cluster.engine
 from cluster.engine.engine import EngineStats, LLMEngine, StepRecord
 from cluster.engine.kernels import native_kernels_enabled
 from cluster.engine.kernels.build import cpu_model
@@ -51,28 +60,84 @@ PROMPT_TOKENS = (16, 64, 256, 512)
 DECODE_BATCH = 32  # the widest decode batch measured (less where max_num_seqs or the cache says)
 PROMPTS_TIME_LIMIT_S = 10.0
 DECODE_TIME_LIMIT_S = 20.0
-WARM_UP_TOKENS = 16
-PROFILE_FORMAT = 1
+WARM_UP_TOKENS = 16  # the warm-up's prompt: the profile's first prompt shape, so the probe has its kept twin
+# A probe under a quarter of the kept steps' time has the profile measured again. On this project's
+# 2 shared cores, at a load of 10, profiles were measured 2.3x and 3.1x slower than the next start's
+# probe found, and measured again for 18 to 28 s; a profile off by less only misleads the router
+# until the live steps its worker reports replace the profile's in its fit (a few dozen steps).
+PROBE_TOLERANCE = 4.0
+PROFILE_FORMAT = 2  # 2: measured on a warm engine, checked by a probe (1 was keyed by the engine's code)
 KEPT_PROFILES = 64  # the most recently used are kept
 ALONE_WAIT_S = 2 * (PROMPTS_TIME_LIMIT_S + DECODE_TIME_LIMIT_S) + 30  # another worker's profile, and its start
 
 
 def start_up(engine: LLMEngine, role: str) -> bool:
     """Gives the engine its start-up profile in ``engine.stats.steps``: the kept one for this
-    key, or one measured now (then kept). True when it was measured."""
+    key while a probe confirms it, or one measured now (then kept). True when it was measured."""
     key = profile_key(engine, role)
     kept = kept_steps(key)
     if kept is not None:
-        _warm_up(engine, role)
-        _forget_requests(engine, kept)
-        return False
+        with measuring_alone():  # alone: a cold engine's first steps would slow another worker's profile
+            _warm_up(engine, role)
+            probed = probe(engine, role)
+        if profile_holds(kept, probed):
+            _forget_requests(engine, kept)
+            return False
+        _log(f"{engine.config.engine_name or role}: the kept step profile does not hold here any more "
+             f"({_probe_summary(kept, probed)}); measuring it again")
     wait = getattr(engine.runner, "wait_for_kv_memory", None)
     if wait is not None:  # measured alone, not beside the KV cache's pages being faulted in
         wait()
     with measuring_alone():
+        _warm_up(engine, role)
+        _forget_requests(engine, ())
         measure(engine, role)
     keep_steps(key, list(engine.stats.steps))
     return True
+
+
+def probe(engine, role: str) -> list[StepRecord]:
+    """The warm-up request run once more, timed: a 16-token prompt, and a one-sequence decode
+    step where the worker generates. Once is enough: noise only slows a step, and a slower probe
+    never contradicts a profile (:func:`profile_holds`)."""
+    _warm_up(engine, role)
+    steps = list(engine.stats.steps)
+    _forget_requests(engine, ())
+    return steps
+
+
+def profile_holds(kept: list[StepRecord], probed: list[StepRecord], tolerance: float | None = None) -> bool:
+    """Whether the probe's steps take at least 1/``tolerance`` (default ``PROBE_TOLERANCE``) of
+    the kept steps of the same shapes (their median per shape), summed over the shapes both have.
+    A probe that shares no shape with the profile cannot confirm it."""
+    ratio = probe_ratio(kept, probed)
+    tolerance = PROBE_TOLERANCE if tolerance is None else tolerance
+    return ratio is not None and ratio >= 1 / tolerance
+
+
+def probe_ratio(kept: list[StepRecord], probed: list[StepRecord]) -> float | None:
+    """The probe's time over the kept profile's for the shapes both have (None: no shared shape)."""
+    by_shape: dict[tuple[int, int], list[float]] = {}
+    for step in kept:
+        by_shape.setdefault(_shape(step), []).append(step.seconds)
+    pairs = [(step.seconds, median(by_shape[_shape(step)])) for step in probed if _shape(step) in by_shape]
+    kept_s = sum(k for _, k in pairs)
+    return sum(p for p, _ in pairs) / kept_s if pairs and kept_s > 0 else None
+
+
+def _shape(step: StepRecord) -> tuple[int, int]:
+    return step.num_prefill_tokens, step.num_decode_tokens
+
+
+def _probe_summary(kept: list[StepRecord], probed: list[StepRecord]) -> str:
+    ratio = probe_ratio(kept, probed)
+    if ratio is None:
+        return "its probe shares no step shape with it"
+    return f"a probe's steps took {ratio:.2f}x the kept ones"
+
+
+def _log(message: str) -> None:
+    print(f"[tandem] {message}", file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -142,13 +207,15 @@ def _step_until_done(engine, deadline: float) -> None:
 
 
 def _warm_up(engine: LLMEngine, role: str) -> None:
-    """One short request (a prompt, and a decode step where the worker generates), so the first
-    real request does not pay the model's first steps; its steps are not kept."""
+    """One short request (a prompt, and a decode step where the worker generates), so that
+    neither the profile nor the first real request pays the model's first steps. Its steps are
+    left in ``engine.stats.steps`` (for :func:`probe`), its blocks and other counters dropped."""
     prompt = [random.Random(0).randrange(engine.model_config.vocab_size) for _ in range(WARM_UP_TOKENS)]
+    _forget_requests(engine, ())
     engine.add_request("warm-up", prompt, SamplingParams(max_tokens=1 if role == "prefill" else 2, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    _forget_requests(engine, ())
+    _forget_requests(engine, list(engine.stats.steps))
 
 
 def _forget_requests(engine, steps: Iterable[StepRecord]) -> None:
@@ -178,7 +245,7 @@ def profile_key(engine: LLMEngine, role: str) -> dict:
                    "load_format": config.load_format, "native_kernels": native_kernels_enabled()},
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-        "software": {"torch": torch.__version__, "tandem": _tandem_version(), "engine": _engine_digest()},
+        "software": {"torch": torch.__version__},  # the engine's own code is checked by the probe
         "recipe": {"prompt_tokens": list(PROMPT_TOKENS), "decode_batch": DECODE_BATCH,
                    "prompts_s": PROMPTS_TIME_LIMIT_S, "decode_s": DECODE_TIME_LIMIT_S},
     }
@@ -215,22 +282,3 @@ def _checkpoint_identity(model: str) -> dict:
         stat = path.resolve().stat()
         identity.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     return {"name": source.name, "files": identity}
-
-
-def _tandem_version() -> str:
-    try:
-        return version("tandem")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-@cache
-def _engine_digest() -> str:
-    """A digest of the engine's sources: a development checkout changes step times (a kernel,
-    a layer) without changing the version."""
-    root = Path(cluster.engine.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]

@@ -1,21 +1,26 @@
 """A worker's start-up profile is measured once per model, settings and machine, then kept:
 a second start with the same key reuses the kept steps (the router's cost model gets the same
-measurements, nothing is measured), a changed key or an unreadable entry measures afresh, and a
-fresh profile stops at its time limits with nothing left running."""
+measurements, nothing is measured) while a timed probe agrees with them, a changed key, an
+unreadable entry or a probe that contradicts the kept steps measures afresh, and a fresh profile
+stops at its time limits with nothing left running."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 
 import pytest
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import LLMEngine
+from cluster.engine.engine import LLMEngine, StepRecord
 from cluster.worker import step_profile
 from prefill_worker.worker import PrefillWorker
 
 pytestmark = pytest.mark.unit
+
+PROBE_TOLERANCE = step_profile.PROBE_TOLERANCE  # the module's own, before a fixture widens it
 
 
 @pytest.fixture
@@ -26,8 +31,11 @@ def model(checkpoint, tmp_path):
 
 @pytest.fixture
 def measured(monkeypatch, tmp_path):
-    """A private cache, and the roles of the profiles measured (the real measurement runs)."""
+    """A private cache, and the roles of the profiles measured (the real measurement runs). Any
+    probe confirms a kept profile here (a profile measured while the machine was busy must not
+    fail these tests); the probe's rule has tests of its own."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(step_profile, "PROBE_TOLERANCE", math.inf)
     roles = []
     measure = step_profile.measure
 
@@ -68,7 +76,7 @@ def test_a_second_start_of_a_worker_reuses_its_kept_profile(model, measured):
         second.shutdown()
 
 
-@pytest.mark.parametrize("change", ["settings", "role", "checkpoint", "machine", "engine code"])
+@pytest.mark.parametrize("change", ["settings", "role", "checkpoint", "machine"])
 def test_a_changed_key_measures_afresh(model, measured, monkeypatch, change):
     assert step_profile.start_up(engine(model), "decode") is True
     assert step_profile.start_up(engine(model), "decode") is False
@@ -81,13 +89,72 @@ def test_a_changed_key_measures_afresh(model, measured, monkeypatch, change):
         weights = model / "model.safetensors"
         stat = weights.stat()
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    elif change == "machine":
-        monkeypatch.setattr(step_profile, "cpu_model", lambda: "model name\t: another CPU")
     else:
-        monkeypatch.setattr(step_profile, "_engine_digest", lambda: "another engine")
+        monkeypatch.setattr(step_profile, "cpu_model", lambda: "model name\t: another CPU")
     again = engine(model, **overrides)
     assert step_profile.start_up(again, role) is True
     assert measured == ["decode", role]
+    assert_nothing_left(again)
+
+
+def test_the_key_does_not_hold_the_engine_code(model, measured):
+    """An edit of the engine's sources (a development checkout) keeps the key: the probe judges it."""
+    import torch
+
+    key = step_profile.profile_key(engine(model), "decode")
+    assert key["software"] == {"torch": torch.__version__}
+    assert sorted(key) == ["engine", "format", "machine", "model", "recipe", "role", "software"]
+
+
+def step(prefill: int, decode: int, seconds: float) -> StepRecord:
+    return StepRecord(num_decode_tokens=decode, num_prefill_tokens=prefill, seconds=seconds, context_tokens=0)
+
+
+def test_a_probe_is_judged_against_the_kept_steps_of_its_shapes():
+    kept = [step(16, 0, 0.010), step(16, 0, 0.030), step(16, 0, 0.020), step(0, 1, 0.005), step(64, 0, 0.040)]
+    slower = [step(16, 0, 0.040), step(0, 1, 0.005)]  # against the median 16-token prompt (20 ms) and the decode
+    assert step_profile.probe_ratio(kept, slower) == pytest.approx(0.045 / 0.025)
+    assert step_profile.profile_holds(kept, slower, tolerance=2.0)
+    assert step_profile.profile_holds(kept, [step(16, 0, 2.0)], tolerance=2.0)  # 100x slower: a busy machine now
+    faster = [step(16, 0, 0.005), step(0, 1, 0.002)]  # 0.28x: an engine made much faster, or a profile measured slow
+    assert step_profile.probe_ratio(kept, faster) == pytest.approx(0.007 / 0.025)
+    assert not step_profile.profile_holds(kept, faster, tolerance=2.0)
+    assert step_profile.profile_holds(kept, faster, tolerance=4.0)
+    assert step_profile.profile_holds(kept, [step(16, 0, 0.010)], tolerance=2.0)  # exactly half: holds
+    assert step_profile.probe_ratio(kept, [step(32, 0, 0.01)]) is None  # no shape in common: cannot confirm it
+    assert not step_profile.profile_holds(kept, [step(32, 0, 0.01)], tolerance=100.0)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_probe_has_the_shapes_of_the_profile(model, measured, role):
+    """A prompt of the profile's first length, and (where the worker generates) a lone decode
+    step: shapes a fresh profile holds, timed once warm, with nothing left behind."""
+    llm = engine(model)
+    step_profile.start_up(llm, role)
+    kept = list(llm.stats.steps)
+    probed = step_profile.probe(llm, role)
+    shapes = {(s.num_prefill_tokens, s.num_decode_tokens) for s in probed}
+    assert shapes == ({(16, 0)} if role == "prefill" else {(16, 0), (0, 1)})
+    assert shapes <= {(s.num_prefill_tokens, s.num_decode_tokens) for s in kept}
+    assert step_profile.probe_ratio(kept, probed) is not None
+    assert_nothing_left(llm)
+
+
+def test_a_kept_profile_its_probe_contradicts_is_measured_again(model, measured, monkeypatch, capsys):
+    llm = engine(model)
+    step_profile.start_up(llm, "decode")
+    key = step_profile.profile_key(llm, "decode")
+    path = step_profile.profile_path(key)
+    data = json.loads(path.read_text())
+    for kept in data["steps"]:
+        kept["seconds"] *= 1000  # as measured by an engine 1,000 times slower than this one (or a busy machine)
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(step_profile, "PROBE_TOLERANCE", PROBE_TOLERANCE)
+    again = engine(model)
+    assert step_profile.start_up(again, "decode") is True
+    assert measured == ["decode", "decode"]
+    assert "prefill-0: the kept step profile does not hold here any more" in capsys.readouterr().err
+    assert step_profile.kept_steps(key) == list(again.stats.steps)  # the fresh profile replaced it
     assert_nothing_left(again)
 
 
