@@ -6,6 +6,12 @@ list but keeps its hash, so a later request with the same prefix can take it bac
 instead of recomputing it. Only when a fresh block is needed is the least recently freed one
 reused, and its hash evicted. Every change to the set of cached hashes is recorded as an
 event for the cluster's KV registry.
+
+With a host tier (:class:`~cluster.engine.kv_tiers.host_pool.HostBlockPool`), an evicted hash is
+stored there rather than lost, and a prefix that misses the device cache may continue there
+(``lookup_host_prefix``, ``load_from_host``). The copies are recorded in order as moves
+(``drain_moves``) that the engine makes before the next forward reads or writes a block.
+Device eviction order is unchanged by the tier: the least recently freed block first.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
+
+from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load, Offload, TierMove
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -42,7 +50,8 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host: HostBlockPool | None = None):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -58,6 +67,8 @@ class BlockManager:
         self._events: list[KVEvent] = []
         self._pending_kind: type[BlockStored] | type[BlockRemoved] | None = None
         self._pending_hashes: list[bytes] = []
+        self.host = host if enable_prefix_caching else None
+        self._moves: list[TierMove] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,6 +103,34 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def lookup_host_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading hashes of block_hashes the host tier holds; no side effects."""
+        count = 0
+        if self.host is not None:
+            while count < len(block_hashes) and self.host.lookup(block_hashes[count]) is not None:
+                count += 1
+        return count
+
+    def load_from_host(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Loads the host tier's copies of leading block_hashes into block_ids (freshly allocated,
+        ref 1), which become cached under those hashes; stops at the first hash the tier no
+        longer holds (an allocation's offloads may have evicted it). Returns how many loaded."""
+        loaded = 0
+        for block_hash, block_id in zip(block_hashes, block_ids):
+            slot = self.host.lookup(block_hash) if self.host is not None else None
+            if slot is None or block_hash in self._cached:
+                break
+            self.host.touch(block_hash)
+            self._moves.append(Load(slot, block_id))
+            self.cache_block(block_id, block_hash)
+            loaded += 1
+        return loaded
+
+    def drain_moves(self) -> list[TierMove]:
+        """The copies between tiers since the last drain, in the order they must be made."""
+        moves, self._moves = self._moves, []
+        return moves
 
     def num_blocks_to_touch(self, block_ids: Sequence[int]) -> int:
         """How many of these blocks sit in the free list now.
@@ -181,6 +220,8 @@ class BlockManager:
             return False
         self._cached.clear()
         self._hashes = [None] * self.num_blocks
+        if self.host is not None:
+            self.host.clear()
         if self.enable_prefix_caching:
             self._flush_pending()
             self._events.append(AllBlocksCleared())
@@ -204,6 +245,10 @@ class BlockManager:
         self._hashes[block_id] = None
         del self._cached[block_hash]
         self._record(BlockRemoved, block_hash)
+        if self.host is not None:
+            slot = self.host.store(block_hash)
+            if slot is not None:
+                self._moves.append(Offload(block_id, slot))
 
     def _record(self, kind: type[BlockStored] | type[BlockRemoved], block_hash: bytes) -> None:
         """Add a hash to the open batch, closing it first if it is of the other kind."""

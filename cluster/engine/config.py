@@ -51,7 +51,9 @@ class EngineConfig:
     as it ships (a GGUF's blocks; a Hugging Face checkpoint's FP8, AWQ or GPTQ tensors) on the
     CPU and on CUDA's Triton backend, ``none`` widens every weight to ``dtype``,
     ``int8``/``int4``/``fp8`` quantize a float checkpoint at load (on CUDA: not with
-    ``attention_backend="torch"``; :mod:`cluster.engine.quantization.choice`).
+    ``attention_backend="torch"``; :mod:`cluster.engine.quantization.choice`). ``host_cache``: a
+    host tier for the prefix cache's evicted blocks (:mod:`cluster.engine.kv_tiers`), a block count
+    or a size (``"512MiB"``); None: off.
     """
 
     model: str
@@ -80,6 +82,7 @@ class EngineConfig:
     quantization: str = "auto"  # see cluster/engine/quantization/choice.py
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8_e4m3: cluster/engine/quantization/kv_format.py
     speculative: SpeculativeConfig | None = None  # several tokens per decode step: cluster/engine/speculative
+    host_cache: int | str | None = None  # host KV tier: blocks, or a size like "512MiB"; cluster/engine/kv_tiers
 
     def __post_init__(self) -> None:
         positive = {
@@ -121,6 +124,22 @@ class EngineConfig:
             )
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise EngineConfigError(f"speculative must be a SpeculativeConfig or None, got {quote(self.speculative)}")
+        from cluster.engine.kv_tiers.size import parse_host_cache
+
+        try:
+            parse_host_cache(self.host_cache)
+        except ValueError as exc:
+            raise EngineConfigError(f"host_cache {exc}") from None
+        if self.host_cache is not None:
+            if self.tensor_parallel_size != 1:
+                raise EngineConfigError("host_cache needs tensor_parallel_size 1 (the host tier of a tensor-parallel "
+                                        "engine is not built yet); set host_cache to null")
+            if self.speculative is not None and self.speculative.method == "draft":
+                raise EngineConfigError("host_cache does not work with a draft model (its KV cache has no host tier); "
+                                        "set host_cache to null or use speculative method ngram")
+            if not self.enable_prefix_caching:
+                raise EngineConfigError("host_cache keeps the prefix cache's evicted blocks: it needs "
+                                        "enable_prefix_caching true")
         if not isinstance(self.enforce_eager, bool):
             raise EngineConfigError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         share = self.kv_memory_share

@@ -22,6 +22,9 @@ from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.threads import torch_ops_single_threaded
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
 from cluster.engine.kv_port import KVPortFactory
+from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load
+from cluster.engine.kv_tiers.host_store import HostKVStore, host_block_bytes, host_format
+from cluster.engine.kv_tiers.size import parse_host_cache
 from cluster.engine.model_runner import ModelRunner, device_memory_bytes
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.read_config import load_model_config
@@ -106,6 +109,9 @@ class EngineStats:
     proposed_tokens: int = 0  # speculative decoding: guesses checked ...
     accepted_tokens: int = 0  # ... and kept ...
     verify_steps: int = 0  # ... over this many request-steps
+    host_offloaded_blocks: int = 0  # blocks copied to the host tier as the device cache evicted them ...
+    host_loaded_blocks: int = 0  # ... and back, as prefix hits
+    host_copy_seconds: float = 0.0  # the time those copies took (before the steps' forwards)
 
     @property
     def acceptance_rate(self) -> float:
@@ -176,7 +182,8 @@ class LLMEngine:
                 f"{config.block_size} tokens ({num_blocks * self.runner.block_bytes / 2**20:.0f} MiB), "
                 f"ready in {time.perf_counter() - started:.1f}s"
             )
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.host_store, host_pool = self._host_tier(verbose)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, host_pool)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -194,6 +201,37 @@ class LLMEngine:
         self._masks: StepMasks | None = None
         self.stats = EngineStats()
         self.transfer_errors: dict[str, str | None] = {}  # request id -> None (sent) or the error
+
+    def _host_tier(self, verbose: bool) -> tuple[HostKVStore | None, HostBlockPool | None]:
+        """The host KV tier (``config.host_cache``), or (None, None) when off."""
+        size = parse_host_cache(self.config.host_cache)
+        if size is None:
+            return None, None
+        attn = self.runner.model.attention_layers()[0]
+        fmt = host_format(self.runner.kv_format, self.runner.device.type)
+        block_bytes = host_block_bytes(fmt, len(self.runner.model.attention_layers()), self.config.block_size,
+                                       attn.num_kv_heads, attn.head_dim)
+        slots = size.num_blocks(block_bytes)
+        if slots < 1:
+            raise EngineConfigError(f"host_cache {self.config.host_cache} holds no block of {block_bytes} bytes; "
+                                    "give it more memory or a block count")
+        store = HostKVStore(self.runner.kv_cache, self.runner.kv_format, fmt, slots, attn.head_dim)
+        if verbose:
+            _log(f"host KV tier: {slots} blocks of {fmt.name} ({slots * block_bytes / 2**20:.0f} MiB)")
+        return store, HostBlockPool(slots)
+
+    def _move_between_tiers(self) -> None:
+        """Makes the copies the block manager recorded (evicted blocks to the host tier, host
+        hits back), before anything reads or writes those blocks."""
+        moves = self.block_manager.drain_moves()
+        if not moves:
+            return
+        started = time.perf_counter()
+        self.host_store.apply(moves)
+        self.stats.host_copy_seconds += time.perf_counter() - started
+        loads = sum(isinstance(move, Load) for move in moves)
+        self.stats.host_loaded_blocks += loads
+        self.stats.host_offloaded_blocks += len(moves) - loads
 
     def _weights_kind(self) -> str:
         dtype = str(self.model_config.dtype).removeprefix("torch.")
@@ -373,6 +411,7 @@ class LLMEngine:
         ``resumed_tokens`` as in :meth:`add_request`."""
         request = self._make_request(request_id, prompt, params, priority, None, cache_salt, resumed_tokens)
         first_block = self.scheduler.reserve_for_transfer(request)
+        self._move_between_tiers()
         if first_block is None:
             return None
         self._track(request)
@@ -422,6 +461,7 @@ class LLMEngine:
         started = time.perf_counter()
         accepted_before = self.stats.accepted_tokens
         out = self.scheduler.schedule()
+        self._move_between_tiers()
         self.stats.num_preemptions += len(out.preempted)
         if out.is_empty:
             return []

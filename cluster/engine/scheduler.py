@@ -186,18 +186,28 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits = self._prefix_hits(request)
-            start = len(hits) * self.block_size
+            on_host = self._host_prefix(request, len(hits))
+            start = (len(hits) + on_host) * self.block_size
             remaining = request.num_tokens - start
             count = min(remaining, budget)
             if count < remaining and not self.enable_chunked_prefill:
                 if budget < self.max_num_batched_tokens:
                     return
                 count = remaining
-            new_blocks = _cdiv(start + count, self.block_size) - len(hits)
+            new_blocks = _cdiv(start + count, self.block_size) - len(hits)  # the host hits' blocks too
             if new_blocks + self.blocks.num_blocks_to_touch(hits) > self.blocks.num_free_blocks:
                 return
             self.blocks.touch(hits)
-            request.block_ids = hits + self.blocks.allocate(new_blocks)
+            fresh = self.blocks.allocate(new_blocks)
+            if on_host:
+                loaded = self.blocks.load_from_host(request.block_hashes[len(hits):len(hits) + on_host], fresh)
+                if loaded < on_host:  # the allocation's own offloads evicted the rest: computed instead
+                    start = (len(hits) + loaded) * self.block_size
+                    remaining = request.num_tokens - start
+                    count = min(remaining, budget) if self.enable_chunked_prefill else remaining
+                hits = hits + fresh[:loaded]
+                fresh = fresh[loaded:]
+            request.block_ids = hits + fresh
             request.num_computed_tokens = start
             request.num_registered_blocks = len(hits)
             if request.num_preemptions == 0:
@@ -215,6 +225,14 @@ class Scheduler:
     def _prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks of the longest known prefix, leaving at least the last token to compute."""
         return self._cached_prefix(request, cacheable_prefix_blocks(request.num_tokens, self.block_size))
+
+    def _host_prefix(self, request: Request, device_hits: int) -> int:
+        """How many blocks after the device cache's ``device_hits`` the host tier holds (up to
+        the same limit: the last token is always computed)."""
+        if self.blocks.host is None:
+            return 0
+        limit = cacheable_prefix_blocks(request.num_tokens, self.block_size)
+        return self.blocks.lookup_host_prefix(request.block_hashes[device_hits:limit])
 
     def _cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
         """Cached blocks of the longest known prefix among the request's first ``max_blocks``."""

@@ -97,6 +97,16 @@ def choice(choices: tuple, null: bool = False, names: str = "") -> Check:
 speculative_method = choice(METHODS)
 
 
+def host_cache(value: Any) -> int | str | None:
+    from cluster.engine.kv_tiers.size import parse_host_cache
+
+    try:
+        parse_host_cache(value)
+    except ValueError as exc:
+        raise Bad(str(exc)) from None
+    return value
+
+
 def boolean(value: Any) -> bool:
     if not isinstance(value, bool):
         raise Bad(f"must be true or false; got {describe(value)}")

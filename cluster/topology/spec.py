@@ -200,6 +200,12 @@ class KVSpec:
         (codes and a float32 scale per token and KV head: 68 bytes a 64-wide head row against
         128 in 16 bits). Prefill and decode share it; KV moves between workers in it. The
         attention kernels read it directly: the native ones on a CPU, the Triton ones on a GPU.""")
+    host_cache: int | str | None = key(None, checks.host_cache, """
+        A host tier for each worker's prefix cache: blocks the device cache evicts are copied
+        there under their hash and loaded back on a later prefix hit. A number of blocks, a size
+        (``512MiB``, ``2GiB``) or null (off). On a CPU whose cache is 16/32-bit it holds 8-bit
+        rows (``int8``, as ``cache_dtype``); on a GPU, pinned memory in the cache's dtype.
+        Needs ``prefix_caching``, one rank per engine and no draft model.""")
     transport: str = key("torch_distributed", checks.transport, """
         The KV transport, by registered name. ``torch_distributed``: gloo on CPUs, NCCL on GPUs.""")
     transfer_timeout_s: float = key(60.0, checks.number(0), """
@@ -408,6 +414,7 @@ class ClusterSpec:
             kv_cache_memory_fraction=self.kv.cache_memory_fraction,
             enable_prefix_caching=self.kv.prefix_caching,
             kv_cache_dtype=self.kv.cache_dtype,
+            host_cache=self.kv.host_cache,
             num_threads=pool.threads,
             device=pool.device,
             cluster_name=self.name,

@@ -243,7 +243,7 @@ def test_engine_args():
     assert spec.engine_args("prefill") == dict(
         dtype="bfloat16", quantization="none", block_size=32, max_num_batched_tokens=8192, kv_cache_dtype="auto", max_num_seqs=16, max_model_len=1024,
         num_kv_blocks=500, kv_cache_memory_fraction=0.5, enable_prefix_caching=False, num_threads=2,
-        device="cuda", cluster_name="east", speculative=None,
+        device="cuda", cluster_name="east", speculative=None, host_cache=None,
     )
     decode = spec.engine_args("decode")
     assert (decode["device"], decode["max_num_seqs"], decode["num_threads"]) == ("cpu", 128, None)
@@ -252,6 +252,15 @@ def test_engine_args():
     assert config.cluster_name == "east" and config.block_size == 32
     with pytest.raises(ValueError, match="role"):
         spec.engine_args("router")
+
+
+def test_host_cache_reaches_the_engines_as_written():
+    assert parse_topology("kv:\n  host_cache: 512MiB\n").engine_args("decode")["host_cache"] == "512MiB"
+    assert parse_topology("kv:\n  host_cache: 300\n").engine_args("colocated")["host_cache"] == 300
+    key, line, message = only_error("kv:\n  host_cache: 512MB\n")
+    assert (key, line) == ("kv.host_cache", 2)
+    assert message == ("must be null, a positive number of blocks or a size such as '512MiB' or '2GiB'; "
+                       "got '512MB'")
 
 
 def test_speculative_decoding_reaches_the_engines_of_decode_and_colocated_workers_only():

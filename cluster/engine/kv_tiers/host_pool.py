@@ -1,0 +1,78 @@
+"""The host tier's bookkeeping, free of torch: which block hash sits in which host slot.
+
+A device block the prefix cache evicts is stored here under its hash (``store``); a prefix that
+misses the device cache but is found here is loaded back into fresh device blocks. The KV bytes
+live in :class:`~cluster.engine.kv_tiers.host_store.HostKVStore`; this class only hands out
+slots and records the copies (:class:`Offload`, :class:`Load`) the store must make, in order.
+
+Eviction order: least recently stored or loaded first. A slot's entry is refreshed when its
+hash is offloaded again (no copy: the bytes are already here) and when it is loaded back to
+the device (the host copy stays: a block loaded and later evicted again costs no copy).
+Free slots are taken lowest id first; an evicted entry's slot is reused at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Copy device block ``block_id`` into host slot ``slot``."""
+
+    block_id: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Load:
+    """Copy host slot ``slot`` into device block ``block_id``."""
+
+    slot: int
+    block_id: int
+
+
+TierMove = Offload | Load
+
+
+class HostBlockPool:
+    def __init__(self, num_slots: int):
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.num_slots = num_slots
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # head: evicted next
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # popped from the end: lowest first
+
+    @property
+    def num_used(self) -> int:
+        return len(self._slots)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def entries(self) -> list[tuple[bytes, int]]:
+        """(hash, slot) in eviction order, the next to go first."""
+        return list(self._slots.items())
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._slots.get(block_hash)
+
+    def touch(self, block_hash: bytes) -> None:
+        """Moves an entry to the back of the eviction order (a load)."""
+        self._slots.move_to_end(block_hash)
+
+    def store(self, block_hash: bytes) -> int | None:
+        """The slot to copy an evicted device block into, or None when the hash is here already
+        (its entry refreshed). Takes a free slot, else evicts the least recently used entry."""
+        if block_hash in self._slots:
+            self._slots.move_to_end(block_hash)
+            return None
+        slot = self._free.pop() if self._free else self._slots.popitem(last=False)[1]
+        self._slots[block_hash] = slot
+        return slot
+
+    def clear(self) -> None:
+        self._slots.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))

@@ -1,0 +1,99 @@
+"""The host KV tier's bookkeeping: which device blocks go to which host slots, in which order,
+and which come back, by exact ids."""
+
+import pytest
+
+from cluster.engine.block_manager import BlockManager, BlockStored
+from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load, Offload
+from cluster.engine.kv_tiers.size import HostCacheSize, parse_host_cache
+
+H = [bytes([i]) * 4 for i in range(8)]
+
+
+def cached_manager(num_blocks: int = 4, host_slots: int = 2) -> BlockManager:
+    """Blocks 0..n-1 cached as H[0..n-1] and freed: the free list is n-1, ..., 1, 0 (tail first)."""
+    manager = BlockManager(num_blocks, block_size=2, host=HostBlockPool(host_slots))
+    blocks = manager.allocate(num_blocks)
+    for block_id in blocks:
+        manager.cache_block(block_id, H[block_id])
+    manager.free(blocks)
+    manager.drain_events()
+    return manager
+
+
+def test_evicted_blocks_go_to_host_slots_in_lru_order():
+    manager = cached_manager()
+    assert manager.free_block_ids() == [3, 2, 1, 0]
+    assert [manager.allocate(1) for _ in range(3)] == [[3], [2], [1]]
+    # Slots 0 and 1 fill first; the third eviction takes the least recently stored entry's slot (H[3]'s, 0).
+    assert manager.drain_moves() == [Offload(3, 0), Offload(2, 1), Offload(1, 0)]
+    assert manager.host.entries() == [(H[2], 1), (H[1], 0)]
+    assert manager.lookup_prefix(H[:3]) == [0]
+    assert manager.lookup_host_prefix(H[1:3]) == 2
+    assert manager.lookup_host_prefix([H[3]]) == 0
+
+
+def test_host_hits_load_into_fresh_blocks_that_become_cached():
+    manager = cached_manager()
+    taken = [manager.allocate(1)[0] for _ in range(3)]
+    manager.free(taken)
+    manager.drain_moves()
+    manager.drain_events()
+    assert manager.free_block_ids() == [0, 1, 2, 3]
+    manager.touch(manager.lookup_prefix(H[:3]))  # H[0] still on the device, in block 0
+    fresh = manager.allocate(2)
+    assert fresh == [1, 2]
+    assert manager.load_from_host(H[1:3], fresh) == 2
+    assert manager.drain_moves() == [Load(0, 1), Load(1, 2)]
+    assert manager.lookup_prefix(H[:3]) == [0, 1, 2]
+    assert manager.drain_events() == [BlockStored((H[1], H[2]))]
+    # Loads refresh the host entries; the copies stay, so evicting these blocks again copies nothing.
+    assert manager.host.entries() == [(H[1], 0), (H[2], 1)]
+    manager.free([0, 1, 2])
+    assert manager.free_block_ids() == [3, 2, 1, 0]
+    assert manager.allocate(3) == [3, 2, 1]
+    # Blocks 2 and 1 held H[2] and H[1], both still on the host: no copy, their entries refreshed.
+    assert manager.drain_moves() == []
+    assert manager.host.entries() == [(H[2], 1), (H[1], 0)]
+
+
+def test_a_load_stops_where_the_allocation_evicted_the_host_copy():
+    manager = cached_manager(num_blocks=3, host_slots=1)
+    assert manager.allocate(1) == [2]
+    manager.free([2])
+    manager.drain_moves()
+    assert manager.host.entries() == [(H[2], 0)]
+    assert manager.lookup_host_prefix([H[2]]) == 1
+    fresh = manager.allocate(1)  # evicts H[1] (block 1) into the only slot, dropping H[2]
+    assert fresh == [1]
+    assert manager.load_from_host([H[2]], fresh) == 0
+    assert manager.drain_moves() == [Offload(1, 0)]
+    assert manager.lookup_prefix([H[2]]) == []
+
+
+def test_reset_clears_both_tiers():
+    manager = cached_manager()
+    manager.free(manager.allocate(2))
+    assert manager.host.num_used == 2
+    assert manager.reset_prefix_cache()
+    assert manager.host.num_used == 0 and manager.host.num_free == 2
+    assert manager.lookup_host_prefix(H) == 0
+
+
+def test_no_host_tier_without_prefix_caching():
+    manager = BlockManager(2, 2, enable_prefix_caching=False, host=HostBlockPool(2))
+    assert manager.host is None
+    assert manager.lookup_host_prefix(H) == 0
+
+
+@pytest.mark.parametrize("value, size", [(None, None), (8, HostCacheSize(blocks=8)),
+                                         ("512MiB", HostCacheSize(bytes=512 * 2**20)),
+                                         ("1.5GiB", HostCacheSize(bytes=3 * 2**29))])
+def test_host_cache_sizes(value, size):
+    assert parse_host_cache(value) == size
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "512", "512MB", "0MiB", 1.5])
+def test_bad_host_cache_sizes_say_what_to_write(value):
+    with pytest.raises(ValueError, match="must be null, a positive number of blocks or a size such as '512MiB'"):
+        parse_host_cache(value)
