@@ -14,10 +14,11 @@
  * summed apart, as min . (sum of x over the group); results differ from a float32 matmul of the
  * dequantized weight only in the order of additions.
  *
- * A tile is up to 4 output features by up to 4 activation rows, or (5 to 8 rows) up to 3 features
- * by up to 8 rows: each widened weight is used for every row of the tile, so a step that checks
- * speculative guesses (5-8 rows) widens its weights once, not twice (a 5th row cost about three
- * rows' time in the 4-row tiles). Each accumulator takes the low half of a group, then the high
+ * A tile is up to 4 output features by up to 4 activation rows, or for q4 weights (5 to 8 rows)
+ * up to 2 features by up to 8 rows: each widened weight is used for every row of the tile, so a
+ * step that checks speculative guesses (5-8 rows) widens its q4 weights once, not twice
+ * (single-threaded, caches flushed, q4 3072 x 576: 5 rows 193 us against 230, 8 rows 288 against
+ * 339). q8 weights stay in 4-row tiles: 8-row tiles of q8 took 30% longer at 5-7 rows. Each accumulator takes the low half of a group, then the high
  * half, in the same order whatever the tile's shape, so a row's result does not depend on how
  * many rows share its call (a guess checked in a 6-row step gives the token a 1-row step would).
  * The pool's threads (thread_pool.c) take 16 features at a time, each from its own share first.
@@ -33,7 +34,7 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TILE 4      /* features of a tile of up to 4 rows */
-#define WIDE_TILE 3 /* features of a tile of 5 to 8 rows */
+#define WIDE_TILE 2 /* features of a tile of 5 to 8 rows */
 #define TILE_ROWS 8
 
 enum { Q4 = 0, Q8_G32 = 1, Q8_G16 = 2, F32 = 3, F8 = 4 }; /* F32: plain float weights, for the fused decode step */
@@ -156,7 +157,7 @@ ALWAYS_INLINE void tile(const int kind, const int MB, const int NB, const float 
 #define TILE_CASE(KIND, MB, NB) \
     tile(KIND, MB, NB, x, x_stride, m0, k, codes, code_stride, scales, scale_stride, n0, out)
 
-/* One tile of up to 4 rows by TILE features or 5-8 rows by WIDE_TILE features, with the sizes
+/* One tile of up to 4 rows by TILE features or 5-8 rows by WIDE_TILE features (q4), with the sizes
  * made compile-time constants. */
 ALWAYS_INLINE void any_tile(const int kind, int mb, int nb, const float *x, int64_t x_stride, int64_t m0, int64_t k,
                             const uint8_t *codes, int64_t code_stride, const float *scales, int64_t scale_stride,
@@ -180,16 +181,12 @@ ALWAYS_INLINE void any_tile(const int kind, int mb, int nb, const float *x, int6
     case 36: TILE_CASE(kind, 4, 4); break;
     case 41: TILE_CASE(kind, 5, 1); break;
     case 42: TILE_CASE(kind, 5, 2); break;
-    case 43: TILE_CASE(kind, 5, 3); break;
     case 49: TILE_CASE(kind, 6, 1); break;
     case 50: TILE_CASE(kind, 6, 2); break;
-    case 51: TILE_CASE(kind, 6, 3); break;
     case 57: TILE_CASE(kind, 7, 1); break;
     case 58: TILE_CASE(kind, 7, 2); break;
-    case 59: TILE_CASE(kind, 7, 3); break;
     case 65: TILE_CASE(kind, 8, 1); break;
-    case 66: TILE_CASE(kind, 8, 2); break;
-    default: TILE_CASE(kind, 8, 3); break;
+    default: TILE_CASE(kind, 8, 2); break;
     }
 }
 
@@ -221,10 +218,11 @@ ALWAYS_INLINE void matmul_features(const int kind, const matmul_args *a, int64_t
     const int64_t code_stride = a->code_stride, y_stride = a->y_stride;
     const int64_t first = task * TILES_PER_TASK * TILE;
     const int64_t last = first + TILES_PER_TASK * TILE < n ? first + TILES_PER_TASK * TILE : n;
+    const int64_t tile_rows = kind == Q4 ? TILE_ROWS : TILE;
     for (int64_t block = 0; block < m; block += ROW_BLOCK) {
         const int64_t block_end = block + ROW_BLOCK < m ? block + ROW_BLOCK : m;
-        for (int64_t m0 = block; m0 < block_end; m0 += TILE_ROWS) {
-            const int mb = block_end - m0 < TILE_ROWS ? (int)(block_end - m0) : TILE_ROWS;
+        for (int64_t m0 = block; m0 < block_end; m0 += tile_rows) {
+            const int mb = block_end - m0 < tile_rows ? (int)(block_end - m0) : tile_rows;
             const int width = mb > TILE ? WIDE_TILE : TILE;
             for (int64_t n0 = first; n0 < last; n0 += width) {
                 const int nb = last - n0 < width ? (int)(last - n0) : width;
