@@ -34,8 +34,8 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.speculative.config import SpeculativeConfigError
 from cluster.engine.speculative.draft import DraftProposer
 from cluster.engine.speculative.draft_model import check_draft, draft_quantization, read_draft
-from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, StepCost, plan_guesses, update_acceptance,
-                                                update_continuation, worth_a_row)
+from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, StepCost, catch_up_share, plan_guesses,
+                                                update_acceptance, update_continuation, worth_a_row)
 from cluster.engine.speculative.proposer import NgramProposer, Proposer
 from cluster.engine.speculative.verify import accepted_prefix
 from cluster.engine.structured.backend import GrammarBackend
@@ -248,7 +248,7 @@ class LLMEngine:
                              progress=progress, attention_backend=cfg.attention_backend,
                              enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
                              load_format=cfg.load_format)
-        return DraftProposer(runner, max_rows_fitted=cfg.max_num_seqs)
+        return DraftProposer(runner, max_rows_fitted=cfg.max_num_seqs, target_weight_bytes=self.runner.weight_bytes)
 
     def shutdown(self) -> None:
         """Stops the engine's other processes (tensor-parallel ranks) and threads, if it has any."""
@@ -563,8 +563,10 @@ class LLMEngine:
                 rooms.append(room)
         available = proposer.available(candidates, rooms) if candidates else []
         if spec.adaptive and candidates:
+            behind = [catch_up_share(n, min(r.params.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens))
+                      for r, n in zip(candidates, proposer.catch_up(candidates))]
             counts = plan_guesses(proposer.first_odds(candidates), [r.continuation for r in candidates], available, rows,
-                                  cost, proposer.round_cost())
+                                  cost, proposer.round_cost(cost), behind)
         else:
             counts = available
         if proposer.writes_kv:  # the guesses' KV goes into their look-ahead slots: held now, from free blocks only
