@@ -9,10 +9,11 @@ its prompt a guess after a kept one was kept 85-94% of the time, a first guess 2
 
 A step's seconds for ``R`` rows are measured: the median of the recent steps of that width where
 there are enough of them, else a line ``fixed + per_row * R`` fitted to the engine's recent
-steps (start-up profile included). The CPU's fused step works rows four at a time (each weight
-widened once per four rows), so a fifth row costs about three of the others: the line alone
-missed that jump. The guesses are taken best first and the step gets the number of them whose
-expected tokens per second is highest, none where no number beats the step without guesses:
+steps (start-up profile included). The CPU's fused step widens each q4 weight once per tile of up
+to eight rows (four for q8 weights, and before 8-row tiles for q4 too a fifth row cost about three
+of the others): where the line misses such a jump, the measured widths catch it. The guesses
+are taken best first and the step gets the number of them whose expected tokens per second is
+highest, none where no number beats the step without guesses:
 at batch 1 on a CPU a row is cheap against the step's fixed cost and a well-guessed request gets
 several; in a wide batch the step is already compute-bound and a guess must be nearly sure to
 be made. A draft model's guesses also cost its own steps (``round_cost`` in :func:`plan_guesses`),
