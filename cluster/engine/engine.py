@@ -532,9 +532,13 @@ class LLMEngine:
         a 32-stream batch 7% of its time. Where the latest steps all had one width (guesses stopped
         paying), the last fit stays: without it the policy would guess again to measure, and a
         draft would pay a catch-up for that every ``FITTED_STEPS`` steps (5% of a self-draft's
-        steps at batch 1, 0.67x)."""
-        if self._cost_fitted_at is None or self.stats.num_steps - self._cost_fitted_at >= REFIT_STEPS:
-            recent = islice(reversed(self.stats.steps), FITTED_STEPS)
+        steps at batch 1, 0.67x). Until a first fit exists it is tried again after every step
+        that checked guesses (only those widen the spread): the guesses the policy makes
+        meanwhile, one a request to measure, each cost a draft its catch-up."""
+        steps = self.stats.steps
+        first_spread = self._cost is None and steps and steps[-1].guess_tokens > 0
+        if self._cost_fitted_at is None or first_spread or self.stats.num_steps - self._cost_fitted_at >= REFIT_STEPS:
+            recent = islice(reversed(steps), FITTED_STEPS)
             fitted = StepCost.fit([(s.num_decode_tokens + s.num_prefill_tokens + s.guess_tokens,
                                     s.seconds - s.draft_seconds)
                                    for s in recent if s.num_prefill_tokens <= self.config.max_num_seqs])
