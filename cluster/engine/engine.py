@@ -530,19 +530,21 @@ class LLMEngine:
         """The step cost fitted to the latest ``FITTED_STEPS`` steps (start-up profile included),
         fitted again every ``REFIT_STEPS`` steps: refitting every step over the whole history cost
         a 32-stream batch 7% of its time. Where the latest steps all had one width (guesses stopped
-        paying), the last fit stays: without it the policy would guess again to measure, and a
-        draft would pay a catch-up for that every ``FITTED_STEPS`` steps (5% of a self-draft's
-        steps at batch 1, 0.67x). Until a first fit exists it is tried again after every step
-        that checked guesses (only those widen the spread): the guesses the policy makes
-        meanwhile, one a request to measure, each cost a draft its catch-up."""
+        paying) there is no line, and the policy guesses one a request to measure again: for
+        n-gram guesses a row each, which also corrects a fit a load spike spoiled (kept, a bad fit
+        stopped an n-gram engine's guessing for good on a loaded run). A draft's measuring guess
+        costs its catch-up (a self-draft paid it in 5% of its batch-1 steps, 0.67x), so with a
+        draft the last fit stays, and until a first fit exists it is tried again after every step
+        that checked guesses rather than every 16 steps."""
         steps = self.stats.steps
-        first_spread = self._cost is None and steps and steps[-1].guess_tokens > 0
+        drafting = isinstance(self.proposer, DraftProposer)
+        first_spread = drafting and self._cost is None and steps and steps[-1].guess_tokens > 0
         if self._cost_fitted_at is None or first_spread or self.stats.num_steps - self._cost_fitted_at >= REFIT_STEPS:
             recent = islice(reversed(steps), FITTED_STEPS)
             fitted = StepCost.fit([(s.num_decode_tokens + s.num_prefill_tokens + s.guess_tokens,
                                     s.seconds - s.draft_seconds)
                                    for s in recent if s.num_prefill_tokens <= self.config.max_num_seqs])
-            self._cost = fitted or self._cost
+            self._cost = fitted or (self._cost if drafting else None)
             self._cost_fitted_at = self.stats.num_steps
         return self._cost
 
