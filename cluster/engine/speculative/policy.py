@@ -56,25 +56,29 @@ class StepCost:
 
     @classmethod
     def fit(cls, steps: Iterable[tuple[int, float]]) -> "StepCost | None":
-        """Least squares of seconds on rows over ``(rows, seconds)`` (the caller picks the steps:
-        the latest ``FITTED_STEPS``), and the median of each width with ``MIN_FITTED_STEPS``
-        steps (a median: a step slowed by another process on a shared CPU does not move it);
-        None with too few steps or a single width (then nothing says what a row costs)."""
+        """The line of seconds on rows, least squares through each width's median weighted by
+        its number of steps (the caller picks the steps: the latest ``FITTED_STEPS``), and the
+        median of each width with ``MIN_FITTED_STEPS`` steps. Medians, so that a step slowed by
+        another process on a shared CPU does not move them: through the raw steps, one wide
+        step caught in a load spike raised the line's cost of a row enough that an n-gram
+        engine stopped guessing. None with too few steps or a single width (then nothing says
+        what a row costs)."""
         points = list(steps)
         if len(points) < MIN_FITTED_STEPS:
             return None
-        n = len(points)
-        mean_rows = sum(r for r, _ in points) / n
-        mean_s = sum(s for _, s in points) / n
-        spread = sum((r - mean_rows) ** 2 for r, _ in points)
-        if spread == 0:
-            return None
-        per_row = max(0.0, sum((r - mean_rows) * (s - mean_s) for r, s in points) / spread)
-        fixed = max(mean_s - per_row * mean_rows, 1e-6)
         by_width: dict[int, list[float]] = defaultdict(list)
         for rows, seconds in points:
             by_width[rows].append(seconds)
-        widths = {rows: median(s) for rows, s in by_width.items() if len(s) >= MIN_FITTED_STEPS}
+        medians = {rows: median(s) for rows, s in by_width.items()}
+        n = len(points)
+        mean_rows = sum(r * len(s) for r, s in by_width.items()) / n
+        mean_s = sum(medians[r] * len(s) for r, s in by_width.items()) / n
+        spread = sum(len(s) * (r - mean_rows) ** 2 for r, s in by_width.items())
+        if spread == 0:
+            return None
+        per_row = max(0.0, sum(len(s) * (r - mean_rows) * (medians[r] - mean_s) for r, s in by_width.items()) / spread)
+        fixed = max(mean_s - per_row * mean_rows, 1e-6)
+        widths = {rows: medians[rows] for rows, s in by_width.items() if len(s) >= MIN_FITTED_STEPS}
         return cls(fixed, per_row, widths)
 
 
