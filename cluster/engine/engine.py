@@ -37,8 +37,8 @@ from cluster.engine.scheduler import Scheduler
 from cluster.engine.speculative.config import SpeculativeConfigError
 from cluster.engine.speculative.draft import DraftProposer
 from cluster.engine.speculative.draft_model import check_draft, draft_quantization, read_draft
-from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, StepCost, plan_guesses, update_acceptance,
-                                                update_continuation, worth_a_row)
+from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, StepCost, catch_up_share, plan_guesses,
+                                                update_acceptance, update_continuation, worth_a_row)
 from cluster.engine.speculative.proposer import NgramProposer, Proposer
 from cluster.engine.speculative.verify import accepted_prefix
 from cluster.engine.structured.backend import GrammarBackend
@@ -286,7 +286,7 @@ class LLMEngine:
                              progress=progress, attention_backend=cfg.attention_backend,
                              enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
                              load_format=cfg.load_format)
-        return DraftProposer(runner, max_rows_fitted=cfg.max_num_seqs)
+        return DraftProposer(runner, max_rows_fitted=cfg.max_num_seqs, target_weight_bytes=self.runner.weight_bytes)
 
     def shutdown(self) -> None:
         """Stops the engine's other processes (tensor-parallel ranks) and threads, if it has any."""
@@ -569,12 +569,22 @@ class LLMEngine:
     def _step_cost(self) -> StepCost | None:
         """The step cost fitted to the latest ``FITTED_STEPS`` steps (start-up profile included),
         fitted again every ``REFIT_STEPS`` steps: refitting every step over the whole history cost
-        a 32-stream batch 7% of its time."""
-        if self._cost_fitted_at is None or self.stats.num_steps - self._cost_fitted_at >= REFIT_STEPS:
-            recent = islice(reversed(self.stats.steps), FITTED_STEPS)
-            self._cost = StepCost.fit([(s.num_decode_tokens + s.num_prefill_tokens + s.guess_tokens,
-                                        s.seconds - s.draft_seconds)
-                                       for s in recent if s.num_prefill_tokens <= self.config.max_num_seqs])
+        a 32-stream batch 7% of its time. Where the latest steps all had one width (guesses stopped
+        paying) there is no line, and the policy guesses one a request to measure again: for
+        n-gram guesses a row each, which also corrects a fit a load spike spoiled (kept, a bad fit
+        stopped an n-gram engine's guessing for good on a loaded run). A draft's measuring guess
+        costs its catch-up (a self-draft paid it in 5% of its batch-1 steps, 0.67x), so with a
+        draft the last fit stays, and until a first fit exists it is tried again after every step
+        that checked guesses rather than every 16 steps."""
+        steps = self.stats.steps
+        drafting = isinstance(self.proposer, DraftProposer)
+        first_spread = drafting and self._cost is None and steps and steps[-1].guess_tokens > 0
+        if self._cost_fitted_at is None or first_spread or self.stats.num_steps - self._cost_fitted_at >= REFIT_STEPS:
+            recent = islice(reversed(steps), FITTED_STEPS)
+            fitted = StepCost.fit([(s.num_decode_tokens + s.num_prefill_tokens + s.guess_tokens,
+                                    s.seconds - s.draft_seconds)
+                                   for s in recent if s.num_prefill_tokens <= self.config.max_num_seqs])
+            self._cost = fitted or (self._cost if drafting else None)
             self._cost_fitted_at = self.stats.num_steps
         return self._cost
 
@@ -603,8 +613,10 @@ class LLMEngine:
                 rooms.append(room)
         available = proposer.available(candidates, rooms) if candidates else []
         if spec.adaptive and candidates:
+            behind = [catch_up_share(n, min(r.params.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens))
+                      for r, n in zip(candidates, proposer.catch_up(candidates))]
             counts = plan_guesses(proposer.first_odds(candidates), [r.continuation for r in candidates], available, rows,
-                                  cost, proposer.round_cost())
+                                  cost, proposer.round_cost(cost), behind)
         else:
             counts = available
         if proposer.writes_kv:  # the guesses' KV goes into their look-ahead slots: held now, from free blocks only

@@ -20,6 +20,7 @@ import pytest
 from cluster.engine.config import EngineConfigError
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.speculative.config import SpeculativeConfig
+from cluster.engine.speculative.policy import FITTED_STEPS, StepCost
 from cluster.offline.llm import LLM
 from conftest import random_prompts
 
@@ -108,20 +109,41 @@ def test_no_block_is_held_after_requests_with_a_third_cancelled_and_preemptions(
 
 
 def test_the_adaptive_policy_counts_the_drafts_measured_steps(checkpoint):
-    """Adaptive with a self-draft: the draft's forwards are timed and fitted, and guesses are made
-    (one each until the step cost is fitted) and all kept; each step's record says how much of it
-    was the draft's, none in a step that made no guesses (the draft runs only for guesses)."""
+    """Adaptive with a self-draft: guesses are made (one each until the step cost is fitted) and
+    all kept, and the draft's forwards are timed; each step's record says how much of it was the
+    draft's, none in a step that made no guesses (the draft runs only for guesses). Once the
+    target's step cost is fitted, the draft's cost is known too (measured, or the target's scaled
+    by the draft's share of the weights: here all of them), and a draft as dear as the target,
+    its catch-up counted, is given no more guesses: it runs nothing."""
     model_dir = checkpoint("llama")
     prompts = random_prompts([12, 20], seed=2)
     with LLM(str(model_dir), verbose=False, num_kv_blocks=64, speculative=draft(model_dir, adaptive=True)) as llm:
         greedy(llm, prompts, 48)
         engine = llm.engine
-        assert engine.proposer.round_cost() is not None and len(engine.proposer.forwards) > 0
+        assert engine.proposer.size_ratio == 1.0
+        assert engine.proposer.round_cost(engine._step_cost()) is not None and len(engine.proposer.forwards) > 0
         assert engine.stats.proposed_tokens > 0 and engine.stats.accepted_tokens == engine.stats.proposed_tokens
         steps = list(engine.stats.steps)
         assert all(s.draft_seconds < s.seconds for s in steps)
         # a step's draft time is its proposing of the next step's guesses
         assert [s.draft_seconds > 0 for s in steps[:-1]] == [s.guess_tokens > 0 for s in steps[1:]]
+        forwards, guesses = len(engine.proposer.forwards), engine.stats.proposed_tokens
+        # the target's cost fitted by now; past FITTED_STEPS steps of one width it stays fitted,
+        # and nothing is guessed again to measure it (which would make the draft catch up)
+        greedy(llm, random_prompts([16], seed=3), FITTED_STEPS + 40)
+        assert (len(engine.proposer.forwards), engine.stats.proposed_tokens) == (forwards, guesses)
+
+
+def test_a_drafts_cost_before_it_is_measured_is_the_targets_scaled_by_its_weights(checkpoint):
+    model_dir = checkpoint("llama")
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, speculative=draft(model_dir, adaptive=True)) as llm:
+        proposer = llm.engine.proposer
+        assert proposer.round_cost(None) is None  # nothing measured, nothing to scale
+        proposer.size_ratio = 0.25
+        assert proposer.round_cost(StepCost(0.008, 0.002)) == StepCost(0.002, 0.0005)
+        # one-row forwards measured (batch 1: one width, no line): their mean, a row at the scaled rate
+        proposer.forwards.extend([(1, 0.003)] * 4)
+        assert proposer.round_cost(StepCost(0.008, 0.002)) == StepCost(pytest.approx(0.0025), 0.0005)
 
 
 def test_a_draft_that_cannot_guess_for_the_target_is_refused_naming_the_key(checkpoint, draft_checkpoint, tmp_path):
@@ -149,7 +171,7 @@ def switched_self_draft(model_dir, monkeypatch, num_kv_blocks: int):
     switch = {"on": False}
     monkeypatch.setattr(engine_module, "worth_a_row", lambda *args: True)
     monkeypatch.setattr(engine_module, "plan_guesses",
-                        lambda first, then, available, rows, cost, round_cost=None:
+                        lambda first, then, available, rows, cost, round_cost=None, catch_up=None:
                         list(available) if switch["on"] else [0] * len(available))
     with LLM(str(model_dir), verbose=False, num_kv_blocks=num_kv_blocks, block_size=16,
              speculative=draft(model_dir, num_tokens=3, adaptive=True)) as llm:

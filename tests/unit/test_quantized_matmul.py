@@ -101,6 +101,23 @@ def test_kernel_matches_dequantize_then_matmul(kind, rows):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_row_gives_the_same_bits_whatever_rows_share_its_call(kind, portable_kernel):
+    """A speculative verify's rows must give the tokens plain decode steps would: each row's
+    output is bit for bit the one it gets alone, for every width of the 4-row and 8-row tiles and
+    past them (up to 17 rows: two 8-row tiles and a row), features in every tile width's tail."""
+    weight = packed(kind, 23, 1536, seed=3)
+    x = torch.randn(17, 1536, generator=torch.Generator().manual_seed(4))
+    for kernel in (native_quantized_matmul(), portable_kernel):
+        alone = torch.empty(17, 23)
+        for row in range(17):
+            kernel(x[row : row + 1], weight, alone[row : row + 1])
+        for rows in range(1, 18):
+            out = torch.full((rows, 23), float("nan"))
+            kernel(x[:rows], weight, out)
+            assert torch.equal(out, alone[:rows]), rows
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_strided_rows_and_a_column_slice_of_the_output(kind):
     weight = packed(kind, 21, 96)
     wide_x = torch.randn(6, 200)

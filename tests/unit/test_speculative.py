@@ -12,7 +12,8 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.speculative.config import SpeculativeConfig, SpeculativeConfigError
 from cluster.engine.speculative.ngram import NgramIndex
-from cluster.engine.speculative.policy import StepCost, plan_guesses, update_acceptance, update_continuation
+from cluster.engine.speculative.policy import (CATCH_UP_STEPS, StepCost, catch_up_share, plan_guesses,
+                                               update_acceptance, update_continuation)
 from cluster.engine.speculative.proposer import NgramProposer
 from cluster.engine.speculative.verify import accepted_prefix
 
@@ -56,7 +57,7 @@ def test_a_verify_emits_samples_while_they_equal_the_guesses_then_the_first_that
 
 # -- the policy ------------------------------------------------------------------------------
 
-def test_step_cost_is_the_least_squares_line_of_seconds_on_rows_and_each_widths_mean():
+def test_step_cost_is_a_line_through_the_widths_medians_and_each_widths_median():
     cost = StepCost.fit([(1, 0.006), (2, 0.007), (3, 0.008), (5, 0.010)])
     assert cost.fixed_s == pytest.approx(0.005) and cost.per_row_s == pytest.approx(0.001)
     assert cost.widths == {}  # no width measured MIN_FITTED_STEPS times: the line everywhere
@@ -71,6 +72,10 @@ def test_step_cost_is_the_least_squares_line_of_seconds_on_rows_and_each_widths_
     assert cost.seconds(3) == pytest.approx(0.009)  # the line: 0.0045 + 0.0015 * 3
     assert cost.seconds(6) == pytest.approx(0.0135)  # the line is above the 5-row mean here
     assert StepCost(0.005, 0.001, {5: 0.020}).seconds(6) == pytest.approx(0.020)  # never below a narrower width
+    # through each width's median: a 2-row step caught in a load spike (70 ms) does not move the
+    # line (through the raw steps its cost of a row would be 8.9 ms, not 1)
+    cost = StepCost.fit([(1, 0.006)] * 8 + [(2, 0.007)] * 7 + [(2, 0.070)])
+    assert cost.per_row_s == pytest.approx(0.001) and cost.fixed_s == pytest.approx(0.005)
 
 
 def test_guesses_are_those_whose_number_makes_the_most_tokens_per_second():
@@ -108,6 +113,30 @@ def test_a_draft_models_steps_are_counted_in_what_a_guess_costs():
     draft = StepCost(0.001, 0.0001)
     assert plan_guesses([0.8], [0.8], [8], rows=2, cost=cost, round_cost=draft) == [1]
     assert plan_guesses([0.95, 0.8], [0.95, 0.8], [8, 8], rows=2, cost=cost, round_cost=draft) == [4, 1]
+
+
+def test_a_drafts_catch_up_is_counted_in_the_first_guess_spread_over_the_steps_it_serves():
+    cost = StepCost(fixed_s=0.005, per_row_s=0.001)
+    draft = StepCost(0.001, 0.0001)
+    # caught up (only the newest token to feed): as without catch_up
+    assert plan_guesses([0.8], [0.8], [8], rows=1, cost=cost, round_cost=draft, catch_up=[0.0]) == \
+        plan_guesses([0.8], [0.8], [8], rows=1, cost=cost, round_cost=draft)
+    # caught up, 3 guesses at odds 0.8 make 2.95 tokens in 12.3 ms (9 ms of target, 3 draft steps
+    # of 1.1 ms): 0.24 a ms. 20 rows of backlog more (2 ms): 2.95 / 14.3 = 0.21, still above the
+    # plain step's 1 / 6 ms: guessed, as many
+    assert plan_guesses([0.8], [0.8], [8], rows=1, cost=cost, round_cost=draft, catch_up=[20.0]) == [3]
+    # ... 200 rows (20 ms): 2.95 / 32.3 < 1 / 6 ms, and no other number of guesses does better: none
+    assert plan_guesses([0.8], [0.8], [8], rows=1, cost=cost, round_cost=draft, catch_up=[200.0]) == [0]
+    # charged to the request whose first guess it is: the caught-up one gets its 5 guesses (6.30
+    # tokens in 17.5 ms, the most a ms), the one 200 rows behind none, and taking its dear first
+    # guess early (same odds) does not cut the other's run short
+    assert plan_guesses([0.95, 0.95], [0.95, 0.95], [8, 8], rows=2, cost=cost, round_cost=draft,
+                        catch_up=[0.0, 200.0]) == [5, 0]
+    assert plan_guesses([0.95], [0.95], [8], rows=2, cost=cost, round_cost=draft) == [5]
+    # a step carries 1/min(32, tokens left) of the backlog: paid once, it serves later steps' guesses
+    assert catch_up_share(640, 1000) == 640 / CATCH_UP_STEPS == 20.0
+    assert catch_up_share(640, 8) == 80.0  # 8 tokens left: at most 8 steps to pay it back
+    assert catch_up_share(0, 100) == 0.0 and catch_up_share(5, 0) == 5.0
 
 
 def test_odds_follow_the_checked_guesses_and_drift_back_while_none_are_made():

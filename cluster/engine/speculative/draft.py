@@ -48,16 +48,19 @@ class _Span:
 class DraftProposer:
     writes_kv = True
 
-    def __init__(self, runner: ModelRunner, max_rows_fitted: int):
+    def __init__(self, runner: ModelRunner, max_rows_fitted: int, target_weight_bytes: int):
         """``runner``: the draft's (its KV cache allocated by :meth:`allocate`); its forwards of up
-        to ``max_rows_fitted`` rows are what its step cost is fitted to (the engine's own rule)."""
+        to ``max_rows_fitted`` rows are what its step cost is fitted to (the engine's own rule);
+        ``target_weight_bytes``: the target's weights, to scale the target's step cost into an
+        estimate of the draft's until the draft's own forwards are measured."""
         self.runner = runner
         self.block_size = runner.block_size
         self.max_rows_fitted = max_rows_fitted
+        self.size_ratio = runner.weight_bytes / max(1, target_weight_bytes)
         self.forwards: deque[tuple[int, float]] = deque(maxlen=FITTED_STEPS)  # (rows, seconds)
         self.forward_seconds = 0.0  # every forward's, summed
         self.filled: dict[int, bytes] = {}  # block id -> the hash of the content whose draft KV it holds
-        self._cost: StepCost | None = None
+        self._fitted: StepCost | None = None
         self._fitted_at = -REFIT_STEPS
         self._count = 0
 
@@ -77,16 +80,28 @@ class DraftProposer:
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
         pass  # the request's own odds are all the policy uses
 
-    def round_cost(self) -> StepCost | None:
-        """A line fitted to the draft's recent forwards, as the engine fits its own steps; where
-        they all had one width (batch 1), their mean as a fixed cost."""
+    def catch_up(self, requests: Sequence[Request]) -> list[int]:
+        return [max(0, r.num_tokens - self._track(r).computed - 1) for r in requests]
+
+    def round_cost(self, target: StepCost | None) -> StepCost | None:
+        """A line fitted to the draft's recent forwards, as the engine fits its own steps. Until
+        their widths spread (at batch 1 every measured forward has one row), the target's line
+        scaled by the draft's share of the weights (it runs the same step on fewer weights) gives
+        the cost of a row, under the measured mean of the draft's one-row forwards where there are
+        enough; before any forward, the scaled line alone. A draft is thus judged from its first
+        guess, never counted free (a self-draft, as dear as the target, then guesses nothing)."""
         if self._count - self._fitted_at >= REFIT_STEPS:
-            points = list(self.forwards)
-            self._cost = StepCost.fit(points)
-            if self._cost is None and len(points) >= MIN_FITTED_STEPS:
-                self._cost = StepCost(sum(s for _, s in points) / len(points), 0.0)
+            self._fitted = StepCost.fit(self.forwards)
             self._fitted_at = self._count
-        return self._cost
+        if self._fitted is not None:
+            return self._fitted
+        if target is None:
+            return None
+        per_row = target.per_row_s * self.size_ratio
+        ones = [s for rows, s in self.forwards if rows == 1]
+        if len(ones) >= MIN_FITTED_STEPS:
+            return StepCost(max(sum(ones) / len(ones) - per_row, 1e-6), per_row)
+        return StepCost(target.fixed_s * self.size_ratio, per_row)
 
     def propose(self, step: SchedulerOutput, requests: Sequence[Request], counts: Sequence[int]) -> list[list[int]]:
         for request in step.preempted:

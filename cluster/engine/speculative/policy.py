@@ -9,13 +9,16 @@ its prompt a guess after a kept one was kept 85-94% of the time, a first guess 2
 
 A step's seconds for ``R`` rows are measured: the median of the recent steps of that width where
 there are enough of them, else a line ``fixed + per_row * R`` fitted to the engine's recent
-steps (start-up profile included). The CPU's fused step works rows four at a time (each weight
-widened once per four rows), so a fifth row costs about three of the others: the line alone
-missed that jump. The guesses are taken best first and the step gets the number of them whose
-expected tokens per second is highest, none where no number beats the step without guesses:
+steps (start-up profile included). The CPU's fused step widens each q4 weight once per tile of up
+to eight rows (four for q8 weights, and before 8-row tiles for q4 too a fifth row cost about three
+of the others): where the line misses such a jump, the measured widths catch it. The guesses
+are taken best first and the step gets the number of them whose expected tokens per second is
+highest, none where no number beats the step without guesses:
 at batch 1 on a CPU a row is cheap against the step's fixed cost and a well-guessed request gets
 several; in a wide batch the step is already compute-bound and a guess must be nearly sure to
-be made. A draft model's guesses also cost its own steps (``round_cost`` in :func:`plan_guesses`).
+be made. A draft model's guesses also cost its own steps (``round_cost`` in :func:`plan_guesses`),
+its first guess for a request the tokens it must feed first (``catch_up``: the prompt, or what
+was made while the request did not guess), charged as :func:`catch_up_share` of them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ RECOVERY = 0.05  # per step without guesses, of the gap back to the prior
 FITTED_STEPS = 256  # the most recent steps the step cost is fitted to ...
 REFIT_STEPS = 16  # ... every this many steps
 MIN_FITTED_STEPS = 4  # ... and the fewest of one width whose median stands for that width
+CATCH_UP_STEPS = 32  # a draft's catch-up is charged to a step as 1/min(this, the request's steps left) of it
 
 
 @dataclass(frozen=True)
@@ -52,25 +56,29 @@ class StepCost:
 
     @classmethod
     def fit(cls, steps: Iterable[tuple[int, float]]) -> "StepCost | None":
-        """Least squares of seconds on rows over ``(rows, seconds)`` (the caller picks the steps:
-        the latest ``FITTED_STEPS``), and the median of each width with ``MIN_FITTED_STEPS``
-        steps (a median: a step slowed by another process on a shared CPU does not move it);
-        None with too few steps or a single width (then nothing says what a row costs)."""
+        """The line of seconds on rows, least squares through each width's median weighted by
+        its number of steps (the caller picks the steps: the latest ``FITTED_STEPS``), and the
+        median of each width with ``MIN_FITTED_STEPS`` steps. Medians, so that a step slowed by
+        another process on a shared CPU does not move them: through the raw steps, one wide
+        step caught in a load spike raised the line's cost of a row enough that an n-gram
+        engine stopped guessing. None with too few steps or a single width (then nothing says
+        what a row costs)."""
         points = list(steps)
         if len(points) < MIN_FITTED_STEPS:
             return None
-        n = len(points)
-        mean_rows = sum(r for r, _ in points) / n
-        mean_s = sum(s for _, s in points) / n
-        spread = sum((r - mean_rows) ** 2 for r, _ in points)
-        if spread == 0:
-            return None
-        per_row = max(0.0, sum((r - mean_rows) * (s - mean_s) for r, s in points) / spread)
-        fixed = max(mean_s - per_row * mean_rows, 1e-6)
         by_width: dict[int, list[float]] = defaultdict(list)
         for rows, seconds in points:
             by_width[rows].append(seconds)
-        widths = {rows: median(s) for rows, s in by_width.items() if len(s) >= MIN_FITTED_STEPS}
+        medians = {rows: median(s) for rows, s in by_width.items()}
+        n = len(points)
+        mean_rows = sum(r * len(s) for r, s in by_width.items()) / n
+        mean_s = sum(medians[r] * len(s) for r, s in by_width.items()) / n
+        spread = sum(len(s) * (r - mean_rows) ** 2 for r, s in by_width.items())
+        if spread == 0:
+            return None
+        per_row = max(0.0, sum(len(s) * (r - mean_rows) * (medians[r] - mean_s) for r, s in by_width.items()) / spread)
+        fixed = max(mean_s - per_row * mean_rows, 1e-6)
+        widths = {rows: medians[rows] for rows, s in by_width.items() if len(s) >= MIN_FITTED_STEPS}
         return cls(fixed, per_row, widths)
 
 
@@ -93,6 +101,15 @@ def update_continuation(current: float, proposed: int, accepted: int) -> float:
     return (1 - ACCEPTANCE_WEIGHT) * current + ACCEPTANCE_WEIGHT * (accepted - 1) / checked
 
 
+def catch_up_share(rows: int, tokens_left: int) -> float:
+    """What a step that starts (or resumes) a draft for a request is charged of the ``rows`` it
+    must feed the draft first: paid once, it serves the guesses of the request's later steps too,
+    which one step's plan cannot see, so a step carries 1/min(``CATCH_UP_STEPS``, steps left) of
+    it (steps left: at most ``tokens_left``); judged against at most 32 steps, so that a draft
+    that would pay only over a long future is not started on the promise of ``max_tokens``."""
+    return rows / max(1, min(CATCH_UP_STEPS, tokens_left)) if rows > 0 else 0.0
+
+
 def worth_a_row(gain: float, rows: int, cost: StepCost) -> bool:
     """Whether a guess adding ``gain`` expected tokens to a step of ``rows`` rows pays for its
     row at the line's cost of a row (the engine skips the lookups of a step where none does)."""
@@ -100,7 +117,8 @@ def worth_a_row(gain: float, rows: int, cost: StepCost) -> bool:
 
 
 def plan_guesses(first: Sequence[float], then: Sequence[float], available: Sequence[int], rows: int,
-                 cost: StepCost | None, round_cost: StepCost | None = None) -> list[int]:
+                 cost: StepCost | None, round_cost: StepCost | None = None,
+                 catch_up: Sequence[float] | None = None) -> list[int]:
     """Guesses per request: ``first[i]``, ``then[i]`` (request ``i``'s odds) and ``available[i]``
     (the most it can have: its proposal's length) for the requests that may speculate; ``rows``:
     the step's rows without guesses (every decode and prompt token). Without a fitted cost
@@ -109,9 +127,10 @@ def plan_guesses(first: Sequence[float], then: Sequence[float], available: Seque
 
     ``round_cost``: a proposer's own step (a draft model's), None where guessing costs nothing
     worth counting. The draft runs only in steps that guess: the first guess of a step costs the
-    draft's forward (its fixed cost and a row; the tokens it missed while not guessing are not
-    counted), a request's ``j``-th guess a row in the draft's ``j-1``-th decode step, and the
-    step's fixed cost for the first guess that needs that step."""
+    draft's forward (its fixed cost, and a row for the request's newest token plus ``catch_up[i]``
+    rows: the share of the tokens its KV lacks that this step is charged, :func:`catch_up_share`),
+    a request's ``j``-th guess a row in the draft's ``j-1``-th decode step, and the step's fixed
+    cost for the first guess that needs that step."""
     guesses = [0] * len(first)
     if cost is None:
         return [min(1, n) for n in available]
@@ -120,23 +139,30 @@ def plan_guesses(first: Sequence[float], then: Sequence[float], available: Seque
     taken: list[int] = []  # requests in the order their guesses are taken, best first
     tokens = float(rows)
     rounds_run: set[int] = set()
-    heap = [(-f, i) for i, (f, n) in enumerate(zip(first, available)) if n > 0 and f > 0]
+    def first_key(i: int, f: float) -> float:
+        """A first guess's place in the order: its odds, over its cost in target rows where the
+        draft must catch up first (else a costly first guess taken early spoils the others)."""
+        if round_cost is None or catch_up is None or not catch_up[i]:
+            return f
+        return f * cost.per_row_s / (cost.per_row_s + round_cost.per_row_s * catch_up[i]) if cost.per_row_s else 0.0
+
+    heap = [(-first_key(i, f), i, f) for i, (f, n) in enumerate(zip(first, available)) if n > 0 and f > 0]
     heapq.heapify(heap)
     while heap:
-        gain, i = heapq.heappop(heap)
-        gain = -gain
+        _, i, gain = heapq.heappop(heap)
         guesses[i] += 1
         taken.append(i)
         tokens += gain
         if round_cost is not None:
             depth = guesses[i]
-            draft_s += round_cost.per_row_s + (round_cost.fixed_s if depth not in rounds_run else 0.0)
+            behind = catch_up[i] if catch_up is not None and depth == 1 else 0.0
+            draft_s += round_cost.per_row_s * (1 + behind) + (round_cost.fixed_s if depth not in rounds_run else 0.0)
             rounds_run.add(depth)
         rate = tokens / (cost.seconds(rows + len(taken)) + draft_s)
         if rate > best_rate:
             best_rate, best_taken = rate, len(taken)
         if guesses[i] < available[i] and then[i] > 0:
-            heapq.heappush(heap, (-gain * then[i], i))
+            heapq.heappush(heap, (-gain * then[i], i, gain * then[i]))
     guesses = [0] * len(first)
     for i in taken[:best_taken]:
         guesses[i] += 1

@@ -4,7 +4,7 @@
 After each target step the engine asks ``available`` how many guesses each decoding request
 could get and ``first_odds`` how likely each one's first guess is to be kept, the policy
 (``policy.py``) chooses how many it gets (counting ``round_cost``, what each round of guessing
-costs), the engine holds cache slots for them where ``writes_kv`` (a model that
+costs, and ``catch_up``, what a proposer must feed before a request's first guess), the engine holds cache slots for them where ``writes_kv`` (a model that
 writes its guesses' KV), and ``propose`` makes them. ``propose`` is called after every step, with
 no request where none guesses (a model catches its KV up when guessing resumes). Each
 verify's outcome is reported back (``observe``)."""
@@ -37,8 +37,14 @@ class Proposer(Protocol):
     def propose(self, step: SchedulerOutput, requests: Sequence[Request], counts: Sequence[int]) -> list[list[int]]:
         """``counts[i]`` guesses for ``requests[i]``, after the target's ``step``."""
 
-    def round_cost(self) -> StepCost | None:
-        """What one round of guesses costs (a model's step), None where it is not worth counting."""
+    def catch_up(self, requests: Sequence[Request]) -> list[int]:
+        """Per request, the tokens it must feed before its first guess beyond the newest one
+        (a model's KV of the prompt, or of what was made while the request did not guess)."""
+
+    def round_cost(self, target: StepCost | None) -> StepCost | None:
+        """What one round of guesses costs (a model's step; ``target``: the engine's own fitted
+        step, for an estimate before the proposer's steps are measured), None where it is not
+        worth counting."""
 
 
 class NgramProposer:
@@ -77,5 +83,8 @@ class NgramProposer:
     def propose(self, step: SchedulerOutput, requests: Sequence[Request], counts: Sequence[int]) -> list[list[int]]:
         return [self._proposals[id(r)][:n] for r, n in zip(requests, counts)]
 
-    def round_cost(self) -> StepCost | None:
+    def catch_up(self, requests: Sequence[Request]) -> list[int]:
+        return [0] * len(requests)  # the index extends itself over new tokens in the lookup
+
+    def round_cost(self, target: StepCost | None) -> StepCost | None:
         return None  # a few dictionary lookups
