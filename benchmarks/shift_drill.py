@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from common import machine_rows, print_table
 
 from cluster.bench.arrivals import Arrivals
-from cluster.bench.metrics import Objectives
+from cluster.bench.metrics import class_objectives
 from cluster.bench.workloads import Length, synthetic
 from cluster.plan.live.hysteresis import Hysteresis
 from cluster.plan.live.observe import Observation
@@ -131,17 +131,13 @@ def run(label: str, phases: list[Phase], start: Split, act: bool, spec, args, ob
     return windows, decisions
 
 
-def phase_figures(windows: list[Window], phase: str) -> tuple[float, float]:
+def phase_figures(windows: list[Window], phase: str, window_s: float) -> tuple[float, float]:
     mine = [w for w in windows if w.phase == phase]
     requests, met = sum(w.requests for w in mine), sum(w.met for w in mine)
-    return met / (len(mine) * WINDOW_S), met / requests if requests else 0.0
-
-
-WINDOW_S = 30.0
+    return met / (len(mine) * window_s), met / requests if requests else 0.0
 
 
 def main() -> int:
-    global WINDOW_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", choices=("sim", "local"), default="sim")
     parser.add_argument("--local-phase1", default="64,256,0.6,90", help="local: prompt,output,rate,seconds")
@@ -162,7 +158,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.scale == "local":
         return local_drill(args)
-    WINDOW_S = args.window_s
     args.workers = args.gpus // args.tp
     phases = []
     for name, text in (("phase 1", args.phase1), ("phase 2", args.phase2)):
@@ -170,7 +165,7 @@ def main() -> int:
         phases.append(Phase(name, float(rate), int(prompt), int(output)))
     spec = worker_spec(hardware(args.hardware), model_shape(args.model_shape), args.tp)
     config = SimConfig(router=RouterConfig(), duration_s=args.window_s)
-    objectives = {c.name: Objectives(c.ttft_s, c.tpot_s) for c in RouterConfig().slo_classes}
+    objectives = class_objectives(RouterConfig())
     # the fixed split: the planner's choice for the first phase, as an operator sizing for it would take
     first = phases[0]
     bounds = Bounds(1, args.workers - 1, 1, args.workers - 1, args.workers, min_workers=args.workers)
@@ -192,9 +187,9 @@ def main() -> int:
     for phase in phases:
         row = [f"{phase.name}: {phase.prompt} in / {phase.output} out, {phase.rate:g} req/s"]
         for label in ("off", "act"):
-            goodput, attainment = phase_figures(results[label][0], phase.name)
+            goodput, attainment = phase_figures(results[label][0], phase.name, args.window_s)
             row += [f"{goodput:.1f}", f"{attainment:.0%}"]
-        off, act = phase_figures(results["off"][0], phase.name)[0], phase_figures(results["act"][0], phase.name)[0]
+        off, act = (phase_figures(results[label][0], phase.name, args.window_s)[0] for label in ("off", "act"))
         row.append(f"{act / off:.2f}x" if off else "-")
         rows.append(tuple(row))
     print_table("goodput per phase (req/s) and attainment", rows,
@@ -208,8 +203,8 @@ def main() -> int:
     print_table("splits per window", [(f"{w.index} ({w.phase})", off.split.label(), w.split.label())
                                       for w, off in zip(results["act"][0], results["off"][0])],
                 ("window", "off", "act"))
-    off2 = phase_figures(results["off"][0], phases[1].name)[0]
-    act2 = phase_figures(results["act"][0], phases[1].name)[0]
+    off2 = phase_figures(results["off"][0], phases[1].name, args.window_s)[0]
+    act2 = phase_figures(results["act"][0], phases[1].name, args.window_s)[0]
     ratio = act2 / off2 if off2 else float("inf")
     within = [d for d in decisions if d.error is not None and abs(d.error) <= 0.2]
     print(f"\ngoal: act's goodput in phase 2 >= 1.3x the fixed split's: {ratio:.2f}x "
@@ -284,7 +279,7 @@ def local_drill(args) -> int:
     for name, text in (("phase 1", args.local_phase1), ("phase 2", args.local_phase2)):
         prompt, output, rate, seconds = text.split(",")
         phases.append((Phase(name, float(rate), int(prompt), int(output)), float(seconds)))
-    objectives = {c.name: Objectives(c.ttft_s, c.tpot_s) for c in RouterConfig().slo_classes}
+    objectives = class_objectives(RouterConfig())
     figures, decisions, finals = {}, {}, {}
     for mode in ("off", "act"):
         with LocalCluster(f"shift-{mode}", local_topology(args, mode), cache=cache_dir()) as cluster:

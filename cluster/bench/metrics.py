@@ -95,6 +95,11 @@ class Objectives:
         return ", ".join(parts) or "none"
 
 
+def class_objectives(router_config) -> dict[str, Objectives]:
+    """Each SLO class of a router configuration, by name, as the objectives it is judged by."""
+    return {c.name: Objectives(c.ttft_s, c.tpot_s) for c in router_config.slo_classes}
+
+
 def parse_objectives(items: Sequence[str]) -> Objectives:
     """``ttft_ms:500 tpot_ms:50`` (either or both); ValueError naming --goodput otherwise."""
     values: dict[str, float] = {}

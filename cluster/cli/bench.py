@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from cluster.bench.arrivals import ArrivalError, Arrivals
-from cluster.bench.metrics import Objectives, parse_objectives, summarize, sweep_goodput
+from cluster.bench.metrics import Objectives, class_objectives, parse_objectives, summarize, sweep_goodput
 from cluster.bench.workloads import (FIRST_TOKEN_ID, WorkloadError, Workload, cap, chat, parse_length, read_mooncake,
                                      read_sharegpt, synthetic)
 
@@ -193,10 +193,6 @@ def local_tokenizer(directory: str | None):
     except TokenizerError as exc:
         raise UsageError(f"--tokenizer: {exc}") from None
     return tokenizer.encode, tokenizer.decode
-
-
-def class_objectives(router_config) -> dict[str, Objectives]:
-    return {c.name: Objectives(c.ttft_s, c.tpot_s) for c in router_config.slo_classes}
 
 
 def cluster_topology(state: dict | None):

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Callable
 
+from cluster.bench.metrics import class_objectives
 from cluster.plan.live.hysteresis import Hysteresis
 from cluster.registry.planner_decisions import Journal, PlannerDecision
 from cluster.plan.live.observe import Observation, measured_profile, observe
@@ -37,7 +38,7 @@ class LivePlanner:
         self.hysteresis = Hysteresis(self.planner.min_gain, self.planner.confirmations, self.planner.cooldown_s)
         self.journal = Journal(client, cluster)
         self.reader = GoodputReader(client, cluster)
-        self._numbers = iter(range(len(self.journal.decisions()) + 1, 1 << 62))
+        self._numbers = iter(range(max((d.number for d in self.journal.decisions()), default=0) + 1, 1 << 62))
         self._unmeasured: list[PlannerDecision] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-planner", daemon=True)
@@ -85,11 +86,12 @@ class LivePlanner:
 
     def proposal(self, observation: Observation, current: Split) -> Proposal:
         workers = self.workers_now()
-        tps = {w: self.spec.pool(w.rsplit("-", 1)[0]).tp for w in workers if w.rsplit("-", 1)[0] in ("prefill", "decode")}
+        roles = {w: w.rsplit("-", 1)[0] for w in workers}
+        tps = {w: self.spec.pool(role).tp for w, role in roles.items() if role in ("prefill", "decode")}
         profile = measured_profile(self.client, self.cluster, workers, tps, self.max_model_len)
         config = SimConfig(router=self.spec.router, duration_s=self.planner.window_s)
-        objectives = {c.name: _objectives(c) for c in self.spec.router.slo_classes}
-        return propose(observation, current, self.bounds, profile.spec, config, objectives, self.vocab_size)
+        return propose(observation, current, self.bounds, profile.spec, config, class_objectives(self.spec.router),
+                       self.vocab_size)
 
     def _decide(self, proposal: Proposal, observation: Observation) -> PlannerDecision:
         acted, detail, after = False, "", proposal.current
@@ -118,8 +120,3 @@ class LivePlanner:
             self._unmeasured.remove(decision)
             log.warning("[planner] measured: %s", done.line())
 
-
-def _objectives(slo_class):
-    from cluster.bench.metrics import Objectives
-
-    return Objectives(slo_class.ttft_s, slo_class.tpot_s)
