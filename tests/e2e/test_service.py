@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import subprocess
-import threading
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -398,44 +398,51 @@ def test_a_dead_worker_is_unavailable_then_down_stops_everything(default_cluster
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
 
 
-class Throttle:
-    """Keeps processes stopped (SIGSTOP) but for a short run every ``period_s`` (SIGCONT), from a
-    thread, until ``end``; leaving the ``with`` ends it too, every process running again."""
+THROTTLE = """
+import os, select, signal, sys, time
+run_s, period_s, pids = float(sys.argv[1]), float(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+def send(sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+while True:
+    send(signal.SIGSTOP)
+    if select.select([sys.stdin], [], [], period_s - run_s)[0]:
+        break  # told to end (a line, or stdin closed): every process is stopped
+    send(signal.SIGCONT)
+    time.sleep(run_s)
+"""
 
-    def __init__(self, pids: list[int], run_s: float = 0.002, period_s: float = 0.025):
-        self.pids, self.run_s, self.period_s = pids, run_s, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._cycle, daemon=True)
+
+class Throttle:
+    """Keeps processes stopped (SIGSTOP) but for a short run every ``period_s`` (SIGCONT), until
+    ``end``; leaving the ``with`` ends it too, every process running again. The cycle runs in a
+    process of its own: in a thread of the test, the client's threads holding the GIL stretched
+    each run many times over on a busy machine, and a frozen worker could finish its streams."""
+
+    def __init__(self, pids: list[int], run_s: float = 0.002, period_s: float = 0.05):
+        self.pids = pids
+        self._cycle = subprocess.Popen([sys.executable, "-c", THROTTLE, str(run_s), str(period_s),
+                                        *map(str, pids)], stdin=subprocess.PIPE)
 
     def __enter__(self) -> "Throttle":
-        self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.end()
 
-    def _signal(self, sig: int, pids) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def _cycle(self) -> None:
-        while not self._stop.is_set():
-            self._signal(signal.SIGSTOP, self.pids)
-            time.sleep(self.period_s - self.run_s)
-            self._signal(signal.SIGCONT, self.pids)
-            time.sleep(self.run_s)
-
     def end(self, keep_stopped: int | None = None) -> None:
         """Stops cycling, with ``keep_stopped`` stopped and the others running."""
-        if self._thread.is_alive():
-            self._stop.set()
-            self._thread.join()
-        if keep_stopped is not None:
-            self._signal(signal.SIGSTOP, [keep_stopped])
-        self._signal(signal.SIGCONT, [p for p in self.pids if p != keep_stopped])
+        if self._cycle.poll() is None:
+            self._cycle.stdin.close()  # it ends with every process stopped
+            self._cycle.wait(timeout=60)
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGSTOP if pid == keep_stopped else signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def self_signed(tmp: Path) -> tuple[Path, Path]:
@@ -457,6 +464,7 @@ def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(m
     key, cert = self_signed(tmp_path)
     spec = topology("e2e-tp2", model_dir, prefill={"replicas": 2, "tp": 2}, decode={"replicas": 2},
                     kv={"num_blocks": 96}, router={"local_prefill_max_tokens": 0},
+                    ray={"restart_workers": False},  # a name is one incarnation: a stream moved is seen moved
                     server={"tls": {"cert_file": str(cert), "key_file": str(key)},
                             "auth_token_env": "E2E_TANDEM_TOKEN", "replicas": 2})
     cluster = Cluster("e2e-tp2", spec, tmp_path, env={"E2E_TANDEM_TOKEN": "s3cret"})
