@@ -76,6 +76,7 @@ class WorkerSpec:
     prefix_caching: bool = True
     chunked_prefill: bool = True
     tp: int = 1
+    threads: int = 1  # CPU threads a step keeps busy (each rank's); counts only with ``SimConfig.shared_cores``
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,9 @@ class SimConfig:
     hop_s: float = 0.0  # one control-plane message (ingress-router, ingress-worker, worker-worker, a token's way back)
     duration_s: float | None = None  # as ``tandem bench --duration``: nothing is sent after it
     send_objectives: Objectives | None = None  # sent with every request, as ``tandem bench --send-objectives``
+    # CPU cores every worker shares (CPU workers on one machine); None: each worker has its own device.
+    # A step that starts while others run takes longer by the threads that want a core over the cores.
+    shared_cores: float | None = None
 
 
 def step_seconds(model: StepTimeModel, prefill_tokens: int, attention: int, decodes: int, context: int) -> float:
@@ -273,6 +277,9 @@ class SimWorker:
         step = self.engine.begin_step()
         if step is None:
             return
+        share = self.sim.contention(self)
+        if share > 1.0:
+            step = replace(step, seconds=step.seconds * share, record=replace(step.record, seconds=step.seconds * share))
         self.stepping = True
         self.busy_s += step.seconds
         self.sim.after(step.seconds, lambda: self._end(step))
@@ -350,6 +357,16 @@ class Simulator:
         self._retry_due = False
         self._pending_starts = 0  # session starts and later turns scheduled, not yet sent
         self._progress_at = EPOCH  # when a request was last sent or ended
+
+    def contention(self, starting: SimWorker) -> float:
+        """How many times longer ``starting``'s step takes for sharing ``config.shared_cores``
+        with the workers stepping now: the threads that want a core over the cores, at least 1.
+        Fixed when the step starts (steps that start or end during it do not change it)."""
+        cores = self.config.shared_cores
+        if not cores:
+            return 1.0
+        wanting = sum(w.spec.threads * w.spec.tp for w in self.workers.values() if w.stepping or w is starting)
+        return max(1.0, wanting / cores)
 
     # -- the clock --------------------------------------------------------------------------
 

@@ -119,3 +119,25 @@ def test_no_traffic_no_proposal(redis_client):
     assert live.look() is None
     latest = Journal(redis_client, CLUSTER).latest()
     assert latest["proposal"] == "nothing to size for" and latest["observed"] == "no traffic in the last 30 s"
+
+
+def test_cpu_workers_of_one_node_share_its_cores_in_the_predictions(redis_client, monkeypatch):
+    """The same traffic and steps, the workers on one 2-core node instead of their own: each
+    split's steps slow each other, so every prediction is lower and the extra prefill worker
+    gains less."""
+    monkeypatch.setattr("os.cpu_count", lambda: 2)  # 2 cores, and 2 torch threads a worker (null threads)
+    predictions = {}
+    for nodes in ("apart", "one"):
+        cluster, now = Cluster(), [time.time()]
+        for i, name in enumerate(cluster.workers()):
+            steps = PREFILL_STEPS if name.startswith("prefill") else DECODE_STEPS
+            node = "node-a" if nodes == "one" else f"node-{i}"
+            publish_load(redis_client, CLUSTER, WorkerLoad(name, name.rsplit("-", 1)[0], 0, 0, 0, 0, 0, 2000, 2000, 16,
+                                                           512, 32, steps, node_id=node), ttl_s=300)
+        record_traffic(redis_client, now[0] - 30, 30, 3, prompt=1024, output=16)
+        live = planner(redis_client, cluster, lambda: now[0], mode="advise")
+        live.look()
+        predictions[nodes] = Journal(redis_client, CLUSTER).latest()["predictions"]
+        redis_client.flushdb()
+    assert set(predictions["one"]) == set(predictions["apart"]) == {"1P+1D", "1P+2D", "2P+1D"}
+    assert all(predictions["one"][s] < predictions["apart"][s] for s in predictions["one"])

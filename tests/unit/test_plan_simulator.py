@@ -56,6 +56,20 @@ def test_a_request_arriving_mid_step_waits_for_it_then_shares_a_mixed_step():
     assert a.e2e_s == pytest.approx(0.250) and b.e2e_s == pytest.approx(0.270)
 
 
+def test_shared_cores_slow_a_step_by_the_threads_wanting_a_core():
+    alone = WorkerSpec(FIXED, 1000, threads=4)  # 4 threads on 2 shared cores: every step twice as long
+    [r] = run(Pools(colocated=(1, alone)), workload(tokens(100)), shared_cores=2).results
+    assert r.ttft_s == pytest.approx(2 * 0.110) and r.tpot_s == pytest.approx(2 * 0.020)
+    # two 2-thread workers on 2 cores, a request each at once: the first step starts alone (1x),
+    # the second while it runs (4 threads / 2 cores: 2x); without shared cores, both 1x
+    pair = Pools(colocated=(2, WorkerSpec(FIXED, 1000, threads=2)))
+    both = workload(tokens(100), tokens(100, 500), max_tokens=1, at=[0.0, 0.0])
+    first, second = run(pair, both, Arrivals("trace"), shared_cores=2).results
+    assert {first.placement[1], second.placement[1]} == {"colocated-0", "colocated-1"}
+    assert first.ttft_s == pytest.approx(0.110) and second.ttft_s == pytest.approx(2 * 0.110)
+    assert [r.ttft_s for r in run(pair, both, Arrivals("trace")).results] == pytest.approx([0.110, 0.110])
+
+
 def test_chunked_prefill_splits_the_prompt_by_the_token_budget():
     spec = WorkerSpec(FIXED, 1000, max_num_batched_tokens=64)
     [r] = run(Pools(colocated=(1, spec)), workload(tokens(100))).results

@@ -8,8 +8,10 @@ process that deployed the cluster, beside the supervisor.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 from cluster.bench.metrics import class_objectives
@@ -17,7 +19,8 @@ from cluster.plan.live.hysteresis import Hysteresis
 from cluster.registry.planner_decisions import Journal, PlannerDecision
 from cluster.plan.live.observe import Observation, measured_profile, observe
 from cluster.plan.live.propose import Bounds, Proposal, Split, propose
-from cluster.plan.simulator import SimConfig
+from cluster.parallel.tp_runner import threads_per_rank
+from cluster.plan.simulator import SimConfig, WorkerSpec
 from cluster.registry.goodput import GoodputReader
 
 log = logging.getLogger(__name__)
@@ -88,9 +91,18 @@ class LivePlanner:
         workers = self.workers_now()
         roles = {w: w.rsplit("-", 1)[0] for w in workers}
         tps = {w: self.spec.pool(role).tp for w, role in roles.items() if role in ("prefill", "decode")}
-        profile = measured_profile(self.client, self.cluster, workers, tps, self.max_model_len)
-        config = SimConfig(router=self.spec.router, duration_s=self.planner.window_s)
-        return propose(observation, current, self.bounds, profile.spec, config, class_objectives(self.spec.router),
+        profile, nodes = measured_profile(self.client, self.cluster, workers, tps, self.max_model_len)
+        pools = [self.spec.pool(role) for role in ("prefill", "decode")]
+        # CPU workers of one node share its cores: a split's steps slow each other as they overlap.
+        one_node = len(nodes) == 1 and "" not in nodes  # workers that did not say their node: none shared
+        shared = os.cpu_count() if one_node and all(p.device == "cpu" for p in pools) else None
+        config = SimConfig(router=self.spec.router, duration_s=self.planner.window_s, shared_cores=shared)
+
+        def spec_for(role: str) -> WorkerSpec:
+            spec = profile.spec(role)
+            return replace(spec, threads=self.spec.pool(role).threads or threads_per_rank(spec.tp))
+
+        return propose(observation, current, self.bounds, spec_for, config, class_objectives(self.spec.router),
                        self.vocab_size)
 
     def _decide(self, proposal: Proposal, observation: Observation) -> PlannerDecision:

@@ -41,8 +41,10 @@ def observe(reader: GoodputReader, window_s: float, now: float) -> Observation:
                        w.mean_output_tokens)
 
 
-def measured_profile(client, cluster: str, workers: list[str], tps: dict[str, int], max_model_len: int) -> Profile:
+def measured_profile(client, cluster: str, workers: list[str], tps: dict[str, int],
+                     max_model_len: int) -> tuple[Profile, set[str]]:
     """The workers' step times as their latest reports hold them, pooled per role (the
-    router's own fit, as ``tandem plan --from-cluster`` reads them)."""
+    router's own fit, as ``tandem plan --from-cluster`` reads them), and the nodes they run on."""
     loads = read_loads(client, cluster, workers)
-    return pool_steps(loads.values(), {}, tps, max_model_len, f"cluster {cluster}")
+    return (pool_steps(loads.values(), {}, tps, max_model_len, f"cluster {cluster}"),
+            {load.node_id for load in loads.values()})
