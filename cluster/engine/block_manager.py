@@ -12,6 +12,13 @@ stored there rather than lost, and a prefix that misses the device cache may con
 (``lookup_host_prefix``, ``load_from_host``). The copies are recorded in order as moves
 (``drain_moves``) that the engine makes before the next forward reads or writes a block.
 Device eviction order is unchanged by the tier: the least recently freed block first.
+
+Events carry the tier (:mod:`cluster.engine.kv_tiers.tier`). A block evicted from the device into
+the host tier is ``BlockRemoved(device)`` then ``BlockStored(host)``: the worker still holds it, one
+tier down (the registry moves it, never dropping it); a hash the host tier drops to make room is
+``BlockRemoved(host)``. A hash held in both tiers (loaded back: the host copy stays) is held until
+both have dropped it. One allocation's events come as its device removals, then its host stores,
+then its host drops, each hash's net change only (order within a hash is what counts).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load, Offload, TierMove
+from cluster.engine.kv_tiers.tier import DEVICE, HOST
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -29,16 +37,18 @@ class NoFreeBlocksError(RuntimeError):
 
 @dataclass(frozen=True)
 class BlockStored:
-    """These hashes became cached, in order."""
+    """These hashes became cached in ``tier``, in order."""
 
     block_hashes: tuple[bytes, ...]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """These hashes were evicted or dropped."""
+    """These hashes were evicted or dropped from ``tier``."""
 
     block_hashes: tuple[bytes, ...]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._events: list[KVEvent] = []
-        self._pending_kind: type[BlockStored] | type[BlockRemoved] | None = None
+        self._pending_kind: tuple[type[BlockStored] | type[BlockRemoved], str] | None = None
         self._pending_hashes: list[bytes] = []
         self.host = host if enable_prefix_caching else None
         self._moves: list[TierMove] = []
@@ -165,11 +175,13 @@ class BlockManager:
                 f"need {count} free blocks, only {len(self._free)} of {self.num_blocks} are free"
             )
         allocated: list[int] = []
+        on_host: dict[bytes, bool] = {}  # hash -> stored (True) or dropped (False) by the host tier, net
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
-            self._evict(block_id)
+            self._evict(block_id, on_host)
             self._ref_counts[block_id] = 1
             allocated.append(block_id)
+        self._record_host(on_host)
         return allocated
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -238,7 +250,7 @@ class BlockManager:
             raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
         return block_id
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block_id: int, on_host: dict[bytes, bool]) -> None:
         block_hash = self._hashes[block_id]
         if block_hash is None:
             return
@@ -246,19 +258,34 @@ class BlockManager:
         del self._cached[block_hash]
         self._record(BlockRemoved, block_hash)
         if self.host is not None:
-            slot = self.host.store(block_hash)
+            slot, dropped = self.host.store(block_hash)
+            if dropped is not None:
+                on_host.pop(dropped, None)
+                on_host[dropped] = False
             if slot is not None:
                 self._moves.append(Offload(block_id, slot))
+                on_host.pop(block_hash, None)
+                on_host[block_hash] = True
 
-    def _record(self, kind: type[BlockStored] | type[BlockRemoved], block_hash: bytes) -> None:
-        """Add a hash to the open batch, closing it first if it is of the other kind."""
-        if kind is not self._pending_kind:
+    def _record_host(self, on_host: dict[bytes, bool]) -> None:
+        """The host tier's net changes of one allocation: its stores, then its drops."""
+        for block_hash, stored in on_host.items():
+            if stored:
+                self._record(BlockStored, block_hash, HOST)
+        for block_hash, stored in on_host.items():
+            if not stored:
+                self._record(BlockRemoved, block_hash, HOST)
+
+    def _record(self, kind: type[BlockStored] | type[BlockRemoved], block_hash: bytes, tier: str = DEVICE) -> None:
+        """Add a hash to the open batch, closing it first if it is of another kind or tier."""
+        if (kind, tier) != self._pending_kind:
             self._flush_pending()
-            self._pending_kind = kind
+            self._pending_kind = (kind, tier)
         self._pending_hashes.append(block_hash)
 
     def _flush_pending(self) -> None:
         if self._pending_kind is not None:
-            self._events.append(self._pending_kind(tuple(self._pending_hashes)))
+            kind, tier = self._pending_kind
+            self._events.append(kind(tuple(self._pending_hashes), tier))
         self._pending_kind = None
         self._pending_hashes = []

@@ -3,9 +3,10 @@ and which come back, by exact ids."""
 
 import pytest
 
-from cluster.engine.block_manager import BlockManager, BlockStored
+from cluster.engine.block_manager import BlockManager, BlockRemoved, BlockStored
 from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load, Offload
 from cluster.engine.kv_tiers.size import HostCacheSize, parse_host_cache
+from cluster.engine.kv_tiers.tier import HOST
 
 H = [bytes([i]) * 4 for i in range(8)]
 
@@ -97,3 +98,42 @@ def test_host_cache_sizes(value, size):
 def test_bad_host_cache_sizes_say_what_to_write(value):
     with pytest.raises(ValueError, match="must be null, a positive number of blocks or a size such as '512MiB'"):
         parse_host_cache(value)
+
+
+def test_events_move_an_offloaded_block_to_the_host_tier_and_drop_what_the_host_evicts():
+    manager = cached_manager()
+    assert manager.allocate(2) == [3, 2]
+    # Both fit in free host slots: removed from the device, stored on the host, one allocation's events.
+    assert manager.drain_events() == [BlockRemoved((H[3], H[2])), BlockStored((H[3], H[2]), HOST)]
+    assert manager.allocate(1) == [1]
+    # The host is full: H[1] takes the slot of H[3], the least recently stored, which the worker no longer holds.
+    assert manager.drain_events() == [BlockRemoved((H[1],)), BlockStored((H[1],), HOST), BlockRemoved((H[3],), HOST)]
+
+
+def test_a_hash_stored_and_dropped_in_one_allocation_comes_out_dropped():
+    manager = cached_manager(num_blocks=3, host_slots=1)
+    assert manager.allocate(2) == [2, 1]
+    # H[2] went to the only slot, then H[1] took it: the host holds H[1] alone.
+    assert manager.drain_moves() == [Offload(2, 0), Offload(1, 0)]
+    assert manager.host.entries() == [(H[1], 0)]
+    assert manager.drain_events() == [BlockRemoved((H[2], H[1])), BlockStored((H[1],), HOST),
+                                      BlockRemoved((H[2],), HOST)]
+
+
+def test_a_loaded_block_is_in_both_tiers_until_the_host_drops_it():
+    manager = cached_manager()
+    manager.free(manager.allocate(1))  # H[3] to host slot 0; block 3 free again, uncached, at the tail
+    manager.drain_moves()
+    assert manager.free_block_ids() == [2, 1, 0, 3]
+    manager.drain_events()
+    fresh = manager.allocate(1)  # evicts H[2] to slot 1
+    assert fresh == [2]
+    assert manager.load_from_host([H[3]], fresh) == 1  # H[3] back on the device, in block 2; the host copy stays
+    manager.free(fresh)
+    assert manager.drain_events() == [BlockRemoved((H[2],)), BlockStored((H[2],), HOST), BlockStored((H[3],))]
+    assert manager.allocate(3) == [1, 0, 3]  # H[1] and H[0] to the host, in the slots of H[2] and H[3] (loaded: later)
+    assert manager.drain_events() == [BlockRemoved((H[1], H[0])), BlockStored((H[1], H[0]), HOST),
+                                      BlockRemoved((H[2], H[3]), HOST)]
+    # H[3] is now on the device only (block 2); evicting it stores it again, dropping H[1].
+    assert manager.allocate(1) == [2]
+    assert manager.drain_events() == [BlockRemoved((H[3],)), BlockStored((H[3],), HOST), BlockRemoved((H[1],), HOST)]
