@@ -22,7 +22,7 @@ from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.threads import torch_ops_single_threaded
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
 from cluster.engine.kv_port import KVPortFactory
-from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load
+from cluster.engine.kv_tiers.host_pool import HostBlockPool
 from cluster.engine.kv_tiers.host_store import HostKVStore, host_block_bytes, host_format
 from cluster.engine.kv_tiers.size import parse_host_cache
 from cluster.engine.model_runner import ModelRunner, device_memory_bytes
@@ -94,6 +94,8 @@ class StepRecord:
     guess_tokens: int = 0  # rows that checked a speculative guess (counted in neither of the above)
     accepted_tokens: int = 0  # of those guesses, the ones kept (each a token beyond one per decode)
     draft_seconds: float = 0.0  # of ``seconds``, the draft model's forwards (speculative ``draft``)
+    host_loaded_blocks: int = 0  # blocks loaded from the host tier since the last step's record ...
+    host_load_s: float = 0.0  # ... and the time their loads took
 
 
 @dataclass
@@ -112,6 +114,7 @@ class EngineStats:
     host_offloaded_blocks: int = 0  # blocks copied to the host tier as the device cache evicted them ...
     host_loaded_blocks: int = 0  # ... and back, as prefix hits
     host_copy_seconds: float = 0.0  # the time those copies took (before the steps' forwards)
+    host_load_seconds: float = 0.0  # of which the loads: what the router's cost model prices a host hit by
 
     @property
     def acceptance_rate(self) -> float:
@@ -200,6 +203,7 @@ class LLMEngine:
         self.grammars: GrammarBackend | None = None  # made by the first constrained request (_matcher)
         self._masks: StepMasks | None = None
         self.stats = EngineStats()
+        self._host_loads_recorded = (0, 0.0)  # the host loads counted in step records so far
         self.transfer_errors: dict[str, str | None] = {}  # request id -> None (sent) or the error
 
     def _host_tier(self, verbose: bool) -> tuple[HostKVStore | None, HostBlockPool | None]:
@@ -226,12 +230,19 @@ class LLMEngine:
         moves = self.block_manager.drain_moves()
         if not moves:
             return
-        started = time.perf_counter()
+        tally, stats = self.host_store.tally, self.stats
+        before = replace(tally)
         self.host_store.apply(moves)
-        self.stats.host_copy_seconds += time.perf_counter() - started
-        loads = sum(isinstance(move, Load) for move in moves)
-        self.stats.host_loaded_blocks += loads
-        self.stats.host_offloaded_blocks += len(moves) - loads
+        stats.host_offloaded_blocks += tally.offloaded - before.offloaded
+        stats.host_loaded_blocks += tally.loaded - before.loaded
+        stats.host_copy_seconds += (tally.offload_seconds - before.offload_seconds
+                                    + tally.load_seconds - before.load_seconds)
+        stats.host_load_seconds += tally.load_seconds - before.load_seconds
+
+    def _host_loads(self) -> tuple[int, float]:
+        """Blocks loaded from the host tier so far, and the seconds the loads took."""
+        tally = self.host_store.tally if self.host_store is not None else None
+        return (tally.loaded, tally.load_seconds) if tally is not None else (0, 0.0)
 
     def _weights_kind(self) -> str:
         dtype = str(self.model_config.dtype).removeprefix("torch.")
@@ -531,8 +542,11 @@ class LLMEngine:
                 guess_tokens=sum(n - 1 for _, n in out.verifies),
                 accepted_tokens=self.stats.accepted_tokens - accepted_before,
                 draft_seconds=draft_seconds,
+                host_loaded_blocks=self._host_loads()[0] - self._host_loads_recorded[0],
+                host_load_s=self._host_loads()[1] - self._host_loads_recorded[1],
             )
         )
+        self._host_loads_recorded = self._host_loads()
         return outputs
 
     @staticmethod
