@@ -11,6 +11,13 @@ With a host tier (:class:`~cluster.engine.kv_tiers.host_pool.HostBlockPool`), an
 stored there rather than lost, and a prefix that misses the device cache may continue there
 (``lookup_host_prefix``, ``load_from_host``). The copies are recorded in order as moves
 (``drain_moves``) that the engine makes before the next forward reads or writes a block.
+
+Write-back (``write_back``) takes most of those copies off the critical path: after a step's
+forward, the free cached blocks next in line for eviction are copied to the host tier ahead of
+time (in the background), so that evicting them later needs no copy. The ordering rule: a
+block whose write-back is not known done may not be reallocated (nor may a load or a copy of
+the block manager's run) before the engine waits for the copies; ``must_wait_for_copies`` says
+when, and ``copies_done`` is told when they are.
 Device eviction order is unchanged by the tier: the least recently freed block first.
 
 Events carry the tier (:mod:`cluster.engine.kv_tiers.tier`). A block evicted from the device into
@@ -24,6 +31,7 @@ then its host drops, each hash's net change only (order within a hash is what co
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from itertools import islice
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -79,6 +87,8 @@ class BlockManager:
         self._pending_hashes: list[bytes] = []
         self.host = host if enable_prefix_caching else None
         self._moves: list[TierMove] = []
+        self._copying: set[int] = set()  # blocks whose write-back is not known done
+        self._reused_while_copying = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,6 +152,41 @@ class BlockManager:
         moves, self._moves = self._moves, []
         return moves
 
+    def write_back(self, limit: int) -> list[Offload]:
+        """Copies to the host tier, ahead of eviction, of the free cached blocks among the next
+        ``limit`` to be evicted that the host does not hold yet (in eviction order). They stay
+        cached on the device (and now on the host too: their events say so); the copies are the
+        caller's to make, and the blocks count as being copied until ``copies_done``."""
+        if self.host is None:
+            return []
+        offloads: list[Offload] = []
+        on_host: dict[bytes, bool] = {}
+        for block_id in list(islice(self._free, limit)):
+            block_hash = self._hashes[block_id]
+            if block_hash is None or block_id in self._copying or self.host.lookup(block_hash) is not None:
+                continue
+            slot, dropped = self.host.store(block_hash)
+            if dropped is not None:
+                on_host.pop(dropped, None)
+                on_host[dropped] = False
+            on_host.pop(block_hash, None)
+            on_host[block_hash] = True
+            offloads.append(Offload(block_id, slot))
+            self._copying.add(block_id)
+        self._record_host(on_host)
+        return offloads
+
+    def must_wait_for_copies(self) -> bool:
+        """Whether the write-backs must be done before the next copy or forward: a block being
+        copied was reallocated, or there are copies of the block manager's own to make (a load
+        may read, an offload write, a slot a write-back writes)."""
+        return bool(self._copying) and (self._reused_while_copying or bool(self._moves))
+
+    def copies_done(self) -> None:
+        """Every write-back handed out so far is made."""
+        self._copying.clear()
+        self._reused_while_copying = False
+
     def num_blocks_to_touch(self, block_ids: Sequence[int]) -> int:
         """How many of these blocks sit in the free list now.
 
@@ -178,6 +223,7 @@ class BlockManager:
         on_host: dict[bytes, bool] = {}  # hash -> stored (True) or dropped (False) by the host tier, net
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
+            self._reused_while_copying |= block_id in self._copying
             self._evict(block_id, on_host)
             self._ref_counts[block_id] = 1
             allocated.append(block_id)
