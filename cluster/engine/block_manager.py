@@ -165,13 +165,7 @@ class BlockManager:
             block_hash = self._hashes[block_id]
             if block_hash is None or block_id in self._copying or self.host.lookup(block_hash) is not None:
                 continue
-            slot, dropped = self.host.store(block_hash)
-            if dropped is not None:
-                on_host.pop(dropped, None)
-                on_host[dropped] = False
-            on_host.pop(block_hash, None)
-            on_host[block_hash] = True
-            offloads.append(Offload(block_id, slot))
+            offloads.append(Offload(block_id, self._store_on_host(block_hash, on_host)))
             self._copying.add(block_id)
         self._record_host(on_host)
         return offloads
@@ -304,14 +298,19 @@ class BlockManager:
         del self._cached[block_hash]
         self._record(BlockRemoved, block_hash)
         if self.host is not None:
-            slot, dropped = self.host.store(block_hash)
-            if dropped is not None:
-                on_host.pop(dropped, None)
-                on_host[dropped] = False
+            slot = self._store_on_host(block_hash, on_host)
             if slot is not None:
                 self._moves.append(Offload(block_id, slot))
-                on_host.pop(block_hash, None)
-                on_host[block_hash] = True
+
+    def _store_on_host(self, block_hash: bytes, on_host: dict[bytes, bool]) -> int | None:
+        """The host slot to copy block_hash into (None: held already), noting in ``on_host`` the
+        hash stored and any it dropped, each as its latest change."""
+        slot, dropped = self.host.store(block_hash)
+        for changed, stored in ((dropped, False), (block_hash if slot is not None else None, True)):
+            if changed is not None:
+                on_host.pop(changed, None)
+                on_host[changed] = stored
+        return slot
 
     def _record_host(self, on_host: dict[bytes, bool]) -> None:
         """The host tier's net changes of one allocation: its stores, then its drops."""
