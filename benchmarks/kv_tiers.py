@@ -95,7 +95,7 @@ def run_mode(model_dir: str, host_cache: int | None, args, threads: int, redis_u
     stats = [e.stats for e in engines.values()]
     return {
         "hit_rate": sum(r[2] for r in results) / max(1, sum(r[3] for r in results)),
-        "p50": percentile(ttfts, 50), "p90": percentile(ttfts, 90), "goodput": met / wall, "met": met,
+        "p50": percentile(ttfts, 0.5), "p90": percentile(ttfts, 0.9), "goodput": met / wall, "met": met,
         "turns": len(results), "wall": wall,
         "loaded": sum(s.host_loaded_blocks for s in stats), "offloaded": sum(s.host_offloaded_blocks for s in stats),
         "written_back": sum(s.host_written_back_blocks for s in stats),
