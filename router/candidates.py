@@ -6,6 +6,10 @@ prefill the prompt itself (``prefill is None``). What a prefill worker contribut
 (its queue and prefill time) does not depend on the decode worker, nor what a decode worker
 contributes (its step time, room, waits) on the prefill worker: each side is predicted once per
 worker (``PrefillSide``, ``DecodeSide``) and the pairs only add them up.
+
+A worker's prefix hits come by tier (``TierHits``): device blocks cost nothing, host-tier blocks
+their load (the worker's measured load time per block), the rest are computed; a decode worker's
+host blocks are loaded when it reserves (before it asks for the KV) and do not travel.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple, Sequence
 
 from cluster.engine.block_hash import cacheable_prefix_blocks
+from cluster.registry.kv_index import TierHits
 from cluster.registry.load import WorkerLoad
 from router.cost_model import StepTimeModel
 from router.filters import first_in_line, has_room
@@ -25,7 +30,7 @@ MIN_TTFT_S = 0.001  # the least TTFT any prediction gives
 class Candidate:
     prefill: str | None
     decode: str
-    prefill_hit_blocks: int  # of the prompt, cached where it will be prefilled
+    prefill_hit_blocks: int  # of the prompt, cached where it will be prefilled (either tier)
     decode_hit_blocks: int  # of the prompt, cached on the decode worker (those blocks do not travel)
     cacheable_blocks: int
     prefill_queue_tokens: int
@@ -43,6 +48,10 @@ class Candidate:
     rotation_slot: bool = False  # this request's turn in the round-robin order
     scores: dict[str, float] = field(default_factory=dict)
     score: float = 0.0
+    prefill_host_blocks: int = 0  # of prefill_hit_blocks, those in the host tier (loaded, not computed) ...
+    prefill_host_worth: float = 0.0  # ... and what each is worth against a device hit (cost_model.host_block_worth)
+    decode_host_blocks: int = 0  # the same on the decode side
+    decode_host_worth: float = 0.0
 
     @property
     def label(self) -> str:
@@ -64,27 +73,34 @@ class Prompt:
         return cls(tokens, max_tokens, block_size, cacheable_prefix_blocks(tokens, block_size),
                    -(-tokens // block_size))
 
-    def hit_blocks(self, hits: dict[str, int], worker: str) -> int:
-        """Leading blocks of the prompt ``worker`` caches, counting only those that may hit."""
-        return min(hits.get(worker, 0), self.cacheable_blocks)
+    def hit_blocks(self, hits: Mapping[str, TierHits], worker: str) -> TierHits:
+        """Leading blocks of the prompt ``worker`` caches, by tier, counting only those that may hit."""
+        got = hits.get(worker, NO_HITS)
+        device = min(got.device, self.cacheable_blocks)
+        return TierHits(device, min(got.host, self.cacheable_blocks - device))
 
     def uncached_tokens(self, hit_blocks: int) -> int:
         """The prompt tokens left to compute past ``hit_blocks`` cached ones."""
         return self.tokens - hit_blocks * self.block_size
 
 
+NO_HITS = TierHits(0)
+
+
 class PrefillSide(NamedTuple):
     """What a prefill worker contributes to every pair it is in."""
 
     model: StepTimeModel
-    hit_blocks: int
+    hit_blocks: TierHits
     queue_s: float
-    prefill_s: float
+    prefill_s: float  # host-tier loads included
+    host_worth: float
 
 
-def prefill_side(model: StepTimeModel, queued_tokens: int, hit_blocks: int, prompt: Prompt) -> PrefillSide:
+def prefill_side(model: StepTimeModel, queued_tokens: int, hit_blocks: TierHits, prompt: Prompt) -> PrefillSide:
     return PrefillSide(model, hit_blocks, model.queue_seconds(queued_tokens),
-                       model.prefill_seconds(prompt.uncached_tokens(hit_blocks), hit_blocks * prompt.block_size))
+                       model.tiered_prefill_seconds(prompt.tokens, prompt.block_size, hit_blocks),
+                       model.host_block_worth(prompt.tokens, prompt.block_size, hit_blocks))
 
 
 class DecodeSide(NamedTuple):
@@ -92,23 +108,31 @@ class DecodeSide(NamedTuple):
     one is built per worker and placement, and a frozen dataclass is slower to build)."""
 
     model: StepTimeModel
-    hit_blocks: int
+    hit_blocks: TierHits
     load: float  # share of sequence slots plus share of KV blocks in use, this request included
     tpot_s: float
     idle_tpot_s: float
     has_room: bool
     slot_wait_s: float  # first in a full worker's line: until the sequence closest to its end finishes
     reserve_wait_s: float  # a call waits for the step in progress
+    host_load_s: float  # its host-tier blocks loaded as it reserves
+    host_worth: float
 
 
-def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: Sequence[int], hit_blocks: int,
+def tier_fields(prefill: TierHits, prefill_worth: float, decode: TierHits, decode_worth: float) -> dict:
+    """A candidate's host-tier fields."""
+    return dict(prefill_host_blocks=prefill.host, prefill_host_worth=prefill_worth, decode_host_blocks=decode.host,
+                decode_host_worth=decode_worth)
+
+
+def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: Sequence[int], hit_blocks: TierHits,
                 prompt: Prompt, on_overload: str) -> DecodeSide:
     """The worker's load as reported plus the placements since (``pending_prompt_tokens``, one
     per request its report cannot show yet) plus this request."""
     bs = prompt.block_size
     sequences = load.running + load.receiving + load.waiting + len(pending_prompt_tokens) + 1
     context = load.decode_context_tokens + sum(pending_prompt_tokens) + prompt.tokens
-    needed = -(-(prompt.tokens + prompt.max_tokens) // bs) - hit_blocks
+    needed = -(-(prompt.tokens + prompt.max_tokens) // bs) - hit_blocks.device  # host hits load into fresh blocks
     free = load.free_blocks - sum(-(-tokens // bs) for tokens in pending_prompt_tokens)
     share = sequences / load.max_num_seqs + 1 - free / max(1, load.num_blocks)
     step = model.decode_step_seconds(sequences, context)
@@ -117,7 +141,9 @@ def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: S
     return DecodeSide(model, hit_blocks, share, tpot, idle_tpot_s=model.tpot_seconds(1, prompt.tokens),
                       has_room=has_room(free, needed, sequences, load.max_num_seqs, in_line),
                       slot_wait_s=tpot * load.next_slot_tokens if in_line else 0.0,
-                      reserve_wait_s=step if load.running else 0.0)
+                      reserve_wait_s=step if load.running else 0.0,
+                      host_load_s=model.host_load_seconds(hit_blocks.host),
+                      host_worth=model.host_block_worth(prompt.tokens, bs, hit_blocks))
 
 
 def corrected(predicted_s: float, correction_s: float) -> float:
@@ -136,18 +162,20 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
     decode worker has the round-robin turn (None: no pair of it has). One call per decode
     worker, not per pair: the pairs are a placement's inner loop."""
     out = []
-    missing_blocks, cacheable = prompt.blocks - d.hit_blocks, prompt.cacheable_blocks
+    missing_blocks, cacheable = prompt.blocks - d.hit_blocks.blocks, prompt.cacheable_blocks
     hit_d, load, tpot_s, idle_tpot_s = d.hit_blocks, d.load, d.tpot_s, d.idle_tpot_s  # locals: the inner loop
-    has_room, slot_wait_s, reserve_wait_s = d.has_room, d.slot_wait_s, d.reserve_wait_s
+    has_room, slot_wait_s, reserve_s = d.has_room, d.slot_wait_s, d.reserve_wait_s + d.host_load_s
     for prefill in paired:
-        model, hit_p, queue_s, prefill_s = prefill_sides[prefill]
-        c = Candidate(prefill, decode, hit_p, hit_d, cacheable, queued_tokens[prefill], load,
+        model, hit_p, queue_s, prefill_s, worth_p = prefill_sides[prefill]
+        c = Candidate(prefill, decode, hit_p.blocks, hit_d.blocks, cacheable, queued_tokens[prefill], load,
                       queue_s=queue_s, prefill_s=prefill_s, transfer_s=model.transfer_seconds(missing_blocks),
-                      tpot_s=tpot_s, decode_has_room=has_room, rotation_slot=prefill == rotation_prefill)
+                      tpot_s=tpot_s, decode_has_room=has_room, rotation_slot=prefill == rotation_prefill,
+                      **tier_fields(hit_p, worth_p, hit_d, d.host_worth))
         c.correction_s = correction_s
-        c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_wait_s, c.correction_s)
+        c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_s, c.correction_s)
         c.ttft_s = max(c.ttft_s, slot_wait_s + c.correction_s)
-        c.idle_ttft_s, c.idle_tpot_s = corrected(c.prefill_s + c.transfer_s, c.correction_s), idle_tpot_s
+        c.idle_ttft_s = corrected(c.prefill_s + c.transfer_s + d.host_load_s, c.correction_s)
+        c.idle_tpot_s = idle_tpot_s
         out.append(c)
     return out
 
@@ -156,11 +184,13 @@ def local_candidate(decode: str, d: DecodeSide, queued_tokens: int, prompt: Prom
                     rotation_slot: bool) -> Candidate:
     """The worker prefills the prompt itself: it waits for the step in progress, then its
     prefill runs in a step with the decodes."""
-    local_prefill = d.model.prefill_seconds(prompt.uncached_tokens(d.hit_blocks), d.hit_blocks * prompt.block_size)
-    c = Candidate(None, decode, d.hit_blocks, d.hit_blocks, prompt.cacheable_blocks, queued_tokens, d.load,
+    local_prefill = d.model.tiered_prefill_seconds(prompt.tokens, prompt.block_size, d.hit_blocks)
+    hits = d.hit_blocks
+    c = Candidate(None, decode, hits.blocks, hits.blocks, prompt.cacheable_blocks, queued_tokens, d.load,
                   queue_s=d.model.queue_seconds(queued_tokens) + d.reserve_wait_s + d.slot_wait_s,
                   prefill_s=local_prefill + d.reserve_wait_s,
-                  tpot_s=d.tpot_s, decode_has_room=d.has_room, rotation_slot=rotation_slot)
+                  tpot_s=d.tpot_s, decode_has_room=d.has_room, rotation_slot=rotation_slot,
+                  **tier_fields(hits, d.host_worth, hits, d.host_worth))
     c.correction_s = correction_s
     c.ttft_s = corrected(c.queue_s + c.prefill_s, c.correction_s)
     c.idle_ttft_s, c.idle_tpot_s = corrected(local_prefill, c.correction_s), d.idle_tpot_s

@@ -8,7 +8,13 @@ that something outside the model slowed (``fit_robust``):
     decode step   = a + b * rows + c * context tokens    (rows: one per sequence plus its guesses)
 
 and the transfer tail per KV block sent: the time a prefill step waits, after its last layer,
-for its sends to complete, per block sent (zero until the worker has sent something).
+for its sends to complete, per block sent (zero until the worker has sent something); and the
+time to load one block from the worker's host KV tier, as its steps measured it
+(``DEFAULT_HOST_LOAD_S_PER_BLOCK`` until it has loaded one).
+
+A prompt's prefix may sit in three places on a worker (``TierHits``): blocks in its device cache
+cost nothing, blocks in its host tier cost their load, the rest are computed
+(``tiered_prefill_seconds``). ``host_block_worth`` says what a host block saves of its recompute.
 
 A worker that decodes speculatively makes more than one token a sequence per step: TPOT is the
 step's time over the tokens a sequence gets from it, both as its recent decode steps measured
@@ -24,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from cluster.registry.kv_index import TierHits
 from cluster.registry.load import StepSample
 
 MIN_SAMPLES = 3
@@ -32,6 +39,10 @@ OUTLIER_FLOOR_S = 0.001  # ... and by at least this much: exact timings are neve
 OUTLIER_ROUNDS = 3
 RECENT_DECODE_STEPS = 32  # the latest steps with decodes that the measured step scale is taken over ...
 SCALE_TRIM = 8  # ... without the slowest 1 in this many (a collection pause is not the worker's pace)
+# A host-tier block's load until the worker has measured one: the order of what this 2-core CPU
+# measured for the default model's 720 KiB blocks, 8-bit on the host (2.3-3.3 ms); a GPU's pinned
+# copies are faster, and the first load it reports replaces this.
+DEFAULT_HOST_LOAD_S_PER_BLOCK = 0.003
 
 
 def fit_nonnegative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...] | None:
@@ -85,6 +96,7 @@ class StepTimeModel:
     max_num_batched_tokens: int
     guesses_per_sequence: float = 0.0  # speculative decoding, per sequence and decode step: rows checking guesses
     accepted_per_sequence: float = 0.0  # ... and guesses kept (tokens beyond one)
+    host_load_s_per_block: float = DEFAULT_HOST_LOAD_S_PER_BLOCK  # a block loaded from the host tier
 
     @classmethod
     def fit(cls, steps: Sequence[StepSample], max_num_batched_tokens: int) -> "StepTimeModel":
@@ -93,6 +105,7 @@ class StepTimeModel:
         sent = [s for s in steps if s.kv_blocks_sent]
         blocks = sum(s.kv_blocks_sent for s in sent)
         sequences = sum(s.decodes for s in decode)
+        host_loaded = sum(s.host_loaded_blocks for s in steps)
         return cls(
             prefill=fit_robust([(1.0, s.prefill_tokens, s.prefill_attention) for s in prefill],
                                [s.seconds - s.transfer_tail_s for s in prefill]),
@@ -102,6 +115,8 @@ class StepTimeModel:
             max_num_batched_tokens=max_num_batched_tokens,
             guesses_per_sequence=sum(s.guess_tokens for s in decode) / sequences if sequences else 0.0,
             accepted_per_sequence=sum(s.accepted_tokens for s in decode) / sequences if sequences else 0.0,
+            host_load_s_per_block=(sum(s.host_load_s for s in steps) / host_loaded if host_loaded
+                                   else DEFAULT_HOST_LOAD_S_PER_BLOCK),
         )
 
     def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
@@ -117,6 +132,27 @@ class StepTimeModel:
             total += a + b * chunk + c * chunk * done
             tokens -= chunk
         return total
+
+    def tiered_prefill_seconds(self, tokens: int, block_size: int, hits: TierHits) -> float:
+        """Time to the prompt's KV on a worker holding ``hits`` of it: device blocks are free,
+        host blocks are loaded, the rest computed after them."""
+        cached = hits.blocks * block_size
+        return self.host_load_seconds(hits.host) + self.prefill_seconds(tokens - cached, cached)
+
+    def host_load_seconds(self, blocks: int) -> float:
+        return self.host_load_s_per_block * max(0, blocks)
+
+    def host_block_worth(self, tokens: int, block_size: int, hits: TierHits) -> float:
+        """What the host blocks of ``hits`` are worth against device hits, in [0, 1]: the share
+        of their recompute that loading them saves (0 with none, or when loading is slower)."""
+        if not hits.host:
+            return 0.0
+        device = hits.device * block_size
+        recompute = self.prefill_seconds(tokens - device, device) - self.prefill_seconds(
+            tokens - hits.blocks * block_size, hits.blocks * block_size)
+        if recompute <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.host_load_seconds(hits.host) / recompute))
 
     def queue_seconds(self, queued_tokens: int) -> float:
         """Time to work through a queue of prompt tokens (their attention terms unknown)."""

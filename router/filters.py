@@ -71,11 +71,12 @@ def soonest_prefill(prefill: list[str], prefill_side: Mapping[str, tuple], limit
     whose queue and prefill end soonest (more cached blocks, then pool order, break ties), and
     the one whose turn it is in the rotation. The pairs are what a placement costs: 128 x 128
     workers would be 16,384 of them. ``prefill_side`` holds each worker's
-    (model, cached blocks, queue seconds, prefill seconds)."""
+    (model, cached blocks by tier, queue seconds, prefill seconds, ...)."""
     if len(prefill) <= limit:
         return prefill
     order = {p: i for i, p in enumerate(prefill)}
-    soonest = sorted(prefill, key=lambda p: (prefill_side[p][2] + prefill_side[p][3], -prefill_side[p][1], order[p]))
+    soonest = sorted(prefill, key=lambda p: (prefill_side[p][2] + prefill_side[p][3], -prefill_side[p][1].blocks,
+                                             order[p]))
     return sorted(set(soonest[:limit]) | ({turn} if turn is not None else set()), key=order.__getitem__)
 
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import redis
 
-from cluster.registry.kv_index import KVIndexReader
+from cluster.registry.kv_index import KVIndexReader, TierHits
 from cluster.registry.load import WorkerLoad, read_loads
 from router.router import RegistryUnavailable
 
@@ -24,9 +24,9 @@ class RedisRegistryView:
         except redis.RedisError as exc:
             raise RegistryUnavailable(f"reading load reports: {exc}") from None
 
-    def prefix_blocks(self, block_hashes: Sequence[bytes], workers: Sequence[str]) -> dict[str, int]:
+    def prefix_tiers(self, block_hashes: Sequence[bytes], workers: Sequence[str]) -> dict[str, TierHits]:
         try:
-            return self.index.prefix_blocks(block_hashes, workers)
+            return self.index.prefix_tiers(block_hashes, workers)
         except redis.RedisError as exc:
             raise RegistryUnavailable(f"looking up prefix blocks: {exc}") from None
 

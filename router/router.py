@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 from cluster.engine.block_hash import hash_token_blocks, request_hash_keys
+from cluster.registry.kv_index import TierHits
 from cluster.registry.load import WorkerLoad
 from cluster.registry.membership import Membership
 from router.candidates import Candidate, Prompt, decode_side, local_candidate, prefill_side, remote_candidates
@@ -81,8 +82,8 @@ class RegistryView(Protocol):
 
     def loads(self, workers: Sequence[str]) -> dict[str, WorkerLoad]: ...
 
-    def prefix_blocks(self, block_hashes: Sequence[bytes], workers: Sequence[str]) -> dict[str, int]:
-        """Leading blocks of the chain that each of ``workers`` holds."""
+    def prefix_tiers(self, block_hashes: Sequence[bytes], workers: Sequence[str]) -> dict[str, TierHits]:
+        """Leading blocks of the chain that each of ``workers`` holds on its device, then in its host tier."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class Router:
         self._models: dict[str, tuple[tuple, StepTimeModel]] = {}
         self._loads: dict[str, WorkerLoad] = {}
         self._loads_read_at = -math.inf
-        self._last_hits: dict[str, int] | None = None
+        self._last_hits: dict[str, TierHits] | None = None
         self._changes = 0  # finished or forgotten placements, failed workers: reasons to offer the queue again
         self._gone: dict[str, float] = {}  # forgotten before they were placed (oldest first, bounded)
         self._offered_state: tuple | None = None
@@ -298,7 +299,7 @@ class Router:
     # -- placing --------------------------------------------------------------------------
 
     def route(self, request: RouteRequest, now: float | None = None,
-              hits: dict[str, int] | None = None, ahead: tuple[int, int] | None = None) -> Decision:
+              hits: dict[str, TierHits] | None = None, ahead: tuple[int, int] | None = None) -> Decision:
         """One placement attempt: ``place``, ``queue`` (not held: see ``submit``) or ``reject``.
         ``hits`` are the prompt's prefix hits when the caller already has fresh ones; ``ahead``
         the requests (and their prompt tokens) waiting before it, when the caller counted them."""
@@ -403,8 +404,8 @@ class Router:
             out.append(decision)
         return out
 
-    def _uncached_tokens(self, request: RouteRequest, hits: dict[str, int] | None) -> int:
-        best = max(hits.values(), default=0) if hits else 0
+    def _uncached_tokens(self, request: RouteRequest, hits: dict[str, TierHits] | None) -> int:
+        best = max((h.blocks for h in hits.values()), default=0) if hits else 0
         return len(request.prompt_token_ids) - best * self.topology.block_size
 
     def cancel(self, request_id: str) -> bool:
@@ -451,12 +452,12 @@ class Router:
         gone_at = max(self._failed_at.get(worker, -math.inf), seen[1] if seen else -math.inf)
         return now - gone_at < RESTART_WAIT_S
 
-    def _prefix_hits(self, request: RouteRequest, live: Sequence[str], now: float) -> dict[str, int] | None:
+    def _prefix_hits(self, request: RouteRequest, live: Sequence[str], now: float) -> dict[str, TierHits] | None:
         keys = request_hash_keys(self.topology.hash_keys, request.cache_salt)
         hashes = hash_token_blocks(request.prompt_token_ids, self.topology.block_size, keys)
         self._last_hits = None
         try:
-            self._last_hits = self.registry.prefix_blocks(hashes, live)
+            self._last_hits = self.registry.prefix_tiers(hashes, live)
         except RegistryUnavailable as exc:
             self._mark_down(now, exc)
         return self._last_hits
@@ -477,7 +478,7 @@ class Router:
         return load.queued_prefill_tokens + since
 
     def _candidates(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad],
-                    hits: dict[str, int], live: LivePools, now: float) -> list[Candidate]:
+                    hits: dict[str, TierHits], live: LivePools, now: float) -> list[Candidate]:
         """Every (prefill, decode) pair that passes the filters, and every worker that may
         prefill the prompt itself (``prefills_itself``), with their predictions."""
         prompt = Prompt.of(len(request.prompt_token_ids), request.max_tokens, self.topology.block_size)
@@ -504,9 +505,9 @@ class Router:
             candidates += remote_candidates(d, side, paired, prefill_sides, queued, prompt, remote_correction,
                                             rotation_prefill=turn_p if d == turn_d else None)
             every_pair_cut_off = is_decode and bool(live.prefill) and len(cut) == len(live.prefill)  # being rebuilt
-            if prefills_itself(colocated=d in live.colocated, hit_blocks=side.hit_blocks,
+            if prefills_itself(colocated=d in live.colocated, hit_blocks=side.hit_blocks.blocks,
                                cacheable_blocks=prompt.cacheable_blocks,
-                               uncached_tokens=prompt.uncached_tokens(side.hit_blocks),
+                               uncached_tokens=prompt.uncached_tokens(side.hit_blocks.blocks),
                                every_pair_cut_off=every_pair_cut_off, config=self.config):
                 local_turn = d == turn_d and (turn_p is None or d in live.colocated)
                 candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn))

@@ -36,10 +36,13 @@ def least_loaded(c: Candidate, every: CandidateSet, _objectives) -> float:
 
 def prefix_affinity(c: Candidate, _every: CandidateSet, _objectives) -> float:
     """Cache reuse: mostly the prefill side's (compute saved), partly the decode side's
-    (transfer saved)."""
+    (transfer saved). A host-tier block counts for what its load saves of its recompute
+    (``Candidate.prefill_host_worth``), a device block fully."""
     if not c.cacheable_blocks:
         return 0.0
-    return (0.75 * c.prefill_hit_blocks + 0.25 * c.decode_hit_blocks) / c.cacheable_blocks
+    prefill = c.prefill_hit_blocks - c.prefill_host_blocks * (1.0 - c.prefill_host_worth)
+    decode = c.decode_hit_blocks - c.decode_host_blocks * (1.0 - c.decode_host_worth)
+    return (0.75 * prefill + 0.25 * decode) / c.cacheable_blocks
 
 
 def slo_headroom(c: Candidate, _every: CandidateSet, objectives: tuple[float | None, float | None]) -> float:

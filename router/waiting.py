@@ -15,12 +15,14 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from cluster.registry.kv_index import TierHits
+
 
 @dataclass(order=True)
 class Waiting:
     sort_key: tuple[int, float, int]
     request: object = field(compare=False)  # a RouteRequest
-    hits: dict[str, int] | None = field(default=None, compare=False)
+    hits: dict[str, TierHits] | None = field(default=None, compare=False)
     hits_at: float = field(default=float("-inf"), compare=False)
 
 
@@ -39,7 +41,7 @@ class WaitingQueue:
     def full(self) -> bool:
         return len(self._entries) >= self.limit
 
-    def add(self, request, priority: int, arrival: float, hits: dict[str, int] | None, now: float) -> None:
+    def add(self, request, priority: int, arrival: float, hits: dict[str, TierHits] | None, now: float) -> None:
         self._entries[request.request_id] = Waiting((-priority, arrival, next(self._order)), request, hits, now)
 
     def ahead_of(self, priority: int, arrival: float) -> tuple[int, int]:

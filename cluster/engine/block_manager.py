@@ -11,16 +11,32 @@ With a host tier (:class:`~cluster.engine.kv_tiers.host_pool.HostBlockPool`), an
 stored there rather than lost, and a prefix that misses the device cache may continue there
 (``lookup_host_prefix``, ``load_from_host``). The copies are recorded in order as moves
 (``drain_moves``) that the engine makes before the next forward reads or writes a block.
+
+Write-back (``write_back``) takes most of those copies off the critical path: after a step's
+forward, the free cached blocks next in line for eviction are copied to the host tier ahead of
+time (in the background), so that evicting them later needs no copy. The ordering rule: a
+block whose write-back is not known done may not be reallocated (nor may a load or a copy of
+the block manager's run) before the engine waits for the copies; ``must_wait_for_copies`` says
+when, and ``copies_done`` is told when they are.
 Device eviction order is unchanged by the tier: the least recently freed block first.
+
+Events carry the tier (:mod:`cluster.engine.kv_tiers.tier`). A block evicted from the device into
+the host tier is ``BlockRemoved(device)`` then ``BlockStored(host)``: the worker still holds it, one
+tier down (the registry moves it, never dropping it); a hash the host tier drops to make room is
+``BlockRemoved(host)``. A hash held in both tiers (loaded back: the host copy stays) is held until
+both have dropped it. One allocation's events come as its device removals, then its host stores,
+then its host drops, each hash's net change only (order within a hash is what counts).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from itertools import islice
 from dataclasses import dataclass
 from typing import Sequence
 
 from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load, Offload, TierMove
+from cluster.engine.kv_tiers.tier import DEVICE, HOST
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -29,16 +45,18 @@ class NoFreeBlocksError(RuntimeError):
 
 @dataclass(frozen=True)
 class BlockStored:
-    """These hashes became cached, in order."""
+    """These hashes became cached in ``tier``, in order."""
 
     block_hashes: tuple[bytes, ...]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """These hashes were evicted or dropped."""
+    """These hashes were evicted or dropped from ``tier``."""
 
     block_hashes: tuple[bytes, ...]
+    tier: str = DEVICE
 
 
 @dataclass(frozen=True)
@@ -65,10 +83,12 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._events: list[KVEvent] = []
-        self._pending_kind: type[BlockStored] | type[BlockRemoved] | None = None
+        self._pending_kind: tuple[type[BlockStored] | type[BlockRemoved], str] | None = None
         self._pending_hashes: list[bytes] = []
         self.host = host if enable_prefix_caching else None
         self._moves: list[TierMove] = []
+        self._copying: set[int] = set()  # blocks whose write-back is not known done
+        self._reused_while_copying = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,6 +152,35 @@ class BlockManager:
         moves, self._moves = self._moves, []
         return moves
 
+    def write_back(self, limit: int) -> list[Offload]:
+        """Copies to the host tier, ahead of eviction, of the free cached blocks among the next
+        ``limit`` to be evicted that the host does not hold yet (in eviction order). They stay
+        cached on the device (and now on the host too: their events say so); the copies are the
+        caller's to make, and the blocks count as being copied until ``copies_done``."""
+        if self.host is None:
+            return []
+        offloads: list[Offload] = []
+        on_host: dict[bytes, bool] = {}
+        for block_id in list(islice(self._free, limit)):
+            block_hash = self._hashes[block_id]
+            if block_hash is None or block_id in self._copying or self.host.lookup(block_hash) is not None:
+                continue
+            offloads.append(Offload(block_id, self._store_on_host(block_hash, on_host)))
+            self._copying.add(block_id)
+        self._record_host(on_host)
+        return offloads
+
+    def must_wait_for_copies(self) -> bool:
+        """Whether the write-backs must be done before the next copy or forward: a block being
+        copied was reallocated, or there are copies of the block manager's own to make (a load
+        may read, an offload write, a slot a write-back writes)."""
+        return bool(self._copying) and (self._reused_while_copying or bool(self._moves))
+
+    def copies_done(self) -> None:
+        """Every write-back handed out so far is made."""
+        self._copying.clear()
+        self._reused_while_copying = False
+
     def num_blocks_to_touch(self, block_ids: Sequence[int]) -> int:
         """How many of these blocks sit in the free list now.
 
@@ -165,11 +214,14 @@ class BlockManager:
                 f"need {count} free blocks, only {len(self._free)} of {self.num_blocks} are free"
             )
         allocated: list[int] = []
+        on_host: dict[bytes, bool] = {}  # hash -> stored (True) or dropped (False) by the host tier, net
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
-            self._evict(block_id)
+            self._reused_while_copying |= block_id in self._copying
+            self._evict(block_id, on_host)
             self._ref_counts[block_id] = 1
             allocated.append(block_id)
+        self._record_host(on_host)
         return allocated
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -238,7 +290,7 @@ class BlockManager:
             raise ValueError(f"block id {block_id} out of range [0, {self.num_blocks})")
         return block_id
 
-    def _evict(self, block_id: int) -> None:
+    def _evict(self, block_id: int, on_host: dict[bytes, bool]) -> None:
         block_hash = self._hashes[block_id]
         if block_hash is None:
             return
@@ -246,19 +298,39 @@ class BlockManager:
         del self._cached[block_hash]
         self._record(BlockRemoved, block_hash)
         if self.host is not None:
-            slot = self.host.store(block_hash)
+            slot = self._store_on_host(block_hash, on_host)
             if slot is not None:
                 self._moves.append(Offload(block_id, slot))
 
-    def _record(self, kind: type[BlockStored] | type[BlockRemoved], block_hash: bytes) -> None:
-        """Add a hash to the open batch, closing it first if it is of the other kind."""
-        if kind is not self._pending_kind:
+    def _store_on_host(self, block_hash: bytes, on_host: dict[bytes, bool]) -> int | None:
+        """The host slot to copy block_hash into (None: held already), noting in ``on_host`` the
+        hash stored and any it dropped, each as its latest change."""
+        slot, dropped = self.host.store(block_hash)
+        for changed, stored in ((dropped, False), (block_hash if slot is not None else None, True)):
+            if changed is not None:
+                on_host.pop(changed, None)
+                on_host[changed] = stored
+        return slot
+
+    def _record_host(self, on_host: dict[bytes, bool]) -> None:
+        """The host tier's net changes of one allocation: its stores, then its drops."""
+        for block_hash, stored in on_host.items():
+            if stored:
+                self._record(BlockStored, block_hash, HOST)
+        for block_hash, stored in on_host.items():
+            if not stored:
+                self._record(BlockRemoved, block_hash, HOST)
+
+    def _record(self, kind: type[BlockStored] | type[BlockRemoved], block_hash: bytes, tier: str = DEVICE) -> None:
+        """Add a hash to the open batch, closing it first if it is of another kind or tier."""
+        if (kind, tier) != self._pending_kind:
             self._flush_pending()
-            self._pending_kind = kind
+            self._pending_kind = (kind, tier)
         self._pending_hashes.append(block_hash)
 
     def _flush_pending(self) -> None:
         if self._pending_kind is not None:
-            self._events.append(self._pending_kind(tuple(self._pending_hashes)))
+            kind, tier = self._pending_kind
+            self._events.append(kind(tuple(self._pending_hashes), tier))
         self._pending_kind = None
         self._pending_hashes = []

@@ -22,7 +22,8 @@ from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.threads import torch_ops_single_threaded
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
 from cluster.engine.kv_port import KVPortFactory
-from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load
+from cluster.engine.kv_tiers.copy_queue import CopyQueue
+from cluster.engine.kv_tiers.host_pool import HostBlockPool
 from cluster.engine.kv_tiers.host_store import HostKVStore, host_block_bytes, host_format
 from cluster.engine.kv_tiers.size import parse_host_cache
 from cluster.engine.model_runner import ModelRunner, device_memory_bytes
@@ -94,6 +95,8 @@ class StepRecord:
     guess_tokens: int = 0  # rows that checked a speculative guess (counted in neither of the above)
     accepted_tokens: int = 0  # of those guesses, the ones kept (each a token beyond one per decode)
     draft_seconds: float = 0.0  # of ``seconds``, the draft model's forwards (speculative ``draft``)
+    host_loaded_blocks: int = 0  # blocks loaded from the host tier since the last step's record ...
+    host_load_s: float = 0.0  # ... and the time their loads took
 
 
 @dataclass
@@ -112,6 +115,8 @@ class EngineStats:
     host_offloaded_blocks: int = 0  # blocks copied to the host tier as the device cache evicted them ...
     host_loaded_blocks: int = 0  # ... and back, as prefix hits
     host_copy_seconds: float = 0.0  # the time those copies took (before the steps' forwards)
+    host_load_seconds: float = 0.0  # of which the loads: what the router's cost model prices a host hit by
+    host_written_back_blocks: int = 0  # of the offloads, those copied ahead of eviction, off the critical path
 
     @property
     def acceptance_rate(self) -> float:
@@ -183,6 +188,9 @@ class LLMEngine:
                 f"ready in {time.perf_counter() - started:.1f}s"
             )
         self.host_store, host_pool = self._host_tier(verbose)
+        self.copy_queue = CopyQueue(self.host_store.apply) if self.host_store is not None else None
+        # write-back after each step: the blocks the next step could evict at most
+        self._write_back_blocks = config.max_num_batched_tokens // config.block_size + config.max_num_seqs
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, host_pool)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -200,6 +208,7 @@ class LLMEngine:
         self.grammars: GrammarBackend | None = None  # made by the first constrained request (_matcher)
         self._masks: StepMasks | None = None
         self.stats = EngineStats()
+        self._host_loads_recorded = (0, 0.0)  # the host loads counted in step records so far
         self.transfer_errors: dict[str, str | None] = {}  # request id -> None (sent) or the error
 
     def _host_tier(self, verbose: bool) -> tuple[HostKVStore | None, HostBlockPool | None]:
@@ -222,16 +231,40 @@ class LLMEngine:
 
     def _move_between_tiers(self) -> None:
         """Makes the copies the block manager recorded (evicted blocks to the host tier, host
-        hits back), before anything reads or writes those blocks."""
+        hits back), before anything reads or writes those blocks; first, where the block
+        manager's ordering rule says so, waits for the write-backs in flight."""
+        if self.copy_queue is not None:
+            if self.copy_queue.idle:
+                self.block_manager.copies_done()
+            elif self.block_manager.must_wait_for_copies():
+                self.copy_queue.wait()
+                self.block_manager.copies_done()
         moves = self.block_manager.drain_moves()
         if not moves:
             return
-        started = time.perf_counter()
+        tally, stats = self.host_store.tally, self.stats
+        before = replace(tally)
         self.host_store.apply(moves)
-        self.stats.host_copy_seconds += time.perf_counter() - started
-        loads = sum(isinstance(move, Load) for move in moves)
-        self.stats.host_loaded_blocks += loads
-        self.stats.host_offloaded_blocks += len(moves) - loads
+        stats.host_offloaded_blocks += tally.offloaded - before.offloaded
+        stats.host_loaded_blocks += tally.loaded - before.loaded
+        stats.host_copy_seconds += (tally.offload_seconds - before.offload_seconds
+                                    + tally.load_seconds - before.load_seconds)
+        stats.host_load_seconds += tally.load_seconds - before.load_seconds
+
+    def _write_back(self) -> None:
+        """After a step's forward: the free cached blocks next in line for eviction are copied
+        to the host tier in the background, so that evicting them costs the step no copy."""
+        if self.copy_queue is None:
+            return
+        offloads = self.block_manager.write_back(self._write_back_blocks)
+        self.copy_queue.submit(offloads)
+        self.stats.host_offloaded_blocks += len(offloads)
+        self.stats.host_written_back_blocks += len(offloads)
+
+    def _host_loads(self) -> tuple[int, float]:
+        """Blocks loaded from the host tier so far, and the seconds the loads took."""
+        tally = self.host_store.tally if self.host_store is not None else None
+        return (tally.loaded, tally.load_seconds) if tally is not None else (0, 0.0)
 
     def _weights_kind(self) -> str:
         dtype = str(self.model_config.dtype).removeprefix("torch.")
@@ -292,6 +325,8 @@ class LLMEngine:
         """Stops the engine's other processes (tensor-parallel ranks) and threads, if it has any."""
         if self._masks is not None:
             self._masks.close()
+        if self.copy_queue is not None:
+            self.copy_queue.close()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
@@ -531,8 +566,12 @@ class LLMEngine:
                 guess_tokens=sum(n - 1 for _, n in out.verifies),
                 accepted_tokens=self.stats.accepted_tokens - accepted_before,
                 draft_seconds=draft_seconds,
+                host_loaded_blocks=self._host_loads()[0] - self._host_loads_recorded[0],
+                host_load_s=self._host_loads()[1] - self._host_loads_recorded[1],
             )
         )
+        self._host_loads_recorded = self._host_loads()
+        self._write_back()
         return outputs
 
     @staticmethod

@@ -102,15 +102,22 @@ class Scheduler:
     def reserve_for_transfer(self, request: Request) -> int | None:
         """Holds blocks for a prompt whose KV a prefill worker will send: the prompt's full
         blocks already cached here are reused, the rest allocated. Returns how many leading
-        blocks are cached (those do not travel), or None when there is no room now.
+        blocks are cached (those do not travel), or None when there is no room now; with a host
+        tier, those it holds after the device's are loaded back and do not travel either.
         The request waits, outside the batch, until :meth:`admit_transferred`."""
         self.check(request)
-        hits = self._cached_prefix(request, request.num_tokens // self.block_size)
+        limit = request.num_tokens // self.block_size
+        hits = self._cached_prefix(request, limit)
+        on_host = self._host_prefix(request, len(hits), limit)
         new_blocks = _cdiv(request.num_tokens, self.block_size) - len(hits)
         if new_blocks + self.blocks.num_blocks_to_touch(hits) > self.blocks.num_free_blocks:
             return None
         self.blocks.touch(hits)
-        request.block_ids = hits + self.blocks.allocate(new_blocks)
+        fresh = self.blocks.allocate(new_blocks)
+        if on_host:
+            loaded = self.blocks.load_from_host(request.block_hashes[len(hits):len(hits) + on_host], fresh)
+            hits, fresh = hits + fresh[:loaded], fresh[loaded:]
+        request.block_ids = hits + fresh
         request.num_registered_blocks = len(hits)
         request.num_cached_tokens = len(hits) * self.block_size
         request.status = RequestStatus.RECEIVING
@@ -186,7 +193,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits = self._prefix_hits(request)
-            on_host = self._host_prefix(request, len(hits))
+            on_host = self._host_prefix(request, len(hits),
+                                        cacheable_prefix_blocks(request.num_tokens, self.block_size))
             start = (len(hits) + on_host) * self.block_size
             remaining = request.num_tokens - start
             count = min(remaining, budget)
@@ -226,12 +234,11 @@ class Scheduler:
         """Cached blocks of the longest known prefix, leaving at least the last token to compute."""
         return self._cached_prefix(request, cacheable_prefix_blocks(request.num_tokens, self.block_size))
 
-    def _host_prefix(self, request: Request, device_hits: int) -> int:
-        """How many blocks after the device cache's ``device_hits`` the host tier holds (up to
-        the same limit: the last token is always computed)."""
+    def _host_prefix(self, request: Request, device_hits: int, limit: int) -> int:
+        """How many blocks after the device cache's ``device_hits`` the host tier holds, among
+        the request's first ``limit``."""
         if self.blocks.host is None:
             return 0
-        limit = cacheable_prefix_blocks(request.num_tokens, self.block_size)
         return self.blocks.lookup_host_prefix(request.block_hashes[device_hits:limit])
 
     def _cached_prefix(self, request: Request, max_blocks: int) -> list[int]:

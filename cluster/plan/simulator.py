@@ -49,6 +49,7 @@ from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.worker import step_profile
 from cluster.worker.engine_worker import EngineWorker
+from cluster.registry.kv_index import TierHits
 from cluster.registry.load import WorkerLoad
 from cluster.registry.reporter import WorkerReporter
 from cluster.runtime.ray_node import NodePlace
@@ -308,8 +309,13 @@ class _SimRegistry:
     def loads(self, workers) -> dict[str, WorkerLoad]:
         return {w: self.reports[w] for w in workers if w in self.reports}
 
-    def prefix_blocks(self, block_hashes, workers) -> dict[str, int]:
-        return {w: len(self.workers[w].engine.block_manager.lookup_prefix(block_hashes)) for w in workers}
+    def prefix_tiers(self, block_hashes, workers) -> dict[str, TierHits]:
+        out = {}
+        for w in workers:
+            blocks = self.workers[w].engine.block_manager
+            device = len(blocks.lookup_prefix(block_hashes))
+            out[w] = TierHits(device, blocks.lookup_host_prefix(block_hashes[device:]))
+        return out
 
 
 @dataclass

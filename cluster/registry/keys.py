@@ -4,8 +4,8 @@ one Redis never see each other's data.
     tandem:<c>:workers                    SET   ids of workers that have published
     tandem:<c>:worker:<w>:alive           STR   heartbeat; expires unless renewed
     tandem:<c>:worker:<w>:seq             STR   sequence number of the last applied event batch
-    tandem:<c>:worker:<w>:blocks          SET   hex block hashes the worker holds
-    tandem:<c>:block:<hash>               SET   ids of workers holding the block
+    tandem:<c>:worker:<w>:blocks          SET   hex block hashes the worker holds (in any tier)
+    tandem:<c>:block:<hash>               HASH  worker id -> the best tier it holds the block in (device, host)
     tandem:<c>:worker:<w>:load            STR   JSON load report (cluster/registry/load.py); expires with the heartbeat
     tandem:<c>:goodput:...                      finished-request counters (cluster/registry/goodput.py)
     tandem:<c>:routers                    HASH  router name -> its JSON status (router/service.py), rewritten

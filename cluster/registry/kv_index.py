@@ -1,5 +1,10 @@
-"""Which worker holds which KV block: workers publish their block manager's events, readers
-look up a prompt's chain of block hashes.
+"""Which worker holds which KV block in which tier: workers publish their block manager's
+events, readers look up a prompt's chain of block hashes.
+
+A block's key is a hash of worker -> the best tier it holds the block in (``device`` over
+``host``; :mod:`cluster.engine.kv_tiers.tier`): a block offloaded to the host tier moves there,
+and one the worker holds in both (loaded back) stays ``device`` until the device evicts it. The
+publisher keeps the worker's view of both tiers and writes each changed hash's best tier.
 
 A worker applies each batch of events atomically (MULTI/EXEC) together with the batch's
 sequence number. Before applying, it checks that the registry's sequence number is the one it
@@ -10,36 +15,73 @@ heartbeat has expired, and ``sweep`` removes their blocks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import redis
 
 from cluster.engine.block_manager import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from cluster.engine.kv_tiers.tier import DEVICE, HOST, TIERS
 from cluster.registry.keys import Keys
 
 LOOKUP_CHUNK = 16  # hashes per round trip of the pipelined lookup; it stops after the chunk with the first miss
 
+
+
+@dataclass(frozen=True)
+class TierHits:
+    """A worker's usable prefix of a prompt: ``device`` leading blocks in its KV cache, then
+    ``host`` blocks in its host tier (loaded back before the forward; a block after them is
+    computed, as the engine does)."""
+
+    device: int
+    host: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.device + self.host
+
+
 # The lookup as one server-side script: KEYS are the chain's block keys in order, ARGV the live
-# workers; it walks the chain until no live worker holds a block and answers [worker, blocks,
-# ...] for those that hold at least one. One round trip and one small reply, however long the
-# prompt: parsing a pipeline's replies cost the router more than Redis's work.
+# workers; it walks the chain while some live worker still holds it, each worker first through
+# blocks it holds on the device, then through blocks it holds on the host only, and answers
+# [worker, device blocks, host blocks, ...] for those that hold at least one. One round trip and
+# one small reply, however long the prompt: parsing a pipeline's replies cost the router more
+# than Redis's work.
 PREFIX_SCRIPT = """
 local still, left = {}, #ARGV
-for _, w in ipairs(ARGV) do still[w] = true end
-local matched = {}
+for _, w in ipairs(ARGV) do still[w] = 'device' end
+local dev, host = {}, {}
 for i, key in ipairs(KEYS) do
   if left == 0 then break end
   local now, n = {}, 0
-  for _, w in ipairs(redis.call('SMEMBERS', key)) do
-    if still[w] then now[w] = true; n = n + 1 end
+  local held = redis.call('HGETALL', key)
+  for j = 1, #held, 2 do
+    local w, tier = held[j], held[j + 1]
+    local phase = still[w]
+    if phase == 'device' and tier == 'device' then
+      now[w] = 'device'; dev[w] = i; n = n + 1
+    elseif phase and tier == 'host' then
+      now[w] = 'host'; host[w] = i - (dev[w] or 0); n = n + 1
+    end
   end
-  for w in pairs(now) do matched[w] = i end
   still, left = now, n
 end
 local out = {}
-for w, blocks in pairs(matched) do out[#out + 1] = w; out[#out + 1] = blocks end
+for w, blocks in pairs(dev) do out[#out + 1] = w; out[#out + 1] = blocks; out[#out + 1] = host[w] or 0 end
+for w, blocks in pairs(host) do
+  if not dev[w] then out[#out + 1] = w; out[#out + 1] = 0; out[#out + 1] = blocks end
+end
 return out
 """
+
+
+def _walk(phase: str | None, tier: str) -> str | None:
+    """A worker's phase after one block of the chain (the script's rule): device blocks lead,
+    then host blocks; anything else ends its prefix (None)."""
+    if phase == DEVICE and tier == DEVICE:
+        return DEVICE
+    return HOST if phase is not None and tier == HOST else None
 
 
 class KVIndexPublisher:
@@ -47,21 +89,31 @@ class KVIndexPublisher:
         self.client, self.keys, self.worker = client, Keys(cluster), worker
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self.seq = 0
-        self.held: set[str] = set()  # this worker's view, for re-publishing after a gap
+        self.held: dict[str, set[str]] = {tier: set() for tier in TIERS}  # this worker's view, by tier
         self._resync = False
+
+    def tier_of(self, block_hash: str) -> str | None:
+        """The best tier this worker holds the (hex) hash in, None if neither."""
+        return next((tier for tier in TIERS if block_hash in self.held[tier]), None)
 
     def heartbeat(self) -> None:
         self.client.set(self.keys.alive(self.worker), "1", px=self.heartbeat_ttl_ms)
 
     def publish(self, events: Sequence[KVEvent]) -> bool:
         """Applies the events; returns True when a full re-publish was needed (a gap)."""
+        changed: set[str] = set()
         for event in events:
+            if isinstance(event, AllBlocksCleared):
+                for held in self.held.values():
+                    changed |= held
+                    held.clear()
+                continue
+            hashes = [h.hex() for h in event.block_hashes]
+            changed.update(hashes)
             if isinstance(event, BlockStored):
-                self.held.update(h.hex() for h in event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                self.held.difference_update(h.hex() for h in event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                self.held.clear()
+                self.held[event.tier].update(hashes)
+            else:
+                self.held[event.tier].difference_update(hashes)
         try:
             stored = self.client.get(self.keys.seq(self.worker))
             gap = self._resync or int(stored or 0) != self.seq
@@ -69,8 +121,7 @@ class KVIndexPublisher:
             if gap:
                 self._replace_all(pipe)
             else:
-                for event in events:
-                    self._apply(pipe, event)
+                self._write(pipe, sorted(changed))
             pipe.set(self.keys.seq(self.worker), self.seq + 1)
             pipe.sadd(self.keys.workers, self.worker)
             pipe.set(self.keys.alive(self.worker), "1", px=self.heartbeat_ttl_ms)
@@ -82,29 +133,28 @@ class KVIndexPublisher:
         self._resync = False
         return gap
 
-    def _apply(self, pipe, event: KVEvent) -> None:
+    def _write(self, pipe, hashes: Sequence[str]) -> None:
+        """Each hash's best tier now, or its removal."""
         k, w = self.keys, self.worker
-        if isinstance(event, (BlockStored, BlockRemoved)):
-            change = pipe.sadd if isinstance(event, BlockStored) else pipe.srem
-            hashes = [h.hex() for h in event.block_hashes]
-            for h in hashes:
-                change(k.block(h), w)
-            if hashes:
-                change(k.worker_blocks(w), *hashes)
-        elif isinstance(event, AllBlocksCleared):
-            self._drop_all(pipe, self.client.smembers(k.worker_blocks(w)))
-
-    def _drop_all(self, pipe, hashes: Iterable[bytes | str]) -> None:
+        held, gone = [], []
         for h in hashes:
-            pipe.srem(self.keys.block(h.decode() if isinstance(h, bytes) else h), self.worker)
-        pipe.delete(self.keys.worker_blocks(self.worker))
+            tier = self.tier_of(h)
+            if tier is None:
+                pipe.hdel(k.block(h), w)
+                gone.append(h)
+            else:
+                pipe.hset(k.block(h), w, tier)
+                held.append(h)
+        if held:
+            pipe.sadd(k.worker_blocks(w), *held)
+        if gone:
+            pipe.srem(k.worker_blocks(w), *gone)
 
     def _replace_all(self, pipe) -> None:
-        self._drop_all(pipe, self.client.smembers(self.keys.worker_blocks(self.worker)))
-        for h in self.held:
-            pipe.sadd(self.keys.block(h), self.worker)
-        if self.held:
-            pipe.sadd(self.keys.worker_blocks(self.worker), *self.held)
+        for h in self.client.smembers(self.keys.worker_blocks(self.worker)):
+            pipe.hdel(self.keys.block(h.decode()), self.worker)
+        pipe.delete(self.keys.worker_blocks(self.worker))
+        self._write(pipe, sorted(set().union(*self.held.values())))
         self.seq = int(self.client.get(self.keys.seq(self.worker)) or 0)
 
 
@@ -124,10 +174,15 @@ class KVIndexReader:
         return {w for w, alive in zip(workers, pipe.execute()) if alive}
 
     def prefix_blocks(self, block_hashes: Sequence[bytes], workers: Iterable[str] | None = None) -> dict[str, int]:
+        """``prefix_tiers`` counted in blocks, whatever their tier."""
+        return {w: hits.blocks for w, hits in self.prefix_tiers(block_hashes, workers).items()}
+
+    def prefix_tiers(self, block_hashes: Sequence[bytes], workers: Iterable[str] | None = None) -> dict[str, TierHits]:
         """For each live worker (``workers`` when the caller already knows them), how many
-        leading blocks of the chain it holds: one script call (``PREFIX_SCRIPT``), or where the
-        server refuses scripts, pipelined round trips of ``LOOKUP_CHUNK`` hashes that end at
-        the first chunk in which no live worker holds a block."""
+        leading blocks of the chain it holds on its device, and how many after those on its
+        host tier: one script call (``PREFIX_SCRIPT``), or where the server refuses scripts,
+        pipelined round trips of ``LOOKUP_CHUNK`` hashes that end at the first chunk in which
+        no live worker's prefix goes on."""
         alive = set(workers) if workers is not None else self.alive_workers()
         if self.scripting and alive and block_hashes:
             try:
@@ -135,30 +190,30 @@ class KVIndexReader:
             except redis.ResponseError:
                 self.scripting = False
             else:
-                matched = dict.fromkeys(alive, 0)
-                for i in range(0, len(reply), 2):
-                    matched[reply[i].decode()] = int(reply[i + 1])
+                matched = dict.fromkeys(alive, TierHits(0))
+                for i in range(0, len(reply), 3):
+                    matched[reply[i].decode()] = TierHits(int(reply[i + 1]), int(reply[i + 2]))
                 return matched
-        return self._prefix_blocks_pipelined(block_hashes, alive)
+        return self._prefix_tiers_pipelined(block_hashes, alive)
 
-    def _prefix_blocks_pipelined(self, block_hashes: Sequence[bytes], alive: set[str]) -> dict[str, int]:
-        matched = {w: 0 for w in alive}
-        still = set(alive)
+    def _prefix_tiers_pipelined(self, block_hashes: Sequence[bytes], alive: set[str]) -> dict[str, TierHits]:
+        counts = {w: [0, 0] for w in alive}  # device, host
+        phase: dict[str, str | None] = dict.fromkeys(alive, DEVICE)
         for start in range(0, len(block_hashes), LOOKUP_CHUNK):
-            if not still:
+            if not any(phase.values()):
                 break
             pipe = self.client.pipeline(transaction=False)
-            chunk = block_hashes[start:start + LOOKUP_CHUNK]
-            for h in chunk:
-                pipe.smembers(self.keys.block(h.hex()))
-            for offset, holders in enumerate(pipe.execute()):
-                holders = {w.decode() for w in holders}
-                still &= holders
-                if not still:
+            for h in block_hashes[start:start + LOOKUP_CHUNK]:
+                pipe.hgetall(self.keys.block(h.hex()))
+            for holders in pipe.execute():
+                tiers = {w.decode(): t.decode() for w, t in holders.items()}
+                for w, now in phase.items():
+                    phase[w] = _walk(now, tiers.get(w, ""))
+                    if phase[w] is not None:
+                        counts[w][phase[w] == HOST] += 1
+                if not any(phase.values()):
                     break
-                for w in still:
-                    matched[w] = start + offset + 1
-        return matched
+        return {w: TierHits(*n) for w, n in counts.items()}
 
     def sweep(self) -> list[str]:
         """Removes the blocks of workers whose heartbeat expired; returns their ids."""
@@ -175,7 +230,7 @@ class KVIndexReader:
         hashes = self.client.smembers(k.worker_blocks(worker))
         pipe = self.client.pipeline(transaction=True)
         for h in hashes:
-            pipe.srem(k.block(h.decode()), worker)
+            pipe.hdel(k.block(h.decode()), worker)
         pipe.delete(k.worker_blocks(worker), k.seq(worker), k.alive(worker), k.load(worker))
         pipe.srem(k.workers, worker)
         pipe.execute()

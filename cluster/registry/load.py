@@ -33,6 +33,8 @@ class StepSample:
     transfer_tail_s: float = 0.0
     guess_tokens: int = 0  # speculative decoding: rows that checked a guess (beyond one per decode) ...
     accepted_tokens: int = 0  # ... and the guesses kept
+    host_loaded_blocks: int = 0  # blocks loaded from the host tier for this step (prefix hits) ...
+    host_load_s: float = 0.0  # ... and the time those loads took
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ class EngineWorker:
                 max_num_seqs=engine.config.max_num_seqs,
                 steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
                                        s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s,
-                                       s.guess_tokens, s.accepted_tokens)
+                                       s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s)
                             for s in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
                 unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
                 incarnation=self.incarnation,

@@ -10,7 +10,9 @@ import redis
 
 from cluster.engine.block_hash import hash_token_blocks
 from cluster.engine.block_manager import AllBlocksCleared, BlockManager, BlockRemoved, BlockStored
-from cluster.registry.kv_index import LOOKUP_CHUNK, KVIndexPublisher, KVIndexReader
+from cluster.engine.kv_tiers.host_pool import HostBlockPool
+from cluster.engine.kv_tiers.tier import HOST
+from cluster.registry.kv_index import LOOKUP_CHUNK, KVIndexPublisher, KVIndexReader, TierHits
 
 pytestmark = pytest.mark.integration
 
@@ -125,7 +127,7 @@ def test_a_worker_that_stops_beating_expires_with_its_blocks(redis_client):
     time.sleep(0.8)
     assert reader.prefix_blocks(hashes) == {"lives": 1}
     assert reader.sweep() == ["dies"]
-    assert redis_client.smembers(f"tandem:c4:block:{hashes[0].hex()}") == {b"lives"}
+    assert redis_client.hgetall(f"tandem:c4:block:{hashes[0].hex()}") == {b"lives": b"device"}
 
 
 def test_after_a_redis_restart_the_worker_republishes_its_whole_state(redis_client):
@@ -167,3 +169,79 @@ def test_a_worker_its_deployment_saw_die_is_forgotten_at_once_and_its_loss_recor
         record_event(redis_client, "c1", WorkerEvent(f"w{i}", "decode", LOST, "n", "a", at=3.0 + i))
     assert redis_client.llen(Keys("c1").worker_events) == EVENTS_KEPT
     assert [e.worker for e in read_events(redis_client, "c1", limit=2)] == [f"w{EVENTS_KEPT - 1}", f"w{EVENTS_KEPT - 2}"]
+
+
+def refuse_scripts(reader: KVIndexReader) -> KVIndexReader:
+    def refused(**_):
+        raise redis.ResponseError("unknown command 'EVALSHA'")
+
+    reader._script = refused
+    return reader
+
+
+def test_a_block_offloaded_to_the_host_moves_tier_and_one_the_host_drops_is_removed(redis_client):
+    blocks = BlockManager(4, 4, host=HostBlockPool(2))
+    hashes = chain(4)
+    ids = blocks.allocate(4)
+    for block_id, h in zip(ids, hashes):
+        blocks.cache_block(block_id, h)
+    blocks.free(ids)  # free list 3, 2, 1, 0: the chain's tail goes first
+    publisher = KVIndexPublisher(redis_client, "t1", "w")
+    publisher.publish(blocks.drain_events())
+    reader = KVIndexReader(redis_client, "t1")
+    assert reader.prefix_tiers(hashes) == {"w": TierHits(4, 0)}
+    key = f"tandem:t1:block:{hashes[3].hex()}"
+    assert blocks.allocate(2) == [3, 2]  # blocks 3 and 2 (hashes 3 and 2) to the host tier
+    publisher.publish(blocks.drain_events())
+    assert redis_client.hgetall(key) == {b"w": b"host"}  # moved, not removed
+    assert reader.prefix_tiers(hashes) == {"w": TierHits(2, 2)}
+    assert reader.prefix_blocks(hashes) == {"w": 4}
+    assert blocks.allocate(1) == [1]  # hash 1 to the host, which drops hash 3 (least recently stored)
+    publisher.publish(blocks.drain_events())
+    assert redis_client.hgetall(key) == {}
+    assert redis_client.hgetall(f"tandem:t1:block:{hashes[1].hex()}") == {b"w": b"host"}
+    assert reader.prefix_tiers(hashes) == {"w": TierHits(1, 2)}
+    assert refuse_scripts(KVIndexReader(redis_client, "t1")).prefix_tiers(hashes) == {"w": TierHits(1, 2)}
+    assert redis_client.smembers("tandem:t1:worker:w:blocks") == {h.hex().encode() for h in hashes[:3]}
+
+
+def test_a_block_loaded_back_is_on_the_device_until_both_tiers_drop_it(redis_client):
+    hashes = chain(1)
+    publisher = KVIndexPublisher(redis_client, "t2", "w")
+    key = f"tandem:t2:block:{hashes[0].hex()}"
+    publisher.publish([BlockStored((hashes[0],), HOST), BlockStored((hashes[0],))])
+    assert redis_client.hgetall(key) == {b"w": b"device"}
+    publisher.publish([BlockRemoved((hashes[0],))])
+    assert redis_client.hgetall(key) == {b"w": b"host"}
+    publisher.publish([BlockStored((hashes[0],)), BlockRemoved((hashes[0],), HOST)])
+    assert redis_client.hgetall(key) == {b"w": b"device"}
+    publisher.publish([BlockRemoved((hashes[0],))])
+    assert redis_client.hgetall(key) == {} and not redis_client.exists("tandem:t2:worker:w:blocks")
+
+
+@pytest.mark.parametrize("scripts", [True, False])
+def test_each_workers_prefix_is_device_blocks_then_host_blocks(redis_client, scripts):
+    hashes = chain(6)
+    d, h = BlockStored, lambda held: BlockStored(held, HOST)
+    # a: device 0-1, host 2-3, device 4 (a device block after the host run is computed: the prefix ends)
+    KVIndexPublisher(redis_client, "t3", "a").publish([d(tuple(hashes[:2])), h(tuple(hashes[2:4])), d((hashes[4],))])
+    KVIndexPublisher(redis_client, "t3", "b").publish([h(tuple(hashes))])  # all on the host
+    KVIndexPublisher(redis_client, "t3", "c").publish([d(tuple(hashes[:3]))])  # device only
+    KVIndexPublisher(redis_client, "t3", "e").publish([h(tuple(hashes[1:]))])  # not block 0: nothing
+    reader = KVIndexReader(redis_client, "t3")
+    if not scripts:
+        refuse_scripts(reader)
+    assert reader.prefix_tiers(hashes) == {"a": TierHits(2, 2), "b": TierHits(0, 6), "c": TierHits(3, 0),
+                                           "e": TierHits(0, 0)}
+    assert reader.prefix_tiers(hashes, ["a"]) == {"a": TierHits(2, 2)}
+    assert reader.scripting is scripts
+
+
+def test_after_a_gap_the_whole_state_is_republished_with_its_tiers(redis_client):
+    hashes = chain(3)
+    publisher = KVIndexPublisher(redis_client, "t4", "w")
+    publisher.publish([BlockStored(tuple(hashes[:2])), BlockStored((hashes[2],), HOST)])
+    redis_client.flushall()
+    assert publisher.publish([BlockRemoved((hashes[0],)), BlockStored((hashes[0],), HOST)]) is True
+    assert KVIndexReader(redis_client, "t4").prefix_tiers(hashes) == {"w": TierHits(0, 1)}
+    assert redis_client.hgetall(f"tandem:t4:block:{hashes[1].hex()}") == {b"w": b"device"}

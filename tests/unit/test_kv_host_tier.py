@@ -3,9 +3,10 @@ and which come back, by exact ids."""
 
 import pytest
 
-from cluster.engine.block_manager import BlockManager, BlockStored
+from cluster.engine.block_manager import BlockManager, BlockRemoved, BlockStored
 from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load, Offload
 from cluster.engine.kv_tiers.size import HostCacheSize, parse_host_cache
+from cluster.engine.kv_tiers.tier import HOST
 
 H = [bytes([i]) * 4 for i in range(8)]
 
@@ -97,3 +98,105 @@ def test_host_cache_sizes(value, size):
 def test_bad_host_cache_sizes_say_what_to_write(value):
     with pytest.raises(ValueError, match="must be null, a positive number of blocks or a size such as '512MiB'"):
         parse_host_cache(value)
+
+
+def test_events_move_an_offloaded_block_to_the_host_tier_and_drop_what_the_host_evicts():
+    manager = cached_manager()
+    assert manager.allocate(2) == [3, 2]
+    # Both fit in free host slots: removed from the device, stored on the host, one allocation's events.
+    assert manager.drain_events() == [BlockRemoved((H[3], H[2])), BlockStored((H[3], H[2]), HOST)]
+    assert manager.allocate(1) == [1]
+    # The host is full: H[1] takes the slot of H[3], the least recently stored, which the worker no longer holds.
+    assert manager.drain_events() == [BlockRemoved((H[1],)), BlockStored((H[1],), HOST), BlockRemoved((H[3],), HOST)]
+
+
+def test_a_hash_stored_and_dropped_in_one_allocation_comes_out_dropped():
+    manager = cached_manager(num_blocks=3, host_slots=1)
+    assert manager.allocate(2) == [2, 1]
+    # H[2] went to the only slot, then H[1] took it: the host holds H[1] alone.
+    assert manager.drain_moves() == [Offload(2, 0), Offload(1, 0)]
+    assert manager.host.entries() == [(H[1], 0)]
+    assert manager.drain_events() == [BlockRemoved((H[2], H[1])), BlockStored((H[1],), HOST),
+                                      BlockRemoved((H[2],), HOST)]
+
+
+def test_a_loaded_block_is_in_both_tiers_until_the_host_drops_it():
+    manager = cached_manager()
+    manager.free(manager.allocate(1))  # H[3] to host slot 0; block 3 free again, uncached, at the tail
+    manager.drain_moves()
+    assert manager.free_block_ids() == [2, 1, 0, 3]
+    manager.drain_events()
+    fresh = manager.allocate(1)  # evicts H[2] to slot 1
+    assert fresh == [2]
+    assert manager.load_from_host([H[3]], fresh) == 1  # H[3] back on the device, in block 2; the host copy stays
+    manager.free(fresh)
+    assert manager.drain_events() == [BlockRemoved((H[2],)), BlockStored((H[2],), HOST), BlockStored((H[3],))]
+    assert manager.allocate(3) == [1, 0, 3]  # H[1] and H[0] to the host, in the slots of H[2] and H[3] (loaded: later)
+    assert manager.drain_events() == [BlockRemoved((H[1], H[0])), BlockStored((H[1], H[0]), HOST),
+                                      BlockRemoved((H[2], H[3]), HOST)]
+    # H[3] is now on the device only (block 2); evicting it stores it again, dropping H[1].
+    assert manager.allocate(1) == [2]
+    assert manager.drain_events() == [BlockRemoved((H[3],)), BlockStored((H[3],), HOST), BlockRemoved((H[1],), HOST)]
+
+
+def test_write_back_copies_the_next_blocks_to_be_evicted_ahead_and_evicting_them_copies_nothing():
+    manager = cached_manager(num_blocks=4, host_slots=3)
+    assert manager.free_block_ids() == [3, 2, 1, 0]
+    # The next two in line, not yet on the host: copied ahead, still cached on the device.
+    assert manager.write_back(2) == [Offload(3, 0), Offload(2, 1)]
+    assert manager.drain_events() == [BlockStored((H[3], H[2]), HOST)]
+    assert manager.lookup_prefix(H[:4]) == [0, 1, 2, 3]
+    assert manager.write_back(3) == [Offload(1, 2)]  # 3 and 2 are on the host already
+    manager.copies_done()
+    assert manager.allocate(2) == [3, 2]
+    assert manager.drain_moves() == []  # their copies were made ahead: evicting them costs nothing
+    assert manager.drain_events() == [BlockStored((H[1],), HOST), BlockRemoved((H[3], H[2]))]  # the host keeps them
+
+
+def test_a_block_being_written_back_is_not_reused_before_the_copies_are_waited_for():
+    manager = cached_manager(num_blocks=4, host_slots=4)
+    assert manager.write_back(1) == [Offload(3, 0)]
+    assert not manager.must_wait_for_copies()  # nothing touches block 3 or slot 0 yet
+    manager.touch([manager.lookup_prefix([H[0]])[0]])  # a prefix hit only reads
+    assert not manager.must_wait_for_copies()
+    assert manager.allocate(1) == [3]  # block 3 reallocated: the next forward writes it
+    assert manager.must_wait_for_copies()
+    manager.copies_done()
+    assert not manager.must_wait_for_copies()
+    assert manager.free_block_ids() == [2, 1]
+    assert manager.write_back(1) == [Offload(2, 1)]
+    manager.copies_done()
+    manager.free(manager.allocate(1))  # block 2, whose copy is done: reused at once, no copy to wait for
+    assert not manager.must_wait_for_copies() and manager.drain_moves() == []
+
+
+def test_the_block_managers_own_copies_wait_for_the_write_backs_in_flight():
+    manager = cached_manager(num_blocks=4, host_slots=4)
+    assert manager.write_back(1) == [Offload(3, 0)]
+    manager.touch([3])  # a prefix hit on the block being copied: read only
+    assert manager.allocate(1) == [2]  # H[2] evicted: a copy of the manager's own, to slot 1
+    assert manager.must_wait_for_copies()
+    assert manager.drain_moves() == [Offload(2, 1)]
+
+
+def test_the_copy_queue_applies_in_order_off_the_callers_thread_and_wait_blocks_until_done():
+    import threading
+
+    from cluster.engine.kv_tiers.copy_queue import CopyQueue
+
+    gate, applied, threads = threading.Event(), [], []
+
+    def apply(moves):
+        gate.wait(timeout=10)
+        threads.append(threading.current_thread().name)
+        applied.extend(moves)
+
+    copies = CopyQueue(apply)
+    copies.submit([Offload(3, 0)])
+    copies.submit([Offload(2, 1), Offload(1, 2)])
+    assert not copies.idle and applied == []
+    gate.set()
+    copies.wait()
+    assert copies.idle and applied == [Offload(3, 0), Offload(2, 1), Offload(1, 2)]
+    assert threads == ["kv-host-copies"] * 2
+    copies.close()

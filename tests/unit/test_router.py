@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.engine.block_hash import hash_token_blocks
+from cluster.registry.kv_index import TierHits
 from cluster.registry.load import StepSample, WorkerLoad
 from router.config import RouterConfig, RouterConfigError
 from router.cost_model import StepTimeModel, fit_nonnegative
@@ -45,7 +46,7 @@ class FakeRegistry:
             raise RegistryUnavailable("connection refused")
         return {w: self.state[w] for w in workers if w in self.state}
 
-    def prefix_blocks(self, hashes, workers):
+    def prefix_tiers(self, hashes, workers):
         if self.down:
             raise RegistryUnavailable("connection refused")
         matched, still = {w: 0 for w in workers}, set(workers)
@@ -53,7 +54,7 @@ class FakeRegistry:
             still &= self.blocks.get(h, set())
             for w in still:
                 matched[w] = i + 1
-        return matched
+        return {w: TierHits(n) for w, n in matched.items()}
 
 
 PROMPT = list(range(100, 133))  # 33 tokens: 8 full blocks, all 8 cacheable
@@ -547,8 +548,9 @@ def test_a_large_prefill_pool_is_cut_to_the_workers_soonest_done_before_pairing(
     from router.router import _soonest_prefill
 
     # (model, cached blocks, queue s, prefill s) per worker, as _candidates computes them
-    side = {"p0": (None, 0, 0.300, 0.043), "p1": (None, 0, 0.000, 0.043), "p2": (None, 8, 0.000, 0.011),
-            "p3": (None, 0, 0.200, 0.043), "p4": (None, 2, 0.000, 0.043)}
+    side = {"p0": (None, TierHits(0), 0.300, 0.043), "p1": (None, TierHits(0), 0.000, 0.043),
+            "p2": (None, TierHits(8), 0.000, 0.011),
+            "p3": (None, TierHits(0), 0.200, 0.043), "p4": (None, TierHits(2), 0.000, 0.043)}
     pool = ["p0", "p1", "p2", "p3", "p4"]
     assert _soonest_prefill(pool, side, 5) == pool
     assert _soonest_prefill(pool, side, 2) == ["p2", "p4"]  # p2 sooner; p4 ties p1 on time, caches more

@@ -3,9 +3,12 @@ the candidates' predictions and the picker (tests/unit/test_router.py routes thr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from cluster.registry.load import WorkerLoad
+from cluster.registry.kv_index import TierHits
+from cluster.registry.load import StepSample, WorkerLoad
 from router.candidates import (MIN_TTFT_S, Candidate, Prompt, corrected, decode_side, local_candidate, prefill_side,
                                remote_candidates)
 from router.config import SCORERS, RouterConfig, SloClass
@@ -56,7 +59,8 @@ def test_pairs_are_cut_off_where_unpaired_or_avoided_among_the_live_prefill_work
 
 
 def test_the_shortlist_and_its_fallback_when_all_of_it_is_cut_off():
-    side = {"p0": (None, 0, 0.300, 0.043), "p1": (None, 0, 0.000, 0.043), "p2": (None, 8, 0.000, 0.011)}
+    side = {"p0": (None, TierHits(0), 0.300, 0.043), "p1": (None, TierHits(0), 0.000, 0.043),
+            "p2": (None, TierHits(8), 0.000, 0.011)}
     pool = ["p0", "p1", "p2"]
     assert soonest_prefill(pool, side, 1) == ["p2"]
     assert paired_prefill(["p2"], pool, set(), side, 1) == ["p2"]
@@ -94,28 +98,31 @@ def test_a_worker_prefills_itself_when_colocated_mostly_cached_short_or_without_
 def test_the_prompt_in_blocks():
     prompt = Prompt.of(33, 8, BS)
     assert (prompt.cacheable_blocks, prompt.blocks) == (8, 9)
-    assert prompt.hit_blocks({"p0": 12, "d0": 3}, "p0") == 8 and prompt.hit_blocks({}, "p0") == 0
+    hits = {"p0": TierHits(12), "d0": TierHits(3), "h0": TierHits(5, 7)}
+    assert prompt.hit_blocks(hits, "p0") == TierHits(8) and prompt.hit_blocks({}, "p0") == TierHits(0)
+    assert prompt.hit_blocks(hits, "h0") == TierHits(5, 3)  # the host run clipped to the cacheable blocks
     assert prompt.uncached_tokens(2) == 25
 
 
 def test_each_side_is_predicted_once_per_worker():
     prompt = Prompt.of(33, 8, BS)
-    p = prefill_side(MODEL, 100, 2, prompt)
-    assert (p.hit_blocks, p.queue_s, p.prefill_s) == pytest.approx((2, 0.010 + 0.100, 0.010 + 0.025))
-    d = decode_side(load("d0", running=2, waiting=1, free=20, next_slot=0), MODEL, [10], 1, prompt, "queue")
+    p = prefill_side(MODEL, 100, TierHits(2), prompt)
+    assert p.hit_blocks == TierHits(2)
+    assert (p.queue_s, p.prefill_s) == pytest.approx((0.010 + 0.100, 0.010 + 0.025))
+    d = decode_side(load("d0", running=2, waiting=1, free=20, next_slot=0), MODEL, [10], TierHits(1), prompt, "queue")
     sequences, context = 2 + 1 + 1 + 1, 10 + 33  # running, waiting, one placed since its report, this one
     assert d.tpot_s == pytest.approx(0.020 + 0.005 * sequences + 0.0001 * context)
     assert d.idle_tpot_s == pytest.approx(0.020 + 0.005 + 0.0001 * 33)
     assert d.load == pytest.approx(sequences / 4 + 1 - (20 - 3) / 100)
     assert (d.has_room, d.slot_wait_s, d.reserve_wait_s) == (False, 0.0, d.tpot_s)  # 5 sequences, 4 slots
-    first = decode_side(load("d0", running=3, free=20, next_slot=7), MODEL, [10], 1, prompt, "reject")
+    first = decode_side(load("d0", running=3, free=20, next_slot=7), MODEL, [10], TierHits(1), prompt, "reject")
     assert first.has_room and first.slot_wait_s == pytest.approx(7 * first.tpot_s)
 
 
 def test_a_remote_pair_adds_queue_prefill_transfer_and_the_wait_for_the_step_in_progress():
     prompt = Prompt.of(33, 8, BS)
-    p = prefill_side(MODEL, 0, 0, prompt)
-    d = decode_side(load("d0", running=1), MODEL, [], 2, prompt, "queue")
+    p = prefill_side(MODEL, 0, TierHits(0), prompt)
+    d = decode_side(load("d0", running=1), MODEL, [], TierHits(2), prompt, "queue")
     sides, queued = {"p0": p, "p1": p}, {"p0": 0, "p1": 0}
     c, other = remote_candidates("d0", d, ["p0", "p1"], sides, queued, prompt, 0.0, rotation_prefill="p0")
     transfer = 0.002 * (9 - 2)
@@ -130,12 +137,55 @@ def test_a_remote_pair_adds_queue_prefill_transfer_and_the_wait_for_the_step_in_
 
 def test_a_local_prefill_waits_for_the_step_in_progress_then_prefills_what_is_not_cached():
     prompt = Prompt.of(33, 8, BS)
-    d = decode_side(load("d0", running=1), MODEL, [], 8, prompt, "queue")
+    d = decode_side(load("d0", running=1), MODEL, [], TierHits(8), prompt, "queue")
     c = local_candidate("d0", d, 0, prompt, 0.25, rotation_slot=False)
     assert (c.prefill, c.prefill_hit_blocks, c.decode_hit_blocks, c.label) == (None, 8, 8, "(local prefill) -> d0")
     assert c.prefill_s == pytest.approx(0.010 + 0.001 + d.tpot_s)
     assert c.ttft_s == pytest.approx(c.queue_s + c.prefill_s + 0.25)
     assert c.idle_ttft_s == pytest.approx(0.011 + 0.25)
+
+
+def test_a_prefix_costs_nothing_on_the_device_its_loads_in_the_host_tier_and_its_compute_elsewhere():
+    """33 tokens, 8 cacheable blocks of 4; prefill 10 ms + 1 ms a token; loads 3 ms a block (the
+    stated default until a worker measures one)."""
+    assert MODEL.host_load_s_per_block == 0.003
+    options = {"device": TierHits(8), "host": TierHits(0, 8), "mixed": TierHits(3, 5), "recompute": TierHits(0)}
+    seconds = {name: MODEL.tiered_prefill_seconds(33, BS, hits) for name, hits in options.items()}
+    assert seconds == pytest.approx({"device": 0.010 + 0.001, "host": 8 * 0.003 + 0.011,
+                                     "mixed": 5 * 0.003 + 0.011, "recompute": 0.010 + 0.033})
+    # A host block saves its recompute less its load: 8 blocks recompute in 32 ms and load in 24 ms.
+    assert MODEL.host_block_worth(33, BS, TierHits(0, 8)) == pytest.approx(1 - 0.024 / 0.032)
+    assert MODEL.host_block_worth(33, BS, TierHits(3, 5)) == pytest.approx(1 - 0.015 / 0.020)
+    assert MODEL.host_block_worth(33, BS, TierHits(8)) == 0.0
+    slow = replace(MODEL, host_load_s_per_block=0.010)  # loading slower than computing: worth nothing
+    assert slow.host_block_worth(33, BS, TierHits(0, 8)) == 0.0
+
+
+def test_the_load_time_per_block_is_what_the_workers_steps_measured():
+    steps = [StepSample(64, 0, 0, 0, 0.07), StepSample(32, 0, 0, 0, 0.04, host_loaded_blocks=4, host_load_s=0.004),
+             StepSample(16, 0, 0, 0, 0.03, host_loaded_blocks=2, host_load_s=0.008), StepSample(8, 0, 0, 0, 0.02)]
+    assert StepTimeModel.fit(steps, 2048).host_load_s_per_block == pytest.approx(0.012 / 6)
+    assert StepTimeModel.fit(steps[:1], 2048).host_load_s_per_block == 0.003
+
+
+def test_device_hits_beat_host_hits_beat_recomputation_in_ttft_and_prefix_affinity():
+    prompt = Prompt.of(33, 8, BS)
+    hits = {"dev": TierHits(8), "host": TierHits(0, 8), "none": TierHits(0)}
+    local = {w: local_candidate(w, decode_side(load(w), MODEL, [], prompt.hit_blocks(hits, w), prompt, "queue"), 0,
+                                prompt, 0.0, rotation_slot=False) for w in hits}
+    assert {w: c.prefill_s for w, c in local.items()} == pytest.approx({"dev": 0.011, "host": 0.035, "none": 0.043})
+    assert (local["host"].prefill_hit_blocks, local["host"].prefill_host_blocks) == (8, 8)
+    assert fastest(list(local.values())).decode == "dev"
+    affinity = {w: SCORER_FUNCTIONS["prefix_affinity"](c, None, None) for w, c in local.items()}
+    assert affinity == pytest.approx({"dev": 1.0, "host": 0.25, "none": 0.0})
+    # A decode worker's host blocks are loaded as it reserves: they do not travel, their load is waited for.
+    p = prefill_side(MODEL, 0, TierHits(0), prompt)
+    d = decode_side(load("d0"), MODEL, [], TierHits(2, 3), prompt, "queue")
+    assert (d.host_load_s, d.has_room) == (pytest.approx(0.009), True)
+    [c] = remote_candidates("d0", d, ["p0"], {"p0": p}, {"p0": 0}, prompt, 0.0, rotation_prefill=None)
+    assert c.transfer_s == pytest.approx(0.002 * (9 - 5))
+    assert c.ttft_s == pytest.approx(0.043 + 0.008 + 0.009)
+    assert (c.decode_hit_blocks, c.decode_host_blocks) == (5, 3)
 
 
 def test_a_correction_takes_off_at_most_half_and_never_goes_under_the_floor():

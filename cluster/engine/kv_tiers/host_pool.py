@@ -63,15 +63,20 @@ class HostBlockPool:
         """Moves an entry to the back of the eviction order (a load)."""
         self._slots.move_to_end(block_hash)
 
-    def store(self, block_hash: bytes) -> int | None:
-        """The slot to copy an evicted device block into, or None when the hash is here already
-        (its entry refreshed). Takes a free slot, else evicts the least recently used entry."""
+    def store(self, block_hash: bytes) -> tuple[int | None, bytes | None]:
+        """(the slot to copy an evicted device block into, the hash dropped to make room): the
+        slot is None when the hash is here already (its entry refreshed); the hash None when a
+        free slot was taken, else it is the least recently used entry's, whose slot is reused."""
         if block_hash in self._slots:
             self._slots.move_to_end(block_hash)
-            return None
-        slot = self._free.pop() if self._free else self._slots.popitem(last=False)[1]
+            return None, None
+        dropped = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            dropped, slot = self._slots.popitem(last=False)
         self._slots[block_hash] = slot
-        return slot
+        return slot, dropped
 
     def clear(self) -> None:
         self._slots.clear()

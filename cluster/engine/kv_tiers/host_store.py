@@ -22,6 +22,8 @@ other requests' steps run) and loading layer by layer.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -40,6 +42,16 @@ def host_block_bytes(fmt: KVCacheFormat, num_layers: int, block_size: int, kv_he
     return 2 * num_layers * block_size * kv_heads * fmt.row_bytes(head_dim)
 
 
+@dataclass
+class CopyTally:
+    """Blocks copied each way and the seconds the copies took (on CUDA, to the copies' end)."""
+
+    offloaded: int = 0
+    offload_seconds: float = 0.0
+    loaded: int = 0
+    load_seconds: float = 0.0
+
+
 class HostKVStore:
     def __init__(self, kv_cache: torch.Tensor, device_format: KVCacheFormat, fmt: KVCacheFormat, num_slots: int,
                  head_dim: int):
@@ -51,6 +63,7 @@ class HostKVStore:
         pin = kv_cache.device.type == "cuda"
         self.slots = torch.zeros((num_slots, layers, two, block_size, heads, fmt.row_width(head_dim)),
                                  dtype=fmt.storage_dtype, pin_memory=pin)
+        self.tally = CopyTally()
 
     @property
     def converts(self) -> bool:
@@ -67,12 +80,22 @@ class HostKVStore:
             end = start
             while end < len(moves) and type(moves[end]) is kind:
                 end += 1
+            started = time.perf_counter()
             if kind is Offload:
                 last = {move.slot: move.block_id for move in moves[start:end]}
                 self._offload(list(last.values()), list(last))
             else:
                 last = {move.block_id: move.slot for move in moves[start:end]}
                 self._load(list(last.values()), list(last))
+            if self.kv_cache.is_cuda:
+                torch.cuda.current_stream(self.kv_cache.device).synchronize()
+            seconds = time.perf_counter() - started
+            if kind is Offload:
+                self.tally.offloaded += len(last)
+                self.tally.offload_seconds += seconds
+            else:
+                self.tally.loaded += len(last)
+                self.tally.load_seconds += seconds
             start = end
 
     def _offload(self, block_ids: list[int], slots: list[int]) -> None:
