@@ -321,6 +321,13 @@ class LLMEngine:
                              load_format=cfg.load_format)
         return DraftProposer(runner, max_rows_fitted=cfg.max_num_seqs, target_weight_bytes=self.runner.weight_bytes)
 
+    def check_health(self) -> None:
+        """Raises when a part of the engine outside this process (a tensor-parallel rank) has
+        died; an idle caller learns it without waiting for the next step to fail."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
     def shutdown(self) -> None:
         """Stops the engine's other processes (tensor-parallel ranks) and threads, if it has any."""
         if self._masks is not None:

@@ -15,6 +15,7 @@ ranks on one node needs N GPUs; NCCL cannot put two ranks of a group on one GPU.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -80,6 +81,11 @@ class TPFollower:
 
     def ready(self) -> int:
         return self.runner.weight_bytes
+
+    def watch(self) -> None:
+        """Never returns while this rank lives: rank 0 keeps the call open, and its end (the
+        actor died) tells rank 0 at once that the group is broken, even while it is idle."""
+        threading.Event().wait()
 
     def allocate_kv_cache(self, num_blocks: int, fault_in_background: bool = False) -> None:
         self.runner.allocate_kv_cache(num_blocks, fault_in_background)
@@ -148,6 +154,7 @@ class TensorParallelRunner(ModelRunner):
             super().__init__(config, model_dir, block_size, max_model_len, device, group, progress,
                              attention_backend=attention_backend, load_format=load_format, kv_port=kv_port)
             self._wait([f.started.remote() for f in self.followers], "loading its shard")
+            self._watches = [f.watch.remote() for f in self.followers]
         except BaseException:
             self.shutdown()
             raise
@@ -168,6 +175,18 @@ class TensorParallelRunner(ModelRunner):
                     failed = name, exc
                     break
             raise TensorParallelError(f"{failed[0]} failed while {doing}: {exception_line(failed[1])}") from None
+
+    def check_health(self) -> None:
+        """Raises ``TensorParallelError`` naming a rank that has died (its watch call ended)."""
+        ended, _ = self._ray.wait(self._watches, num_returns=1, timeout=0)
+        if not ended:
+            return
+        name = self.follower_names[self._watches.index(ended[0])]
+        try:
+            self._ray.get(ended[0])
+        except self._ray.exceptions.RayError as exc:
+            raise TensorParallelError(f"{name} died: {exception_line(exc)}") from None
+        raise TensorParallelError(f"{name} ended")
 
     def allocate_kv_cache(self, num_blocks: int, fault_in_background: bool = False) -> None:
         refs = [f.allocate_kv_cache.remote(num_blocks, fault_in_background) for f in self.followers]
@@ -214,7 +233,7 @@ class TensorParallelRunner(ModelRunner):
     def shutdown(self) -> None:
         for actor in getattr(self, "followers", []):
             self._ray.kill(actor, no_restart=True)
-        self.followers = []
+        self.followers, self._watches = [], []
 
 
 def engine_runner(kv_port: KVPortFactory | None = None) -> RunnerFactory:

@@ -16,6 +16,7 @@ reports its KV events, a heartbeat and its load from a background thread
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from itertools import islice
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from cluster.parallel.group import GroupSpec
 
 IDLE_WAKE_S = 0.05
+EXIT_STEP_FAILED = 70  # the process's exit status when a step raised (EX_SOFTWARE)
 
 
 class StepLock:
@@ -228,11 +230,28 @@ class EngineWorker:
         raise NotImplementedError
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            with self._lock.step_turn():
-                busy = self._has_work()
-                if busy:
-                    self._on_outputs(self.engine.step())
-            if not busy:  # idle: asleep until a call has used the engine (the timeout is only a backstop)
-                self._lock.released.wait(IDLE_WAKE_S)
-                self._lock.released.clear()
+        try:
+            while not self._stop.is_set():
+                with self._lock.step_turn():
+                    busy = self._has_work()
+                    if busy:
+                        self._on_outputs(self.engine.step())
+                if not busy:  # idle: asleep until a call has used the engine (the timeout is only a backstop)
+                    self.engine.check_health()
+                    self._lock.released.wait(IDLE_WAKE_S)
+                    self._lock.released.clear()
+        except BaseException as exc:  # noqa: BLE001 - whatever a step raised, the engine is past trusting
+            self._engine_failed(exc)
+
+    _exit = staticmethod(os._exit)
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """A step raised, or the engine found itself broken while idle (a tensor-parallel rank
+        died, say): the process ends, so that Ray reports this worker dead, its callers'
+        streams move to other workers and the supervisor starts it again (Ray ends the TP
+        ranks it started with it). A loop that ended quietly left a worker that beat and took
+        placements but never stepped again."""
+        line = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        print(f"[tandem] worker {self.name}: its engine failed ({line}); the worker exits to be started again",
+              file=sys.stderr, flush=True)
+        self._exit(EXIT_STEP_FAILED)

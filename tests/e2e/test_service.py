@@ -458,7 +458,8 @@ def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(m
     """Prefill TP 2 to decode TP 1 over gloo (every prompt's KV travels), behind TLS and a token,
     with two ingress replicas (a router in each): tokens equal `tandem run`'s; a decode worker
     killed mid-stream moves its request without losing or repeating a token; an ingress replica
-    killed leaves the other serving new calls at once."""
+    killed leaves the other serving new calls at once; a prefill worker whose TP rank dies ends
+    itself, and calls go on on the other."""
     if not any((Path(p) / "openssl").exists() for p in os.environ.get("PATH", "").split(os.pathsep)):
         pytest.skip("openssl is needed to make the test certificate")
     key, cert = self_signed(tmp_path)
@@ -521,6 +522,15 @@ def test_two_tp2_prefill_workers_and_two_decode_workers_behind_tls_and_a_token(m
                 with client() as c:
                     tokens, _ = stream_tokens(c, PROMPTS[0])
                 assert tokens == reference["ids0"]
+            # A TP rank of prefill-0 dies: prefill-0 finds its group broken while idle and exits, Ray
+            # reports it dead, and calls go on, exact, on prefill-1 (restarts are off in this test).
+            ask("ray.kill(ray.get_actor('prefill-0-tp1'))")
+            wait_for(lambda: {w["name"]: w.get("state") for w in cluster.status()["workers"]}["prefill-0"] != "alive",
+                     timeout_s=120, what="prefill-0 seen dead after its TP rank died")
+            for i, prompt in enumerate(PROMPTS):
+                with client() as c:
+                    tokens, messages = stream_tokens(c, prompt)
+                assert tokens == reference[f"ids{i}"] and messages[-1].prefill_worker == "prefill-1"
     finally:
         cluster.down()
 
