@@ -242,7 +242,8 @@ class Router:
         registry is unreachable. A worker whose report lapsed (its heartbeat expired: a worker
         starved of CPU can miss a few) keeps its last report for ``REPORT_GRACE_S``: a worker
         is dead when the actor system says so (a call to it fails, and the caller tells the
-        router), not when it is slow to report."""
+        router; or its deployment, told by Ray, marks its report ``lost``), not when it is slow
+        to report."""
         if self._registry_down_since is not None and (
                 self.probe_elsewhere or now - self._registry_down_since < self.config.registry_retry_s):
             return None
@@ -252,7 +253,14 @@ class Router:
             except RegistryUnavailable as exc:
                 self._mark_down(now, exc)
                 return None
-            for worker, load in fresh.items():
+            for worker, load in list(fresh.items()):
+                if load.lost:  # Ray found it dead: no grace, as for a call to it that failed
+                    del fresh[worker]
+                    self._last_seen.pop(worker, None)
+                    if worker not in self.failed or self._failed_incarnation.get(worker) != load.incarnation:
+                        self.worker_failed(worker, now)
+                        self._failed_incarnation[worker] = load.incarnation
+                    continue
                 self._last_seen[worker] = (load, now)
                 failed_as = self._failed_incarnation.get(worker) if worker in self.failed else None
                 if failed_as and load.incarnation not in ("", failed_as):

@@ -167,3 +167,22 @@ def test_a_worker_its_deployment_saw_die_is_forgotten_at_once_and_its_loss_recor
         record_event(redis_client, "c1", WorkerEvent(f"w{i}", "decode", LOST, "n", "a", at=3.0 + i))
     assert redis_client.llen(Keys("c1").worker_events) == EVENTS_KEPT
     assert [e.worker for e in read_events(redis_client, "c1", limit=2)] == [f"w{EVENTS_KEPT - 1}", f"w{EVENTS_KEPT - 2}"]
+
+
+def test_a_lost_worker_s_report_says_so_to_routers_until_it_is_started_again(redis_client):
+    """``mark_lost``: the worker's last report, marked lost and expiring; only a reader that asks
+    for lost reports (a router) sees it; the worker started again overwrites it."""
+    from cluster.registry.keys import Keys
+    from cluster.registry.load import LOST_MARK_S, WorkerLoad, mark_lost, publish_load, read_loads
+
+    report = WorkerLoad("decode-0", "decode", 0, 3, 0, 0, 90, 8, 8, 4, 64, 4, incarnation="a")
+    publish_load(redis_client, "c2", report, 60)
+    mark_lost(redis_client, "c2", "decode-0", "decode", read_loads(redis_client, "c2", ["decode-0"])["decode-0"])
+    assert read_loads(redis_client, "c2", ["decode-0"]) == {}
+    lost = read_loads(redis_client, "c2", ["decode-0"], lost=True)["decode-0"]
+    assert (lost.lost, lost.incarnation, lost.running) == (True, "a", 3)
+    assert 0 < redis_client.pttl(Keys("c2").load("decode-0")) <= LOST_MARK_S * 1000
+    mark_lost(redis_client, "c2", "decode-1", "decode", None)  # its report had lapsed already
+    assert read_loads(redis_client, "c2", ["decode-1"], lost=True)["decode-1"].lost
+    publish_load(redis_client, "c2", WorkerLoad("decode-0", "decode", 0, 0, 0, 0, 0, 8, 8, 4, 64, 4, incarnation="b"), 60)
+    assert read_loads(redis_client, "c2", ["decode-0"])["decode-0"].incarnation == "b"
