@@ -44,6 +44,7 @@ class Candidate:
     idle_ttft_s: float = 0.0  # the same prediction with empty queues: what this pair could ever do
     idle_tpot_s: float = 0.0
     tpot_scale: float = 1.0  # what the decode worker's predicted steps were multiplied by (Router.step_scale)
+    tpot_limit_s: float | None = None  # below the class's objective: headroom kept for a tighter class
     decode_has_room: bool = True
     rotation_slot: bool = False  # this request's turn in the round-robin order
     scores: dict[str, float] = field(default_factory=dict)

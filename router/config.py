@@ -124,6 +124,12 @@ def _fraction(value: Any, where: str) -> float:
     return float(value)
 
 
+def _share(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise RouterConfigError(f"{where}: must be in [0, 1), got {quote(value)}")
+    return float(value)
+
+
 def _slo_class_dict(cls: SloClass) -> dict[str, Any]:
     return {"ttft_ms": _milliseconds(cls.ttft_s), "tpot_ms": _milliseconds(cls.tpot_s),
             "priority": cls.priority, "on_overload": cls.on_overload, "max_wait_ms": _milliseconds(cls.max_wait_s)}
@@ -253,6 +259,16 @@ class RouterConfig:
         prompt prefilled soonest (queue, then prefill with their cached prefix). Pairs grow as
         prefill x decode workers, so a large pool is cut to this many first. An integer >= 1.""")
 
+    class_headroom: float = setting(0.2, _alone(_share), """
+        Share of a decode worker's TPOT budget that requests of a class with a looser TPOT
+        objective leave to a tighter class: while a tighter class runs on the worker or arrived
+        within ``class_headroom_window_s``, looser ones are placed there only while its predicted
+        TPOT stays within (1 - this) x the tighter objective (``standard`` within 80 ms of
+        ``interactive``'s 100 ms by default), so the tighter class finds a batch it can join.
+        In [0, 1); 0: up to the tighter objective itself.""")
+    class_headroom_window_s: float = setting(30.0, _alone(_positive), """
+        Seconds after its last request that a class still counts as arriving, > 0.""")
+
     def slo_class(self, name: str | None) -> SloClass:
         name = name or self.default_class
         for cls in self.slo_classes:
@@ -308,7 +324,8 @@ class RouterConfig:
 _READ_ORDER: tuple[Field, ...] = tuple(sorted(fields(RouterConfig), key=lambda f: (
     "policy", "weights", "admission_control", "slo_classes", "default_class", "skip_prefill_fraction",
     "load_refresh_s", "registry_retry_s", "queue_limit", "correction_limit_s", "correction_half_life_s",
-    "local_prefill_max_tokens", "migration_limit", "prefill_shortlist").index(f.name)))
+    "local_prefill_max_tokens", "migration_limit", "prefill_shortlist", "class_headroom",
+    "class_headroom_window_s").index(f.name)))
 
 
 def _default(f: Field, earlier: Mapping[str, Any]) -> Any:

@@ -30,9 +30,22 @@ def meets(ttft_s: float, tpot_s: float, cls: SloClass) -> bool:
     return (cls.ttft_s is None or ttft_s <= cls.ttft_s) and (cls.tpot_s is None or tpot_s <= cls.tpot_s)
 
 
+def within_headroom(c: Candidate) -> bool:
+    """Its decode worker keeps the TPOT headroom a tighter class needs (``router/class_headroom.py``)."""
+    return c.tpot_limit_s is None or c.tpot_s <= c.tpot_limit_s
+
+
 def first_meeting(ranked: Sequence[Candidate], cls: SloClass, spent_s: float) -> Candidate | None:
-    """The best candidate with room that serves the request in time, counting ``spent_s``."""
-    return next((c for c in ranked if c.decode_has_room and meets(c.ttft_s + spent_s, c.tpot_s, cls)), None)
+    """The best candidate with room that serves the request in time, counting ``spent_s``, and
+    keeps a tighter class's headroom."""
+    return next((c for c in ranked if c.decode_has_room and meets(c.ttft_s + spent_s, c.tpot_s, cls)
+                 and within_headroom(c)), None)
+
+
+def first_within_headroom(ranked: Sequence[Candidate]) -> Candidate:
+    """A request without objectives: the best with room that keeps a tighter class's headroom,
+    else the best."""
+    return next((c for c in ranked if c.decode_has_room and within_headroom(c)), ranked[0])
 
 
 def never_meets(candidates: Sequence[Candidate], cls: SloClass, spent_s: float) -> bool:
@@ -57,7 +70,9 @@ def explain(cls: SloClass, c: Candidate, never: bool, spent: float = 0.0, full: 
     else:
         state = "no (prefill, decode) pair can meet now"
     waited = f"waited {ms(spent)} + " if spent else ""
+    kept = (f"; a tighter class runs on {c.decode} or is arriving, so looser ones keep its TPOT within "
+            f"{ms(c.tpot_limit_s)} (router.class_headroom)" if not within_headroom(c) else "")
     return (f"{state} slo_class {cls.name!r} (TTFT <= {ms(cls.ttft_s)}, TPOT <= {ms(cls.tpot_s)}): the best, "
             f"{c.label}, predicts TTFT {waited}{ms(c.ttft_s)} (queue {ms(c.queue_s)} + prefill {ms(c.prefill_s)} + "
             f"transfer {ms(c.transfer_s)}) and TPOT {ms(c.tpot_s)}; idle, TTFT {ms(c.idle_ttft_s)} and "
-            f"TPOT {ms(c.idle_tpot_s)}")
+            f"TPOT {ms(c.idle_tpot_s)}{kept}")

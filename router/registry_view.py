@@ -20,7 +20,7 @@ class RedisRegistryView:
 
     def loads(self, workers: Sequence[str]) -> dict[str, WorkerLoad]:
         try:
-            return read_loads(self.client, self.cluster, workers)
+            return read_loads(self.client, self.cluster, workers, lost=True)
         except redis.RedisError as exc:
             raise RegistryUnavailable(f"reading load reports: {exc}") from None
 

@@ -53,10 +53,11 @@ from cluster.registry.kv_index import TierHits
 from cluster.registry.load import WorkerLoad
 from cluster.registry.membership import Membership
 from router.candidates import Candidate, Prompt, decode_side, local_candidate, prefill_side, remote_candidates
+from router.class_headroom import ArrivingClasses, tpot_limit
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel, measured_step_scale
 from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
-from router.picker import explain, fastest, first_meeting, never_meets, rank, with_room
+from router.picker import explain, fastest, first_meeting, first_within_headroom, never_meets, rank, with_room
 from router.prefill_choice import prefills_itself
 from router.wait_forecast import WaitForecast, decode_slots, slot_wait_s
 from router.waiting import WaitingQueue
@@ -201,6 +202,8 @@ class Router:
         self._output_tokens: float | None = None  # mean output length of finished requests (running)
         self._tpot_scale = (1.0, -math.inf)  # measured over predicted TPOT (running), and when last learned
         self._measured_scales: dict[str, tuple[tuple, float]] = {}  # per worker: its steps, their measured scale
+        self.arriving = ArrivingClasses(self.config.class_headroom_window_s)
+        self._class_tpot = {c.name: c.tpot_s for c in self.config.slo_classes}  # configured, not overridden
 
     def correction(self, path: str, now: float) -> float:
         """The learned TTFT correction of a path (``remote`` or ``local`` prefill), decayed by
@@ -240,7 +243,8 @@ class Router:
         registry is unreachable. A worker whose report lapsed (its heartbeat expired: a worker
         starved of CPU can miss a few) keeps its last report for ``REPORT_GRACE_S``: a worker
         is dead when the actor system says so (a call to it fails, and the caller tells the
-        router), not when it is slow to report."""
+        router; or its deployment, told by Ray, marks its report ``lost``), not when it is slow
+        to report."""
         if self._registry_down_since is not None and (
                 self.probe_elsewhere or now - self._registry_down_since < self.config.registry_retry_s):
             return None
@@ -250,7 +254,14 @@ class Router:
             except RegistryUnavailable as exc:
                 self._mark_down(now, exc)
                 return None
-            for worker, load in fresh.items():
+            for worker, load in list(fresh.items()):
+                if load.lost:  # Ray found it dead: no grace, as for a call to it that failed
+                    del fresh[worker]
+                    self._last_seen.pop(worker, None)
+                    if worker not in self.failed or self._failed_incarnation.get(worker) != load.incarnation:
+                        self.worker_failed(worker, now)
+                        self._failed_incarnation[worker] = load.incarnation
+                    continue
                 self._last_seen[worker] = (load, now)
                 failed_as = self._failed_incarnation.get(worker) if worker in self.failed else None
                 if failed_as and load.incarnation not in ("", failed_as):
@@ -305,6 +316,7 @@ class Router:
         the requests (and their prompt tokens) waiting before it, when the caller counted them."""
         now = time.time() if now is None else now
         cls = self._class_of(request)
+        self.arriving.saw(cls.name, self._class_tpot[cls.name], request.arrival if request.arrival is not None else now)
         loads = self._read_loads(now)
         if loads is not None and hits is None:
             hits = self._prefix_hits(request, sorted(loads), now)
@@ -491,6 +503,7 @@ class Router:
         turn_p = live.prefill[self._rotation % len(live.prefill)] if live.prefill else None
         turn_d = generating[self._rotation % len(generating)]
         shortlist = soonest_prefill(live.prefill, prefill_sides, self.config.prefill_shortlist, turn_p)
+        limits = self.tpot_limits(cls, generating, now)
         candidates = []
         for d in generating:
             side = decode_side(loads[d], self.model(loads[d]), [p.prompt_tokens for p in pending_on[d]],
@@ -511,8 +524,9 @@ class Router:
                                every_pair_cut_off=every_pair_cut_off, config=self.config):
                 local_turn = d == turn_d and (turn_p is None or d in live.colocated)
                 candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn))
+            kept = limits[d] if limits[d] != cls.tpot_s else None
             for c in candidates[first:]:
-                c.tpot_scale = scale
+                c.tpot_scale, c.tpot_limit_s = scale, kept
         return candidates
 
     def _choose(self, request: RouteRequest, cls: SloClass, candidates: list[Candidate], now: float,
@@ -523,8 +537,10 @@ class Router:
         its predicted wait (``forecast``) keeps within its class's bound and its first token
         within its objective; otherwise it is refused now, not after waiting for nothing."""
         ranked = rank(candidates, self.config.weights, cls)
-        if not self.config.admission_control or (cls.ttft_s is None and cls.tpot_s is None):
+        if not self.config.admission_control:
             return self._place(request, cls, ranked[0], now)
+        if cls.ttft_s is None and cls.tpot_s is None:
+            return self._place(request, cls, first_within_headroom(ranked), now)
         spent = _waited(request, now)
         chosen = first_meeting(ranked, cls, spent)
         if chosen is not None:
@@ -571,8 +587,9 @@ class Router:
         per_request = -(-(len(request.prompt_token_ids) + request.max_tokens) // bs)
         output_tokens = self._mean_output_tokens(request)
         pending_on = self._pending(loads, live.generating)
+        limits = self.tpot_limits(cls, live.generating, now)
         slots = [decode_slots(loads[d], self.model(loads[d]), [p.prompt_tokens for p in pending_on[d]], per_request,
-                              cls.tpot_s, output_tokens, max(0.0, now - loads[d].updated_at),
+                              limits[d], output_tokens, max(0.0, now - loads[d].updated_at),
                               self.step_scale(loads[d], now))
                  for d in live.generating]
         side = best.prefill or best.decode
@@ -580,6 +597,19 @@ class Router:
         share = -(-ahead_tokens // prefill_workers)  # the prompts ahead are spread over the prefill pool
         backlog = best.queue_s + self.model(loads[side]).queue_seconds(share)
         return WaitForecast(slot_wait_s(slots, ahead_requests + 1), backlog, best.idle_ttft_s)
+
+    def tpot_limits(self, cls: SloClass, workers: Sequence[str], now: float) -> dict[str, float | None]:
+        """For each of ``workers``, the highest predicted TPOT a request of ``cls`` may bring it to
+        (``router/class_headroom.py``): its objective, or less where a class with a tighter one
+        runs there (among this router's placements) or arrived within the window."""
+        arriving = self.arriving.objectives(now)
+        running: dict[str, set[float]] = {w: set() for w in workers}
+        for placed in self.inflight.values():
+            tpot = self._class_tpot.get(placed.decision.slo_class)
+            if tpot is not None and placed.decision.decode in running:
+                running[placed.decision.decode].add(tpot)
+        headroom = self.config.class_headroom
+        return {w: tpot_limit(cls.tpot_s, (*arriving, *running[w]), headroom) for w in workers}
 
     def _mean_output_tokens(self, request: RouteRequest) -> float:
         """The output length of an average request: learned from finished ones, else the mean
@@ -745,6 +775,7 @@ class Router:
             "rejected": c.rejected, "rejected_by_class": dict(c.rejected_by_class),
             "mean_output_tokens": self._output_tokens, "tpot_scale": self.tpot_scale(now),
             "measured_step_scales": {w: scale for w, (_, scale) in sorted(self._measured_scales.items())},
+            "arriving_classes": self.arriving.names(now),
             "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
             "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},

@@ -38,6 +38,7 @@ class DecodeSlots:
     room: int  # sequences it could take now within the objectives and its blocks
     departures_per_s: float  # sequences it finishes a second at its current batch
     first_departure_s: float  # until its sequence closest to its end finishes (inf: none running)
+    over: int = 0  # sequences it holds beyond what the objective allows: they end before a slot frees
 
 
 def decode_slots(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: Sequence[int],
@@ -63,13 +64,15 @@ def decode_slots(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: 
     departures = sequences / per_sequence_s if sequences and per_sequence_s > 0 else 0.0
     first = (max(0.0, step / model.tokens_per_step * load.next_slot_tokens - report_age_s)
              if load.running and load.next_slot_tokens else math.inf)
-    return DecodeSlots(room, departures, first)
+    return DecodeSlots(room, departures, first, max(0, sequences - capacity))
 
 
 def slot_wait_s(slots: Sequence[DecodeSlots], needed: int) -> float:
     """Until ``needed`` slots are free across the workers (this request's and those ahead of
     it): the slots free now, then those that finishing sequences free at the workers'
-    combined rate, never sooner than the first sequence ends. Inf when nothing decodes."""
+    combined rate, after those holding a worker past the objective (a tighter class filled it
+    past a looser one's limit), never sooner than the first sequence ends. Inf when nothing
+    decodes."""
     free = sum(s.room for s in slots)
     if free >= needed:
         return 0.0
@@ -77,7 +80,7 @@ def slot_wait_s(slots: Sequence[DecodeSlots], needed: int) -> float:
     if rate <= 0:
         return math.inf
     first = min(s.first_departure_s for s in slots)
-    return max(first if math.isfinite(first) else 0.0, (needed - free) / rate)
+    return max(first if math.isfinite(first) else 0.0, (needed - free + sum(s.over for s in slots)) / rate)
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from cluster.deployment.supervisor import Supervisor
+from cluster.deployment.kv_budget import added_worker_share, kv_memory_shares
+from cluster.deployment.supervisor import Supervisor, first_line
 from cluster.deployment.pools import (EngineOverrides, Pool, PoolResources, device_of, pair_name, pools_of,
                                       resolve_registry_url)
 from cluster.engine.config import EngineConfig, EngineConfigError
+from cluster.engine.host_memory import node_memory
 from cluster.engine.models.read_config import load_model_config
 from cluster.kv_transfer.agent import PairLayout
 from cluster.kv_transfer.transport import TransportError
@@ -77,6 +79,7 @@ class Deployment:
         self.placement_groups: dict[str, object] = {}  # worker name -> its placement group
         self.workers: dict[str, object] = {}
         self.configs: dict[str, EngineConfig] = {}
+        self.start_shares: dict[str, float] = {}  # pool role -> the least KV share its workers started with
         self.nodes: dict[str, NodePlace] = {}  # worker name -> the node its placement group is on
         self.supervisor: Supervisor | None = None
         self.planner = None  # the live planner (cluster/plan/live/controller.py), when planner.mode is not off
@@ -196,6 +199,7 @@ class Deployment:
         shares = kv_memory_shares([self._rank_place(name) for _, name in workers])
         for (pool, name), group, share in zip(workers, groups, shares):
             self.configs[name] = self.engine_config(name, share)
+            self.start_shares[pool.role] = min(share, self.start_shares.get(pool.role, share))
             self.launch(name, group)
 
     def _rank_place(self, name: str) -> tuple[str, int, bool]:
@@ -204,11 +208,35 @@ class Deployment:
         on_cpu = not pool.resources.gpus_per_rank and not self.device.startswith("cuda")
         return group_node(self.placement_groups[name]), pool.tp, on_cpu
 
-    def kv_share_of(self, name: str) -> float:
-        """The share of its node's KV budget of the placed worker ``name``, counting every
-        worker of the pools now (those placed before keep the share they started with)."""
+    def added_kv_share(self, name: str) -> tuple[float, str]:
+        """The share of its node's KV budget of ``name``, placed and added to a running pool
+        (``cluster/deployment/kv_budget.py``): its pool's workers' share at start where its
+        node's memory holds it; and a line saying which."""
         names = [n for members in self.members.values() for n in members]
-        return kv_memory_shares([self._rank_place(n) for n in names])[names.index(name)]
+        counting_all = kv_memory_shares([self._rank_place(n) for n in names])[names.index(name)]
+        pool, config = self.pool_of(name), self.engine_config(name, counting_all)
+        started = self.start_shares.get(pool.role)
+        if config.num_kv_blocks is not None or started is None or started <= counting_all:
+            return counting_all, ""
+        try:
+            node_bytes, available = self._node_memory(name)
+        except Exception as exc:  # noqa: BLE001 - a node that cannot be asked: the share that surely fits
+            return counting_all, (f"{name}: its node's free memory could not be read ({first_line(exc)}); "
+                                  f"KV cache {counting_all:.3g} of the node's budget, not its pool's {started:.3g}")
+        share = added_worker_share(started, counting_all, pool.tp, config.kv_cache_memory_fraction, node_bytes,
+                                   available)
+        if share == started:
+            return share, f"{name}: KV cache {share:.3g} of its node's budget, as its pool's workers started with"
+        return share, (f"{name}: KV cache {share:.3g} of its node's budget, less than its pool's {started:.3g}: "
+                       f"the node has {available / 2**30:.1f} GiB free")
+
+    def _node_memory(self, name: str) -> tuple[int, int]:
+        """(RAM, available RAM) of the node the placed worker ``name`` is on, asked there."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        probe = self._ray.remote(num_cpus=0)(node_memory).options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self.placement_groups[name], placement_group_bundle_index=0))
+        return tuple(self._ray.get(probe.remote(), timeout=60))
 
     def engine_config(self, name: str, kv_memory_share: float) -> EngineConfig:
         """The engine settings of the worker ``name``: its pool's, on its device."""
@@ -265,16 +293,21 @@ class Deployment:
         return placement_group([pool.resources.bundle()] * pool.tp, strategy="STRICT_PACK",
                                name=f"{self.cluster_name}-{name}")
 
-    def reserve(self, name: str):
+    def reserve(self, name: str, within_s: float | None = None):
         """The worker's placement group, once Ray has placed it. On a local Ray a placement no
         node could ever hold fails at once; otherwise (nodes may yet join, or free up) after
-        ``REGISTRY_WAIT_S``."""
-        from ray.util.placement_group import placement_group_table
+        ``REGISTRY_WAIT_S``. With ``within_s``: None, and no group left, when it is not placed
+        within that many seconds (the resources are not free now)."""
+        from ray.util.placement_group import placement_group_table, remove_placement_group
 
         pool, local_ray = self.pool_of(name), self.spec.ray.address is None
         group = self.placement_groups[name] = self.placement_group(name)
-        deadline = time.monotonic() + REGISTRY_WAIT_S
+        started = time.monotonic()
+        deadline = started + REGISTRY_WAIT_S
         while not group.wait(0.2):
+            if within_s is not None and time.monotonic() - started > within_s:
+                remove_placement_group(self.placement_groups.pop(name))
+                return None
             infeasible = placement_group_table(group).get("stats", {}).get("scheduling_state") == "INFEASIBLE"
             if (infeasible and local_ray) or time.monotonic() > deadline:
                 raise placement_failed(name, pool.role, pool.tp, pool.resources.bundle(), self.settings,
@@ -422,20 +455,6 @@ class Deployment:
         if getattr(self, "local_redis", None) is not None:
             self.local_redis.stop()
             self.local_redis = None
-
-
-def kv_memory_shares(ranks: list[tuple[str, int, bool]]) -> list[float]:
-    """Each worker's share of its node's KV budget, from (node id, ranks, on a CPU) per worker.
-
-    The budget (``kv_cache_memory_fraction`` of the node's RAM) is the node's: every CPU rank
-    placed on a node takes an equal part of it. A GPU rank has a GPU of its own (Ray gives
-    each rank one, or ranks take consecutive devices), so its budget is that GPU's: share 1.
-    """
-    on_node: dict[str, int] = {}
-    for node, tp, cpu in ranks:
-        if cpu:
-            on_node[node] = on_node.get(node, 0) + tp
-    return [1.0 / on_node[node] if cpu else 1.0 for node, _, cpu in ranks]
 
 
 def worker_status(ray, workers: dict[str, object]) -> list[dict]:

@@ -16,7 +16,10 @@ request still in flight past the drain's timeout moves when the worker stops, as
 that died: its stream resumes elsewhere without repeating or losing a token. The last worker
 that can generate, and the last prefill worker of decode workers, are not removed.
 
-**Move**: remove, then add one of the other role in the room it left.
+**Move**: add a worker of the other role, then remove the one moved, when the resources for both
+are free now (the pool never runs short, and a failed add changes nothing); otherwise remove,
+then add one in the room it left. An add that fails after the remove says in one line which pool
+is one short and what to run.
 
 One resize at a time; each step is written to the registry's worker events (``tandem status``).
 """
@@ -47,6 +50,7 @@ ROUTER_WAIT_S = 10.0  # for every router to place by a new membership record
 REPORT_WAIT_S = 60.0  # for an added worker's first load report
 PAIR_TIMEOUT_S = 120.0  # for an added worker's KV transfer groups to be built
 DRAIN_TIMEOUT_S = 60.0  # for a draining worker's requests to finish (then they move)
+ROOM_WAIT_S = 5.0  # for a move's new worker to be placed beside the one it replaces (else: room made first)
 
 Say = Callable[[str], None]
 
@@ -62,8 +66,10 @@ class Scaler:
 
     # -- adding ------------------------------------------------------------------------------
 
-    def add(self, role: str, say: Say = log) -> str:
-        """Adds a worker to the pool ``role``; returns its name once routers place on it."""
+    def add(self, role: str, say: Say = log, within_s: float | None = None) -> str | None:
+        """Adds a worker to the pool ``role``; returns its name once routers place on it. With
+        ``within_s``: None, and nothing changed, when its placement is not made within that long
+        (no free resources for it now)."""
         d = self.deployment
         with self._lock:
             if role not in ROLES:
@@ -76,9 +82,13 @@ class Scaler:
             started = time.monotonic()
             say(f"placing {name}")
             try:
-                self._start(name)
+                placed = self._start(name, say, within_s)
             except ClusterStartError as exc:
                 raise ScaleError(str(exc)) from None
+            if not placed:
+                d.next_index[role] -= 1  # never used: the name is free again
+                say(f"no free resources for {name} now")
+                return None
             if d.supervisor is not None:
                 d.supervisor.watch(name)
             self._announce(d.publish_membership().version, say)
@@ -87,16 +97,21 @@ class Scaler:
             say(f"{name} added on node {node} in {time.monotonic() - started:.1f}s; routers place on it")
             return name
 
-    def _start(self, name: str) -> None:
+    def _start(self, name: str, say: Say = log, within_s: float | None = None) -> bool:
         """Places, starts and pairs ``name``, and waits for its first report; undoes it all if
-        any step fails."""
+        any step fails. False when it could not be placed ``within_s`` (nothing was started)."""
         d, role = self.deployment, name.rpartition("-")[0]
         pairing = d.supervisor.pairing if d.supervisor is not None else nullcontext()
         try:
-            group = d.reserve(name)
+            group = d.reserve(name, within_s)
+            if group is None:
+                return False
             with pairing:
                 d.members[role].append(name)
-                d.configs[name] = d.engine_config(name, d.kv_share_of(name))
+                share, note = d.added_kv_share(name)
+                if note:
+                    say(note)
+                d.configs[name] = d.engine_config(name, share)
                 worker = d.launch(name, group)
                 d._await_workers([(name, worker.started.remote())])
                 restarting = d.supervisor.restarting if d.supervisor is not None else set()
@@ -108,6 +123,7 @@ class Scaler:
                         raise ClusterStartError(f"{name}: its KV transfer group with "
                                                 f"{p if w == name else w} was not built: {first_line(exc)}") from None
             self._await_report(name)
+            return True
         except BaseException:
             if name in d.workers:
                 self._unpair(name, role)  # the peers that built a group with it leave it
@@ -232,8 +248,9 @@ class Scaler:
     # -- moving ------------------------------------------------------------------------------
 
     def move(self, worker: str, role: str, timeout_s: float = DRAIN_TIMEOUT_S, say: Say = log) -> str:
-        """Moves ``worker`` to the pool ``role``: drained and removed, then a worker of ``role``
-        added in the room it left; returns the new worker's name."""
+        """Moves ``worker`` to the pool ``role``: a worker of ``role`` added, then ``worker``
+        drained and removed, when both fit now; else removed first and the new one added in the
+        room it left. Returns the new worker's name."""
         d = self.deployment
         with self._lock:
             current = self._removable(worker)
@@ -242,12 +259,23 @@ class Scaler:
             if role not in d.pools:
                 raise ScaleError(f"role: the topology declares no {quote(role)} pool; move to one of "
                                  f"{', '.join(sorted(r for r in d.pools if r != current))}")
+            try:
+                added = self.add(role, say, within_s=ROOM_WAIT_S)
+            except ScaleError as exc:
+                raise ScaleError(f"no {role} worker could be added, so {worker} was not removed (the pools are as "
+                                 f"they were): {first_line(exc)}") from None
+            if added is not None:
+                self.remove(worker, timeout_s, say)
+                return added
+            say(f"making room: {worker} is removed first")
             self.remove(worker, timeout_s, say)
             try:
                 return self.add(role, say)
             except ScaleError as exc:
-                raise ScaleError(f"{worker} was removed, but no {role} worker could be added in its place: {exc}") \
-                    from None
+                raise ScaleError(f"{worker} was removed from the {current} pool, but no {role} worker could be added "
+                                 f"in its place ({first_line(exc)}): the {role} pool is one short of the move; run "
+                                 f"`tandem scale add {role}` once there is room, or `tandem scale add {current}` to "
+                                 "undo it") from None
 
     # -- the registry ------------------------------------------------------------------------
 

@@ -7,9 +7,10 @@ everything on it). For a dead worker the supervisor
 
 1. kills what is left of it (fencing: a worker only cut off must not come back beside the one
    started in its place; Ray frees its name then), records it lost in the registry
-   (``cluster/registry/worker_events.py``: the worker, its node, when) and drops its heartbeat,
-   load report and KV blocks there at once, so routers and ``tandem status`` see it gone without
-   waiting for its heartbeat; a prefill worker's decode workers stop taking KV from its name;
+   (``cluster/registry/worker_events.py``: the worker, its node, when) and drops its heartbeat
+   and KV blocks there at once, its load report marked ``lost`` (``cluster/registry/load.py``), so
+   routers cut it from placement and ``tandem status`` sees it gone without waiting for its
+   heartbeat; a prefill worker's decode workers stop taking KV from its name;
    once Ray finds its node dead (if it is), that is recorded too;
 2. removes its placement group (freeing what it held on a node that lives on) and asks for a
    new one, which Ray places once some node has room (a node that came back, or a new one);
@@ -35,6 +36,7 @@ import threading
 import time
 
 from cluster.registry.kv_index import KVIndexReader
+from cluster.registry.load import mark_lost, read_loads
 from cluster.registry.reporter import connect
 from cluster.registry.worker_events import LOST, NODE_LOST, RESTARTED, WorkerEvent, record_event
 from cluster.runtime.ray_node import NodePlace
@@ -116,8 +118,7 @@ class Supervisor:
         node = deployment.nodes.get(name, NodePlace())
         event = WorkerEvent(name, deployment.pool_of(name).role, LOST, node.node_id, node.address,
                             detail=first_line(error))
-        self._registry(lambda client: (KVIndexReader(client, deployment.cluster_name).forget(name),
-                                       record_event(client, deployment.cluster_name, event)))
+        self._registry(lambda client: self._forget_lost(client, name, event))
         if event.role == "prefill":  # its decode workers take no KV from its name until it is paired again
             for _, decode in deployment.pairs(name):
                 try:
@@ -132,6 +133,15 @@ class Supervisor:
         self._spawn(self._restart, name)
         if watch_node:
             self._spawn(self._node_gone, node)
+
+    def _forget_lost(self, client, name: str, event: WorkerEvent) -> None:
+        """Its heartbeat and KV blocks out of the registry, its report marked lost (routers stop
+        placing on it at once, not when a lapsed report's grace ends), the event recorded."""
+        cluster = self.deployment.cluster_name
+        last = read_loads(client, cluster, [name]).get(name)
+        KVIndexReader(client, cluster).forget(name)
+        mark_lost(client, cluster, name, event.role, last)
+        record_event(client, cluster, event)
 
     def _spawn(self, target, arg) -> None:
         thread = threading.Thread(target=target, args=(arg,), name=f"supervisor-{target.__name__}", daemon=True)

@@ -13,7 +13,6 @@ step is scheduled once those ids are back (its decodes need them).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 from cluster.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from cluster.engine.fused_inputs import build_fused_step
+from cluster.engine.host_memory import host_memory_bytes
 from cluster.engine.kernels.triton_support import (
     choose_decode_splits,
     decode_split_choices,
@@ -89,19 +89,7 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit = _cgroup_memory_limit()
-    return min(physical, limit) if limit else physical
-
-
-def _cgroup_memory_limit() -> int | None:
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        return int(text) if text.isdigit() else None  # "max": no limit
-    return None
+    return host_memory_bytes()
 
 
 class ModelRunner:

@@ -4,13 +4,19 @@ recent steps' shapes and times.
 A report is one JSON string per worker under ``worker:<w>:load``, rewritten a few times a
 second and expiring with the heartbeat, so a dead worker's load disappears with it. The steps
 are raw measurements; the router fits its cost model to them (``router/cost_model.py``).
+
+A worker Ray finds dead has its report replaced at once by its deployment with one marked
+``lost`` (``mark_lost``): routers keep placing for a while on a worker whose report merely
+lapsed (one starved of CPU misses a few), but cut a lost one from placement as soon as they read
+it. Only those who ask (``read_loads(..., lost=True)``: routers) see lost reports; a worker
+started again under the name overwrites it with its own.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
 import redis
@@ -18,6 +24,7 @@ import redis
 from cluster.registry.keys import Keys
 
 STEPS_REPORTED = 64
+LOST_MARK_S = 30.0  # how long a lost worker's report says so (longer than a router's grace for a lapsed one)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class WorkerLoad:
     node_id: str = ""  # the Ray node it runs on ...
     node_address: str = ""  # ... and that node's address
     incarnation: str = ""  # its actor's id: a worker started again under its name reports another
+    lost: bool = False  # Ray found this incarnation dead (written by its deployment: ``mark_lost``)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -74,11 +82,22 @@ def publish_load(client: redis.Redis, cluster: str, load: WorkerLoad, ttl_s: flo
     client.set(Keys(cluster).load(load.worker), load.to_json(), px=int(ttl_s * 1000))
 
 
-def read_loads(client: redis.Redis, cluster: str, workers: Iterable[str]) -> dict[str, WorkerLoad]:
-    """The current reports of ``workers`` (one round trip); workers without one are left out."""
+def read_loads(client: redis.Redis, cluster: str, workers: Iterable[str], lost: bool = False) -> dict[str, WorkerLoad]:
+    """The current reports of ``workers`` (one round trip); workers without one are left out, and
+    so are lost ones unless ``lost``."""
     workers = list(workers)
     if not workers:
         return {}
     keys = Keys(cluster)
     raw = client.mget([keys.load(w) for w in workers])
-    return {w: WorkerLoad.from_json(r) for w, r in zip(workers, raw) if r is not None}
+    loads = {w: WorkerLoad.from_json(r) for w, r in zip(workers, raw) if r is not None}
+    return loads if lost else {w: load for w, load in loads.items() if not load.lost}
+
+
+def mark_lost(client: redis.Redis, cluster: str, worker: str, role: str, last: WorkerLoad | None,
+              ttl_s: float = LOST_MARK_S) -> None:
+    """Writes ``worker``'s report as lost (its ``last`` one, or an empty one of ``role``), for
+    ``ttl_s``: routers cut it from placement at once."""
+    last = last or WorkerLoad(worker, role, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1)
+    lost = replace(last, lost=True, steps=(), updated_at=time.time())
+    client.set(Keys(cluster).load(worker), lost.to_json(), px=int(ttl_s * 1000))

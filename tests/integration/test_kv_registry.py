@@ -245,3 +245,22 @@ def test_after_a_gap_the_whole_state_is_republished_with_its_tiers(redis_client)
     assert publisher.publish([BlockRemoved((hashes[0],)), BlockStored((hashes[0],), HOST)]) is True
     assert KVIndexReader(redis_client, "t4").prefix_tiers(hashes) == {"w": TierHits(0, 1)}
     assert redis_client.hgetall(f"tandem:t4:block:{hashes[1].hex()}") == {b"w": b"device"}
+
+
+def test_a_lost_worker_s_report_says_so_to_routers_until_it_is_started_again(redis_client):
+    """``mark_lost``: the worker's last report, marked lost and expiring; only a reader that asks
+    for lost reports (a router) sees it; the worker started again overwrites it."""
+    from cluster.registry.keys import Keys
+    from cluster.registry.load import LOST_MARK_S, WorkerLoad, mark_lost, publish_load, read_loads
+
+    report = WorkerLoad("decode-0", "decode", 0, 3, 0, 0, 90, 8, 8, 4, 64, 4, incarnation="a")
+    publish_load(redis_client, "c2", report, 60)
+    mark_lost(redis_client, "c2", "decode-0", "decode", read_loads(redis_client, "c2", ["decode-0"])["decode-0"])
+    assert read_loads(redis_client, "c2", ["decode-0"]) == {}
+    lost = read_loads(redis_client, "c2", ["decode-0"], lost=True)["decode-0"]
+    assert (lost.lost, lost.incarnation, lost.running) == (True, "a", 3)
+    assert 0 < redis_client.pttl(Keys("c2").load("decode-0")) <= LOST_MARK_S * 1000
+    mark_lost(redis_client, "c2", "decode-1", "decode", None)  # its report had lapsed already
+    assert read_loads(redis_client, "c2", ["decode-1"], lost=True)["decode-1"].lost
+    publish_load(redis_client, "c2", WorkerLoad("decode-0", "decode", 0, 0, 0, 0, 0, 8, 8, 4, 64, 4, incarnation="b"), 60)
+    assert read_loads(redis_client, "c2", ["decode-0"])["decode-0"].incarnation == "b"

@@ -251,6 +251,22 @@ def test_a_failed_worker_is_placed_on_again_once_another_incarnation_reports():
     assert [route(router, f"v{i}", now=NOW + 40 + i).decode for i in range(2)] == ["d0", "d0"]
 
 
+def test_a_worker_marked_lost_is_cut_from_placement_at_once_and_back_as_another_incarnation():
+    """A lapsed report keeps a worker placed on for REPORT_GRACE_S; one its deployment marked
+    lost (Ray found it dead) is out at the next read, and a report of the worker started again
+    under its name brings it back."""
+    registry = FakeRegistry({w: replace(load(w), incarnation=f"{w}-a") for w in TOPOLOGY.prefill + TOPOLOGY.decode})
+    router = Router(TOPOLOGY, registry, config("round_robin", load_refresh_s=0.1))
+    assert {route(router, f"r{i}", now=NOW + i).decode for i in range(2)} == {"d0", "d1"}
+    registry.state["d0"] = replace(registry.state["d0"], lost=True)  # within the grace a lapsed one would have
+    assert [route(router, f"s{i}", now=NOW + 2.2 + i).decode for i in range(2)] == ["d1", "d1"]
+    assert router.status(NOW + 4)["failed_workers"] == ["d0"]
+    assert router.status(NOW + 4)["live_workers"] == ["d1", "p0", "p1"]
+    registry.state["d0"] = replace(load("d0"), incarnation="d0-b")  # started again under its name
+    assert [route(router, f"u{i}", now=NOW + 5 + i).decode for i in range(2)] == ["d0", "d1"]
+    assert router.status(NOW + 6)["failed_workers"] == []
+
+
 def test_registry_down_places_by_load_only_then_recovers():
     registry = FakeRegistry()
     router = Router(TOPOLOGY, registry, config("slo", registry_retry_s=1.0))

@@ -174,7 +174,8 @@ def test_to_dict_router_in_input_format():
                                  "max_wait_ms": None}},
         "default_class": "fast", "skip_prefill_fraction": 0.9, "load_refresh_s": 0.05, "registry_retry_s": 1.0,
         "queue_limit": 4096, "correction_limit_ms": 500, "correction_half_life_s": 30.0,
-        "local_prefill_max_tokens": 256, "migration_limit": 3, "prefill_shortlist": 16,
+        "local_prefill_max_tokens": 256, "migration_limit": 3, "prefill_shortlist": 16, "class_headroom": 0.2,
+        "class_headroom_window_s": 30.0,
     }
     assert "tpot_ms: null" in spec.to_yaml()
     assert parse_topology(spec.to_yaml()) == spec
