@@ -56,6 +56,7 @@ from router.candidates import Candidate, Prompt, decode_side, local_candidate, p
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel, measured_step_scale
 from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
+from router.peer_pull import best_pull
 from router.picker import explain, fastest, first_meeting, never_meets, rank, with_room
 from router.prefill_choice import prefills_itself
 from router.wait_forecast import WaitForecast, decode_slots, slot_wait_s
@@ -147,6 +148,8 @@ class Decision:
     tpot_scale: float = 1.0  # the TPOT scale included in predicted_tpot_s (Router.step_scale)
     predicted_wait_s: float | None = None  # queue: until it could be placed (router/wait_forecast.py)
     retry_after_s: float | None = None  # reject: when a fresh request could be placed in time (None: never)
+    kv_source: str | None = None  # a local prefill first pulls the prompt's prefix from this peer's cache ...
+    kv_source_blocks: int = 0  # ... until the decode worker holds this many leading blocks (router/peer_pull.py)
 
 
 @dataclass
@@ -505,12 +508,16 @@ class Router:
             candidates += remote_candidates(d, side, paired, prefill_sides, queued, prompt, remote_correction,
                                             rotation_prefill=turn_p if d == turn_d else None)
             every_pair_cut_off = is_decode and bool(live.prefill) and len(cut) == len(live.prefill)  # being rebuilt
-            if prefills_itself(colocated=d in live.colocated, hit_blocks=side.hit_blocks.blocks,
+            peers = [q for q in loads[d].pull_from if q in loads and q in generating and q != d]
+            pull = (best_pull(side.model, side.hit_blocks, peers, hits, {q: self.model(loads[q]) for q in peers},
+                              prompt) if peers else None)
+            held = pull.blocks if pull is not None else side.hit_blocks.blocks
+            if prefills_itself(colocated=d in live.colocated, hit_blocks=held,
                                cacheable_blocks=prompt.cacheable_blocks,
-                               uncached_tokens=prompt.uncached_tokens(side.hit_blocks.blocks),
+                               uncached_tokens=prompt.uncached_tokens(held),
                                every_pair_cut_off=every_pair_cut_off, config=self.config):
                 local_turn = d == turn_d and (turn_p is None or d in live.colocated)
-                candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn))
+                candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn, pull))
             for c in candidates[first:]:
                 c.tpot_scale = scale
         return candidates
@@ -607,7 +614,7 @@ class Router:
         decision = Decision("place", request.request_id, c.prefill, c.decode, cls.name, cls.ttft_s, cls.tpot_s,
                             c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason,
                             ttft_correction_s=c.correction_s, waited_s=_waited(request, now),
-                            tpot_scale=c.tpot_scale)
+                            tpot_scale=c.tpot_scale, kv_source=c.kv_source, kv_source_blocks=c.kv_source_blocks)
         self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now, request.max_tokens)
         return decision
 
