@@ -204,6 +204,7 @@ class Router:
         self._output_tokens: float | None = None  # mean output length of finished requests (running)
         self._tpot_scale = (1.0, -math.inf)  # measured over predicted TPOT (running), and when last learned
         self._measured_scales: dict[str, tuple[tuple, float]] = {}  # per worker: its steps, their measured scale
+        self.warm_up_s: float | None = None  # how long its view took to rebuild from the registry (``warm_up``)
 
     def correction(self, path: str, now: float) -> float:
         """The learned TTFT correction of a path (``remote`` or ``local`` prefill), decayed by
@@ -264,6 +265,20 @@ class Router:
             self._reported.update(fresh)
             self._registry_down_since = None
         return self._loads
+
+    def warm_up(self, now: float | None = None) -> float:
+        """Rebuilds this router's view from the registry at once, as a router started again
+        (its ingress replica restarted) does before its first placement: every worker's load
+        report, and the step-time model fitted to it. The prefix index needs no rebuilding: it
+        is the registry's, read per request. Returns the seconds it took (a metric)."""
+        started = time.perf_counter()
+        now = time.time() if now is None else now
+        self._loads_read_at = -math.inf
+        loads = self._read_loads(now)
+        for load in (loads or {}).values():
+            self.model(load)
+        self.warm_up_s = time.perf_counter() - started
+        return self.warm_up_s
 
     @property
     def registry_down(self) -> bool:
@@ -755,6 +770,7 @@ class Router:
             "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
             "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},
+            "warm_up_s": self.warm_up_s,
         }
 
 
