@@ -53,6 +53,8 @@ class Candidate:
     prefill_host_worth: float = 0.0  # ... and what each is worth against a device hit (cost_model.host_block_worth)
     decode_host_blocks: int = 0  # the same on the decode side
     decode_host_worth: float = 0.0
+    kv_source: str | None = None  # a local prefill that first pulls the prompt's prefix from this peer ...
+    kv_source_blocks: int = 0  # ... until it holds this many leading blocks (router/peer_pull.py)
 
     @property
     def label(self) -> str:
@@ -182,16 +184,20 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
 
 
 def local_candidate(decode: str, d: DecodeSide, queued_tokens: int, prompt: Prompt, correction_s: float,
-                    rotation_slot: bool) -> Candidate:
+                    rotation_slot: bool, pull=None) -> Candidate:
     """The worker prefills the prompt itself: it waits for the step in progress, then its
-    prefill runs in a step with the decodes."""
-    local_prefill = d.model.tiered_prefill_seconds(prompt.tokens, prompt.block_size, d.hit_blocks)
+    prefill runs in a step with the decodes; with ``pull`` (a ``router.peer_pull.PeerPull``) it
+    first pulls the prefix a peer caches, and computes only the rest."""
+    local_prefill = (pull.seconds if pull is not None else
+                     d.model.tiered_prefill_seconds(prompt.tokens, prompt.block_size, d.hit_blocks))
     hits = d.hit_blocks
     c = Candidate(None, decode, hits.blocks, hits.blocks, prompt.cacheable_blocks, queued_tokens, d.load,
                   queue_s=d.model.queue_seconds(queued_tokens) + d.reserve_wait_s + d.slot_wait_s,
                   prefill_s=local_prefill + d.reserve_wait_s,
                   tpot_s=d.tpot_s, decode_has_room=d.has_room, rotation_slot=rotation_slot,
                   **tier_fields(hits, d.host_worth, hits, d.host_worth))
+    if pull is not None:
+        c.kv_source, c.kv_source_blocks = pull.source, pull.blocks
     c.correction_s = correction_s
     c.ttft_s = corrected(c.queue_s + c.prefill_s, c.correction_s)
     c.idle_ttft_s, c.idle_tpot_s = corrected(local_prefill, c.correction_s), d.idle_tpot_s

@@ -43,6 +43,10 @@ SCALE_TRIM = 8  # ... without the slowest 1 in this many (a collection pause is 
 # measured for the default model's 720 KiB blocks, 8-bit on the host (2.3-3.3 ms); a GPU's pinned
 # copies are faster, and the first load it reports replaces this.
 DEFAULT_HOST_LOAD_S_PER_BLOCK = 0.003
+# A block pulled from a peer's cache until the sending worker has measured its sends (its
+# transfer tail per block): the order of what gloo on this 2-core CPU moved for the default
+# model's blocks in benchmarks/kv_transfer.py; the first measured send replaces it.
+DEFAULT_PULL_S_PER_BLOCK = 0.004
 
 
 def fit_nonnegative(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[float, ...] | None:
@@ -154,6 +158,11 @@ class StepTimeModel:
             return 0.0
         return min(1.0, max(0.0, 1.0 - self.host_load_seconds(hits.host) / recompute))
 
+    @property
+    def pull_s_per_block(self) -> float:
+        """Sending one cached block to a peer: as this worker's sends measured, else the default."""
+        return self.transfer_s_per_block or DEFAULT_PULL_S_PER_BLOCK
+
     def queue_seconds(self, queued_tokens: int) -> float:
         """Time to work through a queue of prompt tokens (their attention terms unknown)."""
         if queued_tokens <= 0 or self.prefill is None:
@@ -179,6 +188,21 @@ class StepTimeModel:
 
     def transfer_seconds(self, blocks: int) -> float:
         return self.transfer_s_per_block * max(0, blocks)
+
+
+def pulled_prefill_seconds(receiver: StepTimeModel, sender: StepTimeModel, tokens: int, block_size: int,
+                           own: TierHits, peer: TierHits) -> float:
+    """Time to the prompt's KV on a worker holding ``own`` of it that pulls the blocks after them
+    from a peer holding ``peer``: its own host blocks loaded, the peer's blocks past ``own``
+    sent (those in the peer's host tier loaded there first), the rest computed here after them.
+    A peer holding no more than ``own`` gives plain ``tiered_prefill_seconds``."""
+    if peer.blocks <= own.blocks:
+        return receiver.tiered_prefill_seconds(tokens, block_size, own)
+    pulled = peer.blocks - own.blocks
+    peer_host = peer.blocks - max(own.blocks, peer.device)  # of the pulled blocks, those on the peer's host tier
+    cached = peer.blocks * block_size
+    return (receiver.host_load_seconds(own.host) + sender.host_load_seconds(peer_host)
+            + sender.pull_s_per_block * pulled + receiver.prefill_seconds(tokens - cached, cached))
 
 
 def measured_step_scale(model: StepTimeModel, steps: Sequence[StepSample], recent: int = RECENT_DECODE_STEPS) -> float:

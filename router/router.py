@@ -57,6 +57,7 @@ from router.class_headroom import ArrivingClasses, tpot_limit
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel, measured_step_scale
 from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
+from router.peer_pull import best_pull
 from router.picker import explain, fastest, first_meeting, first_within_headroom, never_meets, rank, with_room
 from router.prefill_choice import prefills_itself
 from router.wait_forecast import WaitForecast, decode_slots, slot_wait_s
@@ -148,6 +149,8 @@ class Decision:
     tpot_scale: float = 1.0  # the TPOT scale included in predicted_tpot_s (Router.step_scale)
     predicted_wait_s: float | None = None  # queue: until it could be placed (router/wait_forecast.py)
     retry_after_s: float | None = None  # reject: when a fresh request could be placed in time (None: never)
+    kv_source: str | None = None  # a local prefill first pulls the prompt's prefix from this peer's cache ...
+    kv_source_blocks: int = 0  # ... until the decode worker holds this many leading blocks (router/peer_pull.py)
 
 
 @dataclass
@@ -204,6 +207,7 @@ class Router:
         self._measured_scales: dict[str, tuple[tuple, float]] = {}  # per worker: its steps, their measured scale
         self.arriving = ArrivingClasses(self.config.class_headroom_window_s)
         self._class_tpot = {c.name: c.tpot_s for c in self.config.slo_classes}  # configured, not overridden
+        self.warm_up_s: float | None = None  # how long its view took to rebuild from the registry (``warm_up``)
 
     def correction(self, path: str, now: float) -> float:
         """The learned TTFT correction of a path (``remote`` or ``local`` prefill), decayed by
@@ -272,6 +276,20 @@ class Router:
             self._reported.update(fresh)
             self._registry_down_since = None
         return self._loads
+
+    def warm_up(self, now: float | None = None) -> float:
+        """Rebuilds this router's view from the registry at once, as a router started again
+        (its ingress replica restarted) does before its first placement: every worker's load
+        report, and the step-time model fitted to it. The prefix index needs no rebuilding: it
+        is the registry's, read per request. Returns the seconds it took (a metric)."""
+        started = time.perf_counter()
+        now = time.time() if now is None else now
+        self._loads_read_at = -math.inf
+        loads = self._read_loads(now)
+        for load in (loads or {}).values():
+            self.model(load)
+        self.warm_up_s = time.perf_counter() - started
+        return self.warm_up_s
 
     @property
     def registry_down(self) -> bool:
@@ -518,12 +536,16 @@ class Router:
             candidates += remote_candidates(d, side, paired, prefill_sides, queued, prompt, remote_correction,
                                             rotation_prefill=turn_p if d == turn_d else None)
             every_pair_cut_off = is_decode and bool(live.prefill) and len(cut) == len(live.prefill)  # being rebuilt
-            if prefills_itself(colocated=d in live.colocated, hit_blocks=side.hit_blocks.blocks,
+            peers = [q for q in loads[d].pull_from if q in loads and q in generating and q != d]
+            pull = (best_pull(side.model, side.hit_blocks, peers, hits, {q: self.model(loads[q]) for q in peers},
+                              prompt) if peers else None)
+            held = pull.blocks if pull is not None else side.hit_blocks.blocks
+            if prefills_itself(colocated=d in live.colocated, hit_blocks=held,
                                cacheable_blocks=prompt.cacheable_blocks,
-                               uncached_tokens=prompt.uncached_tokens(side.hit_blocks.blocks),
+                               uncached_tokens=prompt.uncached_tokens(held),
                                every_pair_cut_off=every_pair_cut_off, config=self.config):
                 local_turn = d == turn_d and (turn_p is None or d in live.colocated)
-                candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn))
+                candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn, pull))
             kept = limits[d] if limits[d] != cls.tpot_s else None
             for c in candidates[first:]:
                 c.tpot_scale, c.tpot_limit_s = scale, kept
@@ -637,7 +659,7 @@ class Router:
         decision = Decision("place", request.request_id, c.prefill, c.decode, cls.name, cls.ttft_s, cls.tpot_s,
                             c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason,
                             ttft_correction_s=c.correction_s, waited_s=_waited(request, now),
-                            tpot_scale=c.tpot_scale)
+                            tpot_scale=c.tpot_scale, kv_source=c.kv_source, kv_source_blocks=c.kv_source_blocks)
         self.inflight[request.request_id] = _Placed(decision, len(request.prompt_token_ids), now, request.max_tokens)
         return decision
 
@@ -779,6 +801,7 @@ class Router:
             "placed_by_load_only": c.load_only, "last_rejection": c.last_rejection,
             "ttft_prediction_error": c.ttft_error_sum / c.ttft_error_n if c.ttft_error_n else None,
             "ttft_correction_s": {path: self.correction(path, now) for path in self._residual},
+            "warm_up_s": self.warm_up_s,
         }
 
 

@@ -11,7 +11,9 @@ down wait in a bounded buffer and are written when it returns.
 Each ingress replica is one router replica (``server.replicas`` of them): its router counts the
 placements it made since each worker's last load report, and the reports carry every replica's
 requests, so replicas share the workers without talking to each other. Its state is soft: a
-replica that restarts rebuilds it from the registry and the requests that follow.
+replica that restarts rebuilds it from the registry as it starts (``Router.warm_up``: the load
+reports and the models fitted to them; the prefix index is the registry's own), before its
+first placement, and exports how long that took (``tandem_router_warm_up_seconds``).
 
 ``place`` answers at once when it can place or reject, and otherwise holds the call until the
 request can be placed. Held requests are offered again when something changes: a request
@@ -113,6 +115,8 @@ class RouterService:
         the critical path: its gauges and published status, writing goodput records, and
         sweeping dead workers' blocks."""
         loop = asyncio.get_running_loop()
+        if self.router.warm_up_s is None:  # a fresh router (its replica started, or started again): warm at once
+            self.router.warm_up()
         if self._gauges is None or self._gauges.done():
             self._gauges = loop.create_task(self._export_gauges())
         if self._housekeeping is None or self._housekeeping.done():
@@ -191,6 +195,7 @@ class RouterService:
         loop = asyncio.get_running_loop()
         while True:
             self.slo_metrics.queue_length(len(self.router.waiting), len(self.router.inflight))
+            self.metrics.warmed_up(self.router.warm_up_s)
             await loop.run_in_executor(None, self._publish_status, self.status())
             self.slo_metrics.slo(await loop.run_in_executor(None, self.goodput))
             self.slo_metrics.planner(await loop.run_in_executor(None, self._planner_look))

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from cluster.engine.block_hash import hash_token_blocks, request_hash_keys
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.threads import torch_ops_single_threaded
@@ -487,6 +488,49 @@ class LLMEngine:
         request.times.first_token = time.monotonic()
         self.stats.generated_tokens += 1
         return self._output(request, [first_token])
+
+    # -- a prefix pulled from a peer's cache (either side) ----------------------------------
+
+    def reserve_pull(self, request_id: str, prompt: Sequence[int], params: SamplingParams, blocks: int,
+                     priority: int = 0, cache_salt: str | None = None,
+                     resumed_tokens: int = 0) -> tuple[int, list[int]] | None:
+        """Holds the prompt's first ``blocks`` blocks for KV a peer will send from its cache.
+        Returns (blocks already cached here, block ids the pulled KV must go to), or None when
+        blocks are short; the request waits until :meth:`admit_pull`."""
+        request = self._make_request(request_id, prompt, params, priority, None, cache_salt, resumed_tokens)
+        first_block = self.scheduler.reserve_for_pull(request, blocks)
+        self._move_between_tiers()
+        if first_block is None:
+            return None
+        self._track(request)
+        return first_block, request.block_ids[first_block:]
+
+    def admit_pull(self, request_id: str, pulled_blocks: int) -> None:
+        """The pull ended with ``pulled_blocks`` received (0: it failed): the request is
+        prefilled here from there on, the blocks that did not arrive computed like the rest."""
+        request = self.scheduler.admit_pulled(request_id, pulled_blocks)
+        request.times.first_scheduled = time.monotonic()
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        self.stats.cached_prompt_tokens += request.num_cached_tokens
+
+    def pin_prefix(self, prompt: Sequence[int], first_block: int, blocks: int,
+                   cache_salt: str | None = None) -> list[int]:
+        """The sending side of a pull: the block ids of the prompt's blocks ``first_block`` to
+        at most ``blocks`` that this engine caches (host-tier ones loaded back to the device),
+        referenced until :meth:`unpin`."""
+        keys = request_hash_keys(self.scheduler.extra_hash_keys, cache_salt)
+        hashes = hash_token_blocks(list(prompt[:blocks * self.config.block_size]), self.config.block_size, keys)
+        pinned = self.scheduler.pin_prefix(hashes[:blocks], first_block)
+        self._move_between_tiers()
+        return pinned
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        self.block_manager.free(block_ids)
+
+    def send_blocks(self, pair: str, request_id: str, block_ids: Sequence[int], tag_base: int,
+                    timeout_s: float) -> str | None:
+        """Sends the KV of ``block_ids`` (pinned) over ``pair`` from every rank; None, or the error."""
+        return self.runner.send(pair, request_id, list(block_ids), tag_base, timeout_s)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)

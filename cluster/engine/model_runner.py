@@ -363,6 +363,12 @@ class ModelRunner:
         """Receives a request's KV into ``dst_blocks``; returns None, or the error."""
         return self.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
 
+    def send(self, pair: str, request_id: str, block_ids: list[int], tag_base: int, timeout_s: float) -> str | None:
+        """Sends every layer of ``block_ids`` over ``pair`` at once (outside a step: a pull of
+        cached KV) and waits for the sends; returns None, or the error."""
+        stream = KVStream(pair, request_id, tuple(block_ids), tag_base, timeout_s, streaming=False)
+        return self.transfers.finish(self.transfers.senders([stream]))[request_id]
+
     def _layer_hook(self, senders: list[LayerSender]) -> Callable[[int], None] | None:
         hooks = [s.after_layer for s in senders if s.streaming] + ([self.after_layer] if self.after_layer else [])
         if not hooks:

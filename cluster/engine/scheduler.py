@@ -105,11 +105,23 @@ class Scheduler:
         blocks are cached (those do not travel), or None when there is no room now; with a host
         tier, those it holds after the device's are loaded back and do not travel either.
         The request waits, outside the batch, until :meth:`admit_transferred`."""
+        return self._hold(request, request.num_tokens // self.block_size, _cdiv(request.num_tokens, self.block_size))
+
+    def reserve_for_pull(self, request: Request, blocks: int) -> int | None:
+        """Holds the prompt's first ``blocks`` blocks (at most its cacheable ones) for KV a peer
+        worker will send from its cache: as :meth:`reserve_for_transfer`, the leading ones cached
+        here (either tier) are reused and do not travel. The rest of the prompt is computed here
+        after :meth:`admit_pulled`; until then the request waits outside the batch."""
+        limit = min(blocks, cacheable_prefix_blocks(request.num_tokens, self.block_size))
+        return self._hold(request, limit, limit)
+
+    def _hold(self, request: Request, limit: int, num_blocks: int) -> int | None:
+        """Reserves ``num_blocks`` leading blocks, reusing the cached ones among the first
+        ``limit``; the request goes to ``receiving``. The cached count, or None (no room)."""
         self.check(request)
-        limit = request.num_tokens // self.block_size
         hits = self._cached_prefix(request, limit)
         on_host = self._host_prefix(request, len(hits), limit)
-        new_blocks = _cdiv(request.num_tokens, self.block_size) - len(hits)
+        new_blocks = num_blocks - len(hits)
         if new_blocks + self.blocks.num_blocks_to_touch(hits) > self.blocks.num_free_blocks:
             return None
         self.blocks.touch(hits)
@@ -124,6 +136,43 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.receiving[request.request_id] = request
         return len(hits)
+
+    def admit_pulled(self, request_id: str, pulled_blocks: int) -> Request:
+        """A pull reserved by :meth:`reserve_for_pull` ended with ``pulled_blocks`` blocks
+        received after those cached here (0: it failed, and they are computed here like the
+        rest). The request joins the batch with that prefix computed; its remaining prompt
+        tokens are prefilled by the next steps, into the blocks it holds and more."""
+        request = self.receiving.pop(request_id)
+        cached = request.num_registered_blocks + max(0, min(pulled_blocks, len(request.block_ids)
+                                                            - request.num_registered_blocks))
+        request.num_computed_tokens = cached * self.block_size
+        request.num_cached_tokens = request.num_computed_tokens
+        self._register_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def pin_prefix(self, block_hashes: Sequence[bytes], first_block: int) -> list[int]:
+        """For a peer that pulls this prefix: references the leading blocks of ``block_hashes``
+        cached here from ``first_block`` on (device blocks touched, host-tier blocks loaded into
+        fresh ones, as far as there is room), so no eviction takes them while they are sent.
+        Returns their ids (the caller frees them when sent); [] when none past ``first_block``."""
+        device = self.blocks.lookup_prefix(block_hashes)
+        on_host = self.blocks.lookup_host_prefix(block_hashes[len(device):])
+        if len(device) + on_host <= first_block:
+            return []
+        touched = device[first_block:]
+        on_host = min(on_host, max(0, self.blocks.num_free_blocks - self.blocks.num_blocks_to_touch(touched)))
+        self.blocks.touch(touched)
+        loaded: list[int] = []
+        if on_host:
+            fresh = self.blocks.allocate(on_host)
+            count = self.blocks.load_from_host(block_hashes[len(device):len(device) + on_host], fresh)
+            loaded = fresh[:count]
+            skipped = max(0, first_block - len(device))  # loaded, but the peer holds them already
+            self.blocks.free(fresh[count:] + loaded[:skipped])
+            loaded = loaded[skipped:]
+        return touched + loaded
 
     def admit_transferred(self, request_id: str, first_token: int) -> Request:
         """The prompt's KV has arrived and the prefill worker sampled ``first_token``: the

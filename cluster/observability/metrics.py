@@ -189,6 +189,13 @@ class RouterMetrics:
                                          tag_keys=("cluster", "policy", "action", "path"))
         self.rejections = metrics.Counter("tandem_router_rejections", "requests refused (HTTP 429, gRPC "
                                           "RESOURCE_EXHAUSTED) by SLO class", tag_keys=("cluster", "slo_class"))
+        self.warm_up = metrics.Gauge("tandem_router_warm_up_seconds", "how long the router took, when it "
+                                     "started, to rebuild its view from the registry", tag_keys=("cluster", "policy"))
+
+    def warmed_up(self, seconds: float | None) -> None:
+        """Set with the other gauges, on their timer (Ray drops a gauge not set again)."""
+        if seconds is not None:
+            self.warm_up.set(seconds, self.tags)
 
     def decided(self, decision) -> None:
         path = "load_only" if decision.load_only else ("local" if decision.prefill is None and decision.decode

@@ -107,6 +107,9 @@ class TPFollower:
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
         return self.runner.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
 
+    def send(self, pair: str, request_id: str, block_ids: list[int], tag_base: int, timeout_s: float) -> str | None:
+        return self.runner.send(pair, request_id, block_ids, tag_base, timeout_s)
+
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0 of the group; the engine uses it exactly like a :class:`ModelRunner`."""
@@ -228,6 +231,12 @@ class TensorParallelRunner(ModelRunner):
         """Every rank receives its heads; returns None, or the first error."""
         refs = [f.receive.remote(pair, request_id, dst_blocks, tag_base, timeout_s) for f in self.followers]
         errors = [super().receive(pair, request_id, dst_blocks, tag_base, timeout_s)] + self._wait(refs, "receiving KV")
+        return next((e for e in errors if e is not None), None)
+
+    def send(self, pair: str, request_id: str, block_ids: list[int], tag_base: int, timeout_s: float) -> str | None:
+        """Every rank sends its heads of ``block_ids``; returns None, or the first error."""
+        refs = [f.send.remote(pair, request_id, block_ids, tag_base, timeout_s) for f in self.followers]
+        errors = [super().send(pair, request_id, block_ids, tag_base, timeout_s)] + self._wait(refs, "sending KV")
         return next((e for e in errors if e is not None), None)
 
     def shutdown(self) -> None:

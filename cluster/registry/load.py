@@ -66,6 +66,7 @@ class WorkerLoad:
     node_address: str = ""  # ... and that node's address
     incarnation: str = ""  # its actor's id: a worker started again under its name reports another
     lost: bool = False  # Ray found this incarnation dead (written by its deployment: ``mark_lost``)
+    pull_from: tuple[str, ...] = ()  # peers it can pull cached KV from now (a peer pair built with each)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -75,6 +76,7 @@ class WorkerLoad:
         data = json.loads(raw)
         data["steps"] = tuple(StepSample(**s) for s in data.get("steps", ()))
         data["unpaired"] = tuple(data.get("unpaired", ()))
+        data["pull_from"] = tuple(data.get("pull_from", ()))
         return cls(**data)
 
 
