@@ -10,8 +10,8 @@ Every prefill worker is paired with every decode worker through a transfer group
 (ranks of both engines, ports from the cluster name, the rendezvous on the prefill worker's
 node); each decode worker builds its pairs (``pair_with``), and fetches KV from the prefill
 worker the router chose. Without a Redis URL a private redis-server runs on loopback and stops
-with the deployment. With ``ray.restart_workers`` a :class:`~cluster.deployment.supervisor.Supervisor`
-starts again, in its place, a worker that dies.
+with the deployment. A :class:`~cluster.deployment.supervisor.Supervisor` records a worker that
+dies lost (routers cut it at once) and, with ``ray.restart_workers``, starts it again in its place.
 
 The pools resize on a running deployment (``deployment.scale``: ``cluster/deployment/scaling.py``):
 a worker added, one drained and removed, one moved to the other role. Which workers each pool has
@@ -117,8 +117,7 @@ class Deployment:
             self._await_workers(self.pair_calls(self.pairs()))
             self._wait_for_registry()
             self.publish_membership()
-            if self.spec.ray.restart_workers:
-                self.supervisor = Supervisor(self).start()
+            self.supervisor = Supervisor(self, restart=self.spec.ray.restart_workers).start()
             if self.spec.planner.mode != "off":
                 self.planner = self._live_planner().start()
         except BaseException:

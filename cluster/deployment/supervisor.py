@@ -1,5 +1,6 @@
-"""A deployment's watch over its workers (``ray.restart_workers``): a worker that dies is started
-again in its place, without restarting the cluster.
+"""A deployment's watch over its workers: a worker that dies is recorded lost and cut from
+placement at once, and (``ray.restart_workers``, on by default) started again in its place,
+without restarting the cluster.
 
 Each worker has a ``lifetime()`` call kept pending: it returns when the worker is shut down, and
 fails as soon as Ray finds the worker dead (its process killed, or its node gone with
@@ -12,6 +13,8 @@ everything on it). For a dead worker the supervisor
    routers cut it from placement and ``tandem status`` sees it gone without waiting for its
    heartbeat; a prefill worker's decode workers stop taking KV from its name;
    once Ray finds its node dead (if it is), that is recorded too;
+   with restarts off that is all: the worker stays dead (it counts among ``restarting``, the dead
+   workers not up again, so a resize does not pair with it);
 2. removes its placement group (freeing what it held on a node that lives on) and asks for a
    new one, which Ray places once some node has room (a node that came back, or a new one);
    meanwhile the worker stays dead, and is not placed on;
@@ -50,8 +53,8 @@ PAIR_TRIES = 4  # builds of a transfer group whose two workers both live
 
 
 class Supervisor:
-    def __init__(self, deployment):
-        self.deployment = deployment
+    def __init__(self, deployment, restart: bool = True):
+        self.deployment, self.restart = deployment, restart
         self.ray = deployment._ray
         self.restarts = 0  # workers started again since the deployment started
         self.restarting: set[str] = set()  # dead workers not yet up again
@@ -125,12 +128,14 @@ class Supervisor:
                     ray.get(deployment.workers[decode].unpair.remote(name), timeout=10)
                 except ray.exceptions.RayError:
                     pass  # dead too, or too busy: a transfer to the new one fails, and the pair is rebuilt
-        log(f"{name} lost on node {node}; starting it again once a node has room for it")
+        log(f"{name} lost on node {node}; " + ("starting it again once a node has room for it" if self.restart
+                                                 else "not started again (ray.restart_workers is off)"))
         with self._lock:
             self.restarting.add(name)
             watch_node = node.node_id and node.node_id not in self._nodes_watched
             self._nodes_watched.add(node.node_id)
-        self._spawn(self._restart, name)
+        if self.restart:
+            self._spawn(self._restart, name)
         if watch_node:
             self._spawn(self._node_gone, node)
 
