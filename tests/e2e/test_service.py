@@ -407,25 +407,30 @@ def send(sig):
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+send(signal.SIGSTOP)
+print("stopped", flush=True)  # the caller starts its streams only now
 while True:
-    send(signal.SIGSTOP)
     if select.select([sys.stdin], [], [], period_s - run_s)[0]:
         break  # told to end (a line, or stdin closed): every process is stopped
     send(signal.SIGCONT)
     time.sleep(run_s)
+    send(signal.SIGSTOP)
 """
 
 
 class Throttle:
     """Keeps processes stopped (SIGSTOP) but for a short run every ``period_s`` (SIGCONT), until
     ``end``; leaving the ``with`` ends it too, every process running again. The cycle runs in a
-    process of its own: in a thread of the test, the client's threads holding the GIL stretched
-    each run many times over on a busy machine, and a frozen worker could finish its streams."""
+    process of its own (in a thread of the test, the client's threads holding the GIL stretched
+    each run), and it has stopped the processes once the constructor returns (they ran freely
+    while a throttle started after them warmed up: a tiny model's worker finished 470 tokens of
+    6 streams in that time on a busy machine)."""
 
     def __init__(self, pids: list[int], run_s: float = 0.002, period_s: float = 0.05):
         self.pids = pids
         self._cycle = subprocess.Popen([sys.executable, "-c", THROTTLE, str(run_s), str(period_s),
-                                        *map(str, pids)], stdin=subprocess.PIPE)
+                                        *map(str, pids)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._cycle.stdout.readline() == "stopped\n"  # cycling from here on: nothing ran unthrottled
 
     def __enter__(self) -> "Throttle":
         return self
