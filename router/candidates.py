@@ -33,6 +33,7 @@ class Candidate:
     queue_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
+    call_s: float = 0.0  # the decode worker's call to the prefill worker, beyond the prefill's work (remote only)
     correction_s: float = 0.0
     ttft_s: float = 0.0
     tpot_s: float = 0.0
@@ -99,6 +100,7 @@ class DecodeSide(NamedTuple):
     has_room: bool
     slot_wait_s: float  # first in a full worker's line: until the sequence closest to its end finishes
     reserve_wait_s: float  # a call waits for the step in progress
+    call_s: float  # its call to a prefill worker costs this beyond the prefill's work (measured, reported)
 
 
 def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: Sequence[int], hit_blocks: int,
@@ -117,7 +119,7 @@ def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: S
     return DecodeSide(model, hit_blocks, share, tpot, idle_tpot_s=model.tpot_seconds(1, prompt.tokens),
                       has_room=has_room(free, needed, sequences, load.max_num_seqs, in_line),
                       slot_wait_s=tpot * load.next_slot_tokens if in_line else 0.0,
-                      reserve_wait_s=step if load.running else 0.0)
+                      reserve_wait_s=step if load.running else 0.0, call_s=load.prefill_call_s)
 
 
 def corrected(predicted_s: float, correction_s: float) -> float:
@@ -131,23 +133,26 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
                       queued_tokens: Mapping[str, int], prompt: Prompt, correction_s: float,
                       rotation_prefill: str | None) -> list[Candidate]:
     """The decode worker's pairs with ``paired``: each prefill worker computes the KV and sends
-    the blocks the decode worker lacks. The KV may land before a slot frees: TTFT is at least
-    the wait for the slot. ``rotation_prefill`` is the prefill worker whose pair with this
+    the blocks the decode worker lacks, after the decode worker's call reached it (``call_s``:
+    the hop a local prefill does not make). The KV may land before a slot frees: TTFT is at
+    least the wait for the slot. ``rotation_prefill`` is the prefill worker whose pair with this
     decode worker has the round-robin turn (None: no pair of it has). One call per decode
     worker, not per pair: the pairs are a placement's inner loop."""
     out = []
     missing_blocks, cacheable = prompt.blocks - d.hit_blocks, prompt.cacheable_blocks
     hit_d, load, tpot_s, idle_tpot_s = d.hit_blocks, d.load, d.tpot_s, d.idle_tpot_s  # locals: the inner loop
-    has_room, slot_wait_s, reserve_wait_s = d.has_room, d.slot_wait_s, d.reserve_wait_s
+    has_room, slot_wait_s, reserve_wait_s, call_s = d.has_room, d.slot_wait_s, d.reserve_wait_s, d.call_s
     for prefill in paired:
         model, hit_p, queue_s, prefill_s = prefill_sides[prefill]
         c = Candidate(prefill, decode, hit_p, hit_d, cacheable, queued_tokens[prefill], load,
                       queue_s=queue_s, prefill_s=prefill_s, transfer_s=model.transfer_seconds(missing_blocks),
-                      tpot_s=tpot_s, decode_has_room=has_room, rotation_slot=prefill == rotation_prefill)
+                      call_s=call_s, tpot_s=tpot_s, decode_has_room=has_room,
+                      rotation_slot=prefill == rotation_prefill)
         c.correction_s = correction_s
-        c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_wait_s, c.correction_s)
+        c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + call_s + reserve_wait_s, c.correction_s)
         c.ttft_s = max(c.ttft_s, slot_wait_s + c.correction_s)
-        c.idle_ttft_s, c.idle_tpot_s = corrected(c.prefill_s + c.transfer_s, c.correction_s), idle_tpot_s
+        c.idle_ttft_s = corrected(c.prefill_s + c.transfer_s + call_s, c.correction_s)
+        c.idle_tpot_s = idle_tpot_s
         out.append(c)
     return out
 

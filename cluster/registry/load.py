@@ -56,6 +56,7 @@ class WorkerLoad:
     node_id: str = ""  # the Ray node it runs on ...
     node_address: str = ""  # ... and that node's address
     incarnation: str = ""  # its actor's id: a worker started again under its name reports another
+    prefill_call_s: float = 0.0  # a decode worker's calls to prefill workers: their time beyond the prefill's own
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

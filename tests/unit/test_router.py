@@ -613,3 +613,65 @@ def test_a_dead_worker_its_deployment_restarts_is_waited_for_within_the_class_bo
     for d in ("d0", "d1"):
         plain.worker_failed(d, now=NOW + 1)
     assert plain.submit(RouteRequest("g", PROMPT, 8, "standard"), now=NOW + 1).reason == "no live decode worker"
+
+
+# A prefill worker 2 ms faster a prompt than the decode workers: 8 ms + 1 ms per token.
+FASTER_PREFILL = tuple(StepSample(n, 0, 0, 0, 0.008 + 0.001 * n) for n in (16, 64, 256))
+
+
+def test_a_short_prompt_on_an_idle_cluster_is_prefilled_where_its_first_token_comes_sooner():
+    """A remote prefill adds the decode worker's measured call to the prefill worker: 2 ms of
+    faster prefill there does not pay for a 4 ms hop, so the decode worker prefills the prompt
+    itself (43 ms against 41 + 4); without the hop to count, the prefill worker is sooner."""
+    prefill = {p: load(p, steps=FASTER_PREFILL) for p in TOPOLOGY.prefill}
+    hop = {d: replace(load(d), prefill_call_s=0.004) for d in TOPOLOGY.decode}
+    local = route(Router(TOPOLOGY, FakeRegistry({**prefill, **hop}), RouterConfig()))
+    assert (local.prefill, local.decode, local.predicted_ttft_s) == (None, "d0", pytest.approx(0.010 + 0.033))
+    remote = route(Router(TOPOLOGY, FakeRegistry(prefill), RouterConfig()))
+    assert (remote.prefill, remote.predicted_ttft_s) == ("p0", pytest.approx(0.008 + 0.033))
+    forced = route(Router(TOPOLOGY, FakeRegistry({**prefill, **hop}), config()))  # local_prefill_max_tokens 0
+    assert (forced.prefill, forced.predicted_ttft_s) == ("p0", pytest.approx(0.008 + 0.033 + 0.004))
+
+
+def test_a_report_from_before_a_request_ended_does_not_count_it():
+    """One stream: the next request comes a few ms after the last ended, and the decode worker's
+    latest report (every 0.1 s) still shows it running. What ended since the report, as this
+    router was told, is taken off: no step in progress to wait for, and a batch of none."""
+    topology = Topology(prefill=("p0",), decode=("d0",), block_size=BS, hash_keys=("m",))
+    step = 0.020 + 0.005 * 2 + 0.0001 * (41 + 33)  # the report's sequence of 33 + 8 tokens, and this one
+    registry = FakeRegistry({"d0": load("d0", running=1, context=41, updated_at=NOW - 0.05)})
+    router = Router(topology, registry, config())
+    assert route(router, "a", now=NOW - 0.1).action == "place"  # placed before the report: it counts it
+    router.finished("a", output_tokens=8, now=NOW - 0.02)
+    after = route(router, "b")
+    assert after.predicted_ttft_s == pytest.approx(0.043)  # prefill only: the report's running one ended
+    router.finished("b", output_tokens=8, now=NOW + 0.01)  # placed after the report: it never counted it
+    busy = Router(topology, registry, config())
+    assert route(busy, "c").predicted_ttft_s == pytest.approx(0.043 + step)  # nothing ended: it still runs
+    busy.finished("c", output_tokens=8, now=NOW + 0.01)
+    assert route(busy, "d", now=NOW + 0.06).predicted_ttft_s == pytest.approx(0.043 + step)
+    busy.finished("d", output_tokens=8, now=NOW + 0.065)
+    registry.state["d0"] = load("d0", updated_at=NOW + 0.07)  # the next report shows it ended
+    assert route(busy, "e", now=NOW + 0.12).predicted_ttft_s == pytest.approx(0.043)
+    assert busy._ended == {}  # what the reports show ended is forgotten
+
+
+def test_an_unrefreshed_correction_decays_towards_the_other_paths():
+    """What the step-time model leaves out is mostly shared by both paths (the API, the stream):
+    a path not used since the other was refreshed tends to the other's correction, not to 0,
+    so it does not look sooner for lacking it."""
+    router = Router(TOPOLOGY, FakeRegistry(), config("round_robin", correction_half_life_s=10))
+    route(router, "a")
+    router.finished("a", service_ttft_s=0.243, now=NOW)  # remote: 0.2 s over its prediction, a tenth learned
+    assert router.correction("local", NOW) == pytest.approx(0.02)  # never learned: the remote path's
+    assert router.correction("local", NOW + 10) == pytest.approx(0.01)  # ... as it decays
+    local = Router(TOPOLOGY, FakeRegistry(), config(correction_half_life_s=10, local_prefill_max_tokens=64))
+    assert route(local, "r", prompt=list(range(100))).prefill == "p0"  # 100 tokens: too long to prefill locally
+    local.finished("r", service_ttft_s=0.110 + 0.1, now=NOW)  # remote from 0 to 0.01
+    assert local.correction("local", NOW) == pytest.approx(0.01)
+    short = route(local, "s", now=NOW + 10)
+    assert (short.prefill, short.ttft_correction_s) == (None, pytest.approx(0.005))
+    local.finished("s", service_ttft_s=0.043 + 0.105, now=NOW + 10)  # local: 0.005 + (0.105 - 0.005) / 10
+    assert local.correction("local", NOW + 10) == pytest.approx(0.015)
+    assert local.correction("remote", NOW + 10) == pytest.approx(0.015 + (0.01 - 0.015) * 0.5)  # towards it
+    assert local.correction("local", NOW + 20) == pytest.approx(0.0075)  # the fresher one: towards 0
