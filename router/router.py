@@ -95,6 +95,10 @@ class RegistryView(Protocol):
     def prefix_blocks(self, block_hashes: Sequence[bytes], workers: Sequence[str]) -> dict[str, int]:
         """Leading blocks of the chain that each of ``workers`` holds."""
 
+    def loads_and_prefix_blocks(self, workers: Sequence[str], block_hashes: Sequence[bytes]
+                                ) -> tuple[dict[str, WorkerLoad], dict[str, int]]:
+        """Both of the above in one round trip."""
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -259,18 +263,22 @@ class Router:
 
     # -- the registry ---------------------------------------------------------------------
 
-    def _read_loads(self, now: float) -> dict[str, WorkerLoad] | None:
+    def _read_loads(self, now: float, hashes: Sequence[bytes] | None = None) -> dict[str, WorkerLoad] | None:
         """Live workers' reports (refreshed at most every ``load_refresh_s``), or None while the
         registry is unreachable. A worker whose report lapsed (its heartbeat expired: a worker
         starved of CPU can miss a few) keeps its last report for ``REPORT_GRACE_S``: a worker
         is dead when the actor system says so (a call to it fails, and the caller tells the
-        router), not when it is slow to report."""
+        router), not when it is slow to report. With a prompt's block ``hashes``, a refresh
+        looks up its prefix hits in the same round trip (into ``_last_hits``, every worker's)."""
         if self._registry_down_since is not None and (
                 self.probe_elsewhere or now - self._registry_down_since < self.config.registry_retry_s):
             return None
         if now - self._loads_read_at >= self.config.load_refresh_s or self._registry_down_since is not None:
             try:
-                fresh = self.registry.loads(self.topology.workers)
+                if hashes is None:
+                    fresh = self.registry.loads(self.topology.workers)
+                else:
+                    fresh, self._last_hits = self.registry.loads_and_prefix_blocks(self.topology.workers, hashes)
             except RegistryUnavailable as exc:
                 self._mark_down(now, exc)
                 return None
@@ -329,9 +337,14 @@ class Router:
         the requests (and their prompt tokens) waiting before it, when the caller counted them."""
         now = time.time() if now is None else now
         cls = self._class_of(request)
-        loads = self._read_loads(now)
+        hashes = None if hits is not None else self._block_hashes(request)
+        self._last_hits = None
+        loads = self._read_loads(now, hashes)
         if loads is not None and hits is None:
-            hits = self._prefix_hits(request, sorted(loads), now)
+            if self._last_hits is None:  # the reports were fresh enough: the hits alone
+                hits = self._prefix_hits(hashes, sorted(loads), now)
+            else:
+                hits = self._last_hits = {w: self._last_hits.get(w, 0) for w in sorted(loads)}
         if loads is None or hits is None:
             return self._place_by_load(request, cls, now)
         loads = self._net_of_ended(loads)
@@ -477,9 +490,11 @@ class Router:
         gone_at = max(self._failed_at.get(worker, -math.inf), seen[1] if seen else -math.inf)
         return now - gone_at < RESTART_WAIT_S
 
-    def _prefix_hits(self, request: RouteRequest, live: Sequence[str], now: float) -> dict[str, int] | None:
+    def _block_hashes(self, request: RouteRequest) -> list[bytes]:
         keys = request_hash_keys(self.topology.hash_keys, request.cache_salt)
-        hashes = hash_token_blocks(request.prompt_token_ids, self.topology.block_size, keys)
+        return hash_token_blocks(request.prompt_token_ids, self.topology.block_size, keys)
+
+    def _prefix_hits(self, hashes: Sequence[bytes], live: Sequence[str], now: float) -> dict[str, int] | None:
         self._last_hits = None
         try:
             self._last_hits = self.registry.prefix_blocks(hashes, live)

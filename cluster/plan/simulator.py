@@ -255,6 +255,10 @@ class SimWorker:
 
     _unpaired_prefill = EngineWorker._unpaired_prefill  # its transfer pairs never fail
 
+    def _prefill_call_s(self) -> float:
+        """A decode worker's call to a prefill worker: the simulated message there and the answer's back."""
+        return 2 * self.sim.config.hop_s if self.role == "decode" else 0.0
+
     def load(self) -> WorkerLoad:
         _, load = EngineWorker._snapshot(self)
         return replace(load, updated_at=self.sim.now())
@@ -302,7 +306,11 @@ class _SimRegistry:
         return {w: self.reports[w] for w in workers if w in self.reports}
 
     def prefix_blocks(self, block_hashes, workers) -> dict[str, int]:
-        return {w: len(self.workers[w].engine.block_manager.lookup_prefix(block_hashes)) for w in workers}
+        return {w: len(self.workers[w].engine.block_manager.lookup_prefix(block_hashes))
+                for w in workers if w in self.workers}
+
+    def loads_and_prefix_blocks(self, workers, block_hashes) -> tuple[dict[str, WorkerLoad], dict[str, int]]:
+        return self.loads(workers), self.prefix_blocks(block_hashes, workers)
 
 
 @dataclass

@@ -135,11 +135,24 @@ class KVIndexReader:
             except redis.ResponseError:
                 self.scripting = False
             else:
-                matched = dict.fromkeys(alive, 0)
-                for i in range(0, len(reply), 2):
-                    matched[reply[i].decode()] = int(reply[i + 1])
-                return matched
+                return self.matched(reply, alive)
         return self._prefix_blocks_pipelined(block_hashes, alive)
+
+    def queue_prefix_blocks(self, pipe, block_hashes: Sequence[bytes], workers: Iterable[str]) -> None:
+        """Queues the lookup's script on the caller's pipeline (beside its other reads: one round
+        trip), by its digest alone (a ``Script`` on a pipeline asks Redis whether it has it first,
+        another round trip); ``matched`` reads its reply. A reply that is an error (Redis lost
+        its scripts, or refuses them) is the caller's cue to ask ``prefix_blocks``, which loads it."""
+        keys = [self.keys.block(h.hex()) for h in block_hashes]
+        pipe.evalsha(self._script.sha, len(keys), *keys, *sorted(workers))
+
+    @staticmethod
+    def matched(reply: Sequence, workers: Iterable[str]) -> dict[str, int]:
+        """The script's reply as leading blocks per worker (0 for those holding none)."""
+        matched = dict.fromkeys(workers, 0)
+        for i in range(0, len(reply), 2):
+            matched[reply[i].decode()] = int(reply[i + 1])
+        return matched
 
     def _prefix_blocks_pipelined(self, block_hashes: Sequence[bytes], alive: set[str]) -> dict[str, int]:
         matched = {w: 0 for w in alive}

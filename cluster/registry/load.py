@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import redis
 
@@ -78,6 +78,15 @@ def read_loads(client: redis.Redis, cluster: str, workers: Iterable[str]) -> dic
     workers = list(workers)
     if not workers:
         return {}
+    return parse_loads(workers, client.mget(load_keys(cluster, workers)))
+
+
+def load_keys(cluster: str, workers: Sequence[str]) -> list[str]:
+    """The keys of ``workers``' reports, for an MGET (in a pipeline of the caller's, too)."""
     keys = Keys(cluster)
-    raw = client.mget([keys.load(w) for w in workers])
+    return [keys.load(w) for w in workers]
+
+
+def parse_loads(workers: Sequence[str], raw: Sequence[bytes | None]) -> dict[str, WorkerLoad]:
+    """The reports an MGET of ``load_keys(workers)`` answered; workers without one are left out."""
     return {w: WorkerLoad.from_json(r) for w, r in zip(workers, raw) if r is not None}

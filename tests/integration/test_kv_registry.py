@@ -167,3 +167,22 @@ def test_a_worker_its_deployment_saw_die_is_forgotten_at_once_and_its_loss_recor
         record_event(redis_client, "c1", WorkerEvent(f"w{i}", "decode", LOST, "n", "a", at=3.0 + i))
     assert redis_client.llen(Keys("c1").worker_events) == EVENTS_KEPT
     assert [e.worker for e in read_events(redis_client, "c1", limit=2)] == [f"w{EVENTS_KEPT - 1}", f"w{EVENTS_KEPT - 2}"]
+
+
+def test_a_placement_reads_the_load_reports_and_the_prefix_hits_in_one_round_trip(redis_client):
+    from cluster.registry.load import WorkerLoad, publish_load
+    from router.registry_view import RedisRegistryView
+
+    hashes = two_workers_on_a_long_chain(redis_client, "c2c")
+    for worker in ("a", "b"):
+        publish_load(redis_client, "c2c", WorkerLoad(worker, "decode", 0, 1, 0, 0, 7, 90, 100, 4, 64, 8), 10.0)
+    view = RedisRegistryView(redis_client, "c2c")
+    view.prefix_blocks(hashes, ["a"])  # the script is loaded, as the first placement's lookup does
+    calls = count_round_trips(redis_client)
+    loads, hits = view.loads_and_prefix_blocks(["a", "b", "gone"], hashes)
+    assert calls == ["pipeline"], "the MGET and the script's EVALSHA together, not asking first whether it is loaded"
+    assert (sorted(loads), loads["b"].decode_context_tokens, hits) == (["a", "b"], 7, {"a": 5, "b": 2, "gone": 0})
+    redis_client.script_flush()  # Redis restarted: its scripts are gone, the reports and blocks republished
+    calls.clear()
+    assert view.loads_and_prefix_blocks(["a", "b"], hashes)[1] == {"a": 5, "b": 2}
+    assert calls == ["pipeline", "EVALSHA", "SCRIPT LOAD", "EVALSHA"]  # the lookup alone, loading its script

@@ -35,6 +35,7 @@ class FakeRegistry:
         self.state.update(loads or {})
         self.blocks: dict[bytes, set[str]] = {}
         self.down = False
+        self.calls: list[str] = []  # the reads asked for, one round trip each
 
     def hold(self, worker: str, tokens: list[int], blocks: int) -> None:
         for h in hash_token_blocks(tokens, BS, ("m",))[:blocks]:
@@ -43,11 +44,22 @@ class FakeRegistry:
     def loads(self, workers):
         if self.down:
             raise RegistryUnavailable("connection refused")
+        self.calls.append("loads")
         return {w: self.state[w] for w in workers if w in self.state}
 
     def prefix_blocks(self, hashes, workers):
         if self.down:
             raise RegistryUnavailable("connection refused")
+        self.calls.append("prefix_blocks")
+        return self._matched(hashes, workers)
+
+    def loads_and_prefix_blocks(self, workers, hashes):
+        if self.down:
+            raise RegistryUnavailable("connection refused")
+        self.calls.append("loads_and_prefix_blocks")
+        return {w: self.state[w] for w in workers if w in self.state}, self._matched(hashes, workers)
+
+    def _matched(self, hashes, workers):
         matched, still = {w: 0 for w in workers}, set(workers)
         for i, h in enumerate(hashes):
             still &= self.blocks.get(h, set())
@@ -675,3 +687,16 @@ def test_an_unrefreshed_correction_decays_towards_the_other_paths():
     assert local.correction("local", NOW + 10) == pytest.approx(0.015)
     assert local.correction("remote", NOW + 10) == pytest.approx(0.015 + (0.01 - 0.015) * 0.5)  # towards it
     assert local.correction("local", NOW + 20) == pytest.approx(0.0075)  # the fresher one: towards 0
+
+
+def test_a_placement_reads_the_reports_and_the_prefix_hits_in_one_round_trip():
+    registry = FakeRegistry()
+    registry.hold("p1", PROMPT, 8)
+    router = Router(TOPOLOGY, registry, config("prefix_affinity"))
+    assert (route(router, "a").prefill, registry.calls) == ("p1", ["loads_and_prefix_blocks"])
+    assert route(router, "b", now=NOW + 0.01).prefill == "p1"  # the reports are fresh: the hits alone
+    assert registry.calls == ["loads_and_prefix_blocks", "prefix_blocks"]
+    registry.state.pop("p0")  # a worker that never reported: its hits are not placed by
+    fresh = Router(TOPOLOGY, registry, config("prefix_affinity"))
+    assert route(fresh, "c").prefill == "p1"
+    assert registry.calls[-1] == "loads_and_prefix_blocks" and set(fresh._last_hits) == {"p1", "d0", "d1"}
