@@ -479,7 +479,8 @@ def main() -> int:
                   "--build-llama-server to build it there (about 20 minutes on 2 cores)")
     slots = max(args.concurrency)
     placed: dict = {}
-    servers = {TANDEM: lambda: run_server(TANDEM, tandem_server(model, placed=placed), tandem_threads(), args, placed)}
+    servers = {TANDEM: lambda: run_server(TANDEM, tandem_server(model, placed=placed), tandem_threads(), args,
+                                          placed)}
     if binary:
         servers[LLAMA_CPP] = lambda: run_server(
             LLAMA_CPP, llama_server(binary, model, args.llama_threads, slots, args.max_tokens),
