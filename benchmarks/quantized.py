@@ -132,6 +132,7 @@ class ServerRun:
     startup_s: float
     threads: str
     levels: list[Level] = field(default_factory=list)
+    placements: str = ""  # Tandem: where its router placed the requests (local or remote prefill)
 
     def level(self, concurrency: int) -> Level:
         return next(x for x in self.levels if x.concurrency == concurrency)
@@ -255,14 +256,26 @@ def tandem_threads() -> str:
 
 
 @contextmanager
-def tandem_server(model: Path, name: str = CLUSTER) -> Iterator[tuple[str, float]]:
-    """The cluster's OpenAI API base and its start-up seconds (launch to the API answering)."""
+def tandem_server(model: Path, name: str = CLUSTER, placed: dict | None = None) -> Iterator[tuple[str, float]]:
+    """The cluster's OpenAI API base and its start-up seconds (launch to the API answering);
+    at the end, before the cluster stops, its router's placement counts into ``placed``."""
     launched = time.monotonic()
     with LocalCluster(name, tandem_topology(model)) as cluster:
         if not cluster.http:
             raise RuntimeError("the cluster serves no OpenAI HTTP API")
         wait_until_answering(f"{cluster.http}/models", launched + START_TIMEOUT_S)
         yield cluster.http, time.monotonic() - launched
+        if placed is not None:
+            router = (cluster.status() or {}).get("router") or {}
+            placed.update(placed=router.get("placed"), local=router.get("local_prefills"))
+
+
+def placements_line(placed: dict) -> str:
+    """Where the router placed the requests: a short prompt's TTFT depends on it (a remote
+    prefill pays the decode worker's call to the prefill worker)."""
+    if placed.get("placed") is None:
+        return "? (tandem status did not answer)"
+    return f"{placed['local']} of {placed['placed']} prefilled on the decode worker, the rest on the prefill worker"
 
 
 # -- llama.cpp ------------------------------------------------------------------------------
@@ -409,6 +422,7 @@ def report(runs: list[ServerRun], model: Path, args, llama_note: str) -> None:
         *((f"threads, {run.name}", run.threads) for run in runs),
         ("workload", f"prompt tokens: {prompt_tokens or '?'}; {args.max_tokens} tokens out (greedy, ignore_eos), "
                      "streamed /v1/completions"),
+        *((f"placements, {run.name}", run.placements) for run in runs if run.placements),
     ]
     print_table("machine", rows)
     print_table("start-up", [(run.name, f"{run.startup_s:.1f}", STARTUP_SPANS[run.name]) for run in runs],
@@ -427,11 +441,13 @@ def report(runs: list[ServerRun], model: Path, args, llama_note: str) -> None:
     print("\n" + "\n".join(goal_lines(tandem, llama)))
 
 
-def run_server(name: str, server, threads: str, args) -> ServerRun:
+def run_server(name: str, server, threads: str, args, placed: dict | None = None) -> ServerRun:
     with server as (base, startup_s):
         log(f"{name} answering at {base} after {startup_s:.1f}s")
         run = ServerRun(name, startup_s, threads)
         asyncio.run(measure(run, base, args))
+    if placed is not None:
+        run.placements = placements_line(placed)
     return run
 
 
@@ -462,7 +478,9 @@ def main() -> int:
     llama_note = (f"llama.cpp skipped: no llama-server at {default_llama_server()}; give --llama-server PATH, or add "
                   "--build-llama-server to build it there (about 20 minutes on 2 cores)")
     slots = max(args.concurrency)
-    servers = {TANDEM: lambda: run_server(TANDEM, tandem_server(model), tandem_threads(), args)}
+    placed: dict = {}
+    servers = {TANDEM: lambda: run_server(TANDEM, tandem_server(model, placed=placed), tandem_threads(), args,
+                                          placed)}
     if binary:
         servers[LLAMA_CPP] = lambda: run_server(
             LLAMA_CPP, llama_server(binary, model, args.llama_threads, slots, args.max_tokens),

@@ -49,6 +49,7 @@ from cluster.worker.engine_worker import EngineWorker
 from cluster.protocol.messages import (FailureKind, Finished, PrefillResult, RequestFailed, TokenDelta,
                                        TransferReport, Usage, WorkerFailure, WorkerRequest)
 from cluster.protocol.stream import StreamServer
+from decode_worker.call_overhead import CallOverhead
 
 if TYPE_CHECKING:
     from cluster.engine.engine import RequestOutput
@@ -58,6 +59,7 @@ CALL_THREADS = 4  # reserve, admit, release and status calls: each waits at most
 MAX_RECEIVES = 64  # receives in flight: each blocks a thread until its KV has landed
 REJOIN_TIMEOUT_S = 30.0  # a rebuilt transfer group's rendezvous: both sides join it at once
 REJOIN_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between attempts to rebuild a pair, the last repeated
+PAIRING_PINGS = 5  # calls timed when a pair is built: the hop's first samples, before any request
 
 
 class _Stream:
@@ -130,6 +132,7 @@ class DecodeWorker(EngineWorker):
         self._pairing: dict[str, asyncio.Lock] = {}  # prefill worker -> held while its group is (re)built
         self.pair_rebuilds = 0
         self._stream: StreamServer | None = None
+        self.prefill_call = CallOverhead()  # its calls to prefill workers beyond their work (read by the reporter)
         super().__init__(config, registry_url, profile)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -159,9 +162,17 @@ class DecodeWorker(EngineWorker):
                 self._set_unpaired(self._unpaired | {prefill})
             worker = ray.get_actor(prefill, namespace=ray.get_runtime_context().namespace)
             await asyncio.gather(worker.join_pair.remote(layout, spec), self.join_pair(layout, spec))
+            await self._time_calls(worker)
             self._peers[prefill] = layout.name
             self._tags[layout.name] = itertools.count()  # a new group: no transfer is in flight on it
             self._set_unpaired(self._unpaired - {prefill})
+
+    async def _time_calls(self, worker) -> None:
+        """Samples of the hop to a prefill worker, by calls that do nothing there."""
+        for _ in range(PAIRING_PINGS):
+            started = time.perf_counter()
+            await worker.ping.remote()
+            self.prefill_call.add(time.perf_counter() - started)
 
     async def drop_peer(self, prefill: str) -> None:
         """Takes KV from ``prefill`` no more, forgets it and leaves their transfer group (its
@@ -213,6 +224,9 @@ class DecodeWorker(EngineWorker):
 
     def _unpaired_prefill(self) -> tuple[str, ...]:
         return tuple(sorted(self._unpaired))
+
+    def _prefill_call_s(self) -> float:
+        return self.prefill_call.seconds
 
     # -- a pair whose transfer group failed ------------------------------------------------------
 
@@ -371,10 +385,12 @@ class DecodeWorker(EngineWorker):
         receiving.add_done_callback(lambda _: times.setdefault("received", time.time()))
         try:
             worker = ray.get_actor(prefill, namespace=ray.get_runtime_context().namespace)
-            prefill_started = time.time()
+            prefill_started, call_started = time.time(), time.perf_counter()
             result: PrefillResult = await worker.prefill.remote(request_id, request.prompt_token_ids, request.params,
                                                                 target, request.resumed_tokens)
             prefill_ended = time.time()
+            if result.service_s:
+                self.prefill_call.add(time.perf_counter() - call_started - result.service_s)
         except (ray.exceptions.RayActorError, ValueError):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
             asyncio.ensure_future(self._release_after(request_id, [receiving]))

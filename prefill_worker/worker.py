@@ -14,6 +14,7 @@ batches) as in the colocated engine.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ class PrefillWorker(EngineWorker):
                 target: TransferTarget, resumed_tokens: int = 0) -> PrefillResult:
         """``resumed_tokens``: the prompt's last tokens are output an earlier placement streamed
         (a constrained request's first token here obeys its grammar past them)."""
+        started = time.perf_counter()
         if target.pair not in self.pairs_joined:  # started again, and not paired with that decode worker yet
             return PrefillResult(request_id=request_id, first_token=None, prompt_tokens=len(prompt_token_ids),
                                  cached_tokens=0, blocks_sent=0,
@@ -66,7 +68,11 @@ class PrefillWorker(EngineWorker):
         blocks = -(-request.num_prompt_tokens // self.engine.config.block_size) - target.first_block
         return PrefillResult(request_id=request_id, first_token=first_token, prompt_tokens=request.num_prompt_tokens,
                              cached_tokens=request.num_cached_tokens, blocks_sent=blocks if error is None else 0,
-                             error=error or request.error, first_logprob=logprob, first_top_logprobs=top)
+                             error=error or request.error, first_logprob=logprob, first_top_logprobs=top,
+                             service_s=time.perf_counter() - started)
+
+    def ping(self) -> None:
+        """Answers at once: a decode worker times its calls' round trip by it when it pairs."""
 
     def in_flight(self) -> int:
         """Prefill calls not answered yet (each holds its request until its KV is sent)."""

@@ -38,6 +38,7 @@ class Candidate:
     queue_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
+    call_s: float = 0.0  # the decode worker's call to the prefill worker, beyond the prefill's work (remote only)
     correction_s: float = 0.0
     ttft_s: float = 0.0
     tpot_s: float = 0.0
@@ -120,6 +121,7 @@ class DecodeSide(NamedTuple):
     reserve_wait_s: float  # a call waits for the step in progress
     host_load_s: float  # its host-tier blocks loaded as it reserves
     host_worth: float
+    call_s: float  # its call to a prefill worker costs this beyond the prefill's work (measured, reported)
 
 
 def tier_fields(prefill: TierHits, prefill_worth: float, decode: TierHits, decode_worth: float) -> dict:
@@ -146,7 +148,7 @@ def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: S
                       slot_wait_s=tpot * load.next_slot_tokens if in_line else 0.0,
                       reserve_wait_s=step if load.running else 0.0,
                       host_load_s=model.host_load_seconds(hit_blocks.host),
-                      host_worth=model.host_block_worth(prompt.tokens, bs, hit_blocks))
+                      host_worth=model.host_block_worth(prompt.tokens, bs, hit_blocks), call_s=load.prefill_call_s)
 
 
 def corrected(predicted_s: float, correction_s: float) -> float:
@@ -160,24 +162,25 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
                       queued_tokens: Mapping[str, int], prompt: Prompt, correction_s: float,
                       rotation_prefill: str | None) -> list[Candidate]:
     """The decode worker's pairs with ``paired``: each prefill worker computes the KV and sends
-    the blocks the decode worker lacks. The KV may land before a slot frees: TTFT is at least
-    the wait for the slot. ``rotation_prefill`` is the prefill worker whose pair with this
+    the blocks the decode worker lacks, after the decode worker's call reached it (``call_s``:
+    the hop a local prefill does not make). The KV may land before a slot frees: TTFT is at
+    least the wait for the slot. ``rotation_prefill`` is the prefill worker whose pair with this
     decode worker has the round-robin turn (None: no pair of it has). One call per decode
     worker, not per pair: the pairs are a placement's inner loop."""
     out = []
     missing_blocks, cacheable = prompt.blocks - d.hit_blocks.blocks, prompt.cacheable_blocks
     hit_d, load, tpot_s, idle_tpot_s = d.hit_blocks, d.load, d.tpot_s, d.idle_tpot_s  # locals: the inner loop
-    has_room, slot_wait_s, reserve_s = d.has_room, d.slot_wait_s, d.reserve_wait_s + d.host_load_s
+    has_room, slot_wait_s, reserve_s, call_s = d.has_room, d.slot_wait_s, d.reserve_wait_s + d.host_load_s, d.call_s
     for prefill in paired:
         model, hit_p, queue_s, prefill_s, worth_p = prefill_sides[prefill]
         c = Candidate(prefill, decode, hit_p.blocks, hit_d.blocks, cacheable, queued_tokens[prefill], load,
                       queue_s=queue_s, prefill_s=prefill_s, transfer_s=model.transfer_seconds(missing_blocks),
-                      tpot_s=tpot_s, decode_has_room=has_room, rotation_slot=prefill == rotation_prefill,
-                      **tier_fields(hit_p, worth_p, hit_d, d.host_worth))
+                      call_s=call_s, tpot_s=tpot_s, decode_has_room=has_room,
+                      rotation_slot=prefill == rotation_prefill, **tier_fields(hit_p, worth_p, hit_d, d.host_worth))
         c.correction_s = correction_s
-        c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + reserve_s, c.correction_s)
+        c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + call_s + reserve_s, c.correction_s)
         c.ttft_s = max(c.ttft_s, slot_wait_s + c.correction_s)
-        c.idle_ttft_s = corrected(c.prefill_s + c.transfer_s + d.host_load_s, c.correction_s)
+        c.idle_ttft_s = corrected(c.prefill_s + c.transfer_s + call_s + d.host_load_s, c.correction_s)
         c.idle_tpot_s = idle_tpot_s
         out.append(c)
     return out

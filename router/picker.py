@@ -74,5 +74,5 @@ def explain(cls: SloClass, c: Candidate, never: bool, spent: float = 0.0, full: 
             f"{ms(c.tpot_limit_s)} (router.class_headroom)" if not within_headroom(c) else "")
     return (f"{state} slo_class {cls.name!r} (TTFT <= {ms(cls.ttft_s)}, TPOT <= {ms(cls.tpot_s)}): the best, "
             f"{c.label}, predicts TTFT {waited}{ms(c.ttft_s)} (queue {ms(c.queue_s)} + prefill {ms(c.prefill_s)} + "
-            f"transfer {ms(c.transfer_s)}) and TPOT {ms(c.tpot_s)}; idle, TTFT {ms(c.idle_ttft_s)} and "
-            f"TPOT {ms(c.idle_tpot_s)}{kept}")
+            f"transfer {ms(c.transfer_s)}{f' + call {ms(c.call_s)}' if c.call_s else ''}) and TPOT {ms(c.tpot_s)}; "
+            f"idle, TTFT {ms(c.idle_ttft_s)} and TPOT {ms(c.idle_tpot_s)}{kept}")

@@ -13,10 +13,20 @@ The router reads two things from the registry: each live worker's load report (w
 steps its cost model is fitted to) and, per request, how many leading blocks of the prompt
 each worker caches. Its own state is soft: placements it made since each worker's last
 report (so a burst of requests does not all pile on the worker that looked idle), the
-round-robin position, the fitted models, the requests it holds until it can place them, and a
-running TTFT correction per path (remote or local prefill) learned from finished requests: what
-the step-time model leaves out, such as control-plane round trips and CPU contention. All of it
-rebuilds from the registry and the requests that follow.
+round-robin position, the fitted models, the requests it holds until it can place them, the
+requests that ended since each worker's last report (so a worker that just went idle does not
+look busy until it reports again: a placement a few ms after the last request ended, as one
+stream makes, would otherwise see the last report's batch), and a running TTFT correction per
+path (remote or local prefill) learned from finished requests: what the step-time model leaves
+out, such as control-plane round trips and CPU contention. All of it rebuilds from the registry
+and the requests that follow.
+
+Both paths are predicted alike, so that where a decode worker may prefill a prompt itself the
+sooner first token wins: a remote prefill adds the decode worker's measured call to the prefill
+worker (``WorkerLoad.prefill_call_s``), the hop a local prefill does not make, and a path's
+correction, when not refreshed, decays towards the other path's rather than to 0 (most of what
+the model leaves out, the API and the stream, both paths share: a path used a while ago, or
+never, must not look faster than the one in use for lacking it).
 
 Admission is honest about time. A request's TTFT objective counts from when the call reached
 the API (``RouteRequest.arrival``), and every class must be served in time counting what it
@@ -46,7 +56,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 from cluster.engine.block_hash import hash_token_blocks, request_hash_keys
 from cluster.registry.kv_index import TierHits
@@ -72,6 +82,7 @@ MEASURED_SCALE_LIMIT = 16.0  # a worker's measured step scale is taken up to thi
 GONE_KEPT = 10_000  # requests forgotten before their placement arrived, remembered so they are not placed
 HITS_TTL_S = 0.5  # how long a waiting request's prefix hits are reused before they are looked up again
 RESTART_WAIT_S = 30.0  # how long requests wait for a dead worker to start again, when its deployment restarts it
+ENDED_KEPT = 4096  # per decode worker, ended placements remembered until its reports show them ended
 REPORT_GRACE_S = 10.0  # how long a worker whose reports stopped is still placed on (its death comes from Ray)
 
 
@@ -86,6 +97,10 @@ class RegistryView(Protocol):
 
     def prefix_tiers(self, block_hashes: Sequence[bytes], workers: Sequence[str]) -> dict[str, TierHits]:
         """Leading blocks of the chain that each of ``workers`` holds on its device, then in its host tier."""
+
+    def loads_and_prefix_tiers(self, workers: Sequence[str], block_hashes: Sequence[bytes]
+                               ) -> tuple[dict[str, WorkerLoad], dict[str, TierHits]]:
+        """Both of the above in one round trip."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +176,15 @@ class _Placed:
     max_tokens: int = 0
 
 
+class _Ended(NamedTuple):
+    """A placement that ended: its decode worker's reports from before ``ended_at`` may still
+    count it (as running, with ``context_tokens`` of KV), those from before ``placed_at`` do not."""
+
+    placed_at: float
+    ended_at: float
+    context_tokens: int
+
+
 @dataclass
 class RouterCounters:
     placed: int = 0
@@ -208,14 +232,19 @@ class Router:
         self.arriving = ArrivingClasses(self.config.class_headroom_window_s)
         self._class_tpot = {c.name: c.tpot_s for c in self.config.slo_classes}  # configured, not overridden
         self.warm_up_s: float | None = None  # how long its view took to rebuild from the registry (``warm_up``)
+        self._ended: dict[str, list[_Ended]] = {}  # per decode worker: its placements ended since its last report
 
     def correction(self, path: str, now: float) -> float:
         """The learned TTFT correction of a path (``remote`` or ``local`` prefill), decayed by
-        the time since a finished request last refreshed it."""
+        the time since a finished request last refreshed it: towards the other path's when that
+        one was refreshed since (never learned counts as before), else towards 0."""
         value, learned_at = self._residual[path]
-        if not value:
-            return 0.0
-        return value * 0.5 ** (max(0.0, now - learned_at) / self.config.correction_half_life_s)
+        other, other_at = self._residual["local" if path == "remote" else "remote"]
+        half_life = self.config.correction_half_life_s
+        towards = other * 0.5 ** (max(0.0, now - other_at) / half_life) if other_at > learned_at else 0.0
+        if learned_at == -math.inf:
+            return towards
+        return towards + (value - towards) * 0.5 ** (max(0.0, now - learned_at) / half_life)
 
     def tpot_scale(self, now: float) -> float:
         """Measured over predicted TPOT of finished requests (what a step-time fit misses when
@@ -242,19 +271,23 @@ class Router:
 
     # -- the registry ---------------------------------------------------------------------
 
-    def _read_loads(self, now: float) -> dict[str, WorkerLoad] | None:
+    def _read_loads(self, now: float, hashes: Sequence[bytes] | None = None) -> dict[str, WorkerLoad] | None:
         """Live workers' reports (refreshed at most every ``load_refresh_s``), or None while the
         registry is unreachable. A worker whose report lapsed (its heartbeat expired: a worker
         starved of CPU can miss a few) keeps its last report for ``REPORT_GRACE_S``: a worker
         is dead when the actor system says so (a call to it fails, and the caller tells the
         router; or its deployment, told by Ray, marks its report ``lost``), not when it is slow
-        to report."""
+        to report. With a prompt's block ``hashes``, a refresh looks up its prefix hits in the
+        same round trip (into ``_last_hits``, every worker's)."""
         if self._registry_down_since is not None and (
                 self.probe_elsewhere or now - self._registry_down_since < self.config.registry_retry_s):
             return None
         if now - self._loads_read_at >= self.config.load_refresh_s or self._registry_down_since is not None:
             try:
-                fresh = self.registry.loads(self.topology.workers)
+                if hashes is None:
+                    fresh = self.registry.loads(self.topology.workers)
+                else:
+                    fresh, self._last_hits = self.registry.loads_and_prefix_tiers(self.topology.workers, hashes)
             except RegistryUnavailable as exc:
                 self._mark_down(now, exc)
                 return None
@@ -335,11 +368,17 @@ class Router:
         now = time.time() if now is None else now
         cls = self._class_of(request)
         self.arriving.saw(cls.name, self._class_tpot[cls.name], request.arrival if request.arrival is not None else now)
-        loads = self._read_loads(now)
+        hashes = None if hits is not None else self._block_hashes(request)
+        self._last_hits = None
+        loads = self._read_loads(now, hashes)
         if loads is not None and hits is None:
-            hits = self._prefix_hits(request, sorted(loads), now)
+            if self._last_hits is None:  # the reports were fresh enough: the hits alone
+                hits = self._prefix_hits(hashes, sorted(loads), now)
+            else:
+                hits = self._last_hits = {w: self._last_hits.get(w, TierHits(0)) for w in sorted(loads)}
         if loads is None or hits is None:
             return self._place_by_load(request, cls, now)
+        loads = self._net_of_ended(loads)
         topology = self.topology
         live = LivePools.of(topology.prefill, topology.decode, topology.colocated, loads, self.failed, topology.draining)
         if not live.generating:
@@ -482,15 +521,40 @@ class Router:
         gone_at = max(self._failed_at.get(worker, -math.inf), seen[1] if seen else -math.inf)
         return now - gone_at < RESTART_WAIT_S
 
-    def _prefix_hits(self, request: RouteRequest, live: Sequence[str], now: float) -> dict[str, TierHits] | None:
+    def _block_hashes(self, request: RouteRequest) -> list[bytes]:
         keys = request_hash_keys(self.topology.hash_keys, request.cache_salt)
-        hashes = hash_token_blocks(request.prompt_token_ids, self.topology.block_size, keys)
+        return hash_token_blocks(request.prompt_token_ids, self.topology.block_size, keys)
+
+    def _prefix_hits(self, hashes: Sequence[bytes], live: Sequence[str], now: float) -> dict[str, TierHits] | None:
         self._last_hits = None
         try:
             self._last_hits = self.registry.prefix_tiers(hashes, live)
         except RegistryUnavailable as exc:
             self._mark_down(now, exc)
         return self._last_hits
+
+    def _net_of_ended(self, loads: dict[str, WorkerLoad]) -> dict[str, WorkerLoad]:
+        """The reports less the requests they count that have ended since (as this router was
+        told): what each decode worker runs now, not when it last reported (every 0.1 s)."""
+        if not self._ended:
+            return loads
+        out = dict(loads)
+        for worker, ended in list(self._ended.items()):
+            load = loads.get(worker)
+            if load is None:
+                continue
+            ended = [e for e in ended if e.ended_at >= load.updated_at]  # the rest, its report shows ended
+            if not ended:
+                self._ended.pop(worker)
+                continue
+            self._ended[worker] = ended
+            counted = [e for e in ended if e.placed_at < load.updated_at]
+            if counted and load.running:
+                running = max(0, load.running - len(counted))
+                out[worker] = replace(
+                    load, running=running, next_slot_tokens=load.next_slot_tokens if running else 0,
+                    decode_context_tokens=max(0, load.decode_context_tokens - sum(e.context_tokens for e in counted)))
+        return out
 
     def _pending(self, loads: dict[str, WorkerLoad], workers: Sequence[str]) -> dict[str, list[_Placed]]:
         """For each worker, the placements on it that its last report cannot show yet."""
@@ -716,10 +780,15 @@ class Router:
         if placed is None:
             return None
         self._changed()
+        decision = placed.decision
+        if decision.decode is not None and not decision.load_only:
+            ended_at = time.time() if now is None else now
+            ended = self._ended.setdefault(decision.decode, [])
+            ended.append(_Ended(placed.placed_at, ended_at, placed.prompt_tokens + (output_tokens or 0)))
+            del ended[:-ENDED_KEPT]
         if output_tokens:
             mean = self._output_tokens
             self._output_tokens = float(output_tokens) if mean is None else mean + OUTPUT_WEIGHT * (output_tokens - mean)
-        decision = placed.decision
         predicted = decision.predicted_ttft_s
         if service_ttft_s and predicted is not None and not decision.load_only:
             now = time.time() if now is None else now
@@ -751,6 +820,7 @@ class Router:
             self._models.pop(gone, None)
             self._measured_scales.pop(gone, None)
             self._loads.pop(gone, None)
+            self._ended.pop(gone, None)
         self._loads_read_at = -math.inf  # the next placement reads the added workers' reports
         self._changed()
         return True

@@ -260,6 +260,10 @@ class SimWorker:
 
     _unpaired_prefill = EngineWorker._unpaired_prefill  # its transfer pairs never fail
 
+    def _prefill_call_s(self) -> float:
+        """A decode worker's call to a prefill worker: the simulated message there and the answer's back."""
+        return 2 * self.sim.config.hop_s if self.role == "decode" else 0.0
+
     def load(self) -> WorkerLoad:
         _, load = EngineWorker._snapshot(self)
         return replace(load, updated_at=self.sim.now())
@@ -312,10 +316,15 @@ class _SimRegistry:
     def prefix_tiers(self, block_hashes, workers) -> dict[str, TierHits]:
         out = {}
         for w in workers:
+            if w not in self.workers:
+                continue
             blocks = self.workers[w].engine.block_manager
             device = len(blocks.lookup_prefix(block_hashes))
             out[w] = TierHits(device, blocks.lookup_host_prefix(block_hashes[device:]))
         return out
+
+    def loads_and_prefix_tiers(self, workers, block_hashes) -> tuple[dict[str, WorkerLoad], dict[str, TierHits]]:
+        return self.loads(workers), self.prefix_tiers(block_hashes, workers)
 
 
 @dataclass

@@ -203,6 +203,7 @@ class PrefillResult:
     error: str | None
     first_logprob: float | None = None  # when the request asked for logprobs
     first_top_logprobs: list[tuple[int, float]] | None = None
+    service_s: float = 0.0  # the prefill worker's own time on the call: the caller's wait beyond it is the hop
 
 
 # -- the request path's messages to its API (cluster/ingress/request_path.py) ---------------------

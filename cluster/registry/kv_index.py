@@ -190,11 +190,24 @@ class KVIndexReader:
             except redis.ResponseError:
                 self.scripting = False
             else:
-                matched = dict.fromkeys(alive, TierHits(0))
-                for i in range(0, len(reply), 3):
-                    matched[reply[i].decode()] = TierHits(int(reply[i + 1]), int(reply[i + 2]))
-                return matched
+                return self.matched(reply, alive)
         return self._prefix_tiers_pipelined(block_hashes, alive)
+
+    def queue_prefix_tiers(self, pipe, block_hashes: Sequence[bytes], workers: Iterable[str]) -> None:
+        """Queues the lookup's script on the caller's pipeline (beside its other reads: one round
+        trip), by its digest alone (a ``Script`` on a pipeline asks Redis whether it has it first,
+        another round trip); ``matched`` reads its reply. A reply that is an error (Redis lost
+        its scripts, or refuses them) is the caller's cue to ask ``prefix_tiers``, which loads it."""
+        keys = [self.keys.block(h.hex()) for h in block_hashes]
+        pipe.evalsha(self._script.sha, len(keys), *keys, *sorted(workers))
+
+    @staticmethod
+    def matched(reply: Sequence, workers: Iterable[str]) -> dict[str, TierHits]:
+        """The script's reply as leading device and host blocks per worker (none for those holding none)."""
+        matched = dict.fromkeys(workers, TierHits(0))
+        for i in range(0, len(reply), 3):
+            matched[reply[i].decode()] = TierHits(int(reply[i + 1]), int(reply[i + 2]))
+        return matched
 
     def _prefix_tiers_pipelined(self, block_hashes: Sequence[bytes], alive: set[str]) -> dict[str, TierHits]:
         counts = {w: [0, 0] for w in alive}  # device, host

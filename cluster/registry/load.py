@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import redis
 
@@ -67,6 +67,7 @@ class WorkerLoad:
     incarnation: str = ""  # its actor's id: a worker started again under its name reports another
     lost: bool = False  # Ray found this incarnation dead (written by its deployment: ``mark_lost``)
     pull_from: tuple[str, ...] = ()  # peers it can pull cached KV from now (a peer pair built with each)
+    prefill_call_s: float = 0.0  # a decode worker's calls to prefill workers: their time beyond the prefill's own
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -90,8 +91,18 @@ def read_loads(client: redis.Redis, cluster: str, workers: Iterable[str], lost: 
     workers = list(workers)
     if not workers:
         return {}
+    return parse_loads(workers, client.mget(load_keys(cluster, workers)), lost)
+
+
+def load_keys(cluster: str, workers: Sequence[str]) -> list[str]:
+    """The keys of ``workers``' reports, for an MGET (in a pipeline of the caller's, too)."""
     keys = Keys(cluster)
-    raw = client.mget([keys.load(w) for w in workers])
+    return [keys.load(w) for w in workers]
+
+
+def parse_loads(workers: Sequence[str], raw: Sequence[bytes | None], lost: bool = False) -> dict[str, WorkerLoad]:
+    """The reports an MGET of ``load_keys(workers)`` answered; workers without one are left out,
+    and so are lost ones unless ``lost``."""
     loads = {w: WorkerLoad.from_json(r) for w, r in zip(workers, raw) if r is not None}
     return loads if lost else {w: load for w, load in loads.items() if not load.lost}
 

@@ -129,7 +129,7 @@ class EngineWorker:
                                        s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s)
                             for s in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
                 unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
-                incarnation=self.incarnation,
+                incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(),
             )
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
@@ -222,6 +222,10 @@ class EngineWorker:
     def _unpaired_prefill(self) -> tuple[str, ...]:
         """Prefill workers this worker cannot take KV from now (a decode worker's rebuilding pairs)."""
         return ()
+
+    def _prefill_call_s(self) -> float:
+        """A decode worker's calls to prefill workers, beyond their work (``WorkerLoad.prefill_call_s``)."""
+        return 0.0
 
     def _has_work(self) -> bool:
         raise NotImplementedError

@@ -264,3 +264,22 @@ def test_a_lost_worker_s_report_says_so_to_routers_until_it_is_started_again(red
     assert read_loads(redis_client, "c2", ["decode-1"], lost=True)["decode-1"].lost
     publish_load(redis_client, "c2", WorkerLoad("decode-0", "decode", 0, 0, 0, 0, 0, 8, 8, 4, 64, 4, incarnation="b"), 60)
     assert read_loads(redis_client, "c2", ["decode-0"])["decode-0"].incarnation == "b"
+
+
+def test_a_placement_reads_the_load_reports_and_the_prefix_hits_in_one_round_trip(redis_client):
+    from cluster.registry.load import WorkerLoad, publish_load
+    from router.registry_view import RedisRegistryView
+
+    hashes = two_workers_on_a_long_chain(redis_client, "c2c")
+    for worker in ("a", "b"):
+        publish_load(redis_client, "c2c", WorkerLoad(worker, "decode", 0, 1, 0, 0, 7, 90, 100, 4, 64, 8), 10.0)
+    view = RedisRegistryView(redis_client, "c2c")
+    view.prefix_tiers(hashes, ["a"])  # the script is loaded, as the first placement's lookup does
+    calls = count_round_trips(redis_client)
+    loads, hits = view.loads_and_prefix_tiers(["a", "b", "gone"], hashes)
+    assert calls == ["pipeline"], "the MGET and the script's EVALSHA together, not asking first whether it is loaded"
+    assert (sorted(loads), loads["b"].decode_context_tokens, hits) == (["a", "b"], 7, {"a": TierHits(5), "b": TierHits(2), "gone": TierHits(0)})
+    redis_client.script_flush()  # Redis restarted: its scripts are gone, the reports and blocks republished
+    calls.clear()
+    assert view.loads_and_prefix_tiers(["a", "b"], hashes)[1] == {"a": TierHits(5), "b": TierHits(2)}
+    assert calls == ["pipeline", "EVALSHA", "SCRIPT LOAD", "EVALSHA"]  # the lookup alone, loading its script

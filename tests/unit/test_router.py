@@ -36,6 +36,7 @@ class FakeRegistry:
         self.state.update(loads or {})
         self.blocks: dict[bytes, set[str]] = {}
         self.down = False
+        self.calls: list[str] = []  # the reads asked for, one round trip each
 
     def hold(self, worker: str, tokens: list[int], blocks: int) -> None:
         for h in hash_token_blocks(tokens, BS, ("m",))[:blocks]:
@@ -44,11 +45,22 @@ class FakeRegistry:
     def loads(self, workers):
         if self.down:
             raise RegistryUnavailable("connection refused")
+        self.calls.append("loads")
         return {w: self.state[w] for w in workers if w in self.state}
 
     def prefix_tiers(self, hashes, workers):
         if self.down:
             raise RegistryUnavailable("connection refused")
+        self.calls.append("prefix_tiers")
+        return self._matched(hashes, workers)
+
+    def loads_and_prefix_tiers(self, workers, hashes):
+        if self.down:
+            raise RegistryUnavailable("connection refused")
+        self.calls.append("loads_and_prefix_tiers")
+        return {w: self.state[w] for w in workers if w in self.state}, self._matched(hashes, workers)
+
+    def _matched(self, hashes, workers):
         matched, still = {w: 0 for w in workers}, set(workers)
         for i, h in enumerate(hashes):
             still &= self.blocks.get(h, set())
@@ -631,3 +643,78 @@ def test_a_dead_worker_its_deployment_restarts_is_waited_for_within_the_class_bo
     for d in ("d0", "d1"):
         plain.worker_failed(d, now=NOW + 1)
     assert plain.submit(RouteRequest("g", PROMPT, 8, "standard"), now=NOW + 1).reason == "no live decode worker"
+
+
+# A prefill worker 2 ms faster a prompt than the decode workers: 8 ms + 1 ms per token.
+FASTER_PREFILL = tuple(StepSample(n, 0, 0, 0, 0.008 + 0.001 * n) for n in (16, 64, 256))
+
+
+def test_a_short_prompt_on_an_idle_cluster_is_prefilled_where_its_first_token_comes_sooner():
+    """A remote prefill adds the decode worker's measured call to the prefill worker: 2 ms of
+    faster prefill there does not pay for a 4 ms hop, so the decode worker prefills the prompt
+    itself (43 ms against 41 + 4); without the hop to count, the prefill worker is sooner."""
+    prefill = {p: load(p, steps=FASTER_PREFILL) for p in TOPOLOGY.prefill}
+    hop = {d: replace(load(d), prefill_call_s=0.004) for d in TOPOLOGY.decode}
+    local = route(Router(TOPOLOGY, FakeRegistry({**prefill, **hop}), RouterConfig()))
+    assert (local.prefill, local.decode, local.predicted_ttft_s) == (None, "d0", pytest.approx(0.010 + 0.033))
+    remote = route(Router(TOPOLOGY, FakeRegistry(prefill), RouterConfig()))
+    assert (remote.prefill, remote.predicted_ttft_s) == ("p0", pytest.approx(0.008 + 0.033))
+    forced = route(Router(TOPOLOGY, FakeRegistry({**prefill, **hop}), config()))  # local_prefill_max_tokens 0
+    assert (forced.prefill, forced.predicted_ttft_s) == ("p0", pytest.approx(0.008 + 0.033 + 0.004))
+
+
+def test_a_report_from_before_a_request_ended_does_not_count_it():
+    """One stream: the next request comes a few ms after the last ended, and the decode worker's
+    latest report (every 0.1 s) still shows it running. What ended since the report, as this
+    router was told, is taken off: no step in progress to wait for, and a batch of none."""
+    topology = Topology(prefill=("p0",), decode=("d0",), block_size=BS, hash_keys=("m",))
+    step = 0.020 + 0.005 * 2 + 0.0001 * (41 + 33)  # the report's sequence of 33 + 8 tokens, and this one
+    registry = FakeRegistry({"d0": load("d0", running=1, context=41, updated_at=NOW - 0.05)})
+    router = Router(topology, registry, config())
+    assert route(router, "a", now=NOW - 0.1).action == "place"  # placed before the report: it counts it
+    router.finished("a", output_tokens=8, now=NOW - 0.02)
+    after = route(router, "b")
+    assert after.predicted_ttft_s == pytest.approx(0.043)  # prefill only: the report's running one ended
+    router.finished("b", output_tokens=8, now=NOW + 0.01)  # placed after the report: it never counted it
+    busy = Router(topology, registry, config())
+    assert route(busy, "c").predicted_ttft_s == pytest.approx(0.043 + step)  # nothing ended: it still runs
+    busy.finished("c", output_tokens=8, now=NOW + 0.01)
+    assert route(busy, "d", now=NOW + 0.06).predicted_ttft_s == pytest.approx(0.043 + step)
+    busy.finished("d", output_tokens=8, now=NOW + 0.065)
+    registry.state["d0"] = load("d0", updated_at=NOW + 0.07)  # the next report shows it ended
+    assert route(busy, "e", now=NOW + 0.12).predicted_ttft_s == pytest.approx(0.043)
+    assert busy._ended == {}  # what the reports show ended is forgotten
+
+
+def test_an_unrefreshed_correction_decays_towards_the_other_paths():
+    """What the step-time model leaves out is mostly shared by both paths (the API, the stream):
+    a path not used since the other was refreshed tends to the other's correction, not to 0,
+    so it does not look sooner for lacking it."""
+    router = Router(TOPOLOGY, FakeRegistry(), config("round_robin", correction_half_life_s=10))
+    route(router, "a")
+    router.finished("a", service_ttft_s=0.243, now=NOW)  # remote: 0.2 s over its prediction, a tenth learned
+    assert router.correction("local", NOW) == pytest.approx(0.02)  # never learned: the remote path's
+    assert router.correction("local", NOW + 10) == pytest.approx(0.01)  # ... as it decays
+    local = Router(TOPOLOGY, FakeRegistry(), config(correction_half_life_s=10, local_prefill_max_tokens=64))
+    assert route(local, "r", prompt=list(range(100))).prefill == "p0"  # 100 tokens: too long to prefill locally
+    local.finished("r", service_ttft_s=0.110 + 0.1, now=NOW)  # remote from 0 to 0.01
+    assert local.correction("local", NOW) == pytest.approx(0.01)
+    short = route(local, "s", now=NOW + 10)
+    assert (short.prefill, short.ttft_correction_s) == (None, pytest.approx(0.005))
+    local.finished("s", service_ttft_s=0.043 + 0.105, now=NOW + 10)  # local: 0.005 + (0.105 - 0.005) / 10
+    assert local.correction("local", NOW + 10) == pytest.approx(0.015)
+    assert local.correction("remote", NOW + 10) == pytest.approx(0.015 + (0.01 - 0.015) * 0.5)  # towards it
+    assert local.correction("local", NOW + 20) == pytest.approx(0.0075)  # the fresher one: towards 0
+
+
+def test_a_placement_reads_the_reports_and_the_prefix_hits_in_one_round_trip():
+    registry = FakeRegistry()
+    registry.hold("p1", PROMPT, 8)
+    router = Router(TOPOLOGY, registry, config("prefix_affinity"))
+    assert (route(router, "a").prefill, registry.calls) == ("p1", ["loads_and_prefix_tiers"])
+    assert route(router, "b", now=NOW + 0.01).prefill == "p1"  # the reports are fresh: the hits alone
+    assert registry.calls == ["loads_and_prefix_tiers", "prefix_tiers"]
+    registry.state.pop("p0")  # a worker that never reported: its hits are not placed by
+    fresh = Router(TOPOLOGY, registry, config("prefix_affinity"))
+    assert route(fresh, "c").prefill == "p1"
+    assert registry.calls[-1] == "loads_and_prefix_tiers" and set(fresh._last_hits) == {"p1", "d0", "d1"}

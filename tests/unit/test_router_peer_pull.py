@@ -75,6 +75,9 @@ class Registry:
     def prefix_tiers(self, hashes, workers):
         return {w: self.hits.get(w, TierHits(0)) for w in workers}
 
+    def loads_and_prefix_tiers(self, workers, hashes):
+        return self.loads(workers), self.prefix_tiers(hashes, workers)
+
 
 @pytest.mark.parametrize("pull_from, source, ttft", [(("c1",), "c1", 0.027), ((), None, 0.043)])
 def test_a_worker_that_can_pull_from_a_full_peer_is_placed_with_the_peer_as_its_kv_source(pull_from, source, ttft):

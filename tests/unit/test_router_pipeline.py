@@ -133,6 +133,8 @@ def test_a_remote_pair_adds_queue_prefill_transfer_and_the_wait_for_the_step_in_
     assert c.idle_ttft_s == pytest.approx(0.043 + transfer)
     [less] = remote_candidates("d0", d, ["p0"], sides, queued, prompt, -1.0, rotation_prefill=None)
     assert less.ttft_s == pytest.approx(c.ttft_s / 2) and not less.rotation_slot
+    [hop] = remote_candidates("d0", d._replace(call_s=0.003), ["p0"], sides, queued, prompt, 0.0, None)
+    assert (hop.call_s, hop.ttft_s, hop.idle_ttft_s) == pytest.approx((0.003, c.ttft_s + 0.003, c.idle_ttft_s + 0.003))
 
 
 def test_a_local_prefill_waits_for_the_step_in_progress_then_prefills_what_is_not_cached():
