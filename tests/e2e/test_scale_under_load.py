@@ -175,7 +175,7 @@ def test_streams_survive_a_worker_added_one_drained_and_one_moved(model_dir, tmp
                 assert not client.keys(f"{prefix}worker:{gone}:*")
             holders = set()
             for key in client.scan_iter(prefix + "block:*"):
-                holders |= {w.decode() for w in client.smembers(key)}
+                holders |= {w.decode() for w in client.hkeys(key)}
             assert holders <= set(live)
         finally:
             client.close()

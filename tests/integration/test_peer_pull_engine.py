@@ -13,7 +13,7 @@ from cluster.engine.engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv_transfer.agent import PairLayout, TransferAgent
 from cluster.kv_transfer.in_process_transport import InProcessTransport
-from cluster.kv_transfer.transports import register_transport
+from cluster.kv_transfer import transports
 from cluster.parallel.group import GroupSpec
 from cluster.parallel.tp_runner import engine_runner
 from conftest import random_prompts
@@ -26,6 +26,13 @@ BLOCKS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def in_process_transport(monkeypatch):
+    """The in-process transport, registered for this module's tests only: a test of topologies
+    run after them must still find only the transports a topology may name."""
+    monkeypatch.setitem(transports._TRANSPORTS, InProcessTransport.name, InProcessTransport)
+
+
 def engine(model_dir, name: str, **overrides) -> LLMEngine:
     config = dict(model=str(model_dir), num_kv_blocks=BLOCKS, block_size=BLOCK, max_num_seqs=4, engine_name=name)
     return LLMEngine(EngineConfig(**{**config, **overrides}), verbose=False,
@@ -33,7 +40,6 @@ def engine(model_dir, name: str, **overrides) -> LLMEngine:
 
 
 def paired(sender: LLMEngine, receiver: LLMEngine, name: str) -> str:
-    register_transport(InProcessTransport)
     layout = PairLayout(name, 1, 1, sender.model_config.num_kv_heads, InProcessTransport.name)
     spec = GroupSpec("peer-pull-tests", name, 2)
     sender.runner.join_transfer(layout, spec, True)

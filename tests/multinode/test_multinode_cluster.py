@@ -172,7 +172,7 @@ def test_a_decode_node_lost_mid_stream_then_added_back(checkpoint, ray_cluster):
 
             def dead_node_gone() -> bool:
                 loads = read_loads(registry, CLUSTER, ["prefill-0", "decode-0", "decode-1"])
-                held = [k for k in registry.scan_iter(Keys(CLUSTER).block("*")) if registry.sismember(k, "decode-0")]
+                held = [k for k in registry.scan_iter(Keys(CLUSTER).block("*")) if registry.hexists(k, "decode-0")]
                 return ("decode-0" not in index.alive_workers() and "decode-0" not in loads and not held
                         and not registry.exists(Keys(CLUSTER).worker_blocks("decode-0"))
                         and all(load.node_id != lost.node_id for load in loads.values()))
