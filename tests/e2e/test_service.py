@@ -38,6 +38,9 @@ PROMPTS = random_prompts([12, 40, 70], seed=21)
 TEXT = "The quick brown fox jumps over the lazy dog."
 MAX_TOKENS = 12
 REMOTE_PROMPT = random_prompts([300], seed=22)[0]  # past router.local_prefill_max_tokens: its KV travels
+# Prompts no worker caches, one per call served after a restart: a decode worker that prefilled one
+# itself (while its transfer group was rebuilt) caches it, and would rightly prefill it again.
+AFTER_RESTART = random_prompts([300] * 8, seed=24)
 LONG_PROMPT = random_prompts([40], seed=23)[0]
 LONG_TOKENS = 470  # streams long enough to kill their decode worker in the middle ...
 STREAMS = 12  # ... and enough of them to make each step slower than the kill
@@ -50,6 +53,8 @@ def reference_tokens(model_dir: Path, tmp: Path) -> dict[str, list[int]]:
     lines.append({"id": "text", "prompt": TEXT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
     lines.append({"id": "remote", "prompt_token_ids": REMOTE_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
                   "ignore_eos": True})
+    lines += [{"id": f"after{i}", "prompt_token_ids": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+              for i, p in enumerate(AFTER_RESTART)]
     lines.append({"id": "long", "prompt_token_ids": LONG_PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0,
                   "ignore_eos": True})
     source, out = tmp / "in.jsonl", tmp / "out.jsonl"
@@ -612,15 +617,16 @@ def test_tandem_up_starts_a_killed_decode_worker_again(model_dir, reference, tmp
         seen = []  # what each call found, for a failure's message
 
         def remote_served_by_prefill_worker():
+            i = sum(s.startswith("served") for s in seen)  # a prompt no call was served with yet
             with TandemClient(cluster.api, timeout_s=120) as client:
                 try:
-                    tokens, messages = stream_tokens(client, REMOTE_PROMPT)
+                    tokens, messages = stream_tokens(client, AFTER_RESTART[i])
                 except TandemError as exc:
                     assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
                     assert "waiting for decode-0 to start again" in exc.message
                     seen.append("refused while decode-0 starts again")
                     return None
-            assert tokens == reference["remote"]
+            assert tokens == reference[f"after{i}"]
             seen.append(f"served by {messages[-1].prefill_worker or 'itself'} -> {messages[-1].decode_worker}")
             return messages[-1].prefill_worker == "prefill-0" and messages[-1].decode_worker == "decode-0"
 
