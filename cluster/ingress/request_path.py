@@ -102,6 +102,13 @@ class Journey:
             return None
         return (self.finished_at - self.first_token_at) / (n - 1)
 
+    def steady_tpot_s(self) -> float | None:
+        """Its TPOT where it streamed from one placement, else None: a request moved mid-stream
+        counts its worker's failure and the move in its TPOT, which no step time explains (the
+        router learned a TPOT scale of up to 4x from the streams a killed worker moved, and then
+        refused a burst on an idle cluster)."""
+        return self.tpot_s() if self.attempt == 0 else None
+
     def timings_ms(self) -> Timings:
         def ms(later, earlier):
             return (later - earlier) * 1000 if later is not None and earlier is not None else 0.0
@@ -417,7 +424,7 @@ class RequestPath:
                     try:
                         yield message
                     finally:  # after the last message is on its way
-                        router.finished(attempt_id, ttft_s=journey.ttft_s(), tpot_s=journey.tpot_s(),
+                        router.finished(attempt_id, ttft_s=journey.ttft_s(), tpot_s=journey.steady_tpot_s(),
                                         service_ttft_s=_service_ttft(journey, attempt.placed_at),
                                         output_tokens=attempt.tokens)
                         told.set_result(None)

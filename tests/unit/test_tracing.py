@@ -108,3 +108,12 @@ def test_a_rejected_request_and_the_callers_trace(spans):
 
 def test_tracing_off_is_no_tracer():
     assert request_tracer(TracingSpec(), "c1") is None
+
+
+def test_a_moved_request_teaches_no_tpot():
+    """The router learns its TPOT scale only from requests that streamed from one placement: a
+    moved one's TPOT spans its worker's failure."""
+    kept = Journey("r4", T0, 10, "standard", first_token_at=T0 + 0.1, finished_at=T0 + 0.5, tokens=list(range(5)))
+    assert kept.steady_tpot_s() == kept.tpot_s() == pytest.approx(0.1)
+    kept.attempt = 1
+    assert kept.tpot_s() == pytest.approx(0.1) and kept.steady_tpot_s() is None
