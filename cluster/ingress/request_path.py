@@ -104,9 +104,9 @@ class Journey:
 
     def steady_tpot_s(self) -> float | None:
         """Its TPOT where it streamed from one placement, else None: a request moved mid-stream
-        counts its worker's failure and the move in its TPOT, which no step time explains (the
-        router learned a TPOT scale of up to 4x from the streams a killed worker moved, and then
-        refused a burst on an idle cluster)."""
+        counts its worker's failure and the move in its TPOT, which no step time explains. (The
+        router learned its TPOT scale from the 8 streams a killed decode worker moved, and then
+        predicted 251 ms TPOT where 8 ms held: a burst of 64 right after, 23 and 49 placed; now 64.)"""
         return self.tpot_s() if self.attempt == 0 else None
 
     def timings_ms(self) -> Timings:
