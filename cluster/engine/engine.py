@@ -100,6 +100,9 @@ class StepRecord:
     host_load_s: float = 0.0  # ... and the time their loads took
 
 
+PREFILL_STEPS_KEPT = 16  # the latest prefill-only steps kept apart from the rest (``EngineStats.prefill_steps``)
+
+
 @dataclass
 class EngineStats:
     """Counters an operator (and the benchmarks) read; ``steps`` keeps the recent steps."""
@@ -110,6 +113,10 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: deque = field(default_factory=lambda: deque(maxlen=4096))
+    # The latest prefill-only steps, however many decode steps came since: a decode worker's
+    # prompts are a few steps among thousands of decodes, and its load reports carry these so
+    # that the router's fit of its prefill follows what it measured, not its start-up profile.
+    prefill_steps: deque = field(default_factory=lambda: deque(maxlen=PREFILL_STEPS_KEPT))
     proposed_tokens: int = 0  # speculative decoding: guesses checked ...
     accepted_tokens: int = 0  # ... and kept ...
     verify_steps: int = 0  # ... over this many request-steps
@@ -118,6 +125,11 @@ class EngineStats:
     host_copy_seconds: float = 0.0  # the time those copies took (before the steps' forwards)
     host_load_seconds: float = 0.0  # of which the loads: what the router's cost model prices a host hit by
     host_written_back_blocks: int = 0  # of the offloads, those copied ahead of eviction, off the critical path
+
+    def record(self, step: StepRecord) -> None:
+        self.steps.append(step)
+        if step.num_prefill_tokens and not step.num_decode_tokens:
+            self.prefill_steps.append(step)
 
     @property
     def acceptance_rate(self) -> float:
@@ -604,7 +616,7 @@ class LLMEngine:
             outputs.append(self._output(request, list(request.token_ids[-len(tokens[request.request_id]):])))
         self.stats.generated_tokens += sum(len(t) for t in tokens.values())
         self.stats.num_steps += 1
-        self.stats.steps.append(
+        self.stats.record(
             StepRecord(
                 num_decode_tokens=len(out.decodes) + len(out.verifies),
                 num_prefill_tokens=out.num_tokens - len(out.decodes) - sum(n for _, n in out.verifies),

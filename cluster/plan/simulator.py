@@ -213,7 +213,7 @@ class SimEngine:
         self.scheduler.update(step.out, tokens)
         self.stats.generated_tokens += len(tokens)
         self.stats.num_steps += 1
-        self.stats.steps.append(step.record)
+        self.stats.record(step.record)
         for request in step.sampling:
             if request.finished:
                 self.sending.pop(request.request_id, None)

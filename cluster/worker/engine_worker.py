@@ -77,6 +77,15 @@ class StepLock:
         return self._lock
 
 
+def reported_steps(stats) -> list:
+    """The steps a load report carries: the latest ``STEPS_REPORTED``, after the latest
+    prefill-only steps older than those (``EngineStats.prefill_steps``), so that a decode worker
+    whose recent steps are all decodes still shows the router how long its prompts took."""
+    latest = list(islice(reversed(stats.steps), STEPS_REPORTED))[::-1]
+    recent = {id(s) for s in latest}
+    return [s for s in stats.prefill_steps if id(s) not in recent] + latest
+
+
 class EngineWorker:
     prefill_side: bool = True
 
@@ -127,7 +136,7 @@ class EngineWorker:
                 steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
                                        s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s,
                                        s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s)
-                            for s in reversed(list(islice(reversed(engine.stats.steps), STEPS_REPORTED)))),
+                            for s in reported_steps(engine.stats)),
                 unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
                 incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(),
             )

@@ -1,7 +1,7 @@
 """A worker's start-up profile: measured step times for the router's cost model before the
 first request, measured once per model, settings and machine and then kept.
 
-The profile (:func:`measure`) runs a few prompts of growing length, then (for a worker that
+The profile (:func:`measure`) runs a few prompts of growing length, twice over, then (for a worker that
 generates) a decode batch that shrinks by one sequence a step, from up to ``DECODE_BATCH``
 sequences down to one, so the cost model sees the batch sizes it will predict rather than a
 handful to extrapolate from (a fit from batches of 1 to 4 put 16 sequences at 111 ms a step
@@ -56,7 +56,14 @@ from cluster.engine.models.source import resolve_model_source
 from cluster.engine.sampling_params import SamplingParams
 from cluster.paths import cache_dir, keep_newest, read_cache_file, write_cache_file
 
-PROMPT_TOKENS = (16, 64, 256, 512)
+PROMPT_TOKENS = (16, 32, 64, 128, 256, 512)
+# Each prompt is measured this many times, the rounds one after the other: a step that something
+# else slowed is then one sample among its shape's others, which the router's fit drops as an
+# outlier. With one round (4 prompts) the fit had nothing to drop: two fresh profiles of the same
+# prefill worker put its fixed cost at 43 ms and at 161 ms, and a decode worker's prefill fit,
+# kept from its profile, sent one cluster's short prompts all to its prefill worker and another's
+# all to be prefilled where they decode (1-stream TTFT 27.9 against 16.0 ms).
+PROMPT_ROUNDS = 2
 DECODE_BATCH = 32  # the widest decode batch measured (less where max_num_seqs or the cache says)
 PROMPTS_TIME_LIMIT_S = 10.0
 DECODE_TIME_LIMIT_S = 20.0
@@ -177,7 +184,7 @@ def measure(engine, role: str) -> None:
         return [rng.randrange(vocab) for _ in range(min(n, limit))]
 
     deadline = time.monotonic() + PROMPTS_TIME_LIMIT_S
-    for i, n in enumerate(PROMPT_TOKENS):
+    for i, n in enumerate(PROMPT_TOKENS * PROMPT_ROUNDS):
         if time.monotonic() >= deadline:
             break
         engine.add_request(f"profile-prefill-{i}", prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
@@ -223,7 +230,8 @@ def _forget_requests(engine, steps: Iterable[StepRecord]) -> None:
     engine.block_manager.reset_prefix_cache()
     engine.block_manager.drain_events()
     engine.stats = EngineStats()
-    engine.stats.steps.extend(steps)
+    for step in steps:
+        engine.stats.record(step)
 
 
 # -- keeping profiles -------------------------------------------------------------------------
@@ -246,7 +254,7 @@ def profile_key(engine: LLMEngine, role: str) -> dict:
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "software": {"torch": torch.__version__},  # the engine's own code is checked by the probe
-        "recipe": {"prompt_tokens": list(PROMPT_TOKENS), "decode_batch": DECODE_BATCH,
+        "recipe": {"prompt_tokens": list(PROMPT_TOKENS), "rounds": PROMPT_ROUNDS, "decode_batch": DECODE_BATCH,
                    "prompts_s": PROMPTS_TIME_LIMIT_S, "decode_s": DECODE_TIME_LIMIT_S},
     }
 

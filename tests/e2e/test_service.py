@@ -208,9 +208,9 @@ def test_drill_an_impossible_objective_and_a_burst_never_wedge_the_cluster(defau
                if not isinstance(o, TandemError)) and not any(isinstance(o, TandemError) for o in outcomes)
     for prompt in prompts[100:105]:
         messages = run(prompt, **normal)
-        assert isinstance(messages, list) and messages[-1].finish_reason == "length", messages
+        assert isinstance(messages, list) and messages[-1].finish_reason == "length", f"{messages!r}"  # whole
     interactive = run(prompts[105], slo_class="interactive", **normal)
-    assert isinstance(interactive, list) and interactive[-1].finish_reason == "length", interactive
+    assert isinstance(interactive, list) and interactive[-1].finish_reason == "length", f"{interactive!r}"
     router = default_cluster.status()["router"]
     assert router["waiting"] == 0 and router["in_flight"] == 0
     assert all(abs(c) <= 0.5 for c in router["ttft_correction_s"].values())

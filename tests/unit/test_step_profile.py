@@ -173,8 +173,9 @@ def test_the_profile_measures_prompts_then_a_shrinking_decode_batch(model, measu
     step_profile.start_up(llm, "decode")
     steps = list(llm.stats.steps)
     limit = min(llm.max_model_len - 16, llm.block_manager.num_blocks * llm.config.block_size // 2)
-    prompts = [s.num_prefill_tokens for s in steps[:len(step_profile.PROMPT_TOKENS)]]
-    assert prompts == [min(n, limit) for n in step_profile.PROMPT_TOKENS]
+    shapes = step_profile.PROMPT_TOKENS * step_profile.PROMPT_ROUNDS
+    prompts = [s.num_prefill_tokens for s in steps[:len(shapes)]]
+    assert prompts == [min(n, limit) for n in shapes] and step_profile.PROMPT_ROUNDS == 2
     decodes = [s.num_decode_tokens for s in steps if s.num_decode_tokens and not s.num_prefill_tokens]
     assert decodes == sorted(decodes, reverse=True) and decodes[-1] == 1 and decodes[0] > 1
     assert_nothing_left(llm)
@@ -185,7 +186,7 @@ def test_a_fresh_profile_stops_at_its_time_limits(model, measured, monkeypatch):
     llm = engine(model)
     step_profile.start_up(llm, "decode")
     steps = list(llm.stats.steps)
-    assert len(steps) == len(step_profile.PROMPT_TOKENS)  # the prompts, and no step of the decode batch
+    assert len(steps) == len(step_profile.PROMPT_TOKENS) * step_profile.PROMPT_ROUNDS  # no decode batch step
     assert all(not s.num_decode_tokens for s in steps)
     assert_nothing_left(llm)
 

@@ -1,0 +1,52 @@
+"""What a worker's load report carries of its steps: the latest ``STEPS_REPORTED``, after its
+latest prefill-only steps older than those, so that a decode worker whose last steps were all
+decodes still shows the router what its prompts took (``cluster/worker/engine_worker.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine.engine import PREFILL_STEPS_KEPT, EngineStats, StepRecord
+from cluster.registry.load import STEPS_REPORTED
+from cluster.worker.engine_worker import reported_steps
+
+pytestmark = pytest.mark.unit
+
+
+def prefill(tokens: int) -> StepRecord:
+    return StepRecord(num_decode_tokens=0, num_prefill_tokens=tokens, seconds=tokens / 1000, context_tokens=0)
+
+
+def decode(rows: int) -> StepRecord:
+    return StepRecord(num_decode_tokens=rows, num_prefill_tokens=0, seconds=0.01, context_tokens=8)
+
+
+def test_prompts_older_than_the_window_come_first_then_the_window():
+    stats = EngineStats()
+    prompts = [prefill(16 + i) for i in range(PREFILL_STEPS_KEPT + 4)]
+    for step in prompts:
+        stats.record(step)
+    mixed = StepRecord(num_decode_tokens=3, num_prefill_tokens=40, seconds=0.02, context_tokens=9)  # not prefill-only
+    stats.record(mixed)
+    decodes = [decode(1 + i % 4) for i in range(STEPS_REPORTED)]
+    for step in decodes:
+        stats.record(step)
+    assert reported_steps(stats) == prompts[-PREFILL_STEPS_KEPT:] + decodes
+
+
+def test_a_prompt_inside_the_window_is_reported_once():
+    stats = EngineStats()
+    early, late = prefill(20), prefill(30)
+    steps = [early] + [decode(2)] * STEPS_REPORTED + [late] + [decode(1)] * 5
+    for step in steps:
+        stats.record(step)
+    assert reported_steps(stats) == [early] + steps[-STEPS_REPORTED:]
+    assert reported_steps(stats).count(late) == 1
+
+
+def test_few_steps_are_reported_as_they_are():
+    stats = EngineStats()
+    steps = [prefill(16), decode(1), prefill(64), decode(2)]
+    for step in steps:
+        stats.record(step)
+    assert reported_steps(stats) == steps and list(stats.prefill_steps) == [steps[0], steps[2]]
