@@ -170,10 +170,11 @@ class OpenAIServer:
                 prompt, cached = (choices[0].usage[0], choices[0].usage[1]) if choices[0].usage else (0, 0)
                 await _send(response, openai_api.usage_chunk(req, openai_api.usage(prompt, completion, cached)))
             await response.write(b"data: [DONE]\n\n")
-        finally:
+        finally:  # a caller gone: each pump is cancelled inside its stream, which aborts its request
             for task in pumps:
                 task.cancel()
-            for stream in streams:
+            await asyncio.gather(*pumps, return_exceptions=True)  # done before the streams are closed:
+            for stream in streams:  # closing a stream its pump still runs raises (and left a traceback)
                 await stream.aclose()
         return response
 

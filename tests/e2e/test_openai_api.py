@@ -258,6 +258,8 @@ def test_a_disconnected_stream_frees_every_block(cluster):
     headers = {"Authorization": f"Bearer {TOKEN}"}
     body = {"model": "tiny-chat", "prompt": random_prompts([40], seed=3)[0], "max_tokens": 400, "stream": True,
             "ignore_eos": True}
+    log = cluster.cache / "clusters" / "e2e-openai.log"
+    logged = log.stat().st_size if log.exists() else 0
     with httpx.Client(timeout=60) as http:
         for _ in range(3):
             with http.stream("POST", f"{cluster.state['http']}/completions", json=body, headers=headers) as events:
@@ -267,6 +269,9 @@ def test_a_disconnected_stream_frees_every_block(cluster):
         w["kv_blocks_used"] == 0 and w["running"] == 0 for w in s["workers"]) and s, 60, "every block to be free",
         every_s=0.5)
     assert status["in_flight"] == 0
+    with open(log, errors="replace") as text:  # a hang-up is no fault of the server's: nothing in its log
+        text.seek(logged)
+        assert "Traceback" not in text.read()
 
 
 # -- tool calls ---------------------------------------------------------------------------------
