@@ -101,6 +101,18 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
               "(admission control refused it) and queue (it waited for a pair that can meet its objectives).",
               ((f"sum by (action) (rate(ray_tandem_router_decisions_total{NOT_PLACED}{RATE}))",
                 "{{action}}"),), unit="ops"),
+        Panel("Router warm-up", "Seconds each router took, when it (re)started, to rebuild its view from the "
+              "registry (load reports, step-time fits) before its first placement; its prefix index is the "
+              "registry's own, so a restarted router places as warm as before.",
+              ((f"max by (policy) (ray_tandem_router_warm_up_seconds{C})", "{{policy}}"),), unit="s",
+              kind="stat", width=6),
+        Panel("Live planner: workers per role", "The planner's latest look (planner.mode advise or act): workers "
+              "per role now (current) and in the split it proposes (proposed).",
+              ((f"max by (split, role) (ray_tandem_planner_workers{C})", "{{split}} {{role}}"),), width=9),
+        Panel("Live planner: predicted goodput per split", "Goodput the planner's simulator predicts for each "
+              "prefill:decode split it simulated at its latest look.",
+              ((f"max by (split) (ray_tandem_planner_predicted_goodput_rps{C})", "{{split}}"),), unit="reqps",
+              width=9),
     )),
     ("Workers", (
         Panel("KV cache use per worker", "Share of each worker's KV blocks in use (blocks kept only for the prefix "
@@ -115,6 +127,19 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         Panel("Requests per worker", "Requests on each worker: waiting in its scheduler's queue, running in its "
               "batch, and receiving (their KV still landing).",
               ((f"max by (worker, state) (ray_tandem_worker_requests{C})", "{{worker}} {{state}}"),), width=8),
+    )),
+    ("KV host tier", (
+        Panel("Host tier blocks per worker", "KV blocks each worker's host tier holds (kv.host_cache): blocks its "
+              "device cache evicted, kept to be loaded back as prefix hits.",
+              ((f"max by (worker) (ray_tandem_kv_host_blocks_used{C})", "{{worker}}"),), width=8),
+        Panel("Host tier offloads and loads", "Blocks per second each worker copied to its host tier (offloaded) "
+              "and loaded back as prefix hits (loaded).",
+              ((_worker_rate("tandem_kv_host_offloaded_blocks"), "{{worker}} offloaded"),
+               (_worker_rate("tandem_kv_host_loaded_blocks"), "{{worker}} loaded")), width=8),
+        Panel("Host tier hit share", "Of the blocks a worker's host tier took, the share it loaded back: low means "
+              "the tier mostly keeps blocks no prompt asks for again.",
+              ((f"{_worker_rate('tandem_kv_host_loaded_blocks')} / {_worker_rate('tandem_kv_host_offloaded_blocks')}",
+                "{{worker}}"),), unit="percentunit", width=8, max_value=1),
     )),
     ("Speculative decoding", (
         Panel("Guessed tokens proposed and accepted", "Tokens per second that each speculating worker guessed and "

@@ -150,6 +150,12 @@ class WorkerMetrics:
         self.spec_verifies = metrics.Counter("tandem_spec_verify_steps", "speculative decoding: request-steps that "
                                              "checked guesses", tag_keys=keys)
         self._spec_totals = (0, 0, 0)
+        self.host_offloaded = metrics.Counter("tandem_kv_host_offloaded_blocks", "KV blocks copied to the host tier "
+                                              "as the device cache evicted them (kv.host_cache)", tag_keys=keys)
+        self.host_loaded = metrics.Counter("tandem_kv_host_loaded_blocks", "KV blocks loaded back from the host "
+                                           "tier as prefix hits", tag_keys=keys)
+        self.host_used = metrics.Gauge("tandem_kv_host_blocks_used", "KV blocks the host tier holds", tag_keys=keys)
+        self._host_totals = (0, 0)
         if generates:
             for counter in (self.spec_proposed, self.spec_accepted, self.spec_verifies):
                 _start_at_zero(counter, self.tags)
@@ -170,6 +176,16 @@ class WorkerMetrics:
             if now > before:
                 counter.inc(now - before, self.tags)
         self._spec_totals = totals
+
+    def host_tier(self, offloaded: int, loaded: int, used: int) -> None:
+        """The engine's host-tier totals now (counters grow by what was added since the last call)
+        and the blocks it holds."""
+        for counter, now, before in zip((self.host_offloaded, self.host_loaded), (offloaded, loaded),
+                                        self._host_totals):
+            if now > before:
+                counter.inc(now - before, self.tags)
+        self._host_totals = (offloaded, loaded)
+        self.host_used.set(used, self.tags)
 
     def pair_rebuilt(self, prefill: str) -> None:
         self.pair_rebuilds.inc(1, {**self.tags, "prefill": prefill})

@@ -144,6 +144,9 @@ class EngineWorker:
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
                                 load.waiting, load.running, load.receiving)
             self.metrics.speculation(stats.proposed_tokens, stats.accepted_tokens, stats.verify_steps)
+            host = engine.block_manager.host
+            if host is not None:
+                self.metrics.host_tier(stats.host_offloaded_blocks, stats.host_loaded_blocks, host.num_used)
             return engine.block_manager.drain_events(), load
 
     def describe(self) -> dict:

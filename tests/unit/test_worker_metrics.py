@@ -1,5 +1,5 @@
-"""A worker's Prometheus counters of speculative decoding: exported from 0 on workers that
-decode, grown by what the engine's totals added since the last report."""
+"""A worker's Prometheus counters of speculative decoding (exported from 0 on workers that
+decode) and of its KV host tier: grown by what the engine's totals added since the last report."""
 
 from __future__ import annotations
 
@@ -49,3 +49,16 @@ def test_a_prefill_worker_exports_no_speculation(recorded):
     worker = metrics.WorkerMetrics("c", "prefill-0", "prefill")
     worker.speculation(0, 0, 0)
     assert all(values == [] for values in counts(worker).values())
+
+
+def test_host_tier_counters_grow_by_the_engines_new_copies_and_the_gauge_holds_its_blocks(recorded):
+    worker = metrics.WorkerMetrics("c", "decode-0", "decode", generates=True)
+    worker.host_tier(5, 0, 5)
+    worker.host_tier(5, 0, 5)  # nothing new: nothing counted
+    worker.host_tier(9, 3, 7)
+    worker.host_tier(2, 1, 2)  # the totals started again (a start-up profile resets them): counted from there
+    worker.host_tier(4, 1, 4)
+    assert worker.host_offloaded.values == [(5, "decode-0"), (4, "decode-0"), (2, "decode-0")]
+    assert worker.host_loaded.values == [(3, "decode-0")]
+    assert worker.host_used.values == [(5, "decode-0"), (5, "decode-0"), (7, "decode-0"), (2, "decode-0"),
+                                       (4, "decode-0")]
