@@ -176,6 +176,23 @@ class _Placed:
     max_tokens: int = 0
 
 
+def _less_ended(load: WorkerLoad, ended: Sequence["_Ended"]) -> WorkerLoad:
+    """``load`` less ``ended``, requests it counts that have ended since: each was in one of its
+    states (running, else receiving, else waiting: which one the report does not say), and its
+    blocks are free again. Right after a burst a report 0.1 s old showed the decode worker full
+    of requests receiving or waiting that had all ended; counting them, the router refused a
+    request on the idle cluster, predicting a long wait for a decode slot."""
+    left = len(ended)
+    states = {}
+    for state in ("running", "receiving", "waiting"):
+        states[state] = max(0, getattr(load, state) - left)
+        left -= getattr(load, state) - states[state]
+    blocks = sum(-(-e.context_tokens // max(1, load.block_size)) for e in ended)
+    return replace(load, **states, next_slot_tokens=load.next_slot_tokens if states["running"] else 0,
+                   free_blocks=min(load.num_blocks, load.free_blocks + blocks),
+                   decode_context_tokens=max(0, load.decode_context_tokens - sum(e.context_tokens for e in ended)))
+
+
 class _Ended(NamedTuple):
     """A placement that ended: its decode worker's reports from before ``ended_at`` may still
     count it (as running, with ``context_tokens`` of KV), those from before ``placed_at`` do not."""
@@ -549,11 +566,8 @@ class Router:
                 continue
             self._ended[worker] = ended
             counted = [e for e in ended if e.placed_at < load.updated_at]
-            if counted and load.running:
-                running = max(0, load.running - len(counted))
-                out[worker] = replace(
-                    load, running=running, next_slot_tokens=load.next_slot_tokens if running else 0,
-                    decode_context_tokens=max(0, load.decode_context_tokens - sum(e.context_tokens for e in counted)))
+            if counted:
+                out[worker] = _less_ended(load, counted)
         return out
 
     def _pending(self, loads: dict[str, WorkerLoad], workers: Sequence[str]) -> dict[str, list[_Placed]]:

@@ -686,6 +686,29 @@ def test_a_report_from_before_a_request_ended_does_not_count_it():
     assert busy._ended == {}  # what the reports show ended is forgotten
 
 
+def test_a_report_from_before_a_burst_ended_does_not_fill_the_idle_worker():
+    """A burst's requests were running, receiving and waiting on the decode worker when it last
+    reported (18 sequences, 16 the most it takes); all have ended since, as this router was told.
+    The next request is placed on the idle worker, with the blocks they held free again, not
+    refused for want of a decode slot (what a drill saw right after a burst of 93 streams)."""
+    topology = Topology(prefill=("p0",), decode=("d0",), block_size=BS, hash_keys=("m",))
+    registry = FakeRegistry({"d0": load("d0", updated_at=NOW - 0.3)})
+    router = Router(topology, registry, config())
+    burst = [route(router, f"b{i}", prompt=[7, i] + PROMPT[2:], now=NOW - 0.2, slo_class="batch") for i in range(18)]
+    assert all(d.action == "place" for d in burst)
+    context = 18 * (len(PROMPT) + 8)
+    registry.state["d0"] = replace(load("d0", running=2, free=100 - 18 * 3, context=2 * (len(PROMPT) + 8),
+                                        updated_at=NOW - 0.05), receiving=7, waiting=9)
+    for i in range(18):
+        router.finished(f"b{i}", output_tokens=8, now=NOW - 0.03)
+    netted = router._net_of_ended(dict(registry.state))["d0"]
+    assert (netted.running, netted.receiving, netted.waiting, netted.free_blocks) == (0, 0, 0, 100)
+    assert context and netted.decode_context_tokens == 0
+    decision = route(router, "next", slo_class="standard")
+    assert (decision.action, decision.decode) == ("place", "d0")
+    assert decision.predicted_ttft_s == pytest.approx(0.043)  # an idle worker: the prompt's prefill alone
+
+
 def test_an_unrefreshed_correction_decays_towards_the_other_paths():
     """What the step-time model leaves out is mostly shared by both paths (the API, the stream):
     a path not used since the other was refreshed tends to the other's correction, not to 0,
