@@ -16,12 +16,20 @@ on its cores (1 prefill + 2 decode to start, the split for the first phase), dri
 gRPC API by Poisson arrivals of the ``standard`` class, once with ``planner.mode: off`` and once
 with ``act`` (bounds: 3 workers, moves only; a look every ``--interval-s``). Goodput per phase is
 measured at the client; each decision's prediction and the goodput measured a window after it
-come from the planner's own record (``tandem status``).
+come from the planner's own record (``tandem status``). Each worker runs ``--local-threads``
+torch threads (1): with the default (every core per worker) three workers share two cores
+whatever their roles, so no split serves more than another (what the planner's shared-cores
+simulator predicts, and what a drill at that setting measured). With one thread each, one
+prefill worker uses one core and two use both: a 1,024-token prompt took 2.6 s on one thread
+here, so one prefill worker serves about 0.38 of them a second and two about 0.77, and the
+second phase's default rate (0.6 req/s) is beyond the first split and within the second. It
+lasts 240 s so that most of it runs after the planner has confirmed and made its move.
 
 Goals (issue #26): with ``act``, goodput in the second phase >= 1.3x the fixed split's, and
 each decision's predicted goodput within 20% of what was measured after it.
 
     PYTHONPATH=. .venv/bin/python benchmarks/shift_drill.py            # about 10 minutes on 2 cores
+    PYTHONPATH=. .venv/bin/python benchmarks/shift_drill.py --scale local   # about 14 minutes, quiet cores
 """
 
 from __future__ import annotations
@@ -140,8 +148,9 @@ def phase_figures(windows: list[Window], phase: str, window_s: float) -> tuple[f
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", choices=("sim", "local"), default="sim")
-    parser.add_argument("--local-phase1", default="64,256,0.6,90", help="local: prompt,output,rate,seconds")
-    parser.add_argument("--local-phase2", default="1024,16,2.0,150", help="local: prompt,output,rate,seconds")
+    parser.add_argument("--local-phase1", default="64,256,0.5,90", help="local: prompt,output,rate,seconds")
+    parser.add_argument("--local-phase2", default="1024,16,0.6,240", help="local: prompt,output,rate,seconds")
+    parser.add_argument("--local-threads", type=int, default=1, help="local: torch threads of each worker")
     parser.add_argument("--interval-s", type=float, default=10.0, help="local: between the planner's looks")
     parser.add_argument("--gpus", type=int, default=16, help="GPUs the split is made of")
     parser.add_argument("--tp", type=int, default=4, help="TP degree of every worker")
@@ -222,7 +231,9 @@ LOCAL_VOCAB = (100, 40000)  # token ids drawn from here: plain text pieces of th
 def local_topology(args, mode: str) -> dict:
     from local_cluster import free_port
 
-    return {"server": {"port": free_port(), "http_port": 0}, "prefill": {"replicas": 1}, "decode": {"replicas": 2},
+    threads = args.local_threads
+    return {"server": {"port": free_port(), "http_port": 0}, "prefill": {"replicas": 1, "threads": threads},
+            "decode": {"replicas": 2, "threads": threads},
             "planner": {"mode": mode, "interval_s": args.interval_s, "window_s": args.window_s, "min_workers": 3,
                         "max_workers": 3, "confirmations": args.confirmations, "cooldown_s": args.cooldown_s,
                         "min_gain": args.min_gain}}
@@ -302,7 +313,8 @@ def local_drill(args) -> int:
                                           for name, f in figures[mode].items()))
 
     print_table("machine", machine_rows() + [
-        ("cluster", "the quick start's default model; 3 workers on this machine's cores, 1 prefill + 2 decode to start"),
+        ("cluster", f"the quick start's default model; 3 workers on this machine's cores, {args.local_threads} torch "
+                    "thread(s) each, 1 prefill + 2 decode to start"),
         ("planner", f"act: a look every {args.interval_s:g} s over {args.window_s:g} s, {args.confirmations} looks to "
                     f"confirm, cooldown {args.cooldown_s:g} s, min gain {args.min_gain:.0%}; moves only (3 workers)")])
     rows = []
