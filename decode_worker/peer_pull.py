@@ -29,9 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from cluster.engine.sampling_params import InvalidRequestError
-from cluster.protocol.messages import FailureKind, PullOffer, PullReport, PullRequest, RequestFailed, WorkerFailure, \
-    WorkerRequest
+from cluster.protocol.messages import PullOffer, PullReport, PullRequest, RequestFailed, WorkerFailure, WorkerRequest
 
 TAG_LIMIT = 2**30
 
@@ -75,12 +73,9 @@ class PeerPulls:
         """Reserves the prompt's leading blocks, pulls what the peer caches of them, and admits
         the request to be prefilled here from there; returns what the pull did (with its error
         when nothing arrived), or how the request failed before it (invalid, no room)."""
-        try:
-            reserved = await self._tracked(stream, self._reserve_pull, request)
-        except InvalidRequestError as exc:
-            return RequestFailed("invalid", str(exc))
-        if reserved is None:
-            return WorkerFailure(FailureKind.NO_ROOM, f"{self.name} has no free KV blocks for this prompt now")
+        reserved = await self._reserve_blocks(stream, self._reserve_pull, request)
+        if not isinstance(reserved, tuple):
+            return reserved
         held, dst_blocks = reserved
         started = time.time()
         pulled, error = 0, None

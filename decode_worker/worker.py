@@ -15,7 +15,9 @@ rest itself:
 4. streams token deltas back to the caller: each item carries every token produced since the
    caller read the last one (one per step while it keeps up, several when it lags).
 
-With no prefill worker (``prefill=None``) it prefills the prompt itself. A caller that goes
+With no prefill worker (``prefill=None``) it prefills the prompt itself, first pulling the
+prefix a peer decode worker caches where the router chose that (``kv_source``; ``kv.peer_pull``:
+``decode_worker/peer_pull.py``). A caller that goes
 away closes its connection, which ends the generator and releases the request's blocks (after
 its KV receive ends, if one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
 that fails, ends the stream with a ``WorkerFailure`` (``cluster/protocol/messages.py``): the
@@ -319,27 +321,13 @@ class DecodeWorker(PeerPulls, EngineWorker):
         stream = self._streams[request_id] = _Stream()
         ended = False
         try:
-            if request.prefill is None and request.kv_source is not None:
-                pulled = await self._pull_prefix(stream, request)
-                if not isinstance(pulled, PullReport):
-                    ended = True
-                    yield pulled
-                    return
-                stream.parts.insert(0, TokenDelta([], "", pull=pulled))
-            elif request.prefill is None:
-                try:
-                    await self._tracked(stream, self._add_local, request)
-                except InvalidRequestError as exc:
-                    ended = True
-                    yield RequestFailed("invalid", str(exc))
-                    return
-            else:
-                outcome = await self._prefill_remote(stream, request)
-                if not isinstance(outcome, TransferReport):
-                    ended = True
-                    yield outcome
-                    return
-                stream.parts.insert(0, TokenDelta([], "", transfer=outcome))
+            first = await self._start(stream, request)
+            if isinstance(first, (RequestFailed, WorkerFailure)):
+                ended = True
+                yield first
+                return
+            if first is not None:  # what the KV hand-off (or pull) did, ahead of the first tokens
+                stream.parts.insert(0, first)
             while True:
                 item = await stream.take()
                 ended = item.final
@@ -350,6 +338,22 @@ class DecodeWorker(PeerPulls, EngineWorker):
             self._streams.pop(request_id, None)
             if not ended:  # the caller went away: free the request's blocks once nothing can still write them
                 asyncio.ensure_future(self._release_after(request_id, list(stream.busy)))
+
+    async def _start(self, stream: _Stream, request: WorkerRequest) -> TokenDelta | RequestFailed | WorkerFailure | None:
+        """Gets the request into the batch: its KV from the prefill worker, or prefilled here
+        (after pulling a peer's cached prefix, where the router chose that). Returns the delta
+        that reports the hand-off or pull, None for a plain local prefill, or how it failed."""
+        if request.prefill is not None:
+            outcome = await self._prefill_remote(stream, request)
+            return TokenDelta([], "", transfer=outcome) if isinstance(outcome, TransferReport) else outcome
+        if request.kv_source is not None:
+            pulled = await self._pull_prefix(stream, request)
+            return TokenDelta([], "", pull=pulled) if isinstance(pulled, PullReport) else pulled
+        try:
+            await self._tracked(stream, self._add_local, request)
+        except InvalidRequestError as exc:
+            return RequestFailed("invalid", str(exc))
+        return None
 
     async def _tracked(self, stream: _Stream, fn, *args):
         """``fn(*args)`` under the engine's lock: here at once when the lock is free (the engine
@@ -385,12 +389,9 @@ class DecodeWorker(PeerPulls, EngineWorker):
 
         loop = asyncio.get_running_loop()
         request_id, prefill, timeout_s = request.request_id, request.prefill, request.transfer_timeout_s
-        try:
-            reserved = await self._tracked(stream, self._reserve, request)
-        except InvalidRequestError as exc:
-            return RequestFailed("invalid", str(exc))
-        if reserved is None:
-            return WorkerFailure(FailureKind.NO_ROOM, f"{self.name} has no free KV blocks for this prompt now")
+        reserved = await self._reserve_blocks(stream, self._reserve, request)
+        if not isinstance(reserved, tuple):
+            return reserved
         first_block, dst_blocks = reserved
         pair = self._peers.get(prefill)
         if pair is None or prefill in self._unpaired:
@@ -443,6 +444,18 @@ class DecodeWorker(PeerPulls, EngineWorker):
                               prefill_span=(prefill_started, prefill_ended),
                               receive_span=(receive_started, times.get("received", prefill_ended)),
                               admitted_at=time.time())
+
+    async def _reserve_blocks(self, stream: _Stream, reserve, request: WorkerRequest
+                              ) -> tuple[int, list[int]] | RequestFailed | WorkerFailure:
+        """``reserve(request)`` under the engine's lock: (blocks cached here, block ids the KV
+        goes to), or how the request failed (invalid; no room now, which another placement may have)."""
+        try:
+            reserved = await self._tracked(stream, reserve, request)
+        except InvalidRequestError as exc:
+            return RequestFailed("invalid", str(exc))
+        if reserved is None:
+            return WorkerFailure(FailureKind.NO_ROOM, f"{self.name} has no free KV blocks for this prompt now")
+        return reserved
 
     # -- under the engine's lock (``_tracked``) ------------------------------------------------
 
