@@ -15,7 +15,9 @@ rest itself:
 4. streams token deltas back to the caller: each item carries every token produced since the
    caller read the last one (one per step while it keeps up, several when it lags).
 
-With no prefill worker (``prefill=None``) it prefills the prompt itself. A caller that goes
+With no prefill worker (``prefill=None``) it prefills the prompt itself, first pulling the
+prefix a peer decode worker caches where the router chose that (``kv_source``; ``kv.peer_pull``:
+``decode_worker/peer_pull.py``). A caller that goes
 away closes its connection, which ends the generator and releases the request's blocks (after
 its KV receive ends, if one is posted: a receive may still write into them). A prefill worker that dies, or a transfer
 that fails, ends the stream with a ``WorkerFailure`` (``cluster/protocol/messages.py``): the
@@ -46,15 +48,15 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.request import TransferTarget
 from cluster.engine.sampling_params import InvalidRequestError
 from cluster.worker.engine_worker import EngineWorker
-from cluster.protocol.messages import (FailureKind, Finished, PrefillResult, RequestFailed, TokenDelta,
+from cluster.protocol.messages import (FailureKind, Finished, PrefillResult, PullReport, RequestFailed, TokenDelta,
                                        TransferReport, Usage, WorkerFailure, WorkerRequest)
 from cluster.protocol.stream import StreamServer
 from decode_worker.call_overhead import CallOverhead
+from decode_worker.peer_pull import TAG_LIMIT, PeerPulls
 
 if TYPE_CHECKING:
     from cluster.engine.engine import RequestOutput
 
-TAG_LIMIT = 2**30
 CALL_THREADS = 4  # reserve, admit, release and status calls: each waits at most one step for the lock
 MAX_RECEIVES = 64  # receives in flight: each blocks a thread until its KV has landed
 REJOIN_TIMEOUT_S = 30.0  # a rebuilt transfer group's rendezvous: both sides join it at once
@@ -108,11 +110,12 @@ def merge_deltas(parts: list[TokenDelta | RequestFailed]) -> TokenDelta | Reques
     if any(p.logprobs is not None for p in parts):
         logprobs = [lp for p in parts for lp in (p.logprobs or [])]
     transfer = next((p.transfer for p in reversed(parts) if p.transfer is not None), None)
+    pull = next((p.pull for p in reversed(parts) if p.pull is not None), None)
     return TokenDelta([t for p in parts for t in p.token_ids], "".join(p.text for p in parts), logprobs,
-                      transfer, last.end)
+                      transfer, last.end, pull)
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker(PeerPulls, EngineWorker):
     prefill_side = False
     role = "decode"
 
@@ -124,10 +127,11 @@ class DecodeWorker(EngineWorker):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="decode-call")
         self._receives = ThreadPoolExecutor(MAX_RECEIVES, thread_name_prefix="decode-receive")
-        self._peers: dict[str, str] = {}  # prefill worker name -> the pair (transfer group) joining us
+        self._peers: dict[str, str] = {}  # prefill worker (or peer pulled from) -> the pair we take KV through
+        self._pulls_from: set[str] = set()  # of those, the decode peers (kv.peer_pull): pulls, not prefills
         self._tags: dict[str, itertools.count] = {}
         self._groups: dict[str, tuple] = {}  # pair -> (its PairLayout, the GroupSpec of its current group)
-        # Prefill workers whose pair is not built yet or being rebuilt (read by the reporter's thread).
+        # Prefill workers (and peers) whose pair is not built yet or being rebuilt (read by the reporter's thread).
         self._unpaired: frozenset[str] = frozenset(prefill_peers)
         self._pairing: dict[str, asyncio.Lock] = {}  # prefill worker -> held while its group is (re)built
         self.pair_rebuilds = 0
@@ -140,7 +144,7 @@ class DecodeWorker(EngineWorker):
     async def set_peers(self, peers: dict[str, str]) -> None:
         """The prefill workers this worker can take KV from, each with the pair joining them
         (a pair already in use keeps its tags: transfers may be in flight on it)."""
-        self._peers = dict(peers)
+        self._peers = {**{w: p for w, p in self._peers.items() if w in self._pulls_from}, **peers}
         self._tags = {pair: self._tags.get(pair) or itertools.count() for pair in peers.values()}
 
     async def unpair(self, prefill: str) -> None:
@@ -155,17 +159,29 @@ class DecodeWorker(EngineWorker):
         from it through that group from then on. Called on a running worker: by its deployment
         at start, and for a prefill worker (or this worker) started again after it died. Until
         the group is built the pair is out of use (reported as unpaired)."""
+        await self._pair(prefill, layout, spec, pulls=False)
+
+    async def pair_with_peer(self, peer: str, layout, spec) -> None:
+        """As :meth:`pair_with`, with the decode worker ``peer`` (``kv.peer_pull``): it sends
+        (the layout's first ranks, the rendezvous at its node), this worker pulls its cached
+        prefixes through the group from then on, and reports it in ``pull_from``."""
+        await self._pair(peer, layout, spec, pulls=True)
+
+    async def _pair(self, worker_name: str, layout, spec, pulls: bool) -> None:
         import ray
 
-        async with self._pairing.setdefault(prefill, asyncio.Lock()):
-            if prefill in self._peers:
-                self._set_unpaired(self._unpaired | {prefill})
-            worker = ray.get_actor(prefill, namespace=ray.get_runtime_context().namespace)
-            await asyncio.gather(worker.join_pair.remote(layout, spec), self.join_pair(layout, spec))
-            await self._time_calls(worker)
-            self._peers[prefill] = layout.name
+        async with self._pairing.setdefault(worker_name, asyncio.Lock()):
+            if worker_name in self._peers:
+                self._set_unpaired(self._unpaired | {worker_name})
+            worker = ray.get_actor(worker_name, namespace=ray.get_runtime_context().namespace)
+            await asyncio.gather(worker.join_pair.remote(layout, spec, True), self.join_pair(layout, spec, False))
+            if not pulls:
+                await self._time_calls(worker)
+            else:
+                self._pulls_from.add(worker_name)
+            self._peers[worker_name] = layout.name
             self._tags[layout.name] = itertools.count()  # a new group: no transfer is in flight on it
-            self._set_unpaired(self._unpaired - {prefill})
+            self._set_unpaired(self._unpaired - {worker_name})
 
     async def _time_calls(self, worker) -> None:
         """Samples of the hop to a prefill worker, by calls that do nothing there."""
@@ -175,14 +191,16 @@ class DecodeWorker(EngineWorker):
             self.prefill_call.add(time.perf_counter() - started)
 
     async def drop_peer(self, prefill: str) -> None:
-        """Takes KV from ``prefill`` no more, forgets it and leaves their transfer group (its
-        deployment removes it, once no request of this worker's is being prefilled there)."""
+        """Takes KV from ``prefill`` (a prefill worker, or a decode peer pulled from) no more,
+        forgets it and leaves their transfer group (its deployment removes it, once no request
+        of this worker's is being prefilled there)."""
         async with self._pairing.setdefault(prefill, asyncio.Lock()):
             pair = self._peers.pop(prefill, None)
             if pair is not None:
                 self._groups.pop(pair, None)
                 self._tags.pop(pair, None)
                 await self.leave_pair(pair)
+            self._pulls_from.discard(prefill)
             self._set_unpaired(self._unpaired - {prefill})
 
     async def leave_pair(self, pair: str) -> None:
@@ -211,8 +229,8 @@ class DecodeWorker(EngineWorker):
         return self._stream.address
 
 
-    async def join_pair(self, layout, spec) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._receives, super().join_pair, layout, spec)
+    async def join_pair(self, layout, spec, sends: bool | None = None) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._receives, super().join_pair, layout, spec, sends)
         self._groups[layout.name] = (layout, spec)
 
     async def lifetime(self) -> None:
@@ -220,10 +238,13 @@ class DecodeWorker(EngineWorker):
 
     async def status(self) -> dict:
         return {**await self._call(super().status), "unpaired": sorted(self._unpaired),
-                "pair_rebuilds": self.pair_rebuilds}
+                "pair_rebuilds": self.pair_rebuilds, "pull_from": list(self._pull_from())}
 
     def _unpaired_prefill(self) -> tuple[str, ...]:
-        return tuple(sorted(self._unpaired))
+        return tuple(sorted(w for w in self._unpaired if w not in self._pulls_from))
+
+    def _pull_from(self) -> tuple[str, ...]:
+        return tuple(sorted(w for w in self._pulls_from if w in self._peers and w not in self._unpaired))
 
     def _prefill_call_s(self) -> float:
         return self.prefill_call.seconds
@@ -262,7 +283,7 @@ class DecodeWorker(EngineWorker):
                     new = dataclasses.replace(spec, name=f"{base}.rebuilt-{self.pair_rebuilds}",
                                               timeout_s=REJOIN_TIMEOUT_S)
                     worker = ray.get_actor(prefill, namespace=ray.get_runtime_context().namespace)
-                    await asyncio.gather(worker.join_pair.remote(layout, new), self.join_pair(layout, new))
+                    await asyncio.gather(worker.join_pair.remote(layout, new, True), self.join_pair(layout, new, False))
                     self._tags[pair] = itertools.count()
                     self._set_unpaired(self._unpaired - {prefill})
             except (ray.exceptions.RayActorError, ValueError):
@@ -292,27 +313,21 @@ class DecodeWorker(EngineWorker):
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[TokenDelta | RequestFailed | WorkerFailure]:
         """Runs one request and streams its messages (see the module's docstring). The first
-        delta carries ``transfer`` (what the KV hand-off did) when a prefill worker was used; a
+        delta carries ``transfer`` (what the KV hand-off did) when a prefill worker was used,
+        ``pull`` when a peer's cached prefix was pulled (``decode_worker/peer_pull.py``); a
         RequestFailed or WorkerFailure (another placement may work) ends the stream."""
         request_id = request.request_id
         self._loop = asyncio.get_running_loop()
         stream = self._streams[request_id] = _Stream()
         ended = False
         try:
-            if request.prefill is None:
-                try:
-                    await self._tracked(stream, self._add_local, request)
-                except InvalidRequestError as exc:
-                    ended = True
-                    yield RequestFailed("invalid", str(exc))
-                    return
-            else:
-                outcome = await self._prefill_remote(stream, request)
-                if not isinstance(outcome, TransferReport):
-                    ended = True
-                    yield outcome
-                    return
-                stream.parts.insert(0, TokenDelta([], "", transfer=outcome))
+            first = await self._start(stream, request)
+            if isinstance(first, (RequestFailed, WorkerFailure)):
+                ended = True
+                yield first
+                return
+            if first is not None:  # what the KV hand-off (or pull) did, ahead of the first tokens
+                stream.parts.insert(0, first)
             while True:
                 item = await stream.take()
                 ended = item.final
@@ -323,6 +338,22 @@ class DecodeWorker(EngineWorker):
             self._streams.pop(request_id, None)
             if not ended:  # the caller went away: free the request's blocks once nothing can still write them
                 asyncio.ensure_future(self._release_after(request_id, list(stream.busy)))
+
+    async def _start(self, stream: _Stream, request: WorkerRequest) -> TokenDelta | RequestFailed | WorkerFailure | None:
+        """Gets the request into the batch: its KV from the prefill worker, or prefilled here
+        (after pulling a peer's cached prefix, where the router chose that). Returns the delta
+        that reports the hand-off or pull, None for a plain local prefill, or how it failed."""
+        if request.prefill is not None:
+            outcome = await self._prefill_remote(stream, request)
+            return TokenDelta([], "", transfer=outcome) if isinstance(outcome, TransferReport) else outcome
+        if request.kv_source is not None:
+            pulled = await self._pull_prefix(stream, request)
+            return TokenDelta([], "", pull=pulled) if isinstance(pulled, PullReport) else pulled
+        try:
+            await self._tracked(stream, self._add_local, request)
+        except InvalidRequestError as exc:
+            return RequestFailed("invalid", str(exc))
+        return None
 
     async def _tracked(self, stream: _Stream, fn, *args):
         """``fn(*args)`` under the engine's lock: here at once when the lock is free (the engine
@@ -358,12 +389,9 @@ class DecodeWorker(EngineWorker):
 
         loop = asyncio.get_running_loop()
         request_id, prefill, timeout_s = request.request_id, request.prefill, request.transfer_timeout_s
-        try:
-            reserved = await self._tracked(stream, self._reserve, request)
-        except InvalidRequestError as exc:
-            return RequestFailed("invalid", str(exc))
-        if reserved is None:
-            return WorkerFailure(FailureKind.NO_ROOM, f"{self.name} has no free KV blocks for this prompt now")
+        reserved = await self._reserve_blocks(stream, self._reserve, request)
+        if not isinstance(reserved, tuple):
+            return reserved
         first_block, dst_blocks = reserved
         pair = self._peers.get(prefill)
         if pair is None or prefill in self._unpaired:
@@ -416,6 +444,18 @@ class DecodeWorker(EngineWorker):
                               prefill_span=(prefill_started, prefill_ended),
                               receive_span=(receive_started, times.get("received", prefill_ended)),
                               admitted_at=time.time())
+
+    async def _reserve_blocks(self, stream: _Stream, reserve, request: WorkerRequest
+                              ) -> tuple[int, list[int]] | RequestFailed | WorkerFailure:
+        """``reserve(request)`` under the engine's lock: (blocks cached here, block ids the KV
+        goes to), or how the request failed (invalid; no room now, which another placement may have)."""
+        try:
+            reserved = await self._tracked(stream, reserve, request)
+        except InvalidRequestError as exc:
+            return RequestFailed("invalid", str(exc))
+        if reserved is None:
+            return WorkerFailure(FailureKind.NO_ROOM, f"{self.name} has no free KV blocks for this prompt now")
+        return reserved
 
     # -- under the engine's lock (``_tracked``) ------------------------------------------------
 

@@ -5,7 +5,8 @@ A peer acts as a prefill worker whose prefill is only its cached prefix: it pins
 loads its host-tier ones to the device, and sends them; the receiver computes the rest. The
 pull is chosen only where the cost model (``cost_model.pulled_prefill_seconds``) predicts the
 KV sooner than the receiver computing it from what it holds itself, and from the peer that
-predicts it soonest. Prefill workers are not pulled from: a pair with one already sends its
+predicts it soonest. A draining peer is pulled from until it is removed (its cache outlives its
+placements). Prefill workers are not pulled from: a pair with one already sends its
 cached prefix and computes the rest there (``remote_candidates``).
 """
 

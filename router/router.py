@@ -614,7 +614,8 @@ class Router:
             candidates += remote_candidates(d, side, paired, prefill_sides, queued, prompt, remote_correction,
                                             rotation_prefill=turn_p if d == turn_d else None)
             every_pair_cut_off = is_decode and bool(live.prefill) and len(cut) == len(live.prefill)  # being rebuilt
-            peers = [q for q in loads[d].pull_from if q in loads and q in generating and q != d]
+            # A draining peer is still pulled from: it caches what it served until it is removed.
+            peers = [q for q in loads[d].pull_from if q in loads and q not in self.failed and q != d]
             pull = (best_pull(side.model, side.hit_blocks, peers, hits, {q: self.model(loads[q]) for q in peers},
                               prompt) if peers else None)
             held = pull.blocks if pull is not None else side.hit_blocks.blocks

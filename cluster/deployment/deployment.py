@@ -31,8 +31,8 @@ from typing import Callable
 
 from cluster.deployment.kv_budget import added_worker_share, kv_memory_shares
 from cluster.deployment.supervisor import Supervisor, first_line
-from cluster.deployment.pools import (EngineOverrides, Pool, PoolResources, device_of, pair_name, pools_of,
-                                      resolve_registry_url)
+from cluster.deployment.pools import (EngineOverrides, Pool, PoolResources, device_of, pair_name, peer_pair_name,
+                                      pools_of, resolve_registry_url)
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.host_memory import node_memory
 from cluster.engine.models.read_config import load_model_config
@@ -114,7 +114,7 @@ class Deployment:
             self.info = self._serving_info(model_dir, config, description)
             if described is not None:
                 described(self.info)
-            self._await_workers(self.pair_calls(self.pairs()))
+            self._await_workers(self.pair_calls(self.pairs()) + self.peer_pair_calls(self.peer_pairs()))
             self._wait_for_registry()
             self.publish_membership()
             self.supervisor = Supervisor(self, restart=self.spec.ray.restart_workers).start()
@@ -166,7 +166,8 @@ class Deployment:
             self.cluster_name, str(model_dir), self.spec.model.name or model_dir.name, config.architecture,
             config.vocab_size, smallest["max_model_len"], smallest["block_size"], smallest["num_blocks"],
             names["prefill"], names["decode"], names["colocated"], self.registry_url, topology, self.router_config,
-            kv.transfer_timeout_s, kv.stream_layers, secrets.token_hex(16), self.spec.model.tool_call_format)
+            kv.transfer_timeout_s, kv.stream_layers, secrets.token_hex(16), self.spec.model.tool_call_format,
+            kv.pull_timeout_s)
 
     def _say_ready(self, seconds: float) -> None:
         pools = ", ".join(f"{p.replicas} {p.role} worker(s) TP {p.tp}" for p in self.pools.values())
@@ -349,6 +350,29 @@ class Deployment:
             group = f"kv-{pair}" + (f".g{generation}" if generation else "")
             spec = GroupSpec(self.cluster_name, group, layout.size, master_addr=self.nodes[p_name].address or "127.0.0.1")
             calls.append((d_name, self.workers[d_name].pair_with.remote(p_name, layout, spec)))
+        return calls
+
+    def peer_pairs(self, worker: str | None = None) -> list[tuple[str, str]]:
+        """The (sender, receiver) pairs of decode workers that cached KV is pulled through, with
+        ``kv.peer_pull`` (one each way between two peers): every pair, or those of ``worker``."""
+        if not self.spec.kv.peer_pull:
+            return []
+        decode = self.members.get("decode", ())
+        return [(a, b) for a in decode for b in decode if a != b and worker in (None, a, b)]
+
+    def peer_pair_calls(self, pairs: list[tuple[str, str]], generation: int = 0) -> list[tuple[str, object]]:
+        """Has each receiving decode worker of ``pairs`` build its transfer group with the peer
+        it pulls from (every rank of both; the rendezvous on the sender's node), as
+        :meth:`pair_calls` does for prefill workers; returns the calls."""
+        calls = []
+        tp = self.pools["decode"].tp if pairs else 1
+        for sender, receiver in pairs:
+            pair = peer_pair_name(sender, receiver)
+            layout = PairLayout(pair, tp, tp, self._num_kv_heads, self.spec.kv.transport)
+            group = f"kv-{pair}" + (f".g{generation}" if generation else "")
+            spec = GroupSpec(self.cluster_name, group, layout.size,
+                             master_addr=self.nodes[sender].address or "127.0.0.1")
+            calls.append((receiver, self.workers[receiver].pair_with_peer.remote(sender, layout, spec)))
         return calls
 
     def _live_planner(self):

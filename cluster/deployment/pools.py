@@ -76,6 +76,12 @@ def pair_name(prefill: str, decode: str) -> str:
     return f"p{prefill.rpartition('-')[2]}-d{decode.rpartition('-')[2]}"
 
 
+def peer_pair_name(sender: str, receiver: str) -> str:
+    """The transfer group through which the decode worker ``receiver`` pulls cached KV from its
+    peer ``sender`` (one each way between two peers): ``d0-to-d1``."""
+    return f"d{sender.rpartition('-')[2]}-to-d{receiver.rpartition('-')[2]}"
+
+
 def resolve_registry_url(spec: ClusterSpec) -> str | None:
     url = spec.registry.url
     if url and spec.registry.password_env:

@@ -3,8 +3,8 @@ removed, one moved from one role to the other (``deployment.scale``; ``tandem sc
 ``tandem up`` process for the same through ``cluster/deployment/control.py``).
 
 **Add**: a placement group for a new worker (a name never used before in the pool), the worker
-started in it, paired with its KV transfer peers (a decode worker with every prefill worker, a
-prefill worker with every decode worker), its first load report awaited; then the membership
+started in it, paired with its KV transfer peers (a decode worker with every prefill worker, and
+with ``kv.peer_pull`` with every other decode worker each way; a prefill worker with every decode worker), its first load report awaited; then the membership
 record that names it is written and every router's word awaited, so that when ``add`` returns
 routers place on it.
 
@@ -116,7 +116,8 @@ class Scaler:
                 d._await_workers([(name, worker.started.remote())])
                 restarting = d.supervisor.restarting if d.supervisor is not None else set()
                 pairs = [(p, w) for p, w in d.pairs(name) if p not in restarting and w not in restarting]
-                for (p, w), (_, ref) in zip(pairs, d.pair_calls(pairs)):
+                peers = [(a, b) for a, b in d.peer_pairs(name) if a not in restarting and b not in restarting]
+                for (p, w), (_, ref) in zip(pairs + peers, d.pair_calls(pairs) + d.peer_pair_calls(peers)):
                     try:
                         d._ray.get(ref, timeout=PAIR_TIMEOUT_S)
                     except Exception as exc:  # noqa: BLE001 - a group that did not build: the add fails
@@ -192,6 +193,8 @@ class Scaler:
         elif role == "decode":
             calls = [lambda peer=peer: d.workers[peer].leave_pair.remote(pair_name(peer, worker))
                      for peer in d.members.get("prefill", [])]
+            calls += [lambda peer=peer: d.workers[peer].drop_peer.remote(worker)  # its decode peers (kv.peer_pull)
+                      for sender, peer in d.peer_pairs(worker) if sender == worker and peer in d.workers]
         else:
             calls = []
         for call in calls:

@@ -11,7 +11,7 @@ everything on it). For a dead worker the supervisor
    (``cluster/registry/worker_events.py``: the worker, its node, when) and drops its heartbeat
    and KV blocks there at once, its load report marked ``lost`` (``cluster/registry/load.py``), so
    routers cut it from placement and ``tandem status`` sees it gone without waiting for its
-   heartbeat; a prefill worker's decode workers stop taking KV from its name;
+   heartbeat; a prefill worker's decode workers (a decode worker's peers) stop taking KV from its name;
    once Ray finds its node dead (if it is), that is recorded too;
    with restarts off that is all: the worker stays dead (it counts among ``restarting``, the dead
    workers not up again, so a resize does not pair with it);
@@ -19,7 +19,8 @@ everything on it). For a dead worker the supervisor
    new one, which Ray places once some node has room (a node that came back, or a new one);
    meanwhile the worker stays dead, and is not placed on;
 3. starts the worker under its name, with its settings, in the new group, and pairs it with its
-   KV transfer peers through new groups (each decode worker builds its pairs: ``pair_with``);
+   KV transfer peers through new groups (each decode worker builds its pairs: ``pair_with``, and
+   with ``kv.peer_pull`` each receiving decode worker its pairs with the others: ``pair_with_peer``);
 4. records it started again. Routers place on it once it reports: a worker they found dead
    comes back when its report shows another incarnation (``router/router.py``).
 
@@ -122,12 +123,15 @@ class Supervisor:
         event = WorkerEvent(name, deployment.pool_of(name).role, LOST, node.node_id, node.address,
                             detail=first_line(error))
         self._registry(lambda client: self._forget_lost(client, name, event))
-        if event.role == "prefill":  # its decode workers take no KV from its name until it is paired again
-            for _, decode in deployment.pairs(name):
-                try:
-                    ray.get(deployment.workers[decode].unpair.remote(name), timeout=10)
-                except ray.exceptions.RayError:
-                    pass  # dead too, or too busy: a transfer to the new one fails, and the pair is rebuilt
+        # Its decode workers (a prefill worker's), or its peers (a decode worker's, with kv.peer_pull)
+        # take no KV from its name until it is paired again.
+        takers = [d for _, d in deployment.pairs(name)] if event.role == "prefill" else []
+        takers += [receiver for sender, receiver in deployment.peer_pairs(name) if sender == name]
+        for taker in takers:
+            try:
+                ray.get(deployment.workers[taker].unpair.remote(name), timeout=10)
+            except ray.exceptions.RayError:
+                pass  # dead too, or too busy: a transfer to the new one fails, and the pair is rebuilt
         log(f"{name} lost on node {node}; " + ("starting it again once a node has room for it" if self.restart
                                                  else "not started again (ray.restart_workers is off)"))
         with self._lock:
@@ -233,9 +237,13 @@ class Supervisor:
                 self.restarting.discard(name)
                 pairs = [(p, d) for p, d in deployment.pairs(name)
                          if p not in self.restarting and d not in self.restarting]
+                peers = [(a, b) for a, b in deployment.peer_pairs(name)
+                         if a not in self.restarting and b not in self.restarting]
             for attempt in range(PAIR_TRIES):
                 failed = []
-                for (p, d), (_, ref) in zip(pairs, deployment.pair_calls(pairs, generation=next(self._generations))):
+                generation = next(self._generations)
+                calls = deployment.pair_calls(pairs, generation) + deployment.peer_pair_calls(peers, generation)
+                for (p, d), (_, ref) in zip(pairs + peers, calls):
                     try:
                         ray.get(ref, timeout=120)
                     except ray.exceptions.RayActorError as exc:
@@ -248,7 +256,8 @@ class Supervisor:
                 if not failed or attempt + 1 == PAIR_TRIES or self._stop.wait(RETRY_S[min(attempt, len(RETRY_S) - 1)]):
                     return
                 with self._lock:
-                    pairs = [(p, d) for p, d in failed if p not in self.restarting and d not in self.restarting]
+                    again = [(p, d) for p, d in failed if p not in self.restarting and d not in self.restarting]
+                pairs, peers = [x for x in again if x in pairs], [x for x in again if x in peers]
 
     def _registry(self, write) -> None:
         write_registry(self.deployment.registry_url, write)

@@ -36,8 +36,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
-from cluster.protocol.messages import (ApiRequest, Ending, FailureKind, Finished, Output, RequestFailed, ServingInfo,
-                                       Timings, TokenDelta, TransferReport, Usage, WorkerFailure, WorkerRequest)
+from cluster.protocol.messages import (ApiRequest, Ending, FailureKind, Finished, Output, PullReport, RequestFailed,
+                                       ServingInfo, Timings, TokenDelta, TransferReport, Usage, WorkerFailure,
+                                       WorkerRequest)
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.prompt import prompt_token_ids
 from cluster.engine.request import Request
@@ -71,6 +72,7 @@ class Attempt:
     placed_at: float | None = None  # when the request path took the placement up
     proposed_tokens: int = 0  # speculative guesses the decode worker checked, and kept (as it reported at the end)
     accepted_tokens: int = 0
+    pull: PullReport | None = None  # the decode worker's report of its pull of a peer's cached prefix
 
 
 @dataclass
@@ -89,6 +91,7 @@ class Journey:
     attempt: int = 0  # placements after the first (migrations and retries)
     decision: Decision | None = None
     transfer: TransferReport | None = None
+    pull: PullReport | None = None  # the last pull of a peer's cached prefix (the placement that made it)
     outcome: str = ""
     checked_at: float | None = None
     attempts: list[Attempt] = field(default_factory=list)
@@ -319,13 +322,15 @@ class RequestPath:
                 request_id=attempt_id, prompt_token_ids=checked.prompt_token_ids + sent,
                 params=replace(params, max_tokens=params.max_tokens - len(sent)) if sent else params,
                 priority=engine_priority, transfer_timeout_s=self.info.transfer_timeout_s,
-                stream_layers=self.info.stream_layers, resumed_tokens=len(sent))
+                stream_layers=self.info.stream_layers, resumed_tokens=len(sent),
+                pull_timeout_s=self.info.pull_timeout_s)
             placed = await self._place(journey, checked, request, avoid)
             if isinstance(placed, RequestFailed):
                 yield placed
                 return
             decision = placed.decision
-            request = replace(request, prefill=decision.prefill)
+            request = replace(request, prefill=decision.prefill, kv_source=decision.kv_source,
+                              kv_source_blocks=decision.kv_source_blocks)
             end = AttemptEnd()
             async with aclosing(self._stream_attempt(journey, placed, request, end)) as messages:
                 async for message in messages:
@@ -449,6 +454,8 @@ class RequestPath:
         """A delta's tokens and times, on the request's journey and its attempt."""
         if item.transfer is not None:
             journey.transfer = attempt.transfer = item.transfer
+        if item.pull is not None:
+            journey.pull = attempt.pull = item.pull
         if item.token_ids and attempt.first_token_at is None:
             attempt.first_token_at = time.time()
             if journey.first_token_at is None:
@@ -471,7 +478,7 @@ class RequestPath:
                       completion_tokens=len(journey.tokens), proposed_tokens=finished.usage.proposed_tokens,
                       accepted_tokens=finished.usage.accepted_tokens)
         ending = Ending(finished=Finished(journey.outcome, usage), timings=journey.timings_ms(), decision=decision,
-                        transfer=journey.transfer, migrations=journey.attempt, router_told=told)
+                        transfer=journey.transfer, migrations=journey.attempt, router_told=told, pull=journey.pull)
         return replace(message, placement=(decision.prefill or "", decision.decode or ""), end=ending)
 
     # -- the other calls ----------------------------------------------------------------------

@@ -8,6 +8,9 @@ operator can see where a slow request spent its time.
     ├── prefill           on the prefill worker (or on the decode worker itself: ``local``)
     ├── kv_transfer       the KV landing in the decode worker's blocks (overlaps the prefill
     │                     when layers stream)
+    ├── kv_pull           a local prefill's pull of the prefix a peer decode worker caches: from
+    │                     the ask to the last layer received; the blocks pulled (error: none, and
+    │                     the prefix was computed instead)
     └── decode            the decode worker's batch, from admission to the last token; its
                           tokens, and the speculative guesses checked and kept for them
 
@@ -156,6 +159,12 @@ class RequestTracer:
         failure = attempt.failure
         transfer = attempt.transfer
         first = attempt.first_token_at
+        if d.prefill is None and attempt.pull is not None:  # it pulled a peer's cached prefix first
+            pull = attempt.pull
+            span("kv_pull", *pull.span, {
+                "tandem.attempt": number, "tandem.kv.from": pull.source, "tandem.kv.to": d.decode,
+                "tandem.kv.blocks_asked": pull.blocks_asked, "tandem.kv.blocks_cached_on_decode": pull.blocks_held,
+                "tandem.kv.blocks_pulled": pull.blocks_pulled, "tandem.kv.bytes": pull.bytes}, pull.error)
         if d.prefill is None:  # the decode worker prefilled it itself, up to its first token
             span("prefill", attempt.decided_at, first or stop, {"tandem.attempt": number, "tandem.worker": d.decode,
                                                                 "tandem.prefill.local": True},

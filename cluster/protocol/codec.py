@@ -18,12 +18,12 @@ from typing import Any
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured.spec import StructuredOutput
-from cluster.protocol.messages import (Finished, Hello, RequestFailed, ScaleProgress, ScaleRequest, ScaleResult,
-                                       TokenDelta, TransferReport, Usage, WorkerFailure, WorkerRequest)
+from cluster.protocol.messages import (Finished, Hello, PullReport, RequestFailed, ScaleProgress, ScaleRequest,
+                                       ScaleResult, TokenDelta, TransferReport, Usage, WorkerFailure, WorkerRequest)
 
 TAG = "@type"
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
-    Hello, WorkerRequest, SamplingParams, TokenDelta, Finished, Usage, TransferReport, WorkerFailure,
+    Hello, WorkerRequest, SamplingParams, TokenDelta, Finished, Usage, TransferReport, PullReport, WorkerFailure,
     RequestFailed, StructuredOutput, ScaleRequest, ScaleProgress, ScaleResult)}
 
 

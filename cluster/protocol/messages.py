@@ -38,6 +38,7 @@ class ServingInfo:
     stream_layers: bool = True
     stream_token: str = ""  # presented on every connection to a worker's stream (cluster/protocol/stream.py)
     tool_call_format: str = "auto"  # the topology's model.tool_call_format
+    pull_timeout_s: float = 5.0  # the topology's kv.pull_timeout_s: a peer pull not done by then is recomputed
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -93,6 +94,9 @@ class WorkerRequest:
     transfer_timeout_s: float = 60.0
     stream_layers: bool = True
     resumed_tokens: int = 0  # the prompt's last tokens are output an earlier placement streamed (a grammar replays them)
+    kv_source: str | None = None  # the router's Decision.kv_source: a peer whose cached prefix is pulled first ...
+    kv_source_blocks: int = 0  # ... until this worker holds this many leading blocks (then it prefills the rest)
+    pull_timeout_s: float = 5.0  # a pull not done by then ends, and the prefix is computed here instead
 
 
 @dataclass(frozen=True)
@@ -129,15 +133,32 @@ class TransferReport:
 
 
 @dataclass(frozen=True)
+class PullReport:
+    """What a pull of a cached prefix from a peer did (``source``), with its wall-clock span
+    (for the trace): ``blocks_pulled`` arrived after the ``blocks_held`` the worker cached
+    itself; with ``error`` none arrived and the prefix was computed here."""
+
+    source: str
+    blocks_asked: int  # the leading blocks the router expected to hold after the pull
+    blocks_held: int  # of them, those this worker cached already (they did not travel)
+    blocks_pulled: int
+    bytes: int
+    span: tuple[float, float]  # from the ask to the last layer received (or the failure)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class TokenDelta:
     """The tokens a worker produced since its caller read the last ones; the last delta of a
-    request carries ``end``, the first after a KV hand-off ``transfer``."""
+    request carries ``end``, the first after a KV hand-off ``transfer``, the first after a
+    peer pull ``pull``."""
 
     token_ids: list[int]
     text: str
     logprobs: list | None = None  # (logprob, [(token id, logprob)]) per token, when asked for
     transfer: TransferReport | None = None
     end: Finished | None = None
+    pull: PullReport | None = None
 
     @property
     def final(self) -> bool:
@@ -206,6 +227,36 @@ class PrefillResult:
     service_s: float = 0.0  # the prefill worker's own time on the call: the caller's wait beyond it is the hop
 
 
+# -- a decode worker's pull of a peer's cached prefix (a Ray call to the peer) ---------------------
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """Asks a peer to send the KV of a prompt's cached blocks ``first_block`` up to ``blocks``
+    over the pair ``pair`` (the asker receives there, with ``tag_base``). ``prompt_token_ids``
+    holds the tokens of those blocks only. A peer that gets it past ``deadline`` (wall clock: it
+    was stalled) sends nothing: the asker has given up and computes the prefix itself."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_block: int
+    blocks: int
+    pair: str
+    tag_base: int
+    deadline: float
+
+
+@dataclass(frozen=True)
+class PullOffer:
+    """The peer's answer: it has pinned ``blocks`` blocks (the leading ones past
+    ``first_block`` that it caches, maybe fewer than asked, 0 with ``error``) and is sending
+    them; it unpins them once sent, or once the send fails at the deadline."""
+
+    request_id: str
+    blocks: int
+    error: str | None = None
+
+
 # -- the request path's messages to its API (cluster/ingress/request_path.py) ---------------------
 
 
@@ -231,6 +282,7 @@ class Ending:
     transfer: TransferReport | None
     migrations: int
     router_told: Any = None  # an asyncio.Future
+    pull: PullReport | None = None  # the last placement's pull of a peer's cached prefix, if it made one
 
     @property
     def finish_reason(self) -> str:

@@ -80,7 +80,10 @@ def ensure_ray(cluster: str, address: str | None = None, num_cpus: int | None = 
         ray.init(address=address, namespace=cluster, log_to_driver=True)
     else:
         quiet_auth_notice()
+        # "local": a Ray of its own, even where another was started on this machine (ray.init()
+        # without an address joins the latest local one: another cluster's, another user's).
         ray.init(
+            address="local",
             namespace=cluster,
             num_cpus=num_cpus or os.cpu_count(),
             include_dashboard=False,

@@ -241,6 +241,7 @@ def _check(text: str, source: str, model_elsewhere: bool = False
         planner=_planner(top),
     )
     _check_pools(ctx, spec)
+    _check_peer_pull(ctx, spec)
     if spec.planner.mode != "off" and (spec.colocated.replicas or not spec.prefill.replicas or not spec.decode.replicas):
         ctx.error("planner.mode", f"{spec.planner.mode} sizes prefill and decode pools: the topology needs both and "
                   "no colocated workers (or set planner.mode: off)")
@@ -298,6 +299,18 @@ def _check_pools(ctx: _Context, spec: ClusterSpec) -> None:
         ctx.error("prefill.replicas", "decode workers need prefill workers (at least 1), or use a colocated pool")
     elif not decode and not colocated:
         ctx.error("decode.replicas", "no worker generates: give decode (with prefill) or colocated workers")
+
+
+def _check_peer_pull(ctx: _Context, spec: ClusterSpec) -> None:
+    """``kv.peer_pull`` only where a pull can happen: between decode workers, of cached prefixes."""
+    if not spec.kv.peer_pull:
+        return
+    if not spec.decode.replicas:
+        ctx.error("kv.peer_pull", "pulls go between decode workers and the topology has none (decode.replicas is "
+                  "0); set kv.peer_pull: false, or declare decode workers")
+    elif not spec.kv.prefix_caching:
+        ctx.error("kv.peer_pull", "pulls send a peer's cached prefix, and kv.prefix_caching is false; set "
+                  "kv.peer_pull: false, or kv.prefix_caching: true")
 
 
 def _router(ctx: _Context, data: Any) -> RouterConfig:

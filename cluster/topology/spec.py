@@ -212,6 +212,14 @@ class KVSpec:
         Seconds a KV transfer may take before it fails, a number > 0.""")
     stream_layers: bool = key(True, checks.boolean, """
         Send each layer's KV as soon as it is computed, while later layers still run.""")
+    peer_pull: bool = key(False, checks.boolean, """
+        Pair every decode worker with every other for KV transfer, so that one may pull a prompt's
+        prefix another caches (either tier) instead of computing it, where the router predicts
+        the pull sooner. Needs ``prefix_caching`` and at least one decode worker (pulls go
+        between decode workers; colocated ones neither pull nor are pulled from).""")
+    pull_timeout_s: float = key(5.0, checks.number(0), """
+        Seconds a pull from a peer may take, a number > 0; one not done by then (the peer died
+        or stalled) ends, and the receiving worker computes the prefix itself.""")
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ class EngineWorker:
                                        s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s)
                             for s in reported_steps(engine.stats)),
                 unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
-                incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(),
+                incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(), pull_from=self._pull_from(),
             )
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
@@ -162,9 +162,11 @@ class EngineWorker:
         it fails at once when the worker dies (its process, or its whole node)."""
         self._stop.wait()
 
-    def join_pair(self, layout: PairLayout, spec: GroupSpec) -> None:
-        """Joins the transfer group shared with one worker of the other role (every TP rank)."""
-        self.engine.runner.join_transfer(layout, spec, self.prefill_side)
+    def join_pair(self, layout: PairLayout, spec: GroupSpec, sends: bool | None = None) -> None:
+        """Joins the transfer group shared with one worker of the other role (every TP rank), or
+        with a peer (``sends``: this side sends, the layout's first ranks; default: a prefill
+        worker sends, a decode worker receives)."""
+        self.engine.runner.join_transfer(layout, spec, self.prefill_side if sends is None else sends)
         self.pairs_joined.add(layout.name)
 
     def leave_pair(self, pair: str) -> None:
@@ -233,6 +235,10 @@ class EngineWorker:
 
     def _unpaired_prefill(self) -> tuple[str, ...]:
         """Prefill workers this worker cannot take KV from now (a decode worker's rebuilding pairs)."""
+        return ()
+
+    def _pull_from(self) -> tuple[str, ...]:
+        """Peers this worker can pull cached KV from now (a decode worker's built peer pairs)."""
         return ()
 
     def _prefill_call_s(self) -> float:

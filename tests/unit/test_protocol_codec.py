@@ -12,22 +12,28 @@ import pytest
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.structured.spec import StructuredOutput
 from cluster.protocol.codec import MESSAGES, TAG, UnknownMessage, decode_message, encode_message
-from cluster.protocol.messages import (FailureKind, Finished, Hello, RequestFailed, ScaleProgress, ScaleRequest,
-                                       ScaleResult, TokenDelta, TransferReport, Usage, WorkerFailure, WorkerRequest)
+from cluster.protocol.messages import (FailureKind, Finished, Hello, PullReport, RequestFailed, ScaleProgress,
+                                       ScaleRequest, ScaleResult, TokenDelta, TransferReport, Usage, WorkerFailure,
+                                       WorkerRequest)
 
 pytestmark = pytest.mark.unit
 
 TRANSFER = TransferReport("prefill-0", 2, 3, 16, 4096, (1.0, 1.5), (1.0, 1.6), 1.7)
+PULL = PullReport("decode-0", 5, 2, 3, 3 * 4096, (2.0, 2.25))
 EXAMPLES = [
     Hello("s3cret"),
     WorkerRequest("r1.2", [1, 2, 3], SamplingParams(max_tokens=7, temperature=0.0, stop=("\n",), stop_token_ids=(5,),
                                                     seed=3, logprobs=2), 4, "prefill-1", 12.5, False),
     WorkerRequest("r2", [9], SamplingParams()),
+    WorkerRequest("r3", list(range(80)), SamplingParams(), kv_source="decode-1", kv_source_blocks=4, pull_timeout_s=2.5),
     SamplingParams(top_k=4),
     SamplingParams(structured=StructuredOutput("grammar", 'root ::= "yes" | "no"', syntax="ebnf")),
     StructuredOutput("json_schema", '{"type": "object"}', source="tools"),
     TokenDelta([4, 5], "ab", [[-0.5, [[4, -0.5], [6, -1.0]]], [-0.1, []]]),
     TokenDelta([], "", transfer=TRANSFER),
+    TokenDelta([], "", pull=PULL),
+    PULL,
+    PullReport("decode-1", 4, 0, 0, 0, (3.0, 8.0), "decode-1 did not answer within 5s (kv.pull_timeout_s)"),
     TokenDelta([7], "c", end=Finished("length", Usage(3, 1, 8))),
     Finished("stop", Usage(1, 0, 1)),
     Usage(1, 2, 3),
@@ -55,6 +61,19 @@ def test_every_message_round_trips(message):
 
 def test_every_message_type_has_an_example():
     assert {type(m) for m in EXAMPLES} == set(MESSAGES.values())
+
+
+def test_a_pull_choice_and_its_report_cross_the_stream_as_typed_fields():
+    """The router's pull choice rides on the worker request, and what the pull did on the delta
+    that brings the first tokens; a request that pulls nothing carries neither."""
+    request = over_the_wire(EXAMPLES[3])
+    assert (request.kv_source, request.kv_source_blocks, request.pull_timeout_s) == ("decode-1", 4, 2.5)
+    assert request.prefill is None
+    plain = encode_message(WorkerRequest("r", [1], SamplingParams()))
+    assert (plain["kv_source"], plain["kv_source_blocks"]) == (None, 0)
+    delta = over_the_wire(TokenDelta([], "", pull=PULL))
+    assert delta.pull.span == (2.0, 2.25) and isinstance(delta.pull.span, tuple)
+    assert (delta.pull.blocks_held, delta.pull.blocks_pulled, delta.pull.error) == (2, 3, None)
 
 
 def test_the_plain_data_is_made_from_the_fields():

@@ -264,6 +264,33 @@ def test_host_cache_reaches_the_engines_as_written():
                        "got '512MB'")
 
 
+def test_peer_pull_is_off_by_default_and_read_with_its_timeout(tmp_path, capsys):
+    assert (parse_topology("").kv.peer_pull, parse_topology("").kv.pull_timeout_s) == (False, 5.0)
+    spec = parse_topology("decode: {replicas: 2}\nkv:\n  peer_pull: true\n  pull_timeout_s: 1.5\n")
+    assert (spec.kv.peer_pull, spec.kv.pull_timeout_s) == (True, 1.5)
+    assert "peer_pull" not in spec.engine_args("decode")  # the deployment's pairing, no engine setting
+    code, out, _ = run_validate(write(tmp_path, "kv:\n  peer_pull: true\n"), capsys)
+    assert code == 0 and yaml.safe_load(out)["kv"]["peer_pull"] is True
+
+
+@pytest.mark.parametrize("text, line, message", [
+    ("prefill: {replicas: 0}\ndecode: {replicas: 0}\ncolocated: {replicas: 2}\nkv:\n  peer_pull: true\n", 5,
+     "pulls go between decode workers and the topology has none (decode.replicas is 0); set kv.peer_pull: false, "
+     "or declare decode workers"),
+    ("kv:\n  prefix_caching: false\n  peer_pull: true\n", 3,
+     "pulls send a peer's cached prefix, and kv.prefix_caching is false; set kv.peer_pull: false, or "
+     "kv.prefix_caching: true"),
+    ("kv:\n  peer_pull: sometimes\n", 2, None),
+])
+def test_peer_pull_is_refused_where_no_pull_can_happen_in_one_line_naming_it(tmp_path, capsys, text, line, message):
+    key, where, said = only_error(text)
+    assert (key, where) == ("kv.peer_pull", line)
+    if message is not None:
+        assert said == message
+    code, _, err = run_validate(write(tmp_path, text), capsys)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and f"t.yaml:{line}: kv.peer_pull: " in err
+
+
 def test_speculative_decoding_reaches_the_engines_of_decode_and_colocated_workers_only():
     from cluster.engine.speculative.config import SpeculativeConfig
 

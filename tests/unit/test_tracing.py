@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("opentelemetry.sdk.trace")
 
 from cluster.ingress.request_path import Attempt, Journey  # noqa: E402
-from cluster.protocol.messages import TransferReport  # noqa: E402
+from cluster.protocol.messages import PullReport, TransferReport  # noqa: E402
 from cluster.topology import TracingSpec  # noqa: E402
 from cluster.ingress.tracing import memory_exporter, request_tracer  # noqa: E402
 from router.router import Decision  # noqa: E402
@@ -92,6 +92,33 @@ def test_a_local_prefill_and_a_migration(spans):
     assert all(s.attributes["tandem.prefill.local"] for s in locals_)
     root = next(s for s in every if s.name == "tandem.request")
     assert root.attributes["tandem.migrations"] == 1
+
+
+def test_a_pull_of_a_peers_prefix_and_one_that_failed(spans):
+    """A local prefill that pulled a peer's cached prefix first has a kv_pull span with the
+    blocks asked, held and pulled; a pull that failed (then recomputed) is an error span, and
+    the request is not."""
+    journey = Journey("r4", T0, 80, "standard", checked_at=T0 + 0.001, first_token_at=T0 + 0.3, finished_at=T0 + 1,
+                      tokens=list(range(4)), outcome="length", attempt=1)
+    pulled = PullReport("decode-0", 5, 2, 3, 3 * 4096, (T0 + 0.03, T0 + 0.08))
+    failed = PullReport("decode-0", 5, 0, 0, 0, (T0 + 0.43, T0 + 0.55), "decode-0 did not answer within 0.1s")
+    journey.attempts = [
+        Attempt(T0 + 0.01, T0 + 0.02, decision(None, "decode-1"), None, T0 + 0.3, 2, T0 + 0.4,
+                "decode worker decode-1 died", pull=pulled),
+        Attempt(T0 + 0.41, T0 + 0.42, decision(None, "decode-2"), None, T0 + 0.6, 2, T0 + 1, pull=failed),
+    ]
+    _, every = spans(journey)
+    pulls = [s for s in every if s.name == "kv_pull"]
+    assert [(s.attributes["tandem.attempt"], s.attributes["tandem.kv.from"], s.attributes["tandem.kv.to"],
+             s.attributes["tandem.kv.blocks_asked"], s.attributes["tandem.kv.blocks_cached_on_decode"],
+             s.attributes["tandem.kv.blocks_pulled"], s.attributes["tandem.kv.bytes"], s.status.is_ok)
+            for s in pulls] == [(0, "decode-0", "decode-1", 5, 2, 3, 3 * 4096, True),
+                                (1, "decode-0", "decode-2", 5, 0, 0, 0, False)]
+    assert pulls[1].status.description == "decode-0 did not answer within 0.1s"
+    assert pulls[0].start_time == pytest.approx((T0 + 0.03) * 1e9, abs=1e3)
+    assert pulls[0].end_time == pytest.approx((T0 + 0.08) * 1e9, abs=1e3)
+    root = next(s for s in every if s.name == "tandem.request")
+    assert root.status.is_ok
 
 
 def test_a_rejected_request_and_the_callers_trace(spans):

@@ -1,0 +1,58 @@
+"""Peer pulls in a running cluster (``kv.peer_pull``; the cluster: ``tests/peer_pull_cluster.py``).
+A prompt one decode worker caches is served on the other, which pulls the blocks it lacks from
+its peer and computes only the rest: greedy tokens are ``transformers``'s, only the missing
+blocks travel, and no KV block stays in use on any worker. A peer frozen when asked ends in
+recomputation at ``kv.pull_timeout_s`` with the same tokens, nothing leaks, and the pair is
+built again once the peer runs again. (Decode workers of TP 2: ``test_peer_pull_tp2.py``.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from conftest import random_prompts, wait_for
+from peer_pull_cluster import (DECODE, MAX_TOKENS, PULL_TIMEOUT_S, draining, no_block_in_use, pull_from,
+                               registry_holds, running, serve, served_by_a_pull)
+from reference_checks import reference_greedy
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint):
+    yield from running(checkpoint, decode_tp=1)
+
+
+def test_a_prompt_cached_on_one_decode_worker_is_pulled_by_the_other(cluster, reference_model, checkpoint):
+    served_by_a_pull(*cluster, reference_model(checkpoint("llama")), seed=31)
+
+
+def test_a_peer_frozen_when_asked_ends_in_recomputation_and_nothing_leaks(cluster, reference_model, checkpoint):
+    llm, registry = cluster
+    prompt = random_prompts([70], seed=32)[0]
+    expected, _ = reference_greedy(reference_model(checkpoint("llama")), prompt, MAX_TOKENS)
+    tokens, first = serve(llm, prompt, "cached")
+    assert tokens == expected
+    holder = first.decision.decode
+    other = next(w for w in DECODE if w != holder)
+    registry_holds(llm, registry, holder, prompt, 4)
+    pid = next(w["pid"] for w in llm.worker_status() if w["name"] == holder)
+    draining(llm, {holder})
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        tokens, end = serve(llm, prompt, "recomputed")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        draining(llm, set())
+    assert (end.decision.decode, end.decision.kv_source) == (other, holder), (end.decision, pull_from(llm, registry))
+    pull = end.pull
+    assert (pull.blocks_pulled, pull.bytes) == (0, 0)
+    assert pull.error == f"{holder} did not answer within {PULL_TIMEOUT_S:g}s (kv.pull_timeout_s)"
+    assert end.usage.cached_tokens == 0 and tokens == expected
+    # The peer, running again, finds the ask past its deadline and sends nothing; the pair
+    # (out of use since the ask timed out) is built again, and nothing stays in use anywhere.
+    wait_for(lambda: pull_from(llm, registry).get(other) == (holder,), 120, f"{other} pulling from {holder} again")
+    no_block_in_use(llm)
