@@ -22,6 +22,10 @@ mid-send (the receive ends at the deadline). A receive that failed, or an answer
 came, may have left its pair's group unusable (gloo closes a group whose send or receive timed
 out): the pair is taken out of use, reported so (``WorkerLoad.pull_from`` leaves it out), and
 rebuilt in the background as a prefill pair is.
+
+A pull that arrived gives a sample of what a pull costs, from the ask to its last block, per
+block: the worker reports the median of its latest (``WorkerLoad.pull_s_per_block``), and the
+router prices its next pulls by it instead of its default.
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ class PeerPulls:
         if dst_blocks:
             pulled, error = await self._receive_pull(stream, request, held, dst_blocks)
         await self._tracked(stream, self._admit_pull, request.request_id, pulled)
+        if pulled:  # what the router prices this worker's next pulls by (its default is a guess)
+            self.pull_cost.add((time.time() - started) / pulled)
+        self.metrics.pulled(pulled, error is None and pulled > 0)
         return PullReport(request.kv_source, request.kv_source_blocks, held, pulled,
                           pulled * self.engine.runner.block_bytes, (started, time.time()), error)
 

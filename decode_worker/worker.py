@@ -137,6 +137,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
         self.pair_rebuilds = 0
         self._stream: StreamServer | None = None
         self.prefill_call = CallOverhead()  # its calls to prefill workers beyond their work (read by the reporter)
+        self.pull_cost = CallOverhead()  # its pulls from peers, seconds per block (the same median of the latest)
         super().__init__(config, registry_url, profile)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -248,6 +249,9 @@ class DecodeWorker(PeerPulls, EngineWorker):
 
     def _prefill_call_s(self) -> float:
         return self.prefill_call.seconds
+
+    def _pull_s_per_block(self) -> float:
+        return self.pull_cost.seconds
 
     # -- a pair whose transfer group failed ------------------------------------------------------
 

@@ -191,18 +191,21 @@ class StepTimeModel:
 
 
 def pulled_prefill_seconds(receiver: StepTimeModel, sender: StepTimeModel, tokens: int, block_size: int,
-                           own: TierHits, peer: TierHits) -> float:
+                           own: TierHits, peer: TierHits, measured_s_per_block: float = 0.0) -> float:
     """Time to the prompt's KV on a worker holding ``own`` of it that pulls the blocks after them
     from a peer holding ``peer``: its own host blocks loaded, the peer's blocks past ``own``
     sent (those in the peer's host tier loaded there first), the rest computed here after them.
-    A peer holding no more than ``own`` gives plain ``tiered_prefill_seconds``."""
+    A block travels at ``measured_s_per_block`` (the receiver's pulls as measured), else at the
+    sender's measured sends, else the default. A peer holding no more than ``own`` gives plain
+    ``tiered_prefill_seconds``."""
     if peer.blocks <= own.blocks:
         return receiver.tiered_prefill_seconds(tokens, block_size, own)
     pulled = peer.blocks - own.blocks
     peer_host = peer.blocks - max(own.blocks, peer.device)  # of the pulled blocks, those on the peer's host tier
     cached = peer.blocks * block_size
     return (receiver.host_load_seconds(own.host) + sender.host_load_seconds(peer_host)
-            + sender.pull_s_per_block * pulled + receiver.prefill_seconds(tokens - cached, cached))
+            + (measured_s_per_block or sender.pull_s_per_block) * pulled
+            + receiver.prefill_seconds(tokens - cached, cached))
 
 
 def measured_step_scale(model: StepTimeModel, steps: Sequence[StepSample], recent: int = RECENT_DECODE_STEPS) -> float:

@@ -26,16 +26,18 @@ class PeerPull(NamedTuple):
 
 
 def best_pull(receiver: StepTimeModel, own: TierHits, peers: Sequence[str], hits: Mapping[str, TierHits],
-              models: Mapping[str, StepTimeModel], prompt: Prompt) -> PeerPull | None:
+              models: Mapping[str, StepTimeModel], prompt: Prompt, measured_s_per_block: float = 0.0) -> PeerPull | None:
     """The soonest pull from ``peers`` (each with its model in ``models``), or None where none is
-    predicted sooner than computing from ``own`` (ties compute: a pull can fail)."""
+    predicted sooner than computing from ``own`` (ties compute: a pull can fail).
+    ``measured_s_per_block``: what the receiver's own pulls took per block (0: none yet)."""
     compute_s = receiver.tiered_prefill_seconds(prompt.tokens, prompt.block_size, own)
     best = None
     for peer in peers:
         got = prompt.hit_blocks(hits, peer)
         if got.blocks <= own.blocks:
             continue
-        seconds = pulled_prefill_seconds(receiver, models[peer], prompt.tokens, prompt.block_size, own, got)
+        seconds = pulled_prefill_seconds(receiver, models[peer], prompt.tokens, prompt.block_size, own, got,
+                                         measured_s_per_block)
         if seconds < compute_s and (best is None or seconds < best.seconds):
             best = PeerPull(peer, got.blocks, seconds)
     return best

@@ -617,7 +617,7 @@ class Router:
             # A draining peer is still pulled from: it caches what it served until it is removed.
             peers = [q for q in loads[d].pull_from if q in loads and q not in self.failed and q != d]
             pull = (best_pull(side.model, side.hit_blocks, peers, hits, {q: self.model(loads[q]) for q in peers},
-                              prompt) if peers else None)
+                              prompt, loads[d].pull_s_per_block) if peers else None)
             held = pull.blocks if pull is not None else side.hit_blocks.blocks
             if prefills_itself(colocated=d in live.colocated, hit_blocks=held,
                                cacheable_blocks=prompt.cacheable_blocks,

@@ -156,6 +156,9 @@ class WorkerMetrics:
                                            "tier as prefix hits", tag_keys=keys)
         self.host_used = metrics.Gauge("tandem_kv_host_blocks_used", "KV blocks the host tier holds", tag_keys=keys)
         self._host_totals = (0, 0)
+        self.pulls = metrics.Counter("tandem_kv_pulls", "prefix pulls from a peer decode worker (kv.peer_pull) by "
+                                     "outcome: pulled, or recomputed (nothing arrived)", tag_keys=(*keys, "outcome"))
+        self.pulled_blocks = metrics.Counter("tandem_kv_pulled_blocks", "KV blocks pulled from peers", tag_keys=keys)
         if generates:
             for counter in (self.spec_proposed, self.spec_accepted, self.spec_verifies):
                 _start_at_zero(counter, self.tags)
@@ -186,6 +189,11 @@ class WorkerMetrics:
                 counter.inc(now - before, self.tags)
         self._host_totals = (offloaded, loaded)
         self.host_used.set(used, self.tags)
+
+    def pulled(self, blocks: int, arrived: bool) -> None:
+        self.pulls.inc(1, {**self.tags, "outcome": "pulled" if arrived else "recomputed"})
+        if blocks:
+            self.pulled_blocks.inc(blocks, self.tags)
 
     def pair_rebuilt(self, prefill: str) -> None:
         self.pair_rebuilds.inc(1, {**self.tags, "prefill": prefill})

@@ -139,6 +139,7 @@ class EngineWorker:
                             for s in reported_steps(engine.stats)),
                 unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
                 incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(), pull_from=self._pull_from(),
+                pull_s_per_block=self._pull_s_per_block(),
             )
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
@@ -243,6 +244,10 @@ class EngineWorker:
 
     def _prefill_call_s(self) -> float:
         """A decode worker's calls to prefill workers, beyond their work (``WorkerLoad.prefill_call_s``)."""
+        return 0.0
+
+    def _pull_s_per_block(self) -> float:
+        """A decode worker's measured pulls from peers, per block (``WorkerLoad.pull_s_per_block``)."""
         return 0.0
 
     def _has_work(self) -> bool:

@@ -3,6 +3,8 @@ it: exact predictions from hand-made step models (prefill step = 10 ms + 1 ms a 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.registry.kv_index import TierHits
@@ -60,6 +62,21 @@ def test_a_pull_wins_only_where_it_is_predicted_sooner_than_computing():
                      models, prompt).source == "fast"
 
 
+def test_the_receivers_measured_pulls_price_the_blocks_before_the_senders_sends():
+    """A decode worker that has pulled reports what its pulls took per block, from the ask to the
+    last block (``WorkerLoad.pull_s_per_block``): that prices its next pulls, not the sender's
+    sends or the default."""
+    prompt = Prompt.of(33, 8, BS)
+    models = {"fast": SENDER, "unmeasured": COMPUTE}
+    # 1 ms a block measured: 8 + 11 ms, where the default 4 ms tied computation (43 ms) and lost.
+    assert pulled_prefill_seconds(COMPUTE, COMPUTE, 33, BS, TierHits(0), TierHits(8), 0.001) == pytest.approx(0.019)
+    assert best_pull(COMPUTE, TierHits(0), ["unmeasured"], {"unmeasured": TierHits(8)}, models, prompt,
+                     measured_s_per_block=0.001) == PeerPull("unmeasured", 8, pytest.approx(0.019))
+    # 5 ms a block measured: 40 + 11 ms, where the sender's 2 ms sends predicted 27: it computes.
+    assert best_pull(COMPUTE, TierHits(0), ["fast"], {"fast": TierHits(8)}, models, prompt,
+                     measured_s_per_block=0.005) is None
+
+
 def colocated(worker: str, running: int = 0, pull_from: tuple[str, ...] = (), steps=PREFILL_STEPS + DECODE_STEPS):
     return WorkerLoad(worker, "colocated", 0, running, 0, 0, 0, 100, 100, BS, 2048, 16, steps, NOW - 0.01,
                       pull_from=pull_from)
@@ -91,3 +108,17 @@ def test_a_worker_that_can_pull_from_a_full_peer_is_placed_with_the_peer_as_its_
     assert (decision.action, decision.prefill, decision.decode) == ("place", None, "c0")
     assert (decision.kv_source, decision.kv_source_blocks) == (source, 8 if source else 0)
     assert decision.predicted_ttft_s == pytest.approx(ttft)
+
+
+def test_the_router_prices_a_pull_by_the_receivers_reported_pulls():
+    """As above with c1's sends unmeasured (the default 4 ms a block ties computation): c0's
+    reported pulls at 1 ms a block make the pull sooner (19 ms), and it is chosen."""
+    topology = Topology(prefill=(), decode=(), colocated=("c0", "c1"), block_size=BS)
+    unmeasured = {"c0": colocated("c0", pull_from=("c1",)), "c1": colocated("c1", running=16)}
+    router = Router(topology, Registry(unmeasured, {"c1": TierHits(8)}), RouterConfig.from_mapping({"policy": "slo"}))
+    assert router.route(RouteRequest("r", PROMPT, max_tokens=8), now=NOW).kv_source is None
+    measured = {**unmeasured, "c0": replace(unmeasured["c0"], pull_s_per_block=0.001)}
+    router = Router(topology, Registry(measured, {"c1": TierHits(8)}), RouterConfig.from_mapping({"policy": "slo"}))
+    decision = router.route(RouteRequest("r", PROMPT, max_tokens=8), now=NOW)
+    assert (decision.decode, decision.kv_source, decision.kv_source_blocks) == ("c0", "c1", 8)
+    assert decision.predicted_ttft_s == pytest.approx(0.019)
