@@ -16,6 +16,10 @@ pin the prefill and decode pools to nodes through ``node.resources``.
   request completes with the tokens of an undisturbed run (its transfer retried on the other
   prefill worker), as its trace shows; the registry drops the dead node's worker and blocks;
   routers place on the survivor; no block stays referenced; ``tandem status`` says what went.
+- A worker added (the live planner's ``act``, ``tandem scale add``) whose resources no node has
+  free waits for one (``ray.node_wait_s``), saying so in the worker events: past the bound its
+  placement group is removed, nothing is left and the decision is kept as not done in one line;
+  a node that joins while it waits (as KubeRay's autoscaler starts one) takes it, and it serves.
 """
 
 from __future__ import annotations
@@ -340,4 +344,115 @@ def test_a_prefill_node_lost_mid_transfer(checkpoint, ray_cluster):
     finally:
         spans.clear()
         for node in [n for n in added if n in cluster.worker_nodes]:
+            cluster.remove_node(node)
+
+
+def waiting_for_nodes(model_dir, cluster, wait_s: float, planner: str = "off") -> DisaggregatedLLM:
+    """One prefill worker (it takes the fixture's prefill node whole) and one decode worker (on a
+    node the test adds); a prefill worker added waits up to ``wait_s`` for a node with room."""
+    from dataclasses import replace
+
+    from cluster.offline.spec_from_args import disaggregated_spec
+
+    spec, engine = disaggregated_spec(
+        str(model_dir), cluster_name=CLUSTER, ray_address=cluster.address, num_kv_blocks=BLOCKS,
+        max_num_batched_tokens=96, local_prefill_max_tokens=0, num_threads=1, policy="round_robin",
+        pools={"prefill": PoolResources(resources=(("prefill_node", 1.0),)),
+               "decode": PoolResources(resources=(("decode_node", 0.01),))})
+    spec = replace(spec, ray=replace(spec.ray, node_wait_s=wait_s),
+                   planner=replace(spec.planner, mode=planner, prefill_max=2, max_workers=3))
+    return DisaggregatedLLM(spec, engine, verbose=False)
+
+
+def test_an_added_worker_no_node_can_hold_waits_then_gives_up_cleanly(checkpoint, ray_cluster):
+    """The live planner in ``act`` adds a prefill worker whose resources no node has free: the
+    add waits (saying for what), then past ``ray.node_wait_s`` removes its placement group, and
+    the decision is kept as not done in one line. Nothing is left: no group, no actor, no member."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from cluster.plan.live.observe import Observation
+    from cluster.plan.live.propose import Prediction, Proposal, Split
+    from cluster.registry.planner_decisions import Journal
+
+    cluster, _ = ray_cluster
+    decode_node = cluster.add_node(**NODE, resources={"decode_node": 1})
+    try:
+        with waiting_for_nodes(checkpoint("llama"), cluster, wait_s=3.0, planner="act") as llm:
+            free_before = ray.available_resources()
+            # The planner's decision to add a prefill worker, as a look that proposed it takes it.
+            proposal = Proposal(Split(1, 1), Split(2, 1), {Split(1, 1): Prediction(1.0, 0.5),
+                                                           Split(2, 1): Prediction(2.0, 1.0)})
+            observation = Observation(time.time(), 60.0, 120, 2.0, 1.0, 0.5, 1024.0, 16.0)
+            planner = llm.deployment.planner
+            planner.journal.set_latest({"at": observation.at, "mode": "act", "current": "1P+1D",
+                                        "observed": observation.describe(), "proposal": proposal.describe()})
+            decision = planner._decide(proposal, observation)
+            line = ("cannot place prefill-1: no node with 0.25 CPU, 1 prefill_node joined or freed up within 3s "
+                    "(ray.node_wait_s); its placement group was removed")
+            assert (decision.acted, decision.detail) == (False, f"resize failed: {line}")
+            registry = connect(llm.registry_url)
+            assert Journal(registry, CLUSTER).decisions()[-1].detail == f"resize failed: {line}"
+            events = [(e.worker, e.event, e.detail) for e in read_events(registry, CLUSTER)]
+            registry.close()
+            assert events == [("prefill-1", "not_added", line), ("prefill-1", "waiting", "0.25 CPU, 1 prefill_node")]
+            # Nothing left of it: the group removed, no actor, the pools as they were.
+            groups = [g for g in placement_group_table().values() if g["name"] == f"{CLUSTER}-prefill-1"]
+            assert [g["state"] for g in groups] == ["REMOVED"]
+            assert "prefill-1" not in llm.deployment.placement_groups and "prefill-1" not in llm.deployment.workers
+            with pytest.raises(ValueError):
+                ray.get_actor("prefill-1", namespace=CLUSTER)
+            assert llm.deployment.members == {"prefill": ["prefill-0"], "decode": ["decode-0"]}
+            assert ray.available_resources() == free_before
+            status = cluster_status(llm)
+            from cluster.cli.status import format_status
+
+            text = format_status(status)
+            assert "prefill worker prefill-1 waiting for a node with 0.25 CPU, 1 prefill_node" in text
+            assert f"prefill worker prefill-1 not added: {line}" in text
+            assert f"did not resize 1P+1D -> 2P+1D: predicted 1.00 req/s (50%); resize failed: {line}" in text
+    finally:
+        cluster.remove_node(decode_node)
+
+
+def test_an_added_worker_comes_up_on_a_node_that_joins_while_it_waits(checkpoint, ray_cluster):
+    """A prefill worker added with no node free for it waits; a node with its resource joins
+    (as KubeRay's autoscaler would start one for the pending placement group): the worker comes
+    up there, is paired with the decode worker, and serves with exact tokens."""
+    import threading
+
+    from cluster.registry.worker_events import WAITING
+
+    cluster, nodes = ray_cluster
+    decode_node = cluster.add_node(**NODE, resources={"decode_node": 1})
+    added, outcome = [], {}
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([40, 70, 50, 90], seed=31)
+    expected = colocated_tokens(model_dir, prompts, greedy(8))
+    try:
+        with waiting_for_nodes(model_dir, cluster, wait_s=300.0) as llm:
+            registry = connect(llm.registry_url)
+
+            def add() -> None:
+                outcome["name"] = llm.deployment.scale.add("prefill", say=lambda line: None)
+
+            adding = threading.Thread(target=add)
+            adding.start()
+            wait_for(lambda: any(e.event == WAITING for e in read_events(registry, CLUSTER)), timeout_s=60,
+                     what="the add to wait for a node")
+            assert adding.is_alive()
+            added.append(cluster.add_node(**NODE, resources={"prefill_node": 1}))
+            adding.join(timeout=240)
+            assert not adding.is_alive() and outcome == {"name": "prefill-1"}
+            workers = {w["name"]: w for w in llm.worker_status()}
+            assert workers["prefill-1"]["state"] == "alive" and workers["prefill-1"]["node_id"] == added[0].node_id
+            assert workers["decode-0"]["unpaired"] == [] and workers["prefill-0"]["node_id"] == nodes["prefill"].node_id
+            events = [(e.worker, e.event, e.node_id) for e in read_events(registry, CLUSTER)]
+            registry.close()
+            assert events == [("prefill-1", "added", added[0].node_id), ("prefill-1", "waiting", "")]
+            outputs = llm.generate(prompts, greedy(8))
+            assert [(o.error, o.token_ids) for o in outputs] == [(None, e) for e in expected]
+            assert {llm.decisions[o.request_id].prefill for o in outputs} == {"prefill-0", "prefill-1"}
+    finally:
+        for node in [decode_node, *added]:
             cluster.remove_node(node)
