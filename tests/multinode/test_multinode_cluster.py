@@ -87,6 +87,17 @@ def disaggregated(model_dir, cluster, decode_resources, prefill_resources=(("pre
                                       **kwargs)
 
 
+def remove_node_with_frozen_worker(cluster, node, pid: int) -> None:
+    """The node gone as in a crash: its raylet and every process on it killed, the worker frozen
+    (SIGSTOP) on it too (a frozen process cannot see its raylet die and exit, and would keep its
+    ports)."""
+    cluster.remove_node(node, allow_graceful=False)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def cluster_status(llm: DisaggregatedLLM) -> dict:
     """``tandem status --json`` of this deployment, read as an ingress replica answers it."""
     from cluster.cli.status import status_dict
@@ -168,10 +179,10 @@ def test_a_decode_node_lost_mid_stream_then_added_back(checkpoint, ray_cluster):
                 worker = next(w for w in llm.worker_status() if w["name"] == "decode-0")
                 if worker.get("running"):
                     os.kill(worker["pid"], signal.SIGSTOP)
-                return bool(worker.get("running"))
+                return worker["pid"] if worker.get("running") else None
 
-            wait_for(frozen_while_generating, timeout_s=120, what="decode-0 to be generating", every_s=0.01)
-            cluster.remove_node(lost, allow_graceful=False)  # its raylet and every process on it killed
+            frozen = wait_for(frozen_while_generating, timeout_s=120, what="decode-0 to be generating", every_s=0.01)
+            remove_node_with_frozen_worker(cluster, lost, frozen)
             outputs = llm.run_until_done(ids)
             assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(prompts)
             assert [o.token_ids for o in outputs] == expected
@@ -259,6 +270,12 @@ def test_a_prefill_node_lost_mid_transfer(checkpoint, ray_cluster):
             lost_worker = next(n for n in ("prefill-0", "prefill-1") if node_of[n] == added[0].node_id)
             survivor = ({"prefill-0", "prefill-1"} - {lost_worker}).pop()
             assert node_of[survivor] == nodes["prefill"].node_id and node_of["decode-0"] == added[1].node_id
+            # First each prefill worker caches a prompt (round robin): the lost one has blocks in the registry.
+            warm = random_prompts([64, 80, 72, 96], seed=48)
+            assert [o.token_ids for o in llm.generate(warm, params)] == colocated_tokens(model_dir, warm, params)
+            registry = connect(llm.registry_url)
+            wait_for(lambda: any(registry.hexists(k, lost_worker) for k in registry.scan_iter(Keys(CLUSTER).block("*"))),
+                     timeout_s=30, what=f"{lost_worker}'s cached blocks in the registry")
             ids, sent, frozen = [], [], None
             for number, prompts in enumerate(rounds):  # until one round is caught mid-prefill
                 for i, prompt in enumerate(prompts):
@@ -272,7 +289,7 @@ def test_a_prefill_node_lost_mid_transfer(checkpoint, ray_cluster):
                     worker = next(w for w in llm.worker_status() if w["name"] == lost_worker)
                     if worker["running"]:
                         os.kill(worker["pid"], signal.SIGSTOP)
-                        return worker["running"], time.time()
+                        return worker["running"], time.time(), worker["pid"]
                     return None if any(not llm.pending[i].done() for i in ids) else "missed"
 
                 frozen = wait_for(freeze_while_prefilling, timeout_s=120, what=f"{lost_worker} to prefill",
@@ -280,8 +297,8 @@ def test_a_prefill_node_lost_mid_transfer(checkpoint, ray_cluster):
                 if frozen != "missed":
                     break
             assert frozen not in (None, "missed"), "the prefill worker was never caught prefilling"
-            running_at_freeze, frozen_at = frozen
-            cluster.remove_node(added[0], allow_graceful=False)  # its raylet and every process on it killed
+            running_at_freeze, frozen_at, pid = frozen
+            remove_node_with_frozen_worker(cluster, added[0], pid)
             outputs = llm.run_until_done(ids)
             expected = colocated_tokens(model_dir, sent, params)
             assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(ids)
@@ -307,7 +324,6 @@ def test_a_prefill_node_lost_mid_transfer(checkpoint, ray_cluster):
             assert len(caught) >= running_at_freeze >= 1, (caught, running_at_freeze)
 
             # The registry holds no worker or block of the dead node once its heartbeat is out.
-            registry = connect(llm.registry_url)
             index = KVIndexReader(registry, CLUSTER)
 
             def dead_node_gone() -> bool:
@@ -379,7 +395,7 @@ def test_an_added_worker_no_node_can_hold_waits_then_gives_up_cleanly(checkpoint
     decode_node = cluster.add_node(**NODE, resources={"decode_node": 1})
     try:
         with waiting_for_nodes(checkpoint("llama"), cluster, wait_s=3.0, planner="act") as llm:
-            free_before = ray.available_resources()
+            free_before, groups_before = ray.available_resources(), set(placement_group_table())
             # The planner's decision to add a prefill worker, as a look that proposed it takes it.
             proposal = Proposal(Split(1, 1), Split(2, 1), {Split(1, 1): Prediction(1.0, 0.5),
                                                            Split(2, 1): Prediction(2.0, 1.0)})
@@ -397,8 +413,8 @@ def test_an_added_worker_no_node_can_hold_waits_then_gives_up_cleanly(checkpoint
             registry.close()
             assert events == [("prefill-1", "not_added", line), ("prefill-1", "waiting", "0.25 CPU, 1 prefill_node")]
             # Nothing left of it: the group removed, no actor, the pools as they were.
-            groups = [g for g in placement_group_table().values() if g["name"] == f"{CLUSTER}-prefill-1"]
-            assert [g["state"] for g in groups] == ["REMOVED"]
+            new = {k: g for k, g in placement_group_table().items() if k not in groups_before}
+            assert [(g["name"], g["state"]) for g in new.values()] == [(f"{CLUSTER}-prefill-1", "REMOVED")]
             assert "prefill-1" not in llm.deployment.placement_groups and "prefill-1" not in llm.deployment.workers
             with pytest.raises(ValueError):
                 ray.get_actor("prefill-1", namespace=CLUSTER)
