@@ -57,6 +57,7 @@ __all__ = ["Deployment", "EngineOverrides", "Pool", "PoolResources", "check_regi
            "worker_status"]
 
 REGISTRY_WAIT_S = 30.0
+WAITING_SAID_AFTER_S = 1.0  # an added worker not placed by then is said to wait for a node
 
 
 class Deployment:
@@ -298,8 +299,9 @@ class Deployment:
         node could ever hold fails at once; otherwise (nodes may yet join, or free up) after
         ``REGISTRY_WAIT_S``, or for an add to a running cluster (``waiting`` given) on a Ray
         cluster after ``ray.node_wait_s`` (an autoscaler may start a node for the pending
-        group), having called ``waiting(the node it waits for, seconds)`` once when it was not
-        placed at once. A group given up on is removed. With ``within_s``: None, and no group
+        group), having called ``waiting(the node it waits for, seconds)`` once it was not
+        placed within ``WAITING_SAID_AFTER_S`` (on a local Ray no node joins: nothing is
+        said). A group given up on is removed. With ``within_s``: None, and no group
         left, when it is not placed within that many seconds (the resources are not free now)."""
         from ray.util.placement_group import placement_group_table, remove_placement_group
 
@@ -320,7 +322,8 @@ class Deployment:
                     raise no_node_joined(name, pool.tp, pool.resources.bundle(), node_wait_s)
                 raise placement_failed(name, pool.role, pool.tp, pool.resources.bundle(), self.settings,
                                        never=infeasible)
-            if waiting is not None and within_s is None and not told:
+            if node_wait_s is not None and within_s is None and not told and \
+                    time.monotonic() - started >= WAITING_SAID_AFTER_S:
                 told = True
                 waiting(node_wanted(pool.tp, pool.resources.bundle()), deadline - started)
         return group
