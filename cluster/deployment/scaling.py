@@ -5,8 +5,9 @@ removed, one moved from one role to the other (``deployment.scale``; ``tandem sc
 **Add**: a placement group for a new worker (a name never used before in the pool), placed once
 a node has room for it (on a Ray cluster it waits up to ``ray.node_wait_s`` for one, e.g. a node
 KubeRay's autoscaler starts for the pending group, saying so in the worker events; past that the
-group is removed and the add fails in one line, recorded too), the worker started in it, paired with its KV transfer peers (a decode worker with every prefill worker, a
-prefill worker with every decode worker), its first load report awaited; then the membership
+group is removed and the add fails in one line, recorded too), the worker started in it, paired
+with its KV transfer peers (a decode worker with every prefill worker, a prefill worker with
+every decode worker), its first load report awaited; then the membership
 record that names it is written and every router's word awaited, so that when ``add`` returns
 routers place on it.
 
