@@ -48,7 +48,8 @@ from cluster.registry.load import read_loads
 from cluster.registry.local_redis import LocalRedis
 from cluster.registry.membership import Membership, publish_membership
 from cluster.registry.reporter import connect
-from cluster.runtime.startup import TOPOLOGY_SETTINGS, SettingNames, guarded, placement_failed, worker_failed
+from cluster.runtime.startup import (TOPOLOGY_SETTINGS, SettingNames, guarded, no_node_joined, node_wanted,
+                                     placement_failed, worker_failed)
 from cluster.topology import ROLES, ClusterSpec
 from router.router import Topology
 
@@ -56,6 +57,7 @@ __all__ = ["Deployment", "EngineOverrides", "Pool", "PoolResources", "check_regi
            "worker_status"]
 
 REGISTRY_WAIT_S = 30.0
+WAITING_SAID_AFTER_S = 1.0  # an added worker not placed by then is said to wait for a node
 
 
 class Deployment:
@@ -293,25 +295,38 @@ class Deployment:
         return placement_group([pool.resources.bundle()] * pool.tp, strategy="STRICT_PACK",
                                name=f"{self.cluster_name}-{name}")
 
-    def reserve(self, name: str, within_s: float | None = None):
+    def reserve(self, name: str, within_s: float | None = None, waiting: Callable[[str, float], None] | None = None):
         """The worker's placement group, once Ray has placed it. On a local Ray a placement no
         node could ever hold fails at once; otherwise (nodes may yet join, or free up) after
-        ``REGISTRY_WAIT_S``. With ``within_s``: None, and no group left, when it is not placed
-        within that many seconds (the resources are not free now)."""
+        ``REGISTRY_WAIT_S``, or for an add to a running cluster (``waiting`` given) on a Ray
+        cluster after ``ray.node_wait_s`` (an autoscaler may start a node for the pending
+        group), having called ``waiting(the node it waits for, seconds)`` once it was not
+        placed within ``WAITING_SAID_AFTER_S`` (on a local Ray no node joins: nothing is
+        said). A group given up on is removed. With ``within_s``: None, and no group
+        left, when it is not placed within that many seconds (the resources are not free now)."""
         from ray.util.placement_group import placement_group_table, remove_placement_group
 
         pool, local_ray = self.pool_of(name), self.spec.ray.address is None
         group = self.placement_groups[name] = self.placement_group(name)
         started = time.monotonic()
-        deadline = started + REGISTRY_WAIT_S
+        node_wait_s = self.spec.ray.node_wait_s if waiting is not None and not local_ray else None
+        deadline = started + (REGISTRY_WAIT_S if node_wait_s is None else node_wait_s)
+        told = False
         while not group.wait(0.2):
             if within_s is not None and time.monotonic() - started > within_s:
                 remove_placement_group(self.placement_groups.pop(name))
                 return None
             infeasible = placement_group_table(group).get("stats", {}).get("scheduling_state") == "INFEASIBLE"
             if (infeasible and local_ray) or time.monotonic() > deadline:
+                remove_placement_group(self.placement_groups.pop(name))
+                if node_wait_s is not None:
+                    raise no_node_joined(name, pool.tp, pool.resources.bundle(), node_wait_s)
                 raise placement_failed(name, pool.role, pool.tp, pool.resources.bundle(), self.settings,
                                        never=infeasible)
+            if node_wait_s is not None and within_s is None and not told and \
+                    time.monotonic() - started >= WAITING_SAID_AFTER_S:
+                told = True
+                waiting(node_wanted(pool.tp, pool.resources.bundle()), deadline - started)
         return group
 
     def _await_workers(self, calls: list[tuple[str, object]]) -> list:

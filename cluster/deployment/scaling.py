@@ -2,9 +2,13 @@
 removed, one moved from one role to the other (``deployment.scale``; ``tandem scale`` asks the
 ``tandem up`` process for the same through ``cluster/deployment/control.py``).
 
-**Add**: a placement group for a new worker (a name never used before in the pool), the worker
-started in it, paired with its KV transfer peers (a decode worker with every prefill worker, and
-with ``kv.peer_pull`` with every other decode worker each way; a prefill worker with every decode worker), its first load report awaited; then the membership
+**Add**: a placement group for a new worker (a name never used before in the pool), placed once
+a node has room for it (on a Ray cluster it waits up to ``ray.node_wait_s`` for one, e.g. a node
+KubeRay's autoscaler starts for the pending group, saying so in the worker events; past that the
+group is removed and the add fails in one line, recorded too), the worker started in it, paired
+with its KV transfer peers (a decode worker with every prefill worker, and with ``kv.peer_pull``
+with every other decode worker each way; a prefill worker with every decode worker), its first
+load report awaited; then the membership
 record that names it is written and every router's word awaited, so that when ``add`` returns
 routers place on it.
 
@@ -40,7 +44,7 @@ from cluster.engine.request_limits import quote
 from cluster.registry.kv_index import KVIndexReader
 from cluster.registry.load import read_loads
 from cluster.registry.reporter import connect
-from cluster.registry.worker_events import ADDED, DRAINING, REMOVED, WorkerEvent, record_event
+from cluster.registry.worker_events import ADDED, DRAINING, NOT_ADDED, REMOVED, WAITING, WorkerEvent, record_event
 from cluster.runtime.startup import ClusterStartError
 from cluster.topology import ROLES
 from router.service import published_statuses
@@ -84,6 +88,7 @@ class Scaler:
             try:
                 placed = self._start(name, say, within_s)
             except ClusterStartError as exc:
+                self._event(WorkerEvent(name, role, NOT_ADDED, "", "", detail=str(exc)))
                 raise ScaleError(str(exc)) from None
             if not placed:
                 d.next_index[role] -= 1  # never used: the name is free again
@@ -103,7 +108,11 @@ class Scaler:
         d, role = self.deployment, name.rpartition("-")[0]
         pairing = d.supervisor.pairing if d.supervisor is not None else nullcontext()
         try:
-            group = d.reserve(name, within_s)
+            def waiting(node: str, wait_s: float) -> None:
+                say(f"{name} waiting for a node with {node} (up to {wait_s:g}s)")
+                self._event(WorkerEvent(name, role, WAITING, "", "", detail=node))
+
+            group = d.reserve(name, within_s, waiting)
             if group is None:
                 return False
             with pairing:

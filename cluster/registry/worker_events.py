@@ -1,6 +1,7 @@
 """What happened to the cluster's workers: each one lost (its actor died, alone or with its
 node), each one started again in its place, each node of a lost worker that left the
-cluster, and each resize step (a worker added, draining, removed), with the node and when. The
+cluster, and each resize step (a worker waiting for a node, added or not, draining, removed),
+with the node and when. The
 deployment that watches its workers (``cluster/deployment/supervisor.py``) and resizes its pools
 (``cluster/deployment/scaling.py``) writes them; ``tandem status`` shows
 them (through an ingress replica, which reads them here).
@@ -21,17 +22,18 @@ from cluster.registry.keys import Keys
 EVENTS_KEPT = 200
 LOST, RESTARTED, NODE_LOST = "lost", "restarted", "node_lost"
 ADDED, DRAINING, REMOVED = "added", "draining", "removed"
+WAITING, NOT_ADDED = "waiting", "not_added"  # an added worker waiting for a node; an add given up
 
 
 @dataclass(frozen=True)
 class WorkerEvent:
     worker: str  # "" for NODE_LOST
     role: str
-    event: str  # LOST, RESTARTED, NODE_LOST, ADDED, DRAINING or REMOVED
-    node_id: str  # lost: the node it ran on; restarted: the node it runs on now; node_lost: the node
+    event: str  # LOST, RESTARTED, NODE_LOST, ADDED, DRAINING, REMOVED, WAITING or NOT_ADDED
+    node_id: str  # lost: the node it ran on; restarted: the node it runs on now; node_lost: the node ("": none yet)
     node_address: str
     at: float = field(default_factory=time.time)
-    detail: str = ""  # why it was lost, as Ray said
+    detail: str = ""  # why it was lost, as Ray said; waiting: the node it waits for; not_added: why
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -50,6 +52,10 @@ class WorkerEvent:
             return f"{when}: {self.worker} lost on {node}" + (f": {self.detail}" if self.detail else "")
         if self.event == RESTARTED:
             return f"{when}: {self.worker} started again on {node}"
+        if self.event == WAITING:
+            return f"{when}: {self.role} worker {self.worker} waiting for a node with {self.detail}"
+        if self.event == NOT_ADDED:
+            return f"{when}: {self.role} worker {self.worker} not added: {self.detail}"
         done = {ADDED: "added", DRAINING: "draining", REMOVED: "removed"}[self.event]
         return f"{when}: {self.role} worker {self.worker} {done} on {node}" + (f" ({self.detail})" if self.detail else "")
 

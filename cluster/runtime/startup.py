@@ -157,8 +157,24 @@ def placement_failed(name: str, role: str, tp: int, bundle: dict[str, float], se
                      never: bool) -> ClusterStartError:
     """The one-line error for a worker whose ranks cannot be placed (``never``: no node of the
     cluster could hold them, as opposed to none having room now)."""
-    asks = ", ".join(f"{amount:g} {resource}" for resource, amount in sorted(bundle.items()))
+    asks = bundle_text(bundle)
     why = "no node of the Ray cluster has" if never else "the Ray cluster has no room for"
     needs = f"its {tp} ranks need {asks} each, all on one node" if tp > 1 else f"its rank needs {asks}"
     return ClusterStartError(f"cannot place {name}: {needs}, and {why} that (see `ray status`); change "
                              f"{settings.placement(role)}")
+
+
+def bundle_text(bundle: dict[str, float]) -> str:
+    """What one rank asks of its node, as ``1 CPU, 1 tandem-prefill``."""
+    return ", ".join(f"{amount:g} {resource}" for resource, amount in sorted(bundle.items()))
+
+
+def node_wanted(tp: int, bundle: dict[str, float]) -> str:
+    """The node a worker waits for: its ranks' resources, all on one node."""
+    return bundle_text(bundle) if tp == 1 else f"{tp} x ({bundle_text(bundle)})"
+
+
+def no_node_joined(name: str, tp: int, bundle: dict[str, float], wait_s: float) -> ClusterStartError:
+    """The one-line error for a worker added to a running cluster that no node took in time."""
+    return ClusterStartError(f"cannot place {name}: no node with {node_wanted(tp, bundle)} joined or freed up "
+                             f"within {wait_s:g}s (ray.node_wait_s); its placement group was removed")

@@ -328,6 +328,14 @@ class RaySpec:
         restart). ``tandem status`` lists each worker lost and started again, with its node and
         when. False: a dead worker stays dead until the cluster is restarted, and a request that
         finds none of a role gets a 503 at once.""")
+    node_wait_s: float = key(300.0, checks.number(0.0), """
+        Seconds a worker added to a running cluster (``tandem scale``, the live planner's
+        ``act``) waits for a node with room for it, e.g. one that KubeRay's autoscaler starts
+        for its pending placement group (the chart turns the autoscaler on for ``act`` with
+        bounds above the start). While it waits, ``tandem status`` says "waiting for a node
+        with ..."; past it, the placement group is removed and the add fails in one line (the
+        planner's decision is kept as not done). Only with ``address``: on a local Ray no node
+        joins, so a worker no node can hold fails at once.""")
 
 
 PLANNER_MODES = ("off", "advise", "act")

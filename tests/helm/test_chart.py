@@ -159,7 +159,14 @@ def check_raycluster_shape(doc: dict) -> None:
     assert doc["kind"] == "RayCluster"
     spec = doc["spec"]
     assert isinstance(spec["rayVersion"], str)
-    assert spec["enableInTreeAutoscaling"] is False
+    assert isinstance(spec["enableInTreeAutoscaling"], bool)
+    assert ("autoscalerOptions" in spec) == spec["enableInTreeAutoscaling"]
+    if spec["enableInTreeAutoscaling"]:  # KubeRay's AutoscalerOptions fields
+        options = spec["autoscalerOptions"]
+        assert set(options) <= {"resources", "image", "imagePullPolicy", "securityContext", "idleTimeoutSeconds",
+                                "upscalingMode", "version", "env", "envFrom", "volumeMounts", "command", "args"}
+        assert isinstance(options["idleTimeoutSeconds"], int)
+        assert options["upscalingMode"] in ("Default", "Aggressive", "Conservative")
     head = spec["headGroupSpec"]
     assert set(head) <= {"rayStartParams", "template", "serviceType", "headService", "enableIngress"}
     assert all(isinstance(v, str) for v in head["rayStartParams"].values())
@@ -281,6 +288,63 @@ def test_head_scripts_parse(helm, tmp_path):
 
 # -- the topology ----------------------------------------------------------------------------
 
+def test_planner_act_with_room_to_grow_turns_on_kubray_s_autoscaler(helm, tmp_path):
+    """The planner in act with bounds above the start: KubeRay's in-tree autoscaler, each worker
+    group between its pool's bounds (as the planner reads them), the autoscaler given Ray's token;
+    the topology's planner and ray.node_wait_s from the values. Every manifest still valid."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    overrides = {"planner": {"mode": "act", "maxWorkers": 5, "decodeMax": 3, "nodeWaitS": 450, "intervalS": 10,
+                             "autoscaler": {"idleTimeoutSeconds": 120, "upscalingMode": "Conservative",
+                                            "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}},
+                 "prefill": {"replicas": 2}, "pods": {"containerSecurityContext": {"runAsNonRoot": True}}}
+    docs = template(helm, *values_args("default", tmp_path, overrides))
+    cluster = one(docs, "RayCluster")
+    check_raycluster_shape(cluster)
+    spec = cluster["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    options = spec["autoscalerOptions"]
+    assert options["idleTimeoutSeconds"] == 120 and options["upscalingMode"] == "Conservative"
+    assert options["resources"] == {"limits": {"cpu": "1", "memory": "1Gi"}}
+    assert options["imagePullPolicy"] == "IfNotPresent" and options["securityContext"] == {"runAsNonRoot": True}
+    assert options["env"] == [{"name": "RAY_AUTH_MODE", "value": "token"}, {"name": "RAY_AUTH_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": f"{FULLNAME}-ray-token", "key": "token"}}}]
+    # The autoscaler's container overrides are a container's fields.
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "check"},
+                                  "template": {"spec": {"containers": [{
+                                      "name": "autoscaler", "image": "x", **{k: options[k] for k in (
+                                          "env", "resources", "securityContext", "imagePullPolicy")}}]}}},
+                                 K8S_VERSION, strict=True)
+    # prefill: 1..(5 - decodeMin 1) = 1..4, starting at 2; decode: 1..3, starting at 1.
+    bounds = {role: (group_of(docs, role)["replicas"], group_of(docs, role)["minReplicas"],
+                     group_of(docs, role)["maxReplicas"]) for role in ROLES}
+    assert bounds == {"prefill": (2, 1, 4), "decode": (1, 1, 3)}
+    topology = parse_topology(topology_of(docs))
+    planner = topology.planner
+    assert (planner.mode, planner.max_workers, planner.decode_max, planner.prefill_max, planner.interval_s) == (
+        "act", 5, 3, None, 10.0)
+    assert topology.ray.node_wait_s == 450.0
+    from cluster.plan.live.propose import Bounds
+
+    live = Bounds.of(planner, 3)  # what the running planner resizes within: the groups' bounds
+    assert (live.prefill_min, live.prefill_max, live.decode_min, live.decode_max) == (1, 4, 1, 3)
+    # The head still waits for the pods it starts with.
+    assert json.loads(env_of(container(head_of(docs)["template"]))["TANDEM_WAIT_RESOURCES"]["value"]) == {
+        "tandem-prefill": 2, "tandem-decode": 1}
+
+
+@pytest.mark.parametrize("planner", [{"mode": "advise", "maxWorkers": 6}, {"mode": "act"},
+                                     {"mode": "act", "maxWorkers": 2}])
+def test_no_autoscaler_unless_the_planner_may_grow_a_pool(helm, tmp_path, planner):
+    """Advise never resizes, and act within the workers it starts with only moves them between
+    the roles: fixed groups (no pod would ever be added), the planner in the topology still."""
+    docs = template(helm, *values_args("default", tmp_path, {"planner": planner}))
+    spec = one(docs, "RayCluster")["spec"]
+    check_raycluster_shape(one(docs, "RayCluster"))
+    assert spec["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in spec
+    assert all(g["replicas"] == g["minReplicas"] == g["maxReplicas"] == 1 for g in spec["workerGroupSpecs"])
+    assert parse_topology(topology_of(docs)).planner.mode == planner["mode"]
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_topology_is_valid_and_matches_the_values(helm, case, tmp_path):
     values = values_of(case)
@@ -370,6 +434,10 @@ BAD_VALUES = [
     pytest.param({"prefill": {"speculative": {}}}, ["/prefill", "speculative"], id="prefill-speculation"),
     pytest.param({"prefill": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
                  ["prefill.resources.limits.nvidia.com/gpu: leave the GPUs out"], id="gpus-in-resources"),
+    pytest.param({"planner": {"mode": "auto"}}, ["/planner/mode"], id="planner-mode"),
+    pytest.param({"planner": {"nodeWaitS": 0}}, ["/planner/nodeWaitS"], id="node-wait"),
+    pytest.param({"planner": {"autoscaler": {"upscalingMode": "Fast"}}}, ["/planner/autoscaler/upscalingMode"],
+                 id="upscaling-mode"),
 ]
 
 

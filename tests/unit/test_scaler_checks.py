@@ -107,7 +107,7 @@ def test_a_move_whose_add_fails_after_the_remove_names_the_pool_short_and_what_t
 def test_an_add_not_placed_within_its_wait_starts_nothing_and_keeps_the_name_free():
     s = scaler(DISAGGREGATED)
     asked = []
-    s.deployment.reserve = lambda name, within_s=None: asked.append((name, within_s))  # never placed: None
+    s.deployment.reserve = lambda name, within_s=None, waiting=None: asked.append((name, within_s))  # never placed: None
     said = []
     assert s.add("decode", say=said.append, within_s=5.0) is None
     assert asked == [("decode-1", 5.0)]

@@ -232,3 +232,13 @@ def test_a_draining_worker_and_the_resize_steps_in_the_status():
         "  2023-11-14 22:13:23 UTC: decode worker decode-0 removed on node a1b2c3d4e5f6 (10.0.0.5) (drained in 1.3s)",
         "  2023-11-14 22:13:22 UTC: decode worker decode-0 draining on node a1b2c3d4e5f6 (10.0.0.5)",
         "  2023-11-14 22:13:21 UTC: decode worker decode-1 added on node a1b2c3d4e5f6 (10.0.0.5)"]
+
+
+def test_an_add_waiting_for_a_node_and_one_given_up_are_one_line_each():
+    from cluster.registry.worker_events import NOT_ADDED, WAITING, WorkerEvent
+
+    waiting = WorkerEvent("prefill-2", "prefill", WAITING, "", "", at=1_700_000_000.0, detail="1 CPU, 1 tandem-prefill")
+    assert waiting.line() == ("2023-11-14 22:13:20 UTC: prefill worker prefill-2 waiting for a node with "
+                              "1 CPU, 1 tandem-prefill")
+    gave_up = WorkerEvent("prefill-2", "prefill", NOT_ADDED, "", "", at=1_700_000_300.0, detail="cannot place it")
+    assert gave_up.line() == "2023-11-14 22:18:20 UTC: prefill worker prefill-2 not added: cannot place it"

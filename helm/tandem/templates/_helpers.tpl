@@ -229,8 +229,42 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
 {{- $_ := set $t "server" $server -}}
 {{- $tracing := dict "exporter" $v.tracing.exporter "endpoint" (default nil $v.tracing.endpoint) "service_name" $v.tracing.serviceName "sample_ratio" $v.tracing.sampleRatio -}}
 {{- $_ := set $t "observability" (dict "dashboard" true "dashboard_host" "0.0.0.0" "dashboard_port" $v.dashboard.port "metrics_export_port" $v.metrics.port "tracing" $tracing) -}}
-{{- $_ := set $t "ray" (dict "address" "127.0.0.1:6379") -}}
+{{- $_ := set $t "ray" (dict "address" "127.0.0.1:6379" "node_wait_s" $v.planner.nodeWaitS) -}}
+{{- $pl := $v.planner -}}
+{{- $planner := dict "mode" $pl.mode "prefill_min" (int $pl.prefillMin) "decode_min" (int $pl.decodeMin) -}}
+{{- range $from, $to := dict "intervalS" "interval_s" "windowS" "window_s" "prefillMax" "prefill_max" "decodeMax" "decode_max" "minWorkers" "min_workers" "maxWorkers" "max_workers" "minGain" "min_gain" "confirmations" "confirmations" "cooldownS" "cooldown_s" -}}
+{{- if not (kindIs "invalid" (index $pl $from)) -}}{{- $_ := set $planner $to (index $pl $from) -}}{{- end -}}
+{{- end -}}
+{{- $_ := set $t "planner" $planner -}}
 {{- toYaml $t -}}
+{{- end -}}
+
+{{/*
+A worker group's replica bounds, as JSON {"min": .., "max": ..}: its pool's replicas, or with the
+planner in act its pool's bounds as the planner reads them (cluster/plan/live/propose.py, Bounds.of),
+widened to hold the replicas it starts with. Argument: dict root, role.
+*/}}
+{{- define "tandem.groupBounds" -}}
+{{- $v := .root.Values -}}
+{{- $pl := $v.planner -}}
+{{- $replicas := int (index $v .role).replicas -}}
+{{- if eq $pl.mode "act" -}}
+{{- $most := int (default (add (int $v.prefill.replicas) (int $v.decode.replicas)) $pl.maxWorkers) -}}
+{{- $other := ternary "decode" "prefill" (eq .role "prefill") -}}
+{{- $low := int (index $pl (printf "%sMin" .role)) -}}
+{{- $high := int (default (sub $most (int (index $pl (printf "%sMin" $other)))) (index $pl (printf "%sMax" .role))) -}}
+{{- toJson (dict "min" (min $low $replicas) "max" (max $high $replicas)) -}}
+{{- else -}}
+{{- toJson (dict "min" $replicas "max" $replicas) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when KubeRay's autoscaler runs: the planner acts, and some pool may grow past its replicas. */}}
+{{- define "tandem.autoscaling" -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $b := include "tandem.groupBounds" (dict "root" $ "role" $role) | fromJson -}}
+{{- if gt (int $b.max) (int (index $.Values $role).replicas) -}}true{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Ray resources the head waits for before `tandem up`: every pool pod's custom resource. */}}
@@ -243,14 +277,9 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
 {{- toJson $need -}}
 {{- end -}}
 
-{{/* Environment of every Ray container. */}}
-{{- define "tandem.rayEnv" -}}
-- name: TANDEM_CACHE_DIR
-  value: /var/cache/tandem
-{{- /* Ray starts its workers at nice 15; Tandem's workers are the service (see cluster/runtime/ray_runtime.py). */}}
-- name: RAY_worker_niceness
-  value: "0"
-{{- if .Values.ray.auth.enabled }}
+{{/* Ray's token, for every process that talks to Ray (the Ray containers, the autoscaler). */}}
+{{- define "tandem.rayAuthEnv" -}}
+{{- if .Values.ray.auth.enabled -}}
 - name: RAY_AUTH_MODE
   value: token
 - name: RAY_AUTH_TOKEN
@@ -258,6 +287,18 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
     secretKeyRef:
       name: {{ include "tandem.rayTokenSecretName" . }}
       key: {{ .Values.ray.auth.secretKey }}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment of every Ray container. */}}
+{{- define "tandem.rayEnv" -}}
+- name: TANDEM_CACHE_DIR
+  value: /var/cache/tandem
+{{- /* Ray starts its workers at nice 15; Tandem's workers are the service (see cluster/runtime/ray_runtime.py). */}}
+- name: RAY_worker_niceness
+  value: "0"
+{{- with include "tandem.rayAuthEnv" . }}
+{{ . }}
 {{- end }}
 {{- with .Values.pods.extraEnv }}
 {{ toYaml . }}
