@@ -3,7 +3,8 @@ A prompt one decode worker caches is served on the other, which pulls the blocks
 its peer and computes only the rest: greedy tokens are ``transformers``'s, only the missing
 blocks travel, and no KV block stays in use on any worker. A peer frozen when asked ends in
 recomputation at ``kv.pull_timeout_s`` with the same tokens, nothing leaks, and the pair is
-built again once the peer runs again. (Decode workers of TP 2: ``test_peer_pull_tp2.py``.)
+built again once the peer runs again; a peer killed while a pull waits on it also ends in
+recomputation. (Decode workers of TP 2: ``test_peer_pull_tp2.py``.)
 """
 
 from __future__ import annotations
@@ -56,3 +57,35 @@ def test_a_peer_frozen_when_asked_ends_in_recomputation_and_nothing_leaks(cluste
     # (out of use since the ask timed out) is built again, and nothing stays in use anywhere.
     wait_for(lambda: pull_from(llm, registry).get(other) == (holder,), 120, f"{other} pulling from {holder} again")
     no_block_in_use(llm)
+
+
+def test_a_peer_killed_mid_pull_ends_in_recomputation_and_nothing_leaks(cluster, reference_model, checkpoint):
+    """The peer is frozen when the pull is placed, then killed while the pull waits on it (this
+    module's last test: the worker stays dead). The pull ends in recomputation, by the peer's
+    death or at the deadline, whichever the receiver sees first: the same tokens, and no KV
+    block left in use on the workers that live."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    llm, registry = cluster
+    prompt = random_prompts([70], seed=33)[0]
+    expected, _ = reference_greedy(reference_model(checkpoint("llama")), prompt, MAX_TOKENS)
+    tokens, first = serve(llm, prompt, "cached-for-kill")
+    assert tokens == expected
+    holder = first.decision.decode
+    other = next(w for w in DECODE if w != holder)
+    registry_holds(llm, registry, holder, prompt, 4)
+    pid = next(w["pid"] for w in llm.worker_status() if w["name"] == holder)
+    draining(llm, {holder})
+    os.kill(pid, signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        served = pool.submit(serve, llm, prompt, "peer-killed")
+        wait_for(lambda: llm.router_status()["in_flight"] >= 1, 30, "the request to be placed")
+        os.kill(pid, signal.SIGKILL)
+        tokens, end = served.result(timeout=120)
+    assert (end.decision.decode, end.decision.kv_source) == (other, holder), end.decision
+    pull = end.pull
+    assert (pull.blocks_pulled, pull.bytes) == (0, 0)
+    assert pull.error in (f"{holder} died", f"{holder} did not answer within {PULL_TIMEOUT_S:g}s (kv.pull_timeout_s)")
+    assert end.usage.cached_tokens == 0 and tokens == expected
+    wait_for(lambda: all(w["kv_blocks_used"] == 0 for w in llm.worker_status() if w["name"] != holder), 30,
+             "the living workers' KV blocks free")
