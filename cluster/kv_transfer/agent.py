@@ -67,14 +67,29 @@ class TransferAgent:
         if joined is not None:
             joined[1].close()
 
+    def slices(self, layout: PairLayout) -> list[tuple[HeadSlice, int]]:
+        """The head slices this agent's cache travels in (the model's: re-sharded by the layout)."""
+        return layout.slices()
+
+    def tag_base(self, tag_base: int) -> int:
+        """The first tag of this agent's messages in a transfer that starts at ``tag_base``."""
+        return tag_base
+
+    def draft_port(self, kv_cache: torch.Tensor) -> "TransferAgent":
+        """A port over a draft model's KV cache through this agent's pairs (see ``draft_agent.py``)."""
+        from cluster.kv_transfer.draft_agent import DraftTransferAgent
+
+        return DraftTransferAgent(self, kv_cache)
+
     def senders(self, streams: list[KVStream]) -> list[KVSender]:
         num_layers = self.kv_cache.shape[0]
         out = []
         for stream in streams:
             layout, transport = self.pairs[stream.pair]
+            tag_base = self.tag_base(stream.tag_base)
             destinations = [
-                Destination(layout.prefill_tp + s.receiver, s.sender_offset, s.num_heads, stream.tag_base + index)
-                for s, index in layout.slices() if s.sender == self.tp_rank
+                Destination(layout.prefill_tp + s.receiver, s.sender_offset, s.num_heads, tag_base + index)
+                for s, index in self.slices(layout) if s.sender == self.tp_rank
             ]
             record = TransferRecord.start(stream.request_id, num_layers, stream.timeout_s)
             blocks = list(stream.src_blocks)
@@ -103,7 +118,8 @@ class TransferAgent:
                 record.layer_moved()
             return record
         ids = torch.tensor(dst_blocks, dtype=torch.long, device=self.kv_cache.device)
-        mine = [(s, index) for s, index in layout.slices() if s.receiver == self.tp_rank]
+        mine = [(s, index) for s, index in self.slices(layout) if s.receiver == self.tp_rank]
+        tag_base = self.tag_base(tag_base)
         try:
             pending = []
             for layer in range(num_layers):
