@@ -95,7 +95,8 @@ class StepRecord:
     transfer_tail_s: float = 0.0  # of ``seconds``, the wait for sends after the last layer
     guess_tokens: int = 0  # rows that checked a speculative guess (counted in neither of the above)
     accepted_tokens: int = 0  # of those guesses, the ones kept (each a token beyond one per decode)
-    draft_seconds: float = 0.0  # of ``seconds``, the draft model's forwards (speculative ``draft``)
+    draft_seconds: float = 0.0  # of ``seconds``, the draft model's forwards (speculative ``draft``) ...
+    draft_prompt_tokens: int = 0  # ... where they built prompts' draft KV to send, the tokens fed (prompt_draft_model)
     host_loaded_blocks: int = 0  # blocks loaded from the host tier since the last step's record ...
     host_load_s: float = 0.0  # ... and the time their loads took
 
@@ -417,6 +418,9 @@ class LLMEngine:
         With ``transfer``, the prompt's KV streams to a decode worker as it is computed.
         ``resumed_tokens``: the prompt's last tokens are output a failed placement already
         streamed (a constrained request's grammar starts past them)."""
+        if transfer is not None and transfer.draft_first_block is not None and (self.draft is None or self.proposer):
+            raise InvalidRequestError(f"{self.config.engine_name} loads no draft model to build the prompt's draft KV "
+                                      "(prompt_draft_model): ask for the model's KV only")
         request = self._make_request(request_id, prompt, params, priority, arrival_time, cache_salt, resumed_tokens)
         request.transfer = transfer
         self.scheduler.add(request)
@@ -493,12 +497,15 @@ class LLMEngine:
         draft = self.draft.runner.config.num_layers if self.draft is not None else 0
         return self.model_config.num_layers + draft
 
-    def draft_first_block(self, request_id: str) -> int | None:
+    def draft_destination(self, request_id: str) -> tuple[int, list[int]] | None:
         """For a reserved request, the first block whose draft KV a prefill worker would have to
-        send (the leading ones hold it here already); None without a draft model."""
+        send (the leading ones hold it here already) and the block ids from there on, where it
+        would land (``receive_transfer``'s ``draft_blocks``); None without a draft model."""
         if self.draft is None:
             return None
-        return self.draft.filled_blocks(self.scheduler.receiving[request_id])
+        request = self.scheduler.receiving[request_id]
+        first = self.draft.filled_blocks(request)
+        return first, request.block_ids[first:]
 
     def draft_catch_up_s_per_token(self) -> float | None:
         """What the speculative policy charges a prompt token this engine's draft catches up on
@@ -514,7 +521,7 @@ class LLMEngine:
     def receive_transfer(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int,
                          timeout_s: float, draft_blocks: list[int] | None = None) -> str | None:
         """Receives a reserved request's KV on every rank, then, with ``draft_blocks`` (the
-        request's blocks from its :meth:`draft_first_block`), the draft's KV of the prompt that the
+        request's blocks from its :meth:`draft_destination`), the draft's KV of the prompt that the
         prefill worker built beside it; None, or the error."""
         error = self.runner.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
         if error is None and draft_blocks is not None:
@@ -624,8 +631,9 @@ class LLMEngine:
             masks = masks.result() if masks is not None else None
             sampled = self.runner.sample(logits, inputs.sampling_requests, masks) if inputs.sampling_requests else None
         self.transfer_errors.update(inputs.transfer_errors)
+        prompt_drafts_before = self.draft.prompt_tokens if self.draft is not None else 0
         if self.draft is not None and self.proposer is None:
-            self._build_prompt_drafts(out)
+            inputs.transfer_tail_s += self._build_prompt_drafts(out)
 
         tokens: dict[str, list[int]] = {}
         stopped: set[str] = set()
@@ -677,6 +685,7 @@ class LLMEngine:
                 guess_tokens=sum(n - 1 for _, n in out.verifies),
                 accepted_tokens=self.stats.accepted_tokens - accepted_before,
                 draft_seconds=draft_seconds,
+                draft_prompt_tokens=self.draft.prompt_tokens - prompt_drafts_before if self.draft is not None else 0,
                 host_loaded_blocks=self._host_loads()[0] - self._host_loads_recorded[0],
                 host_load_s=self._host_loads()[1] - self._host_loads_recorded[1],
             )
@@ -685,14 +694,16 @@ class LLMEngine:
         self._write_back()
         return outputs
 
-    def _build_prompt_drafts(self, out: SchedulerOutput) -> None:
+    def _build_prompt_drafts(self, out: SchedulerOutput) -> float:
         """An engine that only prefills, with a draft model: the draft's KV of the step's prompt
         chunks whose transfer asks for it, built as the model's was; a prompt's last chunk sends
-        those blocks after the model's (a failure of either is the transfer's)."""
+        those blocks after the model's (a failure of either is the transfer's). Returns the
+        seconds the sends took (the step's transfer tail, as the model's sends after its forward)."""
         chunks = [(r, n) for r, n in out.prefills if r.transfer is not None and r.transfer.draft_first_block is not None]
         if not chunks and not out.preempted:
-            return
+            return 0.0
         self.draft.build_prompts(out, chunks)
+        started = time.perf_counter()
         bs = self.config.block_size
         for request, count in chunks:
             end, target = request.num_computed_tokens + count, request.transfer
@@ -705,6 +716,7 @@ class LLMEngine:
             error = port.finish(port.senders([stream]))[request.request_id]
             if error is not None and self.transfer_errors.get(request.request_id) is None:
                 self.transfer_errors[request.request_id] = f"draft model's KV: {error}"
+        return time.perf_counter() - started
 
     @staticmethod
     def _grammar_ends(request: Request, token: int) -> bool:

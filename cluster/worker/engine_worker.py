@@ -135,10 +135,12 @@ class EngineWorker:
                 max_num_seqs=engine.config.max_num_seqs,
                 steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
                                        s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s,
-                                       s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s)
+                                       s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s,
+                                       s.draft_prompt_tokens, s.draft_seconds)
                             for s in reported_steps(engine.stats)),
                 unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
                 incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(),
+                draft_prompt_share=self._draft_prompt_share(),
             )
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
@@ -234,6 +236,10 @@ class EngineWorker:
     def _unpaired_prefill(self) -> tuple[str, ...]:
         """Prefill workers this worker cannot take KV from now (a decode worker's rebuilding pairs)."""
         return ()
+
+    def _draft_prompt_share(self) -> float:
+        """A decode worker's share of remote prefills asked for the draft's KV (``WorkerLoad.draft_prompt_share``)."""
+        return 0.0
 
     def _prefill_call_s(self) -> float:
         """A decode worker's calls to prefill workers, beyond their work (``WorkerLoad.prefill_call_s``)."""

@@ -87,7 +87,7 @@ def hand_off(prefill: LLMEngine, decode: LLMEngine, pair: str, request_id: str, 
     """The decode engine reserves, the prefill engine computes the prompt (and, ``with_draft``,
     its draft's KV) and sends it, the decode engine receives and admits the first token."""
     first_block, dst = decode.reserve_transfer(request_id, prompt, GREEDY)
-    draft_first = decode.draft_first_block(request_id) if with_draft else None
+    draft_first, draft_blocks = decode.draft_destination(request_id) if with_draft else (None, None)
     tag_base = tag * decode.transfer_layers * TAG_STRIDE
     target = TransferTarget(pair, tag_base, first_block, 10.0, True, draft_first)
     prefill.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
@@ -97,8 +97,6 @@ def hand_off(prefill: LLMEngine, decode: LLMEngine, pair: str, request_id: str, 
         for output in prefill.step():
             first = output.token_ids[0] if output.token_ids else first
     assert prefill.transfer_errors.pop(request_id) is None
-    request = decode.scheduler.receiving[request_id]
-    draft_blocks = request.block_ids[draft_first:] if with_draft else None
     assert decode.receive_transfer(pair, request_id, dst, tag_base, 10.0, draft_blocks) is None
     decode.admit_transfer(request_id, first, draft_first_block=draft_first)
 
@@ -173,7 +171,7 @@ def test_cached_blocks_are_not_sent_again_and_cancelled_and_moved_requests_hold_
     expected = run_to_end(decode)["first"]
     request_blocks = -(-len(prompt) // BLOCK)
     decode.reserve_transfer("again", prompt, GREEDY)
-    assert decode.draft_first_block("again") == len(prompt) // BLOCK  # its full blocks hold the draft's KV here
+    assert decode.draft_destination("again")[0] == len(prompt) // BLOCK  # its full blocks hold the draft's KV here
     decode.abort_request("again")
     hand_off(prefill, decode, pair, "again", prompt, True, 1)
     assert run_to_end(decode)["again"] == expected
@@ -193,12 +191,11 @@ def test_cached_blocks_are_not_sent_again_and_cancelled_and_moved_requests_hold_
     streamed = expected[:7]
     rest = SamplingParams(temperature=0, max_tokens=MAX_TOKENS - 7, ignore_eos=True)
     first_block, dst = moved_to.reserve_transfer("moved", prompt + streamed, rest, resumed_tokens=7)
-    draft_first = moved_to.draft_first_block("moved")
+    draft_first, blocks = moved_to.draft_destination("moved")
     target = TransferTarget(moved_pair, 0, first_block, 10.0, True, draft_first)
     prefill.add_request("moved", prompt + streamed, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                         transfer=target)
     first = run_to_end(prefill)["moved"][0]
-    blocks = moved_to.scheduler.receiving["moved"].block_ids[draft_first:]
     assert moved_to.receive_transfer(moved_pair, "moved", dst, 0, 10.0, blocks) is None
     moved_to.admit_transfer("moved", first, draft_first_block=draft_first)
     assert streamed + run_to_end(moved_to)["moved"] == expected
