@@ -190,7 +190,7 @@ class EngineWorker:
                     "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                     "receiving": len(scheduler.receiving), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
                     "registry": "ok" if self.reporter is None or self.reporter.connected else "unreachable",
-                    "speculation": self._speculation(), "node_id": self.node.node_id,
+                    "speculation": self._speculation(), "draft": self._draft(), "node_id": self.node.node_id,
                     "node_address": self.node.address, "started_at": self.started_at,
                     "transfer_groups": sorted(self.pairs_joined)}
 
@@ -203,6 +203,16 @@ class EngineWorker:
                 "proposed_tokens": stats.proposed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "verify_steps": stats.verify_steps, "acceptance_rate": stats.acceptance_rate,
                 "tokens_per_verify": stats.tokens_per_verify}
+
+    def _draft(self) -> dict | None:
+        """The draft model's prompt work, where the engine loads one (else None): the prompt tokens
+        it was fed (a prefill worker's: prompts whose draft KV it sent; a decode worker's: its
+        catch-up) and, on a decode worker, the prompts whose draft KV arrived with the model's."""
+        draft = self.engine.draft
+        if draft is None:
+            return None
+        return {"prompt_tokens_fed": draft.prompt_tokens_fed, "prompts_received": draft.prompts_received,
+                "forwards": draft.forward_count}
 
     def free_blocks(self) -> int:
         return self._free_blocks()

@@ -65,9 +65,12 @@ class DraftProposer:
         self.size_ratio = runner.weight_bytes / max(1, target_weight_bytes)
         self.forwards: deque[tuple[int, float]] = deque(maxlen=FITTED_STEPS)  # (rows, seconds)
         self.forward_seconds = 0.0  # every forward's, summed
+        self.forward_count = 0
         self.filled: dict[int, bytes] = {}  # block id -> the hash of the content whose draft KV it holds
         self.prompt_tokens = 0  # tokens fed by build_prompts ...
         self.prompt_seconds = 0.0  # ... and the seconds its forwards took
+        self.prompt_tokens_fed = 0  # prompt tokens fed, by build_prompts or a guessing request's catch-up
+        self.prompts_received = 0  # requests whose draft KV of the prompt arrived with the model's
         self._fitted: StepCost | None = None
         self._fitted_at = -REFIT_STEPS
         self._count = 0
@@ -152,6 +155,7 @@ class DraftProposer:
         for i in range(full):
             self.filled[request.block_ids[i]] = request.block_hashes[i]
         request.proposer_state = DraftState(request.num_prompt_tokens, full)
+        self.prompts_received += 1
 
     def propose(self, step: SchedulerOutput, requests: Sequence[Request], counts: Sequence[int]) -> list[list[int]]:
         for request in step.preempted:
@@ -204,6 +208,7 @@ class DraftProposer:
         ids, positions, slots, prefills, sample_rows = [], [], [], [], []
         for span in spans:
             blocks = span.request.block_ids
+            self.prompt_tokens_fed += max(0, min(span.end, span.request.num_prompt_tokens) - span.start)
             prefills.append(PrefillPlan(len(ids), span.end - span.start, span.end, tuple(blocks[: -(-span.end // bs)])))
             ids.extend(span.request.token_ids[span.start: span.end])
             positions.extend(range(span.start, span.end))
@@ -245,6 +250,7 @@ class DraftProposer:
         tokens = logits.argmax(dim=-1).tolist() if plan.sample_rows else []
         rows, seconds = len(plan.input_ids), time.perf_counter() - started
         self.forward_seconds += seconds
+        self.forward_count += 1
         if rows <= self.max_rows_fitted:
             self.forwards.append((rows, seconds))
             self._count += 1
