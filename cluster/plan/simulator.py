@@ -259,6 +259,7 @@ class SimWorker:
         step_profile.measure(self.engine, self.role)
 
     _unpaired_prefill = EngineWorker._unpaired_prefill  # its transfer pairs never fail
+    _draft_prompt_share = EngineWorker._draft_prompt_share  # it builds no draft's KV of prompts
 
     def _prefill_call_s(self) -> float:
         """A decode worker's call to a prefill worker: the simulated message there and the answer's back."""
