@@ -104,12 +104,14 @@ def test_speculating_decode_workers_give_the_tokens_of_decoding_without_guesses(
         assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("place", ["prefill", "decode"])
-def test_a_decode_worker_with_a_draft_model_gives_the_tokens_of_decoding_without_guesses(checkpoint, place):
+@pytest.mark.parametrize("place, prefill_tp", [("prefill", 1), ("decode", 1), ("prefill", 2)])
+def test_a_decode_worker_with_a_draft_model_gives_the_tokens_of_decoding_without_guesses(checkpoint, place, prefill_tp):
     """decode.speculative with method draft (the model itself as its draft), its KV of each prompt
     built where ``draft_prompt_kv`` says: by the prefill worker, sent with the model's (the decode
     worker's draft is fed no prompt token: no catch-up forward), or by the decode worker at the
-    request's first guess. Either way every greedy guess is kept (the bookkeeping's check), a
+    request's first guess. From a prefill worker of 2 ranks the model's KV is re-sharded as ever and
+    the draft's (run beside rank 0) travels whole between the first ranks. Either way every greedy
+    guess is kept (the bookkeeping's check), a
     second pass too (its prompts' blocks cached on the decode worker, only the rest sent), and
     the tokens are the colocated engine's."""
     model_dir = checkpoint("llama")
@@ -118,7 +120,7 @@ def test_a_decode_worker_with_a_draft_model_gives_the_tokens_of_decoding_without
     expected = colocated_tokens(model_dir, prompts, params)
     speculative = SpeculativeConfig(method="draft", draft_model=str(model_dir), num_tokens=3, adaptive=False,
                                     draft_prompt_kv=place)
-    with disaggregated(model_dir, speculative=speculative) as llm:
+    with disaggregated(model_dir, speculative=speculative, prefill_tp=prefill_tp) as llm:
         before = {w["role"]: w["draft"] for w in llm.worker_status()}  # the start-up profile's own requests
         served = []
         for _ in range(2):
