@@ -19,7 +19,7 @@ import pytest
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.engine import LLMEngine
 from cluster.engine.request import TransferTarget
-from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.speculative.config import SpeculativeConfig
 from cluster.kv_transfer import transports
 from cluster.kv_transfer.agent import PairLayout, TransferAgent
@@ -209,3 +209,27 @@ def test_an_engine_that_speculates_takes_its_draft_from_speculative_not_prompt_d
     with pytest.raises(EngineConfigError, match="prompt_draft_model is for an engine that only prefills"):
         EngineConfig(model=str(model_dir), prompt_draft_model=str(model_dir),
                      speculative=SpeculativeConfig(method="ngram"))
+    plain = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=BLOCKS, engine_name="plain-prefill"),
+                      verbose=False)
+    with pytest.raises(InvalidRequestError, match="^plain-prefill loads no draft model to build the prompt's draft KV"):
+        plain.add_request("r", [5, 6, 7], transfer=TransferTarget("p", 0, 0, 1.0, True, 0))
+    assert plain.block_manager.num_free_blocks == BLOCKS and not plain.has_unfinished_requests()
+
+
+def test_a_draft_kv_that_never_arrives_fails_the_receive_by_its_deadline_and_holds_no_block(checkpoint):
+    """The decode engine waits for the draft's blocks a prefill engine never sends (it was not
+    asked): its receive ends at the deadline with an error naming the draft's KV, after the
+    model's KV arrived; the request is then released and no block stays held."""
+    model_dir = checkpoint("llama")
+    prefill, decode = prefill_engine(model_dir, model_dir), decode_engine(model_dir, model_dir)
+    pair = paired(prefill, decode)
+    prompt = random_prompts([40], seed=25)[0]
+    first_block, dst = decode.reserve_transfer("lost", prompt, GREEDY)
+    _, draft_blocks = decode.draft_destination("lost")
+    prefill.add_request("lost", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                        transfer=TransferTarget(pair, 0, first_block, 10.0, True, None))
+    run_to_end(prefill)
+    error = decode.receive_transfer(pair, "lost", dst, 0, 0.5, draft_blocks)
+    assert error is not None and error.startswith("draft model's KV: ")
+    decode.abort_request("lost")
+    assert prefill.block_manager.num_free_blocks == decode.block_manager.num_free_blocks == BLOCKS
