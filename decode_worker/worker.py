@@ -9,7 +9,9 @@ rest itself:
 1. reserves blocks for the prompt, reusing the full blocks it already caches (only the rest
    travel);
 2. asks the prefill worker to compute the missing KV and stream it layer by layer, while its
-   own receive takes each layer straight into the reserved blocks;
+   own receive takes each layer straight into the reserved blocks (with a draft model, where
+   ``decode_worker/draft_prompt_kv.py`` chooses, the prefill worker also builds the draft's KV
+   of the prompt and sends it after the model's, so the first guess needs no catch-up);
 3. admits the request into its continuous batch with the first token the prefill worker
    sampled;
 4. streams token deltas back to the caller: each item carries every token produced since the
@@ -53,6 +55,7 @@ from cluster.protocol.messages import (FailureKind, Finished, PrefillResult, Pul
 from cluster.protocol.stream import StreamServer
 from decode_worker.call_overhead import CallOverhead
 from decode_worker.peer_pull import TAG_LIMIT, PeerPulls
+from decode_worker.draft_prompt_kv import DraftPromptPlacement
 
 if TYPE_CHECKING:
     from cluster.engine.engine import RequestOutput
@@ -138,6 +141,8 @@ class DecodeWorker(PeerPulls, EngineWorker):
         self._stream: StreamServer | None = None
         self.prefill_call = CallOverhead()  # its calls to prefill workers beyond their work (read by the reporter)
         self.pull_cost = CallOverhead()  # its pulls from peers, seconds per block (the same median of the latest)
+        spec = config.speculative
+        self.draft_prompt_kv = DraftPromptPlacement(spec.draft_prompt_kv if spec is not None else "decode")
         super().__init__(config, registry_url, profile)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -252,6 +257,8 @@ class DecodeWorker(PeerPulls, EngineWorker):
 
     def _pull_s_per_block(self) -> float:
         return self.pull_cost.seconds
+    def _draft_prompt_share(self) -> float:
+        return self.draft_prompt_kv.share
 
     # -- a pair whose transfer group failed ------------------------------------------------------
 
@@ -396,7 +403,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
         reserved = await self._reserve_blocks(stream, self._reserve, request)
         if not isinstance(reserved, tuple):
             return reserved
-        first_block, dst_blocks = reserved
+        first_block, dst_blocks, draft, catch_up_s = reserved
         pair = self._peers.get(prefill)
         if pair is None or prefill in self._unpaired:
             await self._call(self._release, request_id)
@@ -406,13 +413,18 @@ class DecodeWorker(PeerPulls, EngineWorker):
         group = self._groups[pair][1]  # the group this transfer uses (a failure rebuilds only this one)
         from cluster.kv_transfer.sender import TAG_STRIDE  # with torch: not loaded where only the class is
 
-        tag_base = next(self._tags[pair]) * self.engine.model_config.num_layers * TAG_STRIDE % TAG_LIMIT
-        target = TransferTarget(pair, tag_base, first_block, timeout_s, request.stream_layers)
+        tag_base = next(self._tags[pair]) * self.engine.transfer_layers * TAG_STRIDE % TAG_LIMIT
+        draft_first, draft_blocks = None, None
+        if draft is not None and request.params.speculative:
+            tokens = len(request.prompt_token_ids) - draft[0] * self.engine.config.block_size
+            if self.draft_prompt_kv.choose(prefill, tokens, len(draft[1]), catch_up_s, self.engine.draft.block_bytes):
+                draft_first, draft_blocks = draft
+        target = TransferTarget(pair, tag_base, first_block, timeout_s, request.stream_layers, draft_first)
         started = time.perf_counter()
         times: dict[str, float] = {}  # wall clock, for the request's trace
         receive_started = time.time()
         receiving = loop.run_in_executor(self._receives, self.engine.receive_transfer, pair, request_id, dst_blocks,
-                                         tag_base, timeout_s)
+                                         tag_base, timeout_s, draft_blocks)
         stream.busy.append(receiving)
         receiving.add_done_callback(lambda _: times.setdefault("received", time.time()))
         try:
@@ -423,6 +435,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
             prefill_ended = time.time()
             if result.service_s:
                 self.prefill_call.add(time.perf_counter() - call_started - result.service_s)
+            self.draft_prompt_kv.reported(prefill, result.draft_s_per_token)
         except (ray.exceptions.RayActorError, ValueError):
             # It died (or never was): our receive ends at its deadline, then the blocks go free.
             asyncio.ensure_future(self._release_after(request_id, [receiving]))
@@ -440,18 +453,20 @@ class DecodeWorker(PeerPulls, EngineWorker):
             await self._call(self._release, request_id)
             return WorkerFailure(FailureKind.UNPAIRED, f"KV transfer failed: receive: {receive_error}", prefill)
         await self._tracked(stream, self._admit, request_id, result.first_token, result.first_logprob,
-                            result.first_top_logprobs)
-        nbytes = len(dst_blocks) * self.engine.runner.block_bytes
+                            result.first_top_logprobs, draft_first)
+        draft_bytes = len(draft_blocks) * self.engine.draft.block_bytes if draft_blocks is not None else 0
+        nbytes = len(dst_blocks) * self.engine.runner.block_bytes + draft_bytes
         self.metrics.received(nbytes, received_s)
+        self.draft_prompt_kv.transferred(nbytes, received_s - result.service_s)
         return TransferReport(prefill=prefill, blocks_cached_on_decode=first_block, blocks_sent=result.blocks_sent,
                               prefill_cached_tokens=result.cached_tokens, bytes=nbytes,
                               prefill_span=(prefill_started, prefill_ended),
                               receive_span=(receive_started, times.get("received", prefill_ended)),
-                              admitted_at=time.time())
+                              admitted_at=time.time(), draft_bytes=draft_bytes)
 
     async def _reserve_blocks(self, stream: _Stream, reserve, request: WorkerRequest
-                              ) -> tuple[int, list[int]] | RequestFailed | WorkerFailure:
-        """``reserve(request)`` under the engine's lock: (blocks cached here, block ids the KV
+                              ) -> tuple | RequestFailed | WorkerFailure:
+        """``reserve(request)`` under the engine's lock: what it reserved (blocks cached here, block ids the KV
         goes to), or how the request failed (invalid; no room now, which another placement may have)."""
         try:
             reserved = await self._tracked(stream, reserve, request)
@@ -467,12 +482,19 @@ class DecodeWorker(PeerPulls, EngineWorker):
         self.engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.priority,
                                 resumed_tokens=request.resumed_tokens)
 
-    def _reserve(self, request: WorkerRequest) -> tuple[int, list[int]] | None:
-        return self.engine.reserve_transfer(request.request_id, request.prompt_token_ids, request.params,
-                                            request.priority, resumed_tokens=request.resumed_tokens)
+    def _reserve(self, request: WorkerRequest):
+        """(blocks cached here, the blocks the KV goes to, the draft's destination or None, what
+        the policy charges a token of draft catch-up), or None when blocks are short."""
+        engine = self.engine
+        reserved = engine.reserve_transfer(request.request_id, request.prompt_token_ids, request.params,
+                                           request.priority, resumed_tokens=request.resumed_tokens)
+        if reserved is None:
+            return None
+        return (*reserved, engine.draft_destination(request.request_id), engine.draft_catch_up_s_per_token())
 
-    def _admit(self, request_id: str, first_token: int, logprob, top_logprobs) -> None:
-        self._on_outputs([self.engine.admit_transfer(request_id, first_token, logprob, top_logprobs)])
+    def _admit(self, request_id: str, first_token: int, logprob, top_logprobs, draft_first_block: int | None) -> None:
+        self._on_outputs([self.engine.admit_transfer(request_id, first_token, logprob, top_logprobs,
+                                                     draft_first_block)])
 
     # -- on the call threads (the engine under its lock) ---------------------------------------
 

@@ -2,7 +2,8 @@
 
 For each request it computes the part of the prompt its own prefix cache lacks, samples the
 first token, and streams each layer's KV to the decode worker while the next layers compute
-(the request carries a :class:`TransferTarget`); it answers with a
+(the request carries a :class:`TransferTarget`; where it asks, with the draft model's KV of the
+prompt too, built beside the model's: ``EngineConfig.prompt_draft_model``); it answers with a
 :class:`~cluster.protocol.messages.PrefillResult`. Its blocks are freed as soon as the request
 ends; sent messages are copies, so nothing waits on the decode side to free them.
 
@@ -69,7 +70,13 @@ class PrefillWorker(EngineWorker):
         return PrefillResult(request_id=request_id, first_token=first_token, prompt_tokens=request.num_prompt_tokens,
                              cached_tokens=request.num_cached_tokens, blocks_sent=blocks if error is None else 0,
                              error=error or request.error, first_logprob=logprob, first_top_logprobs=top,
-                             service_s=time.perf_counter() - started)
+                             service_s=time.perf_counter() - started, draft_s_per_token=self._draft_s_per_token())
+
+    def _draft_s_per_token(self) -> float | None:
+        """Its draft's measured seconds per prompt token, where it builds prompts' draft KV."""
+        draft = self.engine.draft
+        with self._lock:
+            return draft.prompt_s_per_token() if draft is not None else None
 
     def ping(self) -> None:
         """Answers at once: a decode worker times its calls' round trip by it when it pairs."""

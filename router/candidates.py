@@ -99,12 +99,14 @@ class PrefillSide(NamedTuple):
     queue_s: float
     prefill_s: float  # host-tier loads included
     host_worth: float
+    draft_s: float  # its draft model over the prompt's uncached tokens, where a decode worker asks for its KV
 
 
 def prefill_side(model: StepTimeModel, queued_tokens: int, hit_blocks: TierHits, prompt: Prompt) -> PrefillSide:
     return PrefillSide(model, hit_blocks, model.queue_seconds(queued_tokens),
                        model.tiered_prefill_seconds(prompt.tokens, prompt.block_size, hit_blocks),
-                       model.host_block_worth(prompt.tokens, prompt.block_size, hit_blocks))
+                       model.host_block_worth(prompt.tokens, prompt.block_size, hit_blocks),
+                       model.draft_prompt_seconds(prompt.tokens - hit_blocks.blocks * prompt.block_size))
 
 
 class DecodeSide(NamedTuple):
@@ -122,6 +124,7 @@ class DecodeSide(NamedTuple):
     host_load_s: float  # its host-tier blocks loaded as it reserves
     host_worth: float
     call_s: float  # its call to a prefill worker costs this beyond the prefill's work (measured, reported)
+    draft_prompt_share: float  # of its remote prefills, those that ask for the draft's KV too (reported)
 
 
 def tier_fields(prefill: TierHits, prefill_worth: float, decode: TierHits, decode_worth: float) -> dict:
@@ -148,7 +151,8 @@ def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: S
                       slot_wait_s=tpot * load.next_slot_tokens if in_line else 0.0,
                       reserve_wait_s=step if load.running else 0.0,
                       host_load_s=model.host_load_seconds(hit_blocks.host),
-                      host_worth=model.host_block_worth(prompt.tokens, bs, hit_blocks), call_s=load.prefill_call_s)
+                      host_worth=model.host_block_worth(prompt.tokens, bs, hit_blocks), call_s=load.prefill_call_s,
+                      draft_prompt_share=load.draft_prompt_share)
 
 
 def corrected(predicted_s: float, correction_s: float) -> float:
@@ -165,14 +169,19 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
     the blocks the decode worker lacks, after the decode worker's call reached it (``call_s``:
     the hop a local prefill does not make). The KV may land before a slot frees: TTFT is at
     least the wait for the slot. ``rotation_prefill`` is the prefill worker whose pair with this
-    decode worker has the round-robin turn (None: no pair of it has). One call per decode
-    worker, not per pair: the pairs are a placement's inner loop."""
+    decode worker has the round-robin turn (None: no pair of it has). A decode worker drafting with
+    a model may ask the prefill worker to build the draft's KV of the prompt too: its prefill then
+    counts that work, by the share of its remote prefills that asked for it (its measured choice,
+    ``decode_worker/draft_prompt_kv.py``). One call per decode worker, not per pair: the pairs are
+    a placement's inner loop."""
     out = []
     missing_blocks, cacheable = prompt.blocks - d.hit_blocks.blocks, prompt.cacheable_blocks
     hit_d, load, tpot_s, idle_tpot_s = d.hit_blocks, d.load, d.tpot_s, d.idle_tpot_s  # locals: the inner loop
     has_room, slot_wait_s, reserve_s, call_s = d.has_room, d.slot_wait_s, d.reserve_wait_s + d.host_load_s, d.call_s
+    draft_share = d.draft_prompt_share
     for prefill in paired:
-        model, hit_p, queue_s, prefill_s, worth_p = prefill_sides[prefill]
+        model, hit_p, queue_s, prefill_s, worth_p, draft_s = prefill_sides[prefill]
+        prefill_s += draft_s * draft_share
         c = Candidate(prefill, decode, hit_p.blocks, hit_d.blocks, cacheable, queued_tokens[prefill], load,
                       queue_s=queue_s, prefill_s=prefill_s, transfer_s=model.transfer_seconds(missing_blocks),
                       call_s=call_s, tpot_s=tpot_s, decode_has_room=has_room,

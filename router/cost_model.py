@@ -21,6 +21,11 @@ step's time over the tokens a sequence gets from it, both as its recent decode s
 (guess rows and kept guesses per sequence). The rates follow the worker's recent batches: where
 its batch grows past the size at which guesses pay, it stops guessing and they fall to 0 over
 the steps it reports.
+
+A prefill worker that also builds a draft model's KV of prompts (for decode workers drafting
+with it) reports its draft's seconds apart in each step: the prefill line is fitted without them,
+and ``draft_s_per_token`` (its draft's seconds over the tokens fed) says what that work adds to a
+prompt's prefill where a decode worker asks for it.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ class StepTimeModel:
     guesses_per_sequence: float = 0.0  # speculative decoding, per sequence and decode step: rows checking guesses
     accepted_per_sequence: float = 0.0  # ... and guesses kept (tokens beyond one)
     host_load_s_per_block: float = DEFAULT_HOST_LOAD_S_PER_BLOCK  # a block loaded from the host tier
+    draft_s_per_token: float = 0.0  # a prefill worker's draft model, per prompt token it builds the draft's KV of
 
     @classmethod
     def fit(cls, steps: Sequence[StepSample], max_num_batched_tokens: int) -> "StepTimeModel":
@@ -110,9 +116,11 @@ class StepTimeModel:
         blocks = sum(s.kv_blocks_sent for s in sent)
         sequences = sum(s.decodes for s in decode)
         host_loaded = sum(s.host_loaded_blocks for s in steps)
+        drafted = [s for s in prefill if s.draft_tokens]
+        draft_tokens = sum(s.draft_tokens for s in drafted)
         return cls(
             prefill=fit_robust([(1.0, s.prefill_tokens, s.prefill_attention) for s in prefill],
-                               [s.seconds - s.transfer_tail_s for s in prefill]),
+                               [s.seconds - s.transfer_tail_s - s.draft_s for s in prefill]),
             decode=fit_robust([(1.0, s.decodes + s.guess_tokens, s.decode_context) for s in decode],
                               [s.seconds for s in decode]),
             transfer_s_per_block=sum(s.transfer_tail_s for s in sent) / blocks if blocks else 0.0,
@@ -121,6 +129,7 @@ class StepTimeModel:
             accepted_per_sequence=sum(s.accepted_tokens for s in decode) / sequences if sequences else 0.0,
             host_load_s_per_block=(sum(s.host_load_s for s in steps) / host_loaded if host_loaded
                                    else DEFAULT_HOST_LOAD_S_PER_BLOCK),
+            draft_s_per_token=sum(s.draft_s for s in drafted) / draft_tokens if draft_tokens else 0.0,
         )
 
     def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
@@ -185,6 +194,10 @@ class StepTimeModel:
     def tpot_seconds(self, sequences: int, context_tokens: int) -> float:
         """Time per output token of one of ``sequences``: a step over the tokens it makes."""
         return self.decode_step_seconds(sequences, context_tokens) / self.tokens_per_step
+
+    def draft_prompt_seconds(self, tokens: int) -> float:
+        """A prefill worker's draft model over ``tokens`` prompt tokens (0 until it has built one)."""
+        return self.draft_s_per_token * max(0, tokens)
 
     def transfer_seconds(self, blocks: int) -> float:
         return self.transfer_s_per_block * max(0, blocks)

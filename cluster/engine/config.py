@@ -83,6 +83,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8_e4m3: cluster/engine/quantization/kv_format.py
     speculative: SpeculativeConfig | None = None  # several tokens per decode step: cluster/engine/speculative
     host_cache: int | str | None = None  # host KV tier: blocks, or a size like "512MiB"; cluster/engine/kv_tiers
+    # A draft checkpoint loaded only to build its KV of the prompts this engine sends, for requests
+    # whose TransferTarget asks for it: a prefill worker beside decode workers drafting with it.
+    prompt_draft_model: str | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -124,6 +127,14 @@ class EngineConfig:
             )
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise EngineConfigError(f"speculative must be a SpeculativeConfig or None, got {quote(self.speculative)}")
+        if self.prompt_draft_model is not None:
+            if not isinstance(self.prompt_draft_model, str) or not self.prompt_draft_model.strip():
+                raise EngineConfigError(f"prompt_draft_model must name a draft checkpoint or be None, got "
+                                        f"{quote(self.prompt_draft_model)}")
+            if self.speculative is not None:
+                raise EngineConfigError("prompt_draft_model is for an engine that only prefills (it sends its "
+                                        "prompts' draft KV); a speculating engine loads its draft from "
+                                        "speculative.draft_model: set one of them")
         from cluster.engine.kv_tiers.size import parse_host_cache
 
         try:
@@ -134,7 +145,8 @@ class EngineConfig:
             if self.tensor_parallel_size != 1:
                 raise EngineConfigError("host_cache needs tensor_parallel_size 1 (the host tier of a tensor-parallel "
                                         "engine is not built yet); set host_cache to null")
-            if self.speculative is not None and self.speculative.method == "draft":
+            if self.prompt_draft_model is not None or (self.speculative is not None
+                                                       and self.speculative.method == "draft"):
                 raise EngineConfigError("host_cache does not work with a draft model (its KV cache has no host tier); "
                                         "set host_cache to null or use speculative method ngram")
             if not self.enable_prefix_caching:

@@ -22,7 +22,7 @@ from cluster.engine.block_manager import BlockManager
 from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.threads import torch_ops_single_threaded
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
-from cluster.engine.kv_port import KVPortFactory
+from cluster.engine.kv_port import KVPortFactory, KVStream
 from cluster.engine.kv_tiers.copy_queue import CopyQueue
 from cluster.engine.kv_tiers.host_pool import HostBlockPool
 from cluster.engine.kv_tiers.host_store import HostKVStore, host_block_bytes, host_format
@@ -35,7 +35,7 @@ from cluster.engine.quantization.choice import QuantizationChoiceError, resolve_
 from cluster.engine.request import FinishReason, Request, TransferTarget, row_runs
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
-from cluster.engine.scheduler import Scheduler
+from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.speculative.config import SpeculativeConfigError
 from cluster.engine.speculative.draft import DraftProposer
 from cluster.engine.speculative.draft_model import check_draft, draft_quantization, read_draft
@@ -95,7 +95,8 @@ class StepRecord:
     transfer_tail_s: float = 0.0  # of ``seconds``, the wait for sends after the last layer
     guess_tokens: int = 0  # rows that checked a speculative guess (counted in neither of the above)
     accepted_tokens: int = 0  # of those guesses, the ones kept (each a token beyond one per decode)
-    draft_seconds: float = 0.0  # of ``seconds``, the draft model's forwards (speculative ``draft``)
+    draft_seconds: float = 0.0  # of ``seconds``, the draft model's forwards (speculative ``draft``) ...
+    draft_prompt_tokens: int = 0  # ... where they built prompts' draft KV to send, the tokens fed (prompt_draft_model)
     host_loaded_blocks: int = 0  # blocks loaded from the host tier since the last step's record ...
     host_load_s: float = 0.0  # ... and the time their loads took
 
@@ -185,10 +186,15 @@ class LLMEngine:
         started = time.perf_counter()
         self.runner = self._make_runner(model_dir, progress, make_runner)
         self.proposer: Proposer | None = self._make_proposer(progress)
+        # The draft model, guessing (the proposer) or only building the prompts' KV it sends.
+        self.draft: DraftProposer | None = (self.proposer if isinstance(self.proposer, DraftProposer) else
+                                            self._load_draft(config.prompt_draft_model, progress)
+                                            if config.prompt_draft_model else None)
+        self._draft_port = None  # the draft's KV port (made on first use, over the runner's)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks, fault_kv_in_background)
-        if isinstance(self.proposer, DraftProposer):
-            self.proposer.allocate(num_blocks)
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
         # Where the fused native step runs the model, torch's own ops around it run single-threaded
         # (kernels/threads.py: its OpenMP threads spun through the kernels' next step).
         fused = getattr(self.runner, "native_step", None) is not None
@@ -316,8 +322,14 @@ class LLMEngine:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec)
+        return self._load_draft(spec.draft_model, progress)
+
+    def _load_draft(self, path: str, progress) -> DraftProposer:
+        """A draft model, checked against the target, loaded as a runner of one rank on the
+        engine's device (its KV cache sized with the target's)."""
+        cfg = self.config
         try:
-            draft = read_draft(spec.draft_model, cfg.dtype)
+            draft = read_draft(path, cfg.dtype)
             check_draft(draft, self.model_config, self.tokenizer, self.max_model_len)
         except SpeculativeConfigError as exc:
             raise EngineConfigError(str(exc)) from None
@@ -374,8 +386,8 @@ class LLMEngine:
             return cfg.num_kv_blocks
         share = cfg.kv_share
         block_bytes = self.runner.block_bytes  # a draft model's KV has a block for each of the target's
-        if isinstance(self.proposer, DraftProposer):
-            block_bytes += self.proposer.block_bytes
+        if self.draft is not None:
+            block_bytes += self.draft.block_bytes
         budget = device_memory_bytes(self.runner.device) * cfg.kv_cache_memory_fraction * share
         by_memory = int(budget) // block_bytes
         if by_memory < 1:
@@ -406,6 +418,9 @@ class LLMEngine:
         With ``transfer``, the prompt's KV streams to a decode worker as it is computed.
         ``resumed_tokens``: the prompt's last tokens are output a failed placement already
         streamed (a constrained request's grammar starts past them)."""
+        if transfer is not None and transfer.draft_first_block is not None and (self.draft is None or self.proposer):
+            raise InvalidRequestError(f"{self.config.engine_name} loads no draft model to build the prompt's draft KV "
+                                      "(prompt_draft_model): ask for the model's KV only")
         request = self._make_request(request_id, prompt, params, priority, arrival_time, cache_salt, resumed_tokens)
         request.transfer = transfer
         self.scheduler.add(request)
@@ -475,17 +490,55 @@ class LLMEngine:
         self.stats.cached_prompt_tokens += request.num_cached_tokens
         return first_block, request.block_ids[first_block:]
 
+    @property
+    def transfer_layers(self) -> int:
+        """Layers of KV one request's transfer may carry: the model's, and its draft's after them
+        (a decode worker spaces its transfers' tag ranges by this)."""
+        draft = self.draft.runner.config.num_layers if self.draft is not None else 0
+        return self.model_config.num_layers + draft
+
+    def draft_destination(self, request_id: str) -> tuple[int, list[int]] | None:
+        """For a reserved request, the first block whose draft KV a prefill worker would have to
+        send (the leading ones hold it here already) and the block ids from there on, where it
+        would land (``receive_transfer``'s ``draft_blocks``); None without a draft model."""
+        if self.draft is None:
+            return None
+        request = self.scheduler.receiving[request_id]
+        first = self.draft.filled_blocks(request)
+        return first, request.block_ids[first:]
+
+    def draft_catch_up_s_per_token(self) -> float | None:
+        """What the speculative policy charges a prompt token this engine's draft catches up on
+        (None: no draft, or no cost to judge by yet)."""
+        return self.draft.catch_up_s_per_token(self._step_cost()) if self.draft is not None else None
+
+    def draft_kv_port(self):
+        """The KV port of the draft's cache, over the runner's pairs (made on first use)."""
+        if self._draft_port is None:
+            self._draft_port = self.runner.draft_port(self.draft.runner.kv_cache)
+        return self._draft_port
+
     def receive_transfer(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int,
-                         timeout_s: float) -> str | None:
-        """Receives a reserved request's KV on every rank; None, or the error."""
-        return self.runner.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
+                         timeout_s: float, draft_blocks: list[int] | None = None) -> str | None:
+        """Receives a reserved request's KV on every rank, then, with ``draft_blocks`` (the
+        request's blocks from its :meth:`draft_destination`), the draft's KV of the prompt that the
+        prefill worker built beside it; None, or the error."""
+        error = self.runner.receive(pair, request_id, dst_blocks, tag_base, timeout_s)
+        if error is None and draft_blocks is not None:
+            error = self.draft_kv_port().receive(pair, request_id, draft_blocks, tag_base, timeout_s)
+            error = f"draft model's KV: {error}" if error else None
+        return error
 
     def admit_transfer(self, request_id: str, first_token: int, logprob: float | None = None,
-                       top_logprobs: list[tuple[int, float]] | None = None) -> RequestOutput:
+                       top_logprobs: list[tuple[int, float]] | None = None,
+                       draft_first_block: int | None = None) -> RequestOutput:
         """The KV has arrived and the prefill worker sampled ``first_token`` (with its logprobs,
         when asked for; under the request's grammar, which replays it here): the request joins
-        the batch (or finishes, if that token ends it)."""
+        the batch (or finishes, if that token ends it). ``draft_first_block``: the draft's KV of
+        the prompt arrived too, from that block on (``receive_transfer``'s ``draft_blocks``)."""
         request = self.scheduler.admit_transferred(request_id, first_token)
+        if draft_first_block is not None and not request.finished:
+            self.draft.received(request, draft_first_block)
         if request.grammar is not None and self._grammar_ends(request, first_token):
             self.scheduler.finish(request, FinishReason.STOP)
         self._fail_refused([request])
@@ -558,6 +611,7 @@ class LLMEngine:
         a token or finished."""
         started = time.perf_counter()
         accepted_before = self.stats.accepted_tokens
+        draft_before = self.draft.forward_seconds if self.draft is not None else 0.0
         out = self.scheduler.schedule()
         self._move_between_tiers()
         self.stats.num_preemptions += len(out.preempted)
@@ -577,6 +631,9 @@ class LLMEngine:
             masks = masks.result() if masks is not None else None
             sampled = self.runner.sample(logits, inputs.sampling_requests, masks) if inputs.sampling_requests else None
         self.transfer_errors.update(inputs.transfer_errors)
+        prompt_drafts_before = self.draft.prompt_tokens if self.draft is not None else 0
+        if self.draft is not None and self.proposer is None:
+            inputs.transfer_tail_s += self._build_prompt_drafts(out)
 
         tokens: dict[str, list[int]] = {}
         stopped: set[str] = set()
@@ -601,10 +658,9 @@ class LLMEngine:
             tokens[request.request_id] = emitted
         self.scheduler.update(out, tokens, frozenset(stopped))
         self._fail_refused(sampling)
-        draft_before = self.proposer.forward_seconds if isinstance(self.proposer, DraftProposer) else 0.0
         if self.proposer is not None:
             self._propose(out)
-        draft_seconds = self.proposer.forward_seconds - draft_before if isinstance(self.proposer, DraftProposer) else 0.0
+        draft_seconds = self.draft.forward_seconds - draft_before if self.draft is not None else 0.0
         if self._masks is not None:  # the next step's, built while this one's outputs are handed out
             self._masks.build_ahead(self.scheduler.running)
 
@@ -629,6 +685,7 @@ class LLMEngine:
                 guess_tokens=sum(n - 1 for _, n in out.verifies),
                 accepted_tokens=self.stats.accepted_tokens - accepted_before,
                 draft_seconds=draft_seconds,
+                draft_prompt_tokens=self.draft.prompt_tokens - prompt_drafts_before if self.draft is not None else 0,
                 host_loaded_blocks=self._host_loads()[0] - self._host_loads_recorded[0],
                 host_load_s=self._host_loads()[1] - self._host_loads_recorded[1],
             )
@@ -636,6 +693,30 @@ class LLMEngine:
         self._host_loads_recorded = self._host_loads()
         self._write_back()
         return outputs
+
+    def _build_prompt_drafts(self, out: SchedulerOutput) -> float:
+        """An engine that only prefills, with a draft model: the draft's KV of the step's prompt
+        chunks whose transfer asks for it, built as the model's was; a prompt's last chunk sends
+        those blocks after the model's (a failure of either is the transfer's). Returns the
+        seconds the sends took (the step's transfer tail, as the model's sends after its forward)."""
+        chunks = [(r, n) for r, n in out.prefills if r.transfer is not None and r.transfer.draft_first_block is not None]
+        if not chunks and not out.preempted:
+            return 0.0
+        self.draft.build_prompts(out, chunks)
+        started = time.perf_counter()
+        bs = self.config.block_size
+        for request, count in chunks:
+            end, target = request.num_computed_tokens + count, request.transfer
+            if end != request.num_prompt_tokens:
+                continue
+            stream = KVStream(target.pair, request.request_id, tuple(request.block_ids[target.draft_first_block:
+                                                                                       -(-end // bs)]),
+                              target.tag_base, target.timeout_s, streaming=False)
+            port = self.draft_kv_port()
+            error = port.finish(port.senders([stream]))[request.request_id]
+            if error is not None and self.transfer_errors.get(request.request_id) is None:
+                self.transfer_errors[request.request_id] = f"draft model's KV: {error}"
+        return time.perf_counter() - started
 
     @staticmethod
     def _grammar_ends(request: Request, token: int) -> bool:

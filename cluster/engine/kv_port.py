@@ -54,6 +54,11 @@ class KVPort(Protocol):
                 timeout_s: float) -> str | None:
         """Receives a request's KV into ``dst_blocks``; None, or the error (never raises)."""
 
+    def draft_port(self, kv_cache: torch.Tensor) -> "KVPort":
+        """A port over a draft model's KV cache (rank 0's only) through this port's pairs: its
+        blocks travel whole between the engines' first ranks, with tags after the model's layers
+        (a transfer's tag range spans both models' layers)."""
+
 
 KVPortFactory = Callable[[torch.Tensor, int, str], KVPort]  # (this rank's KV cache, TP rank, device)
 

@@ -359,6 +359,10 @@ class ModelRunner:
         if self._transfers is not None:
             self._transfers.leave(pair)
 
+    def draft_port(self, kv_cache: torch.Tensor) -> KVPort:
+        """The KV port of a draft model's cache (``kv_cache``) beside this rank, over its pairs."""
+        return self.transfers.draft_port(kv_cache)
+
     def receive(self, pair: str, request_id: str, dst_blocks: list[int], tag_base: int, timeout_s: float) -> str | None:
         """Receives a request's KV into ``dst_blocks``; returns None, or the error."""
         return self.transfers.receive(pair, request_id, dst_blocks, tag_base, timeout_s)

@@ -40,13 +40,17 @@ class RequestTimes:
 class TransferTarget:
     """Where a prefill worker streams this request's KV: a pair (transfer group), the tags of
     the stream, and how many leading blocks the decode side already holds. ``streaming=False``
-    sends the whole request after its forward pass instead of layer by layer (for comparison)."""
+    sends the whole request after its forward pass instead of layer by layer (for comparison).
+    ``draft_first_block``: None, or the prefill side also builds its draft model's KV of the
+    prompt and sends it from that block on (the blocks before it hold the decode side's draft
+    KV already): the decode side's draft then guesses without catching up on the prompt."""
 
     pair: str
     tag_base: int
     first_block: int = 0
     timeout_s: float = 60.0
     streaming: bool = True
+    draft_first_block: int | None = None
 
 
 @dataclass(eq=False)

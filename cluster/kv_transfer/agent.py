@@ -17,7 +17,7 @@ import torch
 from cluster.engine.kv_port import KVStream
 from cluster.kv_transfer.kv_blocks import layer_message_shape, unpack_layer
 from cluster.kv_transfer.resharding import HeadSlice, plan_head_slices
-from cluster.kv_transfer.sender import Destination, KVSender, layer_tag
+from cluster.kv_transfer.sender import TAG_STRIDE, Destination, KVSender, layer_tag
 from cluster.kv_transfer.state import TransferRecord, TransferState
 from cluster.kv_transfer.transport import KVTransport, TransportError
 from cluster.kv_transfer.transports import create_transport
@@ -67,14 +67,27 @@ class TransferAgent:
         if joined is not None:
             joined[1].close()
 
+    def slices(self, layout: PairLayout) -> list[tuple[HeadSlice, int]]:
+        """The head slices this agent's cache travels in (the model's: re-sharded by the layout)."""
+        return layout.slices()
+
+    def tag_base(self, tag_base: int) -> int:
+        """The first tag of this agent's messages in a transfer that starts at ``tag_base``."""
+        return tag_base
+
+    def draft_port(self, kv_cache: torch.Tensor) -> "TransferAgent":
+        """A port over a draft model's KV cache through this agent's pairs (:class:`DraftTransferAgent`)."""
+        return DraftTransferAgent(self, kv_cache)
+
     def senders(self, streams: list[KVStream]) -> list[KVSender]:
         num_layers = self.kv_cache.shape[0]
         out = []
         for stream in streams:
             layout, transport = self.pairs[stream.pair]
+            tag_base = self.tag_base(stream.tag_base)
             destinations = [
-                Destination(layout.prefill_tp + s.receiver, s.sender_offset, s.num_heads, stream.tag_base + index)
-                for s, index in layout.slices() if s.sender == self.tp_rank
+                Destination(layout.prefill_tp + s.receiver, s.sender_offset, s.num_heads, tag_base + index)
+                for s, index in self.slices(layout) if s.sender == self.tp_rank
             ]
             record = TransferRecord.start(stream.request_id, num_layers, stream.timeout_s)
             blocks = list(stream.src_blocks)
@@ -103,7 +116,8 @@ class TransferAgent:
                 record.layer_moved()
             return record
         ids = torch.tensor(dst_blocks, dtype=torch.long, device=self.kv_cache.device)
-        mine = [(s, index) for s, index in layout.slices() if s.receiver == self.tp_rank]
+        mine = [(s, index) for s, index in self.slices(layout) if s.receiver == self.tp_rank]
+        tag_base = self.tag_base(tag_base)
         try:
             pending = []
             for layer in range(num_layers):
@@ -123,6 +137,39 @@ class TransferAgent:
         except TransportError as exc:
             record.fail(str(exc))
         return record
+
+
+class DraftTransferAgent(TransferAgent):
+    """A draft model's KV port of rank 0, sharing ``model``'s pairs (joined and left through it).
+
+    A draft runs as one rank beside rank 0 of each engine (``cluster/engine/speculative/draft.py``),
+    whatever the engines' TP degrees, so its KV of a prompt travels whole from the prefill engine's
+    rank 0 to the decode engine's rank 0: no re-sharding, only the model's own KV is re-sharded by
+    the pair's layout. It rides the model's transfer: the same pair (transport and group), its
+    layers' tags after the model's (``tag_base + (model layers + i) * TAG_STRIDE`` for draft layer
+    ``i``), so one tag range per request carries both; a decode worker spaces its requests' tag bases
+    by the layers of both models (``LLMEngine.transfer_layers``).
+    """
+
+    def __init__(self, model: TransferAgent, kv_cache: torch.Tensor):
+        if model.tp_rank != 0:
+            raise ValueError(f"a draft model's KV moves from and to rank 0 only, not rank {model.tp_rank}")
+        super().__init__(kv_cache, 0, model.device)
+        self.pairs = model.pairs  # the same dict: pairs the model joins later are the draft's too
+        self._model_layers = model.kv_cache.shape[0]
+
+    def join(self, layout, spec, prefill_side: bool) -> None:
+        raise RuntimeError("a draft's KV port uses the model's pairs: join them through the model's port")
+
+    def leave(self, pair: str) -> None:
+        raise RuntimeError("a draft's KV port uses the model's pairs: leave them through the model's port")
+
+    def slices(self, layout) -> list[tuple[HeadSlice, int]]:
+        heads = self.kv_cache.shape[4]
+        return [(HeadSlice(sender=0, receiver=0, first_head=0, num_heads=heads, sender_offset=0, receiver_offset=0), 0)]
+
+    def tag_base(self, tag_base: int) -> int:
+        return tag_base + self._model_layers * TAG_STRIDE
 
 
 def finish_all(senders: list[KVSender]) -> dict[str, str | None]:

@@ -45,6 +45,7 @@ class TransferStat:
     blocks_sent: int
     prefill_cached_tokens: int = 0  # hits in the prefill worker's own cache
     bytes: int = 0  # KV bytes sent
+    draft_bytes: int = 0  # of those, the draft model's KV of the prompt (built by the prefill worker)
 
 
 class _Requests:
@@ -142,7 +143,7 @@ class DisaggregatedLLM(LLM):
         if transfer is not None:
             self.transfers.append(TransferStat(request.request_id, transfer.prefill, decision.decode,
                                                transfer.blocks_cached_on_decode, transfer.blocks_sent,
-                                               transfer.prefill_cached_tokens, transfer.bytes))
+                                               transfer.prefill_cached_tokens, transfer.bytes, transfer.draft_bytes))
         return RequestOutput(
             request_id=request.request_id, prompt_token_ids=[], token_ids=token_ids, new_token_ids=[],
             text="".join(text), delta_text="", finished=True, finish_reason=end.finish_reason, error=None,

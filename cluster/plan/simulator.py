@@ -261,6 +261,7 @@ class SimWorker:
     _unpaired_prefill = EngineWorker._unpaired_prefill  # its transfer pairs never fail
     _pull_from = EngineWorker._pull_from  # it pulls from no peer
     _pull_s_per_block = EngineWorker._pull_s_per_block
+    _draft_prompt_share = EngineWorker._draft_prompt_share  # it builds no draft's KV of prompts
 
     def _prefill_call_s(self) -> float:
         """A decode worker's call to a prefill worker: the simulated message there and the answer's back."""

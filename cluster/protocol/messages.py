@@ -130,6 +130,7 @@ class TransferReport:
     prefill_span: tuple[float, float]  # the prefill worker's call, start and end
     receive_span: tuple[float, float]  # this worker's receive, start and end
     admitted_at: float  # when the request joined the decode batch
+    draft_bytes: int = 0  # of ``bytes``, the draft model's KV of the prompt, built by the prefill worker
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,7 @@ class PrefillResult:
     first_logprob: float | None = None  # when the request asked for logprobs
     first_top_logprobs: list[tuple[int, float]] | None = None
     service_s: float = 0.0  # the prefill worker's own time on the call: the caller's wait beyond it is the hop
+    draft_s_per_token: float | None = None  # its draft's measured seconds a prompt token (None: no draft, none yet)
 
 
 # -- a decode worker's pull of a peer's cached prefix (a Ray call to the peer) ---------------------

@@ -42,6 +42,8 @@ class StepSample:
     accepted_tokens: int = 0  # ... and the guesses kept
     host_loaded_blocks: int = 0  # blocks loaded from the host tier for this step (prefix hits) ...
     host_load_s: float = 0.0  # ... and the time those loads took
+    draft_tokens: int = 0  # prompt tokens a prefill worker's draft model was fed (prompts' draft KV to send) ...
+    draft_s: float = 0.0  # ... and, of ``seconds``, the draft's forwards
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class WorkerLoad:
     pull_from: tuple[str, ...] = ()  # peers it can pull cached KV from now (a peer pair built with each)
     prefill_call_s: float = 0.0  # a decode worker's calls to prefill workers: their time beyond the prefill's own
     pull_s_per_block: float = 0.0  # a decode worker's pulls from peers, ask to last block, per block (0: none yet)
+    draft_prompt_share: float = 0.0  # of a decode worker's remote prefills, those asked for the draft's KV too
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

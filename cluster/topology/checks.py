@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from cluster.engine.request_limits import quote
 from cluster.engine.speculative.config import METHODS
+from cluster.engine.speculative.prompt_kv import PLACES
 
 Check = Callable[[Any], Any]
 
@@ -95,6 +96,7 @@ def choice(choices: tuple, null: bool = False, names: str = "") -> Check:
 
 
 speculative_method = choice(METHODS)
+draft_prompt_kv = choice(PLACES)
 
 
 def host_cache(value: Any) -> int | str | None:

@@ -288,6 +288,15 @@ def _speculative(pool: _Section, role: str) -> SpeculativeSpec | None:
         pool.ctx.error(f"{section.where}.draft_model", f"is read only with method draft (method is {method}); "
                        "remove it or set method: draft")
         return None
+    place = values.get("draft_prompt_kv", SpeculativeSpec.draft_prompt_kv)
+    if method != "draft" and place != "auto":
+        pool.ctx.error(f"{section.where}.draft_prompt_kv", f"is read only with method draft (method is {method}); "
+                       "remove it or set method: draft")
+        return None
+    if role == "colocated" and place != "auto":
+        pool.ctx.error(f"{section.where}.draft_prompt_kv", f"a colocated pool has no prefill worker: its draft builds "
+                       f"its prompts' KV itself; remove {place} (auto)")
+        return None
     return SpeculativeSpec(**values)
 
 
@@ -299,6 +308,12 @@ def _check_pools(ctx: _Context, spec: ClusterSpec) -> None:
         ctx.error("prefill.replicas", "decode workers need prefill workers (at least 1), or use a colocated pool")
     elif not decode and not colocated:
         ctx.error("decode.replicas", "no worker generates: give decode (with prefill) or colocated workers")
+    drafting = [role for role in SPECULATING_ROLES if spec.pool(role).replicas and spec.pool(role).speculative
+                and spec.pool(role).speculative.method == "draft"]
+    if spec.kv.host_cache is not None and drafting:
+        where = "the prefill and decode workers" if spec.prompt_draft_model() else f"the {drafting[0]} workers"
+        ctx.error("kv.host_cache", f"does not work with a draft model ({drafting[0]}.speculative.method draft: "
+                  f"{where} load one, and its KV cache has no host tier); set it to null or use method ngram")
 
 
 def _check_peer_pull(ctx: _Context, spec: ClusterSpec) -> None:

@@ -120,8 +120,8 @@ class SpeculativeSpec:
         the greedy tokens of a smaller model with the same tokenizer (``draft_model``), run by each
         worker beside the model, with a KV cache of its own in the model's blocks, computed only
         for requests given guesses (caught up in one forward when a request's guessing resumes;
-        a decode worker builds the draft's KV of a prompt that arrived from a prefill worker
-        itself, at the request's first guess).""")
+        the draft's KV of a prompt computed by a prefill worker is built where
+        ``draft_prompt_kv`` says).""")
     num_tokens: int = key(4, checks.integer(1, MAX_NUM_TOKENS), f"""
         The most tokens guessed for a request in one step, an integer in 1..{MAX_NUM_TOKENS}.""")
     adaptive: bool = key(True, checks.boolean, """
@@ -138,6 +138,17 @@ class SpeculativeSpec:
         as it ships; a float one is quantized at load, int8, where the model runs quantized). Its
         tokenizer must be the model's (the same vocabulary), its vocabulary no larger, its context
         at least ``model.max_model_len``; checked here where both are readable.""")
+    draft_prompt_kv: str = key("auto", checks.draft_prompt_kv, """
+        With ``method: draft`` on the decode pool, where the draft's KV of a prompt computed by a
+        prefill worker is built. ``decode``: the decode worker catches its draft up on the prompt
+        at the request's first guess. ``prefill``: every prefill worker loads the draft too, runs it
+        over the prompt beside the model and sends its KV with the model's (the first guess needs
+        no catch-up; the prefill takes longer and the transfer carries the draft's blocks).
+        ``auto``: the prefill workers load it, and each request's decode worker chooses the
+        cheaper place from measured costs (its draft's cost of a catch-up token, the prefill
+        worker's draft per prompt token plus the draft's blocks over the measured transfer rate).
+        A colocated pool has no prefill worker: it takes only ``auto`` (its draft builds its KV
+        itself).""")
 
     def config(self) -> SpeculativeConfig:
         return SpeculativeConfig(**asdict(self))
@@ -435,7 +446,16 @@ class ClusterSpec:
             device=pool.device,
             cluster_name=self.name,
             speculative=pool.speculative.config() if pool.speculative and role in SPECULATING_ROLES else None,
+            prompt_draft_model=self.prompt_draft_model() if role == "prefill" else None,
         )
+
+    def prompt_draft_model(self) -> str | None:
+        """The draft checkpoint the prefill workers load to build prompts' draft KV: the decode
+        pool's, where it drafts and ``draft_prompt_kv`` lets the prefill workers build it."""
+        speculative = self.decode.speculative
+        if speculative is None or speculative.method != "draft" or speculative.draft_prompt_kv == "decode":
+            return None
+        return speculative.draft_model
 
     def model_dir(self) -> Path:
         """The model's path (a directory or a .gguf file); for the built-in default model this

@@ -135,11 +135,12 @@ class EngineWorker:
                 max_num_seqs=engine.config.max_num_seqs,
                 steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
                                        s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s,
-                                       s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s)
+                                       s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s,
+                                       s.draft_prompt_tokens, s.draft_seconds)
                             for s in reported_steps(engine.stats)),
                 unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
                 incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(), pull_from=self._pull_from(),
-                pull_s_per_block=self._pull_s_per_block(),
+                pull_s_per_block=self._pull_s_per_block(), draft_prompt_share=self._draft_prompt_share(),
             )
             stats = engine.stats
             self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
@@ -191,7 +192,7 @@ class EngineWorker:
                     "waiting": len(scheduler.waiting), "running": len(scheduler.running),
                     "receiving": len(scheduler.receiving), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
                     "registry": "ok" if self.reporter is None or self.reporter.connected else "unreachable",
-                    "speculation": self._speculation(), "node_id": self.node.node_id,
+                    "speculation": self._speculation(), "draft": self._draft(), "node_id": self.node.node_id,
                     "node_address": self.node.address, "started_at": self.started_at,
                     "transfer_groups": sorted(self.pairs_joined)}
 
@@ -204,6 +205,16 @@ class EngineWorker:
                 "proposed_tokens": stats.proposed_tokens, "accepted_tokens": stats.accepted_tokens,
                 "verify_steps": stats.verify_steps, "acceptance_rate": stats.acceptance_rate,
                 "tokens_per_verify": stats.tokens_per_verify}
+
+    def _draft(self) -> dict | None:
+        """The draft model's prompt work, where the engine loads one (else None): the prompt tokens
+        it was fed (a prefill worker's: prompts whose draft KV it sent; a decode worker's: its
+        catch-up) and, on a decode worker, the prompts whose draft KV arrived with the model's."""
+        draft = self.engine.draft
+        if draft is None:
+            return None
+        return {"prompt_tokens_fed": draft.prompt_tokens_fed, "prompts_received": draft.prompts_received,
+                "forwards": draft.forward_count}
 
     def free_blocks(self) -> int:
         return self._free_blocks()
@@ -241,6 +252,10 @@ class EngineWorker:
     def _pull_from(self) -> tuple[str, ...]:
         """Peers this worker can pull cached KV from now (a decode worker's built peer pairs)."""
         return ()
+
+    def _draft_prompt_share(self) -> float:
+        """A decode worker's share of remote prefills asked for the draft's KV (``WorkerLoad.draft_prompt_share``)."""
+        return 0.0
 
     def _prefill_call_s(self) -> float:
         """A decode worker's calls to prefill workers, beyond their work (``WorkerLoad.prefill_call_s``)."""

@@ -104,24 +104,50 @@ def test_speculating_decode_workers_give_the_tokens_of_decoding_without_guesses(
         assert_no_leaks(llm)
 
 
-def test_a_decode_worker_with_a_draft_model_gives_the_tokens_of_decoding_without_guesses(checkpoint):
-    """decode.speculative with method draft (the model itself as its draft): the prompts' KV
-    arrives for the model only, the decode worker builds the draft's KV for them itself, and so
-    every greedy guess is kept (the bookkeeping's check), a second pass too (its prompts' blocks
-    cached on the decode worker, only the rest sent); the tokens are the colocated engine's."""
+@pytest.mark.parametrize("place, prefill_tp", [("prefill", 1), ("decode", 1), ("prefill", 2)])
+def test_a_decode_worker_with_a_draft_model_gives_the_tokens_of_decoding_without_guesses(checkpoint, place, prefill_tp):
+    """decode.speculative with method draft (the model itself as its draft), its KV of each prompt
+    built where ``draft_prompt_kv`` says: by the prefill worker, sent with the model's (the decode
+    worker's draft is fed no prompt token: no catch-up forward), or by the decode worker at the
+    request's first guess. From a prefill worker of 2 ranks the model's KV is re-sharded as ever and
+    the draft's (run beside rank 0) travels whole between the first ranks. Either way every greedy
+    guess is kept (the bookkeeping's check), a
+    second pass too (its prompts' blocks cached on the decode worker, only the rest sent), and
+    the tokens are the colocated engine's."""
     model_dir = checkpoint("llama")
     prompts = random_prompts([9, 21, 40], seed=4)
     params = greedy(24)
     expected = colocated_tokens(model_dir, prompts, params)
-    speculative = SpeculativeConfig(method="draft", draft_model=str(model_dir), num_tokens=3, adaptive=False)
-    with disaggregated(model_dir, speculative=speculative) as llm:
+    speculative = SpeculativeConfig(method="draft", draft_model=str(model_dir), num_tokens=3, adaptive=False,
+                                    draft_prompt_kv=place)
+    with disaggregated(model_dir, speculative=speculative, prefill_tp=prefill_tp) as llm:
+        before = {w["role"]: w["draft"] for w in llm.worker_status()}  # the start-up profile's own requests
+        served = []
         for _ in range(2):
             outputs = llm.generate(prompts, params)
             assert [(o.finish_reason, o.error) for o in outputs] == [("length", None)] * len(prompts)
             assert [o.token_ids for o in outputs] == expected
-        speculation = {w["role"]: w for w in llm.worker_status()}["decode"]["speculation"]
+            served.extend(zip(outputs, prompts))
+        transfers = {t.request_id: t for t in llm.transfers}
+        # A second pass's prompt mostly cached on the decode worker may be prefilled there: its
+        # draft then catches up on the uncached tokens, whatever the place.
+        local = sum(len(p) - o.usage.cached_tokens for o, p in served if o.request_id not in transfers)
+        workers = {w["role"]: w for w in llm.worker_status()}
+        speculation = workers["decode"]["speculation"]
         assert speculation["method"] == "draft" and speculation["proposed_tokens"] > 0
         assert speculation["accepted_tokens"] == speculation["proposed_tokens"]
+        fed = {role: workers[role]["draft"]["prompt_tokens_fed"] - before[role]["prompt_tokens_fed"]
+               for role in ("prefill", "decode") if before[role] is not None}
+        received = workers["decode"]["draft"]["prompts_received"] - before["decode"]["prompts_received"]
+        assert len(transfers) >= len(prompts)
+        if place == "prefill":
+            assert (fed["decode"], received) == (local, len(transfers))
+            assert fed["prefill"] >= sum(len(p) for p in prompts)
+            assert all(t.draft_bytes > 0 for t in transfers.values())
+        else:
+            assert fed["decode"] >= sum(len(p) for p in prompts) and received == 0
+            assert workers["prefill"]["draft"] is None
+            assert all(t.draft_bytes == 0 for t in llm.transfers)
         assert_no_leaks(llm)
 
 

@@ -137,6 +137,27 @@ def test_a_remote_pair_adds_queue_prefill_transfer_and_the_wait_for_the_step_in_
     assert (hop.call_s, hop.ttft_s, hop.idle_ttft_s) == pytest.approx((0.003, c.ttft_s + 0.003, c.idle_ttft_s + 0.003))
 
 
+def test_a_prefill_workers_draft_work_is_fitted_apart_and_counted_by_the_decode_workers_share_asking_for_it():
+    """Steps whose draft model built prompts' draft KV report its seconds apart: the prefill line
+    is fitted without them (10 ms + 1 ms a token) and the draft costs 0.25 ms a token fed; a
+    decode worker that asks for the draft's KV in half its remote prefills gets half of that
+    added to a pair's prefill: 25 uncached tokens (2 blocks of 4 cached of 33) -> 3.125 ms."""
+    steps = [StepSample(n, 0, 0, 0, 0.010 + 0.001 * n + 0.00025 * d, draft_tokens=d, draft_s=0.00025 * d)
+             for n, d in ((8, 8), (16, 0), (32, 32), (64, 64), (128, 0))]
+    model = StepTimeModel.fit(steps, 2048)
+    assert model.prefill == pytest.approx((0.010, 0.001, 0.0))
+    assert model.draft_s_per_token == pytest.approx(0.00025)
+    prompt = Prompt.of(33, 8, BS)
+    p = prefill_side(model, 0, TierHits(2), prompt)
+    assert p.draft_s == pytest.approx(0.00025 * 25)
+    d = decode_side(replace(load("d0"), draft_prompt_share=0.5), MODEL, [], TierHits(0), prompt, "queue")
+    [c] = remote_candidates("d0", d, ["p0"], {"p0": p}, {"p0": 0}, prompt, 0.0, None)
+    assert c.prefill_s == pytest.approx(p.prefill_s + 0.5 * 0.00025 * 25)
+    [without] = remote_candidates("d0", d._replace(draft_prompt_share=0.0), ["p0"], {"p0": p}, {"p0": 0}, prompt,
+                                  0.0, None)
+    assert without.prefill_s == pytest.approx(p.prefill_s) and c.ttft_s - without.ttft_s == pytest.approx(0.003125)
+
+
 def test_a_local_prefill_waits_for_the_step_in_progress_then_prefills_what_is_not_cached():
     prompt = Prompt.of(33, 8, BS)
     d = decode_side(load("d0", running=1), MODEL, [], TierHits(8), prompt, "queue")

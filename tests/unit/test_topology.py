@@ -244,7 +244,7 @@ def test_engine_args():
     assert spec.engine_args("prefill") == dict(
         dtype="bfloat16", quantization="none", block_size=32, max_num_batched_tokens=8192, kv_cache_dtype="auto", max_num_seqs=16, max_model_len=1024,
         num_kv_blocks=500, kv_cache_memory_fraction=0.5, enable_prefix_caching=False, num_threads=2,
-        device="cuda", cluster_name="east", speculative=None, host_cache=None,
+        device="cuda", cluster_name="east", speculative=None, host_cache=None, prompt_draft_model=None,
     )
     decode = spec.engine_args("decode")
     assert (decode["device"], decode["max_num_seqs"], decode["num_threads"]) == ("cpu", 128, None)
@@ -327,10 +327,46 @@ def test_the_pools_engine_settings_carry_speculation_to_decode_workers_only():
     assert spec.prefill.speculative is None and "speculative" not in overrides.common
 
 
+def test_the_prefill_workers_load_the_decode_pools_draft_unless_it_builds_prompts_draft_kv_itself():
+    """``decode.speculative.draft_prompt_kv``: auto and prefill give the prefill engines the draft
+    (``prompt_draft_model``), decode none; the decode engines get the place in their config."""
+    from cluster.engine.speculative.config import SpeculativeConfig
+
+    for place, loaded in (("auto", "/models/small"), ("prefill", "/models/small"), ("decode", None)):
+        spec = parse_topology(doc(f"""
+            decode:
+              speculative: {{method: draft, draft_model: /models/small, draft_prompt_kv: {place}}}
+        """), model_elsewhere=True)
+        assert spec.engine_args("prefill")["prompt_draft_model"] == loaded
+        assert spec.engine_args("prefill")["speculative"] is None
+        assert spec.engine_args("decode")["prompt_draft_model"] is None
+        assert spec.engine_args("decode")["speculative"] == SpeculativeConfig(
+            method="draft", draft_model="/models/small", draft_prompt_kv=place)
+        EngineConfig(model="m", **spec.engine_args("prefill"))
+    assert parse_topology("decode:\n  speculative: {}\n").engine_args("prefill")["prompt_draft_model"] is None
+
+
+def test_draft_prompt_kv_combinations_that_cannot_work_are_refused_in_one_line():
+    assert only_error(doc("""
+        colocated:
+          replicas: 1
+          speculative: {method: draft, draft_model: /m, draft_prompt_kv: prefill}
+    """)) == ("colocated.speculative.draft_prompt_kv", 3, "a colocated pool has no prefill worker: its draft builds "
+              "its prompts' KV itself; remove prefill (auto)")
+    refused = [e for e in errors_of("""
+        kv: {host_cache: 64}
+        decode:
+          speculative: {method: draft, draft_model: /m}
+    """) if e[0] == "kv.host_cache"]  # (besides /m missing here)
+    assert refused == [("kv.host_cache", 1, "does not work with a draft model (decode.speculative.method draft: the prefill "
+              "and decode workers load one, and its KV cache has no host tier); set it to null or use method ngram")]
+
+
 def test_validate_prints_speculation_back(tmp_path, capsys):
     code, out, _ = run_validate(write(tmp_path, "decode:\n  speculative: {num_tokens: 8}\n"), capsys)
     assert code == 0 and yaml.safe_load(out)["decode"]["speculative"] == dict(
-        method="ngram", num_tokens=8, adaptive=True, ngram_min=2, ngram_max=4, draft_model=None)
+        method="ngram", num_tokens=8, adaptive=True, ngram_min=2, ngram_max=4, draft_model=None,
+        draft_prompt_kv="auto")
 
 
 def test_validate_checks_a_draft_model_against_the_model(tmp_path, capsys, checkpoint, draft_checkpoint):
@@ -373,9 +409,14 @@ def test_validate_checks_a_draft_model_against_the_model(tmp_path, capsys, check
     ("decode:\n  speculative: {ngram_min: 5}\n", "decode.speculative.ngram_min",
      "must not exceed ngram_max (4); got 5"),
     ("decode:\n  speculative: {num_token: 4}\n", "decode.speculative.num_token",
-     "unknown key; did you mean 'num_tokens'? known: adaptive, draft_model, method, ngram_max, ngram_min, num_tokens"),
+     "unknown key; did you mean 'num_tokens'? known: adaptive, draft_model, draft_prompt_kv, method, ngram_max, ngram_min, num_tokens"),
     ("decode:\n  speculative: true\n", "decode.speculative",
-     "must be a mapping with the keys adaptive, draft_model, method, ngram_max, ngram_min, num_tokens; got true"),
+     "must be a mapping with the keys adaptive, draft_model, draft_prompt_kv, method, ngram_max, ngram_min, "
+     "num_tokens; got true"),
+    ("decode:\n  speculative: {draft_prompt_kv: prefill}\n", "decode.speculative.draft_prompt_kv",
+     "is read only with method draft (method is ngram); remove it or set method: draft"),
+    ("decode:\n  speculative: {draft_prompt_kv: there}\n",
+     "decode.speculative.draft_prompt_kv", "must be one of auto, decode, prefill; got 'there' (a string)"),
     ("prefill:\n  speculative: {}\n", "prefill.speculative",
      "prefill workers never speculate (each request leaves them at its first token); set it on decode or "
      "colocated"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.engine.request_limits import quote
+from cluster.engine.speculative.prompt_kv import PLACES
 
 METHODS = ("ngram", "draft")
 MAX_NUM_TOKENS = 16
@@ -22,7 +23,8 @@ class SpeculativeConfig:
     proposal is checked in full, up to ``num_tokens``); ``ngram_min``..``ngram_max``: the lengths
     of the suffix looked up earlier in the request's tokens, longest first (``ngram``);
     ``draft_model``: the checkpoint (a path, as the target model is named) whose greedy tokens are
-    the guesses (``draft``; ``speculative/draft.py``)."""
+    the guesses (``draft``; ``speculative/draft.py``); ``draft_prompt_kv``: where the draft's KV of
+    a prompt that arrives from a prefill worker is built (``speculative/prompt_kv.py``)."""
 
     method: str = "ngram"
     num_tokens: int = 4
@@ -30,6 +32,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     draft_model: str | None = None
+    draft_prompt_kv: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -40,6 +43,12 @@ class SpeculativeConfig:
                                          f".gguf file) with method draft, got {quote(self.draft_model)}")
         if self.method != "draft" and self.draft_model is not None:
             raise SpeculativeConfigError(f"speculative.draft_model is read only with method draft (method is "
+                                         f"{quote(self.method)}): remove it or set method: draft")
+        if self.draft_prompt_kv not in PLACES:
+            raise SpeculativeConfigError(f"speculative.draft_prompt_kv must be one of {', '.join(PLACES)}, got "
+                                         f"{quote(self.draft_prompt_kv)}")
+        if self.method != "draft" and self.draft_prompt_kv != "auto":
+            raise SpeculativeConfigError(f"speculative.draft_prompt_kv is read only with method draft (method is "
                                          f"{quote(self.method)}): remove it or set method: draft")
         for name, low, high in (("num_tokens", 1, MAX_NUM_TOKENS), ("ngram_min", 1, MAX_NGRAM), ("ngram_max", 1, MAX_NGRAM)):
             value = getattr(self, name)

@@ -17,6 +17,12 @@ A block in the prefix cache holds the draft's KV only if the draft computed it: 
 for each block whose KV it completed for real tokens, the hash the block was cached under, and a
 request starting on cached blocks trusts the draft's KV of its leading blocks whose hashes still
 match (a block the draft writes again is dropped from that record until completed again).
+
+An engine that only prefills (a prefill worker beside decode workers drafting with this
+checkpoint) runs the draft over the same prompt chunks as the model, for the requests whose KV
+transfer asks for it (:meth:`DraftProposer.build_prompts`), and sends those blocks with the
+model's; the decode side then marks the prompt's draft KV as there (:meth:`received`), and its
+first guess for the request needs no catch-up.
 """
 
 from __future__ import annotations
@@ -59,7 +65,12 @@ class DraftProposer:
         self.size_ratio = runner.weight_bytes / max(1, target_weight_bytes)
         self.forwards: deque[tuple[int, float]] = deque(maxlen=FITTED_STEPS)  # (rows, seconds)
         self.forward_seconds = 0.0  # every forward's, summed
+        self.forward_count = 0
         self.filled: dict[int, bytes] = {}  # block id -> the hash of the content whose draft KV it holds
+        self.prompt_tokens = 0  # tokens fed by build_prompts ...
+        self.prompt_seconds = 0.0  # ... and the seconds its forwards took
+        self.prompt_tokens_fed = 0  # prompt tokens fed, by build_prompts or a guessing request's catch-up
+        self.prompts_received = 0  # requests whose draft KV of the prompt arrived with the model's
         self._fitted: StepCost | None = None
         self._fitted_at = -REFIT_STEPS
         self._count = 0
@@ -102,6 +113,49 @@ class DraftProposer:
         if len(ones) >= MIN_FITTED_STEPS:
             return StepCost(max(sum(ones) / len(ones) - per_row, 1e-6), per_row)
         return StepCost(target.fixed_s * self.size_ratio, per_row)
+
+    def catch_up_s_per_token(self, target: StepCost | None) -> float | None:
+        """What the policy charges a token this draft must catch up on: a row of its step (None
+        before the engine has a step cost to scale, or a fit of its own)."""
+        cost = self.round_cost(target)
+        return cost.per_row_s if cost is not None else None
+
+    def prompt_s_per_token(self) -> float | None:
+        """Measured seconds per prompt token of :meth:`build_prompts` (None before any)."""
+        return self.prompt_seconds / self.prompt_tokens if self.prompt_tokens else None
+
+    def build_prompts(self, step: SchedulerOutput, chunks: Sequence[tuple[Request, int]]) -> None:
+        """Feeds the draft, in one forward, each request's tokens its draft KV lacks up to the end
+        of the chunk the model computes of it in ``step`` (``count`` tokens from its computed
+        ones: call before the scheduler moves them on), so its blocks hold the draft's KV of the
+        prompt as they hold the model's."""
+        for request in step.preempted:
+            request.proposer_state = None
+        spans = [_Span(r, self._track(r).computed, r.num_computed_tokens + count) for r, count in chunks]
+        spans = [s for s in spans if s.end > s.start]
+        if not spans:
+            return
+        started = time.perf_counter()
+        self._run_spans(spans)
+        self.prompt_seconds += time.perf_counter() - started
+        self.prompt_tokens += sum(s.end - s.start for s in spans)
+
+    def filled_blocks(self, request: Request) -> int:
+        """Leading blocks of a request (its cached ones) whose draft KV this draft holds: what a
+        prefill worker need not send of the draft's KV."""
+        return self._filled_prefix(request) // self.block_size
+
+    def received(self, request: Request, first_block: int) -> None:
+        """The draft's KV of the request's prompt arrived (its blocks from ``first_block`` on;
+        those before held it already): nothing of the prompt is left to catch up on, and its full
+        blocks are recorded as holding the draft's KV, for the prefix cache."""
+        bs = self.block_size
+        self._written(request.block_ids[first_block:])
+        full = min(request.num_prompt_tokens // bs, len(request.block_hashes))
+        for i in range(full):
+            self.filled[request.block_ids[i]] = request.block_hashes[i]
+        request.proposer_state = DraftState(request.num_prompt_tokens, full)
+        self.prompts_received += 1
 
     def propose(self, step: SchedulerOutput, requests: Sequence[Request], counts: Sequence[int]) -> list[list[int]]:
         for request in step.preempted:
@@ -154,6 +208,7 @@ class DraftProposer:
         ids, positions, slots, prefills, sample_rows = [], [], [], [], []
         for span in spans:
             blocks = span.request.block_ids
+            self.prompt_tokens_fed += max(0, min(span.end, span.request.num_prompt_tokens) - span.start)
             prefills.append(PrefillPlan(len(ids), span.end - span.start, span.end, tuple(blocks[: -(-span.end // bs)])))
             ids.extend(span.request.token_ids[span.start: span.end])
             positions.extend(range(span.start, span.end))
@@ -195,6 +250,7 @@ class DraftProposer:
         tokens = logits.argmax(dim=-1).tolist() if plan.sample_rows else []
         rows, seconds = len(plan.input_ids), time.perf_counter() - started
         self.forward_seconds += seconds
+        self.forward_count += 1
         if rows <= self.max_rows_fitted:
             self.forwards.append((rows, seconds))
             self._count += 1
