@@ -156,6 +156,8 @@ class WorkerMetrics:
                                            "tier as prefix hits", tag_keys=keys)
         self.host_used = metrics.Gauge("tandem_kv_host_blocks_used", "KV blocks the host tier holds", tag_keys=keys)
         self._host_totals = (0, 0)
+        for counter in (self.host_offloaded, self.host_loaded):  # 0 on a worker without a host tier
+            _start_at_zero(counter, self.tags)
         self.pulls = metrics.Counter("tandem_kv_pulls", "prefix pulls from a peer decode worker (kv.peer_pull) by "
                                      "outcome: pulled, or recomputed (nothing arrived)", tag_keys=(*keys, "outcome"))
         self.pulled_blocks = metrics.Counter("tandem_kv_pulled_blocks", "KV blocks pulled from peers", tag_keys=keys)

@@ -147,8 +147,8 @@ class EngineWorker:
                                 load.waiting, load.running, load.receiving)
             self.metrics.speculation(stats.proposed_tokens, stats.accepted_tokens, stats.verify_steps)
             host = engine.block_manager.host
-            if host is not None:
-                self.metrics.host_tier(stats.host_offloaded_blocks, stats.host_loaded_blocks, host.num_used)
+            self.metrics.host_tier(stats.host_offloaded_blocks, stats.host_loaded_blocks,
+                                   host.num_used if host is not None else 0)
             return engine.block_manager.drain_events(), load
 
     def describe(self) -> dict:

@@ -58,7 +58,7 @@ def test_host_tier_counters_grow_by_the_engines_new_copies_and_the_gauge_holds_i
     worker.host_tier(9, 3, 7)
     worker.host_tier(2, 1, 2)  # the totals started again (a start-up profile resets them): counted from there
     worker.host_tier(4, 1, 4)
-    assert worker.host_offloaded.values == [(5, "decode-0"), (4, "decode-0"), (2, "decode-0")]
-    assert worker.host_loaded.values == [(3, "decode-0")]
+    assert worker.host_offloaded.values == [(0.0, "decode-0"), (5, "decode-0"), (4, "decode-0"), (2, "decode-0")]
+    assert worker.host_loaded.values == [(0.0, "decode-0"), (3, "decode-0")]
     assert worker.host_used.values == [(5, "decode-0"), (5, "decode-0"), (7, "decode-0"), (2, "decode-0"),
                                        (4, "decode-0")]
