@@ -23,9 +23,11 @@ came, may have left its pair's group unusable (gloo closes a group whose send or
 out): the pair is taken out of use, reported so (``WorkerLoad.pull_from`` leaves it out), and
 rebuilt in the background as a prefill pair is.
 
-A pull that arrived gives a sample of what a pull costs, from the ask to its last block, per
-block: the worker reports the median of its latest (``WorkerLoad.pull_s_per_block``), and the
-router prices its next pulls by it instead of its default.
+A pull that arrived gives a sample of what a block costs to pull, its receive (from the offer to
+the last block) over its blocks: the worker reports the median of its latest
+(``WorkerLoad.pull_s_per_block``), and the router prices its next pulls by it instead of its
+default. The ask's round trip before the offer is not in it, as a remote prefill's call is in
+``prefill_call_s``: the cost model has no fixed cost per pull yet.
 """
 
 from __future__ import annotations
@@ -86,8 +88,6 @@ class PeerPulls:
         if dst_blocks:
             pulled, error = await self._receive_pull(stream, request, held, dst_blocks)
         await self._tracked(stream, self._admit_pull, request.request_id, pulled)
-        if pulled:  # what the router prices this worker's next pulls by (its default is a guess)
-            self.pull_cost.add((time.time() - started) / pulled)
         self.metrics.pulled(pulled, error is None and pulled > 0)
         return PullReport(request.kv_source, request.kv_source_blocks, held, pulled,
                           pulled * self.engine.runner.block_bytes, (started, time.time()), error)
@@ -119,14 +119,16 @@ class PeerPulls:
             return 0, f"{source} died"
         if offer.error or not offer.blocks:
             return 0, offer.error or f"{source} offered no block"
+        offered = time.monotonic()
         receiving = asyncio.get_running_loop().run_in_executor(
             self._receives, self.engine.receive_transfer, pair, request.request_id, dst_blocks[:offer.blocks],
-            tag_base, max(0.001, ends - time.monotonic()))
+            tag_base, max(0.001, ends - offered))
         stream.busy.append(receiving)
         error = await asyncio.shield(receiving)
         if error:
             self._pair_failed(source, group)
             return 0, f"receive from {source}: {error}"
+        self.pull_cost.add((time.monotonic() - offered) / offer.blocks)  # what the router prices pulls by
         return offer.blocks, None
 
     # -- under the engine's lock (``_tracked``) ------------------------------------------------

@@ -70,7 +70,7 @@ class WorkerLoad:
     lost: bool = False  # Ray found this incarnation dead (written by its deployment: ``mark_lost``)
     pull_from: tuple[str, ...] = ()  # peers it can pull cached KV from now (a peer pair built with each)
     prefill_call_s: float = 0.0  # a decode worker's calls to prefill workers: their time beyond the prefill's own
-    pull_s_per_block: float = 0.0  # a decode worker's pulls from peers, ask to last block, per block (0: none yet)
+    pull_s_per_block: float = 0.0  # a decode worker's pulls from peers: the receive per block (0: none yet)
     draft_prompt_share: float = 0.0  # of a decode worker's remote prefills, those asked for the draft's KV too
 
     def to_json(self) -> str:
