@@ -5,13 +5,14 @@ ingress replica runs (its router in this process), with what drives and checks a
 
 Two things are set here that a real deployment would not need:
 
-* The router's prior for a pulled block (``DEFAULT_PULL_S_PER_BLOCK``, measured for the
-  default model's 720 KiB blocks) is set to nothing: the tiny test model's blocks are a few KiB,
-  and with the default prior computing them is always predicted sooner, so no pull would be
-  chosen. The router is otherwise unchanged, and chooses the pull by its own arithmetic.
+* The router's price of a pulled block is set to nothing: its prior (``DEFAULT_PULL_S_PER_BLOCK``,
+  measured for the default model's 720 KiB blocks), and what a decode worker's pulls measured
+  (``WorkerLoad.pull_s_per_block``: a loaded machine's gloo receive of a few-KiB block took
+  longer than the tiny model computes one, and then rightly no pull was chosen). The router is
+  otherwise unchanged, and chooses the pull by its own arithmetic.
 * The worker that caches the prompt is marked draining (as ``tandem scale remove`` does at
-  first), so the router places the next request on its peer: a draining worker still lends
-  its cache. The prefill worker caches nothing, so it never holds the prompt itself, and every
+  first), and the prefill worker with it, so the router places the next request on its peer,
+  prefilling there: a draining worker still lends its cache. The prefill worker caches nothing, so it never holds the prompt itself, and every
   engine prefills 16 tokens a step (``STEP_TOKENS``).
 """
 
@@ -32,7 +33,8 @@ from cluster.registry.reporter import connect
 from cluster.runtime.ray_runtime import ensure_ray
 from conftest import random_prompts, wait_for
 from reference_checks import reference_greedy
-from router import cost_model
+from router import cost_model, peer_pull
+from router import router as router_module
 
 CLUSTER = "tandem-peer-pull-tests"
 BLOCK = 16
@@ -52,6 +54,7 @@ def running(checkpoint, decode_tp: int):
     client), once each decode worker reports its peer in ``pull_from``; stopped after."""
     patch = pytest.MonkeyPatch()
     patch.setattr(cost_model, "DEFAULT_PULL_S_PER_BLOCK", 0.0)
+    patch.setattr(router_module, "best_pull", lambda *args: peer_pull.best_pull(*args[:6]))  # measured pulls unread
     ray = ensure_ray(CLUSTER, num_cpus=8)
     spec, engine = disaggregated_spec(str(checkpoint("llama")), cluster_name=CLUSTER, decode_workers=2,
                                       decode_tp=decode_tp, num_kv_blocks=BLOCKS, block_size=BLOCK,
@@ -100,11 +103,20 @@ def registry_holds(llm: DisaggregatedLLM, registry, worker: str, prompt: list[in
 
 
 def draining(llm: DisaggregatedLLM, workers: set[str]) -> None:
-    """Marks ``workers`` draining (no new placements) and waits for the router to place by it."""
+    """Marks ``workers`` draining (no new placements) and waits for the router to place by it.
+    The prefill worker drains with them (``holding``), so the request left to place has no
+    remote prefill to choose: only its other decode worker, pulling or computing, and the pull
+    is the sooner by the router's arithmetic however a loaded machine skews the step fits (a
+    prefill worker computing the whole prompt won once under load against a pull of 4 blocks)."""
     deployment = llm.deployment
     deployment.draining = set(workers)
     version = deployment.publish_membership().version
     wait_for(lambda: llm.router_status()["topology_version"] >= version, 30, "the router to read the membership")
+
+
+def holding(holder: str) -> set[str]:
+    """The workers drained while a request is placed to pull from ``holder``: it, and the prefill worker."""
+    return {holder, "prefill-0"}
 
 
 def no_block_in_use(llm: DisaggregatedLLM) -> None:
@@ -124,7 +136,7 @@ def served_by_a_pull(llm: DisaggregatedLLM, registry, reference, seed: int) -> N
     other = next(w for w in DECODE if w != holder)
     registry_holds(llm, registry, holder, prompt, 4)
     try:
-        draining(llm, {holder})
+        draining(llm, holding(holder))
         # The other worker comes to hold the prompt's first 2 blocks itself (pulled or computed).
         head = prompt[:2 * BLOCK] + [7]
         tokens, head_end = serve(llm, head, "head")

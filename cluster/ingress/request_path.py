@@ -430,7 +430,7 @@ class RequestPath:
                         yield message
                     finally:  # after the last message is on its way
                         router.finished(attempt_id, ttft_s=journey.ttft_s(), tpot_s=journey.steady_tpot_s(),
-                                        service_ttft_s=_service_ttft(journey, attempt.placed_at),
+                                        service_ttft_s=_service_ttft(journey, attempt),
                                         output_tokens=attempt.tokens)
                         told.set_result(None)
                     return
@@ -506,7 +506,12 @@ class RequestPath:
         return self.tokenizer.decode(list(token_ids))
 
 
-def _service_ttft(journey: Journey, placed_at: float) -> float | None:
-    """TTFT counted from the request's placement: what the router learns its correction from."""
-    first = journey.first_token_at
+def _service_ttft(journey: Journey, attempt) -> float | None:
+    """TTFT counted from the request's placement: what the router learns its correction from;
+    None where a pull of a peer's prefix failed (it waited for a peer that never sent, up to
+    ``kv.pull_timeout_s``, which no step time explains: one such wait of 3 s taught the local
+    path's correction enough that the next pull lost to a prefill worker's whole prompt)."""
+    first, placed_at = journey.first_token_at, attempt.placed_at
+    if attempt.pull is not None and attempt.pull.error is not None:
+        return None
     return first - placed_at if first is not None and first >= placed_at else None

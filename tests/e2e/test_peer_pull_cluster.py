@@ -15,7 +15,7 @@ import signal
 import pytest
 
 from conftest import random_prompts, wait_for
-from peer_pull_cluster import (DECODE, MAX_TOKENS, PULL_TIMEOUT_S, draining, no_block_in_use, pull_from,
+from peer_pull_cluster import (DECODE, MAX_TOKENS, PULL_TIMEOUT_S, draining, holding, no_block_in_use, pull_from,
                                registry_holds, running, serve, served_by_a_pull)
 from reference_checks import reference_greedy
 
@@ -41,7 +41,7 @@ def test_a_peer_frozen_when_asked_ends_in_recomputation_and_nothing_leaks(cluste
     other = next(w for w in DECODE if w != holder)
     registry_holds(llm, registry, holder, prompt, 4)
     pid = next(w["pid"] for w in llm.worker_status() if w["name"] == holder)
-    draining(llm, {holder})
+    draining(llm, holding(holder))
     os.kill(pid, signal.SIGSTOP)
     try:
         tokens, end = serve(llm, prompt, "recomputed")
@@ -75,7 +75,7 @@ def test_a_peer_killed_mid_pull_ends_in_recomputation_and_nothing_leaks(cluster,
     other = next(w for w in DECODE if w != holder)
     registry_holds(llm, registry, holder, prompt, 4)
     pid = next(w["pid"] for w in llm.worker_status() if w["name"] == holder)
-    draining(llm, {holder})
+    draining(llm, holding(holder))
     os.kill(pid, signal.SIGSTOP)
     with ThreadPoolExecutor(1) as pool:
         served = pool.submit(serve, llm, prompt, "peer-killed")

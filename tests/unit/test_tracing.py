@@ -144,3 +144,16 @@ def test_a_moved_request_teaches_no_tpot():
     assert kept.steady_tpot_s() == kept.tpot_s() == pytest.approx(0.1)
     kept.attempt = 1
     assert kept.tpot_s() == pytest.approx(0.1) and kept.steady_tpot_s() is None
+
+
+def test_a_failed_pull_teaches_no_ttft_correction():
+    """The router's TTFT correction is learned from the time after placement, but not where a
+    pull of a peer's prefix failed: its request waited for the peer up to kv.pull_timeout_s."""
+    from cluster.ingress.request_path import _service_ttft
+
+    journey = Journey("r5", T0, 10, "standard", first_token_at=T0 + 3.2, finished_at=T0 + 3.5)
+    attempt = Attempt(T0, T0 + 0.001, Decision("place", "r5", decode="d1"), placed_at=T0 + 0.002)
+    attempt.pull = PullReport("d0", 4, 2, 2, 4096, (T0 + 0.003, T0 + 0.01))
+    assert _service_ttft(journey, attempt) == pytest.approx(3.198)
+    attempt.pull = PullReport("d0", 4, 2, 0, 0, (T0 + 0.003, T0 + 3.1), "d0 did not answer within 3s")
+    assert _service_ttft(journey, attempt) is None
