@@ -238,6 +238,9 @@ class _NoMetrics:
     def speculation(self, *args) -> None:
         pass
 
+    def host_tier(self, *args) -> None:
+        pass
+
 
 class SimWorker:
     """A worker of the simulated cluster: a ``SimEngine`` stepped on the simulator's clock.
