@@ -10,7 +10,7 @@ from cluster.bench.arrivals import Arrivals
 from cluster.bench.workloads import Session, Turn, Workload
 from cluster.plan.roofline import MODELS, hardware, step_model, worker_spec
 from cluster.plan.search import candidates, search, topology_for
-from cluster.plan.simulator import Pools, SimConfig, WorkerSpec, simulate, step_seconds
+from cluster.plan.simulator import REPORT_INTERVAL_S, Pools, SimConfig, WorkerSpec, simulate, step_seconds
 from cluster.plan.step_models import Profile, RoleProfile, StepCollector, hop_from_corrections
 from cluster.registry.load import StepSample, WorkerLoad
 from cluster.topology import default_topology, parse_topology
@@ -45,6 +45,18 @@ def test_one_colocated_worker_one_request():
     assert r.tpot_s == pytest.approx(0.020)  # four decode steps
     assert r.e2e_s == pytest.approx(0.110 + 4 * 0.020)
     assert r.completion_tokens == 5 and r.placement == ("", "colocated-0")
+
+
+def test_workers_report_their_load_as_the_simulation_runs():
+    """Three requests a second apart: the workers publish load reports (``EngineWorker._snapshot``
+    on the simulated workers, every ``REPORT_INTERVAL_S``) all the while, and each request is
+    served as on an idle worker. (A snapshot that called a metric the simulated workers lack
+    once broke every simulation longer than a report interval: the live planner's and
+    ``tandem plan``'s.)"""
+    result = run(Pools(colocated=(1, WorkerSpec(FIXED, 1000))), workload(tokens(100), tokens(100, 500),
+                                                                          tokens(100, 900)))
+    assert [r.ttft_s for r in result.results] == [pytest.approx(0.110)] * 3
+    assert result.results[-1].sent_at >= 2.0 > 10 * REPORT_INTERVAL_S
 
 
 def test_a_request_arriving_mid_step_waits_for_it_then_shares_a_mixed_step():
