@@ -31,11 +31,12 @@ def test_a_prompt_cached_on_one_decode_worker_is_pulled_by_the_other(cluster, re
     served_by_a_pull(*cluster, reference_model(checkpoint("llama")), seed=31)
 
 
-def test_a_peer_frozen_when_asked_ends_in_recomputation_and_nothing_leaks(cluster, reference_model, checkpoint):
-    llm, registry = cluster
-    prompt = random_prompts([70], seed=32)[0]
-    expected, _ = reference_greedy(reference_model(checkpoint("llama")), prompt, MAX_TOKENS)
-    tokens, first = serve(llm, prompt, "cached")
+def frozen_holder(llm, registry, reference, seed: int, request_id: str):
+    """A prompt served once, its holder's blocks in the registry, the holder (and the prefill
+    worker) draining and the holder frozen: (prompt, its reference tokens, holder, other, pid)."""
+    prompt = random_prompts([70], seed=seed)[0]
+    expected, _ = reference_greedy(reference, prompt, MAX_TOKENS)
+    tokens, first = serve(llm, prompt, request_id)
     assert tokens == expected
     holder = first.decision.decode
     other = next(w for w in DECODE if w != holder)
@@ -43,6 +44,13 @@ def test_a_peer_frozen_when_asked_ends_in_recomputation_and_nothing_leaks(cluste
     pid = next(w["pid"] for w in llm.worker_status() if w["name"] == holder)
     draining(llm, holding(holder))
     os.kill(pid, signal.SIGSTOP)
+    return prompt, expected, holder, other, pid
+
+
+def test_a_peer_frozen_when_asked_ends_in_recomputation_and_nothing_leaks(cluster, reference_model, checkpoint):
+    llm, registry = cluster
+    prompt, expected, holder, other, pid = frozen_holder(llm, registry, reference_model(checkpoint("llama")), 32,
+                                                         "cached")
     try:
         tokens, end = serve(llm, prompt, "recomputed")
     finally:
@@ -67,16 +75,8 @@ def test_a_peer_killed_mid_pull_ends_in_recomputation_and_nothing_leaks(cluster,
     from concurrent.futures import ThreadPoolExecutor
 
     llm, registry = cluster
-    prompt = random_prompts([70], seed=33)[0]
-    expected, _ = reference_greedy(reference_model(checkpoint("llama")), prompt, MAX_TOKENS)
-    tokens, first = serve(llm, prompt, "cached-for-kill")
-    assert tokens == expected
-    holder = first.decision.decode
-    other = next(w for w in DECODE if w != holder)
-    registry_holds(llm, registry, holder, prompt, 4)
-    pid = next(w["pid"] for w in llm.worker_status() if w["name"] == holder)
-    draining(llm, holding(holder))
-    os.kill(pid, signal.SIGSTOP)
+    prompt, expected, holder, other, pid = frozen_holder(llm, registry, reference_model(checkpoint("llama")), 33,
+                                                         "cached-for-kill")
     with ThreadPoolExecutor(1) as pool:
         served = pool.submit(serve, llm, prompt, "peer-killed")
         wait_for(lambda: llm.router_status()["in_flight"] >= 1, 30, "the request to be placed")
