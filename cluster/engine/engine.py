@@ -102,6 +102,7 @@ class StepRecord:
 
 
 PREFILL_STEPS_KEPT = 16  # the latest prefill-only steps kept apart from the rest (``EngineStats.prefill_steps``)
+DECODE_STEPS_PER_WIDTH = 2  # the latest decode-only steps kept per batch width (``EngineStats.decode_steps``)
 
 
 @dataclass
@@ -118,6 +119,11 @@ class EngineStats:
     # prompts are a few steps among thousands of decodes, and its load reports carry these so
     # that the router's fit of its prefill follows what it measured, not its start-up profile.
     prefill_steps: deque = field(default_factory=lambda: deque(maxlen=PREFILL_STEPS_KEPT))
+    # The latest decode-only steps of each batch width (1, 2-3, 4-7, ...: a power of two and up),
+    # for the same reports: after a run of one-sequence steps (a worker just started again, a
+    # quiet hour) the latest steps hold no wide batch, and a decode fit from them alone put a
+    # batch of 60 at 259 ms a token where it ran at about 63: a burst then found 3 of 64 refused.
+    decode_steps: dict = field(default_factory=dict)
     proposed_tokens: int = 0  # speculative decoding: guesses checked ...
     accepted_tokens: int = 0  # ... and kept ...
     verify_steps: int = 0  # ... over this many request-steps
@@ -131,6 +137,9 @@ class EngineStats:
         self.steps.append(step)
         if step.num_prefill_tokens and not step.num_decode_tokens:
             self.prefill_steps.append(step)
+        elif step.num_decode_tokens and not step.num_prefill_tokens:
+            width = step.num_decode_tokens.bit_length()  # 1; 2-3; 4-7; ...
+            self.decode_steps.setdefault(width, deque(maxlen=DECODE_STEPS_PER_WIDTH)).append(step)
 
     @property
     def acceptance_rate(self) -> float:

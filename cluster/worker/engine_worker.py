@@ -79,11 +79,14 @@ class StepLock:
 
 def reported_steps(stats) -> list:
     """The steps a load report carries: the latest ``STEPS_REPORTED``, after the latest
-    prefill-only steps older than those (``EngineStats.prefill_steps``), so that a decode worker
-    whose recent steps are all decodes still shows the router how long its prompts took."""
+    prefill-only steps and the latest decode-only steps of each batch width older than those
+    (``EngineStats.prefill_steps``, ``decode_steps``), so that a decode worker whose recent steps
+    are all decodes still shows the router how long its prompts took, and one whose recent
+    batches were narrow still shows how a wide one ran."""
     latest = list(islice(reversed(stats.steps), STEPS_REPORTED))[::-1]
     recent = {id(s) for s in latest}
-    return [s for s in stats.prefill_steps if id(s) not in recent] + latest
+    older = [s for width in sorted(stats.decode_steps) for s in stats.decode_steps[width] if id(s) not in recent]
+    return [s for s in stats.prefill_steps if id(s) not in recent] + older + latest
 
 
 class EngineWorker:

@@ -50,3 +50,17 @@ def test_few_steps_are_reported_as_they_are():
     for step in steps:
         stats.record(step)
     assert reported_steps(stats) == steps and list(stats.prefill_steps) == [steps[0], steps[2]]
+
+
+def test_wide_batches_older_than_the_window_are_reported_two_per_width():
+    """After a run of one-sequence steps, the report still carries the latest two decode-only
+    steps of each wider batch width (2-3, 4-7, 8-15, ...), narrowest widths first, before the window."""
+    stats = EngineStats()
+    wide = [decode(n) for n in (32, 30, 20, 17, 9, 5, 3, 2)]
+    for step in wide:
+        stats.record(step)
+    narrow = [decode(1) for _ in range(STEPS_REPORTED + 10)]
+    for step in narrow:
+        stats.record(step)
+    # widths 2-3: 3, 2; 4-7: 5; 8-15: 9; 16-31: the latest two of 30, 20, 17; 32-63: 32
+    assert reported_steps(stats) == [wide[6], wide[7], wide[5], wide[4], wide[2], wide[3], wide[0]] + narrow[-STEPS_REPORTED:]
