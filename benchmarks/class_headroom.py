@@ -43,8 +43,8 @@ from cluster.bench.workloads import Session, Turn, Workload
 from cluster.plan.roofline import hardware, model_shape, worker_spec
 from cluster.plan.search import evaluate
 from cluster.plan.simulator import Pools, SimConfig, WorkerSpec
+from cluster.plan.step_models import RoleProfile
 from cluster.registry.load import StepSample
-from router.cost_model import StepTimeModel
 from router.config import RouterConfig
 
 VOCAB = 32000
@@ -98,13 +98,14 @@ def kept_profile(role: str) -> Path:
 
 
 def profiled_spec(path: Path) -> WorkerSpec:
+    """A kept start-up profile as the planner's worker spec (``RoleProfile``, the router's own fit)."""
     data = json.loads(path.read_text())
     engine = data["key"]["engine"]
-    steps = [StepSample(s["num_prefill_tokens"], s.get("prefill_attention", 0), s["num_decode_tokens"],
-                        s["context_tokens"], s["seconds"]) for s in data["steps"]]
-    model = StepTimeModel.fit(steps, engine["max_num_batched_tokens"])
-    return WorkerSpec(model, engine["num_blocks"], engine["block_size"], engine["max_num_batched_tokens"],
-                      engine["max_num_seqs"], engine["max_model_len"], threads=engine["threads"])
+    steps = tuple(StepSample(s["num_prefill_tokens"], s.get("prefill_attention", 0), s["num_decode_tokens"],
+                             s["context_tokens"], s["seconds"]) for s in data["steps"])
+    profile = RoleProfile(data["key"]["role"], engine["tp"], engine["num_blocks"], engine["block_size"],
+                          engine["max_num_batched_tokens"], engine["max_num_seqs"], engine["max_model_len"], steps)
+    return replace(profile.spec(), threads=engine["threads"])
 
 
 def run(pools: Pools, config: SimConfig, headroom: float, rate: float, args) -> dict:
