@@ -76,8 +76,11 @@ def machine_rows() -> list[tuple[str, str]]:
 
 
 def print_table(title: str, rows: list[tuple], headers: tuple | None = None) -> None:
-    """Left-aligned first column, right-aligned others; every cell printed with str()."""
+    """Left-aligned first column, right-aligned others; every cell printed with str(); a row
+    shorter than the widest ends in blank cells."""
     cells = [[str(c) for c in row] for row in ([headers] if headers else []) + list(rows)]
+    columns = max(len(row) for row in cells)
+    cells = [row + [""] * (columns - len(row)) for row in cells]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
 
     def line(row: list[str]) -> str:

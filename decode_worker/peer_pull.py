@@ -88,7 +88,10 @@ class PeerPulls:
         if dst_blocks:
             pulled, error = await self._receive_pull(stream, request, held, dst_blocks)
         await self._tracked(stream, self._admit_pull, request.request_id, pulled)
-        self.metrics.pulled(pulled, error is None and pulled > 0)
+        arrived = error is None and pulled > 0
+        self.metrics.pulled(pulled, arrived)
+        self.pulls["pulled" if arrived else "recomputed"] += 1
+        self.pulls["blocks"] += pulled
         return PullReport(request.kv_source, request.kv_source_blocks, held, pulled,
                           pulled * self.engine.runner.block_bytes, (started, time.time()), error)
 

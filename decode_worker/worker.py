@@ -140,6 +140,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
         self.pair_rebuilds = 0
         self._stream: StreamServer | None = None
         self.prefill_call = CallOverhead()  # its calls to prefill workers beyond their work (read by the reporter)
+        self.pulls = {"pulled": 0, "recomputed": 0, "blocks": 0}  # this worker's pulls from peers, by outcome
         self.pull_cost = CallOverhead()  # its pulls from peers, seconds per block (the same median of the latest)
         spec = config.speculative
         self.draft_prompt_kv = DraftPromptPlacement(spec.draft_prompt_kv if spec is not None else "decode")
@@ -244,7 +245,8 @@ class DecodeWorker(PeerPulls, EngineWorker):
 
     async def status(self) -> dict:
         return {**await self._call(super().status), "unpaired": sorted(self._unpaired),
-                "pair_rebuilds": self.pair_rebuilds, "pull_from": list(self._pull_from())}
+                "pair_rebuilds": self.pair_rebuilds, "pull_from": list(self._pull_from()),
+                "pulls": dict(self.pulls)}
 
     def _unpaired_prefill(self) -> tuple[str, ...]:
         return tuple(sorted(w for w in self._unpaired if w not in self._pulls_from))
@@ -473,7 +475,10 @@ class DecodeWorker(PeerPulls, EngineWorker):
         except InvalidRequestError as exc:
             return RequestFailed("invalid", str(exc))
         if reserved is None:
-            return WorkerFailure(FailureKind.NO_ROOM, f"{self.name} has no free KV blocks for this prompt now")
+            blocks, scheduler = self.engine.block_manager, self.engine.scheduler
+            return WorkerFailure(FailureKind.NO_ROOM, f"{self.name} has no free KV blocks for this prompt now "
+                                 f"({blocks.num_free_blocks} of {blocks.num_blocks} free; {len(scheduler.running)} "
+                                 f"running, {len(scheduler.receiving)} receiving, {len(scheduler.waiting)} waiting)")
         return reserved
 
     # -- under the engine's lock (``_tracked``) ------------------------------------------------

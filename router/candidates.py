@@ -47,6 +47,7 @@ class Candidate:
     tpot_scale: float = 1.0  # what the decode worker's predicted steps were multiplied by (Router.step_scale)
     tpot_limit_s: float | None = None  # below the class's objective: headroom kept for a tighter class
     decode_has_room: bool = True
+    decode_room_later: bool = False  # no room now, but some once a request its decode worker holds ends
     rotation_slot: bool = False  # this request's turn in the round-robin order
     scores: dict[str, float] = field(default_factory=dict)
     score: float = 0.0
@@ -119,6 +120,7 @@ class DecodeSide(NamedTuple):
     tpot_s: float
     idle_tpot_s: float
     has_room: bool
+    room_later: bool  # no room now, but some when a request it holds ends (the request fits the worker idle)
     slot_wait_s: float  # first in a full worker's line: until the sequence closest to its end finishes
     reserve_wait_s: float  # a call waits for the step in progress
     host_load_s: float  # its host-tier blocks loaded as it reserves
@@ -140,7 +142,12 @@ def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: S
     bs = prompt.block_size
     sequences = load.running + load.receiving + load.waiting + len(pending_prompt_tokens) + 1
     context = load.decode_context_tokens + sum(pending_prompt_tokens) + prompt.tokens
-    needed = -(-(prompt.tokens + prompt.max_tokens) // bs) - hit_blocks.device  # host hits load into fresh blocks
+    # Every block of it counts, its cached ones too: a cached block no running request holds
+    # counts as free in the report and stops being free when reused. (Counting only the
+    # uncached ones, the router placed conversations coming back on workers whose reports
+    # showed room that their own cached blocks were; the decode worker, reserving every block
+    # of a remote prefill up front, refused each: a benchmark saw 16 of 128 turns fail.)
+    needed = -(-(prompt.tokens + prompt.max_tokens) // bs)
     free = load.free_blocks - sum(-(-tokens // bs) for tokens in pending_prompt_tokens)
     share = sequences / load.max_num_seqs + 1 - free / max(1, load.num_blocks)
     step = model.decode_step_seconds(sequences, context)
@@ -148,6 +155,7 @@ def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: S
     in_line = first_in_line(sequences, load.max_num_seqs, on_overload)
     return DecodeSide(model, hit_blocks, share, tpot, idle_tpot_s=model.tpot_seconds(1, prompt.tokens),
                       has_room=has_room(free, needed, sequences, load.max_num_seqs, in_line),
+                      room_later=sequences > 1 and needed <= load.num_blocks,
                       slot_wait_s=tpot * load.next_slot_tokens if in_line else 0.0,
                       reserve_wait_s=step if load.running else 0.0,
                       host_load_s=model.host_load_seconds(hit_blocks.host),
@@ -184,7 +192,7 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
         prefill_s += draft_s * draft_share
         c = Candidate(prefill, decode, hit_p.blocks, hit_d.blocks, cacheable, queued_tokens[prefill], load,
                       queue_s=queue_s, prefill_s=prefill_s, transfer_s=model.transfer_seconds(missing_blocks),
-                      call_s=call_s, tpot_s=tpot_s, decode_has_room=has_room,
+                      call_s=call_s, tpot_s=tpot_s, decode_has_room=has_room, decode_room_later=d.room_later,
                       rotation_slot=prefill == rotation_prefill, **tier_fields(hit_p, worth_p, hit_d, d.host_worth))
         c.correction_s = correction_s
         c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + call_s + reserve_s, c.correction_s)
@@ -206,7 +214,8 @@ def local_candidate(decode: str, d: DecodeSide, queued_tokens: int, prompt: Prom
     c = Candidate(None, decode, hits.blocks, hits.blocks, prompt.cacheable_blocks, queued_tokens, d.load,
                   queue_s=d.model.queue_seconds(queued_tokens) + d.reserve_wait_s + d.slot_wait_s,
                   prefill_s=local_prefill + d.reserve_wait_s,
-                  tpot_s=d.tpot_s, decode_has_room=d.has_room, rotation_slot=rotation_slot,
+                  tpot_s=d.tpot_s, decode_has_room=d.has_room, decode_room_later=d.room_later,
+                  rotation_slot=rotation_slot,
                   **tier_fields(hits, d.host_worth, hits, d.host_worth))
     if pull is not None:
         c.kv_source, c.kv_source_blocks = pull.source, pull.blocks

@@ -60,8 +60,11 @@ class SloClass:
     @property
     def wait_bound_s(self) -> float | None:
         """The longest a request of this class is held for a placement: ``max_wait_s``, else
-        the TTFT objective (a request held longer could not meet it), else no bound."""
-        return self.max_wait_s if self.max_wait_s is not None else self.ttft_s
+        the TTFT objective (a request held longer could not meet it), else no bound; an
+        ``admit`` class is never refused, so without ``max_wait_s`` it waits (for room) unbounded."""
+        if self.max_wait_s is not None:
+            return self.max_wait_s
+        return None if self.on_overload == "admit" else self.ttft_s
 
 
 DEFAULT_SLO_CLASSES = (

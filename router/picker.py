@@ -19,6 +19,20 @@ def with_room(candidates: Sequence[Candidate]) -> list[Candidate]:
     return [c for c in candidates if c.decode_has_room]
 
 
+def without_room(chosen: Candidate, ranked: Sequence[Candidate]) -> Candidate | None:
+    """Where a best-effort request goes when its choice has no room now: a local prefill waits
+    in the decode worker's queue (the best ranked that prefills itself); where its KV must be
+    reserved up front (a remote prefill's, a pull's), the decode worker would answer that it
+    has no blocks, so it waits in the router (None) until a request ends and frees some. What
+    no worker could ever hold is placed as chosen."""
+    if chosen.decode_has_room:
+        return chosen
+    local = next((c for c in ranked if c.prefill is None and c.kv_source is None), None)
+    if local is not None:
+        return local
+    return None if chosen.decode_room_later else chosen
+
+
 def rank(candidates: Sequence[Candidate], weights: Mapping[str, float], cls: SloClass) -> list[Candidate]:
     """Scores the candidates with room (all of them when none has) and orders them best first."""
     eligible = with_room(candidates) or candidates

@@ -68,7 +68,8 @@ from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel, measured_step_scale
 from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
 from router.peer_pull import best_pull
-from router.picker import explain, fastest, first_meeting, first_within_headroom, never_meets, rank, with_room
+from router.picker import (explain, fastest, first_meeting, first_within_headroom, never_meets, rank,
+                           with_room, without_room)
 from router.prefill_choice import prefills_itself
 from router.wait_forecast import WaitForecast, decode_slots, slot_wait_s
 from router.waiting import WaitingQueue
@@ -640,16 +641,22 @@ class Router:
         ranked = rank(candidates, self.config.weights, cls)
         if not self.config.admission_control:
             return self._place(request, cls, ranked[0], now)
-        if cls.ttft_s is None and cls.tpot_s is None:
-            return self._place(request, cls, first_within_headroom(ranked), now)
         spent = _waited(request, now)
+        if cls.ttft_s is None and cls.tpot_s is None:
+            chosen = without_room(first_within_headroom(ranked), ranked)
+            if chosen is None:
+                return self._hold_for_room(request, cls, fastest(ranked), spent, forecast)
+            return self._place(request, cls, chosen, now)
         chosen = first_meeting(ranked, cls, spent)
         if chosen is not None:
             return self._place(request, cls, chosen, now)
         best = fastest(ranked)
         if cls.on_overload == "admit" or (cls.on_overload == "queue" and never_meets(candidates, cls, 0.0)):
+            chosen = without_room(ranked[0], ranked)
+            if chosen is None:
+                return self._hold_for_room(request, cls, best, spent, forecast)
             never = never_meets(candidates, cls, 0.0 if cls.on_overload == "queue" else spent)
-            return self._place(request, cls, ranked[0], now,
+            return self._place(request, cls, chosen, now,
                                reason="best effort: " + explain(cls, best, never, spent, full=not with_room(candidates)))
         never = never_meets(candidates, cls, spent)
         why = explain(cls, best, never, spent, full=not with_room(candidates))
@@ -675,6 +682,20 @@ class Router:
                         tpot_objective_s=cls.tpot_s, predicted_ttft_s=best.ttft_s,
                         predicted_tpot_s=best.tpot_s, reason=why, waited_s=spent,
                         predicted_wait_s=wait.wait_s, retry_after_s=retry_after)
+
+    def _hold_for_room(self, request: RouteRequest, cls: SloClass, best: Candidate, spent: float,
+                       forecast: Callable[[Candidate], WaitForecast]) -> Decision:
+        """A best-effort request (never refused by its class) that no decode worker has room for
+        now: held until a request ends and frees some (``retry_waiting``). Placed without room, a
+        remote prefill's reservation failed at the decode worker over and over: under a
+        benchmark's KV pressure, requests gave up after 4 placements of 50 tries each."""
+        wait = forecast(best)
+        self.counters.queued += 1
+        return Decision("queue", request.request_id, slo_class=cls.name, ttft_objective_s=cls.ttft_s,
+                        tpot_objective_s=cls.tpot_s, predicted_ttft_s=best.ttft_s, predicted_tpot_s=best.tpot_s,
+                        reason="no decode worker has a free slot and KV blocks now; held until one frees some",
+                        waited_s=spent, predicted_wait_s=wait.wait_s,
+                        retry_after_s=wait.retry_after_s(cls.ttft_s) if math.isfinite(wait.wait_s) else None)
 
     def _forecast(self, request: RouteRequest, cls: SloClass, loads: dict[str, WorkerLoad], live: LivePools,
                   best: Candidate, ahead: tuple[int, int] | None, now: float) -> WaitForecast:

@@ -152,6 +152,8 @@ def served_by_a_pull(llm: DisaggregatedLLM, registry, reference, seed: int) -> N
     assert pull.bytes > 0 and pull.bytes % 2 == 0 and pull.span[0] <= pull.span[1]
     assert end.usage.cached_tokens == 4 * BLOCK
     assert tokens == expected
+    pulls = next(w["pulls"] for w in llm.worker_status() if w["name"] == other)  # what `tandem status` shows
+    assert pulls["pulled"] >= 1 and pulls["blocks"] >= 2, pulls
     # The pull it made prices its next ones: its reports carry what it took per block.
     wait_for(lambda: read_loads(registry, CLUSTER, [other])[other].pull_s_per_block > 0, 30,
              f"{other} to report its pulls' cost")

@@ -47,6 +47,11 @@ def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashb
         if speculation is not None:
             for key in ("proposed_tokens", "accepted_tokens", "verify_steps"):  # uint64: strings in JSON
                 speculation[key] = int(speculation.get(key, 0))
+        for key, counts in (("host_tier", ("offloaded_blocks", "loaded_blocks")),
+                            ("pulls", ("pulled", "recomputed", "blocks"))):
+            figures = worker.setdefault(key, None)
+            for count in counts if figures is not None else ():
+                figures[count] = int(figures.get(count, 0))
     goodput = None
     if message.HasField("last_minute"):
         goodput = {window: _windows(raw[window]) for window in ("last_minute", "last_hour")}
@@ -104,6 +109,24 @@ def speculation_lines(status: dict) -> list[str]:
     return lines
 
 
+def kv_tier_lines(status: dict) -> list[str]:
+    """A line for each worker with a host KV tier or peer pulls: what they did since it started."""
+    lines = []
+    for w in status["workers"]:
+        host, pulls = w.get("host_tier"), w.get("pulls")
+        if w.get("state") != "alive" or not (host or pulls):
+            continue
+        parts = []
+        if host:
+            parts.append(f"host tier {host['used']}/{host['blocks']} blocks, {host['offloaded_blocks']} offloaded, "
+                         f"{host['loaded_blocks']} loaded back ({host['load_seconds']:.2f} s)")
+        if pulls:
+            parts.append(f"{pulls['pulled']} pulls from peers ({pulls['blocks']} blocks), {pulls['recomputed']} "
+                         f"recomputed instead")
+        lines.append(f"{w['name']}: " + "; ".join(parts))
+    return lines
+
+
 def table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(wd) for c, wd in zip(row, widths)).rstrip() for row in rows]
@@ -126,6 +149,7 @@ def format_status(status: dict) -> str:
              + _by_class(router.get("rejected_by_class", {}))]
     lines += table(worker_rows(status))
     lines += speculation_lines(status)
+    lines += kv_tier_lines(status)
     lines += [f"{w['name']}: takes no KV from {', '.join(w['unpaired'])} now (rebuilding the transfer group)"
               for w in status["workers"] if w.get("unpaired")]
     lines += worker_event_lines(status)

@@ -121,6 +121,17 @@ class Journey:
                        tpot_ms=tpot * 1000 if tpot is not None else 0.0, e2e_ms=ms(self.finished_at, self.arrival))
 
 
+def cached_prompt_tokens(journey: Journey, finished: Finished) -> int:
+    """The prompt tokens the request's last placement did not compute (its ``cached_tokens``):
+    where a prefill worker computed the prompt, its own cache's hits (blocks the decode worker
+    held already spared only their transfer, not their computation); else the decode worker's
+    hits, in either tier or pulled from a peer."""
+    last = journey.attempts[-1] if journey.attempts else None
+    if last is not None and last.transfer is not None:
+        return last.transfer.prefill_cached_tokens
+    return finished.usage.cached_tokens
+
+
 @dataclass(frozen=True)
 class CheckedRequest:
     """A request that passed the checks, in the terms the rest of its path uses."""
@@ -472,7 +483,7 @@ class RequestPath:
         where it ran; ``told`` settles once the router has the request's record."""
         journey.finished_at = time.time()
         journey.outcome = finished.finish_reason or "stop"
-        journey.cached_tokens = min(finished.usage.cached_tokens, journey.prompt_tokens)
+        journey.cached_tokens = min(cached_prompt_tokens(journey, finished), journey.prompt_tokens)
         decision = journey.decision
         usage = Usage(prompt_tokens=journey.prompt_tokens, cached_tokens=journey.cached_tokens,
                       completion_tokens=len(journey.tokens), proposed_tokens=finished.usage.proposed_tokens,

@@ -197,7 +197,15 @@ class EngineWorker:
                     "registry": "ok" if self.reporter is None or self.reporter.connected else "unreachable",
                     "speculation": self._speculation(), "draft": self._draft(), "node_id": self.node.node_id,
                     "node_address": self.node.address, "started_at": self.started_at,
-                    "transfer_groups": sorted(self.pairs_joined)}
+                    "transfer_groups": sorted(self.pairs_joined), "host_tier": self._host_tier_status()}
+
+    def _host_tier_status(self) -> dict | None:
+        """The host KV tier since the worker started (``kv.host_cache``; None when off)."""
+        host, stats = self.engine.block_manager.host, self.engine.stats
+        if host is None:
+            return None
+        return {"blocks": host.num_slots, "used": host.num_used, "offloaded_blocks": stats.host_offloaded_blocks,
+                "loaded_blocks": stats.host_loaded_blocks, "load_seconds": stats.host_load_seconds}
 
     def _speculation(self) -> dict | None:
         """Speculative decoding since the worker started, where its engine speculates (else None)."""

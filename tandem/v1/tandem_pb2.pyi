@@ -265,7 +265,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds", "speculation", "node_id", "node_address", "started_at", "drain", "transfer_groups")
+    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds", "speculation", "node_id", "node_address", "started_at", "drain", "transfer_groups", "host_tier", "pulls")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,8 @@ class WorkerStatus(_message.Message):
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -306,7 +308,33 @@ class WorkerStatus(_message.Message):
     started_at: float
     drain: str
     transfer_groups: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., started_at: _Optional[float] = ..., drain: _Optional[str] = ..., transfer_groups: _Optional[_Iterable[str]] = ...) -> None: ...
+    host_tier: HostTier
+    pulls: PeerPulls
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., started_at: _Optional[float] = ..., drain: _Optional[str] = ..., transfer_groups: _Optional[_Iterable[str]] = ..., host_tier: _Optional[_Union[HostTier, _Mapping]] = ..., pulls: _Optional[_Union[PeerPulls, _Mapping]] = ...) -> None: ...
+
+class HostTier(_message.Message):
+    __slots__ = ("blocks", "used", "offloaded_blocks", "loaded_blocks", "load_seconds")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    used: int
+    offloaded_blocks: int
+    loaded_blocks: int
+    load_seconds: float
+    def __init__(self, blocks: _Optional[int] = ..., used: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class PeerPulls(_message.Message):
+    __slots__ = ("pulled", "recomputed", "blocks")
+    PULLED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    pulled: int
+    recomputed: int
+    blocks: int
+    def __init__(self, pulled: _Optional[int] = ..., recomputed: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
     __slots__ = ("worker", "role", "event", "node_id", "node_address", "at", "detail")

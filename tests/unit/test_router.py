@@ -490,6 +490,23 @@ def test_a_colocated_pool_prefills_and_decodes_on_one_worker():
     assert [(d.prefill, d.decode) for d in placed] == [(None, "c0"), (None, "c1"), (None, "c0")]
 
 
+def test_a_request_never_refused_waits_in_the_router_for_room_it_would_not_find_at_a_worker():
+    """Placed without room, a remote prefill fails at the decode worker (its blocks are reserved
+    up front): a best-effort request waits in the router until a slot frees instead."""
+    registry = FakeRegistry(full_decode())
+    router = Router(TOPOLOGY, registry, config(slo_classes={
+        "batch": {"ttft_ms": None, "tpot_ms": None, "on_overload": "admit"},
+        "admit_chat": {"ttft_ms": 1000, "tpot_ms": 200, "on_overload": "admit"}}, default_class="batch"))
+    for slo_class in ("batch", "admit_chat"):
+        decision = router.route(RouteRequest(f"{slo_class}-1", PROMPT, 8, slo_class), NOW)
+        assert decision.action == "queue" and decision.reason.startswith("no decode worker has a free slot")
+    assert router.submit(RouteRequest("admit-held", PROMPT, 8, "admit_chat"), now=NOW).action == "queue"
+    assert router.retry_waiting(NOW + 60) == []  # an admit class has no wait bound: held, never refused
+    registry.state["d1"] = replace(registry.state["d1"], running=15, updated_at=NOW + 61)
+    (placed,) = router.retry_waiting(NOW + 61)
+    assert (placed.action, placed.request_id, placed.decode) == ("place", "admit-held", "d1")
+
+
 def test_a_long_queue_is_offered_again_only_on_change_and_pruned_by_what_must_wait():
     registry = FakeRegistry(full_decode())
     router = Router(TOPOLOGY, registry, config())
@@ -505,7 +522,8 @@ def test_a_long_queue_is_offered_again_only_on_change_and_pruned_by_what_must_wa
     assert router.retry_waiting(NOW + 0.2) == [] and len(routed) == 2  # nothing changed: nothing offered
     router.finished("unknown")  # not a request of this router's: no change
     assert router.retry_waiting(NOW + 0.3) == [] and len(routed) == 2
-    assert original(RouteRequest("bulk", PROMPT, 8, "batch"), NOW).action == "place"
+    # (One that no worker could ever hold is placed best effort at once: it waits for nothing.)
+    assert original(RouteRequest("bulk", PROMPT, 10**6, "batch"), NOW).action == "place"
     router.finished("bulk")  # a finished request is a change
     router.retry_waiting(NOW + 0.4)
     assert len(routed) == 4
@@ -515,7 +533,7 @@ def test_a_decode_worker_without_a_free_slot_makes_requests_wait_in_the_router()
     """max_num_seqs 8, all taken: a 9th sequence would wait inside the worker for one to finish.
     A standard request waits in the router; an interactive one may take the first place in the
     worker's line (the wait is known: 4 more steps of the sequence closest to its end), a second
-    one may not; batch requests (no objectives) are placed and queue in the worker."""
+    one may not; batch requests (no objectives) prefilled on their decode worker are placed and queue in the worker."""
     full = {d: replace(load(d, running=8), max_num_seqs=8, next_slot_tokens=4) for d in ("d0", "d1")}
     router = Router(TOPOLOGY, FakeRegistry(full), config())
     assert route(router, "s", slo_class="standard").action == "queue"
@@ -528,7 +546,12 @@ def test_a_decode_worker_without_a_free_slot_makes_requests_wait_in_the_router()
     third = route(router, "i3", slo_class="interactive")
     assert third.action == "reject"
     assert "no decode worker has a free slot and KV blocks now for slo_class 'interactive'" in third.reason
-    assert route(router, "b", slo_class="batch").action == "place"
+    # A batch request prefilled remotely waits in the router: its blocks could not be reserved
+    # on a full worker; one the decode worker prefills itself queues in the worker.
+    assert route(router, "b", slo_class="batch").action == "queue"
+    local = Router(TOPOLOGY, FakeRegistry(full), config(local_prefill_max_tokens=64))
+    assert (route(local, "b", slo_class="batch").action, route(local, "b2", slo_class="batch").prefill) == ("place",
+                                                                                                         None)
 
 
 def test_a_phase_without_fresh_samples_keeps_its_last_fit():
@@ -693,7 +716,7 @@ def test_a_report_from_before_a_burst_ended_does_not_fill_the_idle_worker():
     refused for want of a decode slot (what a drill saw right after a burst of 93 streams)."""
     topology = Topology(prefill=("p0",), decode=("d0",), block_size=BS, hash_keys=("m",))
     registry = FakeRegistry({"d0": load("d0", updated_at=NOW - 0.3)})
-    router = Router(topology, registry, config())
+    router = Router(topology, registry, config(local_prefill_max_tokens=64))  # a full worker's line: its own
     burst = [route(router, f"b{i}", prompt=[7, i] + PROMPT[2:], now=NOW - 0.2, slo_class="batch") for i in range(18)]
     assert all(d.action == "place" for d in burst)
     context = 18 * (len(PROMPT) + 8)

@@ -12,6 +12,7 @@ import pytest
 
 from cluster.cli.status import api_target, format_status, status_dict
 from cluster.cli.top import render, run_top
+from cluster.ingress.status import _fields
 from tandem.v1 import tandem_pb2
 
 pytestmark = pytest.mark.unit
@@ -242,3 +243,23 @@ def test_an_add_waiting_for_a_node_and_one_given_up_are_one_line_each():
                               "1 CPU, 1 tandem-prefill")
     gave_up = WorkerEvent("prefill-2", "prefill", NOT_ADDED, "", "", at=1_700_000_300.0, detail="cannot place it")
     assert gave_up.line() == "2023-11-14 22:18:20 UTC: prefill worker prefill-2 not added: cannot place it"
+
+
+def test_host_tier_and_peer_pulls_show_per_worker():
+    """A worker's host KV tier and a decode worker's pulls from peers, from the worker's status
+    (``cluster/worker/engine_worker.py``, ``decode_worker/worker.py``) through the message."""
+    m = tandem_pb2.ClusterStatus(cluster="c1", model="m", serving=True)
+    m.workers.add(**_fields(tandem_pb2.WorkerStatus, {
+        "name": "decode-0", "role": "decode", "state": "alive", "tp": 1, "kv_blocks": 64, "registry": "ok",
+        "host_tier": {"blocks": 256, "used": 40, "offloaded_blocks": 120, "loaded_blocks": 80, "load_seconds": 0.25},
+        "pulls": {"pulled": 3, "recomputed": 1, "blocks": 17}}))
+    m.workers.add(name="prefill-0", role="prefill", state="alive", tp=1, kv_blocks=64, registry="ok")
+    status = status_dict(m)
+    json.dumps(status)
+    workers = {w["name"]: w for w in status["workers"]}
+    assert workers["decode-0"]["host_tier"] == {"blocks": 256, "used": 40, "offloaded_blocks": 120, "loaded_blocks": 80,
+                                                "load_seconds": 0.25}
+    assert workers["decode-0"]["pulls"] == {"pulled": 3, "recomputed": 1, "blocks": 17}
+    assert workers["prefill-0"]["host_tier"] is None and workers["prefill-0"]["pulls"] is None
+    assert ("decode-0: host tier 40/256 blocks, 120 offloaded, 80 loaded back (0.25 s); 3 pulls from peers "
+            "(17 blocks), 1 recomputed instead") in format_status(status).splitlines()
