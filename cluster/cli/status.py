@@ -48,7 +48,8 @@ def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashb
             for key in ("proposed_tokens", "accepted_tokens", "verify_steps"):  # uint64: strings in JSON
                 speculation[key] = int(speculation.get(key, 0))
         for key, counts in (("host_tier", ("offloaded_blocks", "loaded_blocks")),
-                            ("pulls", ("pulled", "recomputed", "blocks"))):
+                            ("pulls", ("pulled", "recomputed", "blocks")),
+                            ("draft", ("prompt_tokens_fed", "prompts_received", "forwards"))):
             figures = worker.setdefault(key, None)
             for count in counts if figures is not None else ():
                 figures[count] = int(figures.get(count, 0))
@@ -109,6 +110,22 @@ def speculation_lines(status: dict) -> list[str]:
     return lines
 
 
+def draft_lines(status: dict) -> list[str]:
+    """A line for each worker with a draft model: the prompt work its draft did since it started."""
+    lines = []
+    for w in status["workers"]:
+        draft = w.get("draft")
+        if w.get("state") != "alive" or not draft:
+            continue
+        if w["role"] == "prefill":
+            lines.append(f"{w['name']}: draft model: built the draft KV of {draft['prompt_tokens_fed']} prompt tokens "
+                         f"to send with the model's")
+        else:
+            lines.append(f"{w['name']}: draft model: {draft['prompts_received']} prompts' draft KV received with the "
+                         f"model's, {draft['prompt_tokens_fed']} prompt tokens caught up here")
+    return lines
+
+
 def kv_tier_lines(status: dict) -> list[str]:
     """A line for each worker with a host KV tier or peer pulls: what they did since it started."""
     lines = []
@@ -149,6 +166,7 @@ def format_status(status: dict) -> str:
              + _by_class(router.get("rejected_by_class", {}))]
     lines += table(worker_rows(status))
     lines += speculation_lines(status)
+    lines += draft_lines(status)
     lines += kv_tier_lines(status)
     lines += [f"{w['name']}: takes no KV from {', '.join(w['unpaired'])} now (rebuilding the transfer group)"
               for w in status["workers"] if w.get("unpaired")]

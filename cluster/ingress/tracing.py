@@ -177,6 +177,7 @@ class RequestTracer:
             span("kv_transfer", *transfer.receive_span, {
                 "tandem.attempt": number, "tandem.kv.from": d.prefill, "tandem.kv.to": d.decode,
                 "tandem.kv.blocks_sent": transfer.blocks_sent, "tandem.kv.bytes": transfer.bytes,
+                "tandem.kv.draft_bytes": transfer.draft_bytes,  # of those, the draft model's KV of the prompt
                 "tandem.kv.blocks_cached_on_decode": transfer.blocks_cached_on_decode})
             started_decode = transfer.admitted_at
         else:  # it failed before the KV landed: one span for the whole hand-off

@@ -265,7 +265,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds", "speculation", "node_id", "node_address", "started_at", "drain", "transfer_groups", "host_tier", "pulls")
+    __slots__ = ("name", "role", "state", "tp", "kv_blocks_used", "kv_blocks", "waiting", "running", "receiving", "prefix_cache_hit_rate", "registry", "pid", "unpaired", "pair_rebuilds", "speculation", "node_id", "node_address", "started_at", "drain", "transfer_groups", "host_tier", "pulls", "draft")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class WorkerStatus(_message.Message):
     TRANSFER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     PULLS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     state: str
@@ -310,7 +311,18 @@ class WorkerStatus(_message.Message):
     transfer_groups: _containers.RepeatedScalarFieldContainer[str]
     host_tier: HostTier
     pulls: PeerPulls
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., started_at: _Optional[float] = ..., drain: _Optional[str] = ..., transfer_groups: _Optional[_Iterable[str]] = ..., host_tier: _Optional[_Union[HostTier, _Mapping]] = ..., pulls: _Optional[_Union[PeerPulls, _Mapping]] = ...) -> None: ...
+    draft: DraftPrompts
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., receiving: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., registry: _Optional[str] = ..., pid: _Optional[int] = ..., unpaired: _Optional[_Iterable[str]] = ..., pair_rebuilds: _Optional[int] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., started_at: _Optional[float] = ..., drain: _Optional[str] = ..., transfer_groups: _Optional[_Iterable[str]] = ..., host_tier: _Optional[_Union[HostTier, _Mapping]] = ..., pulls: _Optional[_Union[PeerPulls, _Mapping]] = ..., draft: _Optional[_Union[DraftPrompts, _Mapping]] = ...) -> None: ...
+
+class DraftPrompts(_message.Message):
+    __slots__ = ("prompt_tokens_fed", "prompts_received", "forwards")
+    PROMPT_TOKENS_FED_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens_fed: int
+    prompts_received: int
+    forwards: int
+    def __init__(self, prompt_tokens_fed: _Optional[int] = ..., prompts_received: _Optional[int] = ..., forwards: _Optional[int] = ...) -> None: ...
 
 class HostTier(_message.Message):
     __slots__ = ("blocks", "used", "offloaded_blocks", "loaded_blocks", "load_seconds")

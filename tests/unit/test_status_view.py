@@ -263,3 +263,19 @@ def test_host_tier_and_peer_pulls_show_per_worker():
     assert workers["prefill-0"]["host_tier"] is None and workers["prefill-0"]["pulls"] is None
     assert ("decode-0: host tier 40/256 blocks, 120 offloaded, 80 loaded back (0.25 s); 3 pulls from peers "
             "(17 blocks), 1 recomputed instead") in format_status(status).splitlines()
+
+
+def test_a_draft_models_prompt_work_shows_per_worker():
+    """``decode.speculative`` with a draft: a prefill worker builds the draft's KV of what it
+    sends; a decode worker receives it, or catches up on the prompt itself."""
+    m = tandem_pb2.ClusterStatus(cluster="c1", model="m", serving=True)
+    m.workers.add(**_fields(tandem_pb2.WorkerStatus, {"name": "prefill-0", "role": "prefill", "state": "alive",
+                                                      "draft": {"prompt_tokens_fed": 640, "forwards": 12}}))
+    m.workers.add(**_fields(tandem_pb2.WorkerStatus, {"name": "decode-0", "role": "decode", "state": "alive",
+                                                      "draft": {"prompt_tokens_fed": 30, "prompts_received": 9,
+                                                                "forwards": 400}}))
+    status = status_dict(m)
+    assert status["workers"][1]["draft"] == {"prompt_tokens_fed": 30, "prompts_received": 9, "forwards": 400}
+    lines = format_status(status).splitlines()
+    assert "prefill-0: draft model: built the draft KV of 640 prompt tokens to send with the model's" in lines
+    assert "decode-0: draft model: 9 prompts' draft KV received with the model's, 30 prompt tokens caught up here" in lines

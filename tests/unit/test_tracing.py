@@ -44,7 +44,7 @@ def served_journey() -> Journey:
                       finished_at=T0 + 0.5, tokens=list(range(8)), outcome="length")
     transfer = TransferReport(prefill="prefill-0", blocks_sent=3, bytes=4096, blocks_cached_on_decode=0,
                               prefill_cached_tokens=16, prefill_span=(T0 + 0.02, T0 + 0.15),
-                              receive_span=(T0 + 0.02, T0 + 0.16), admitted_at=T0 + 0.17)
+                              receive_span=(T0 + 0.02, T0 + 0.16), admitted_at=T0 + 0.17, draft_bytes=1024)
     journey.attempts.append(Attempt(T0 + 0.002, T0 + 0.01, decision("prefill-0"), transfer, T0 + 0.2, 8, T0 + 0.5,
                                     proposed_tokens=12, accepted_tokens=5))
     return journey
@@ -63,6 +63,7 @@ def test_one_trace_with_every_phase(spans):
     assert placement["tandem.placement.predicted_ttft_ms"] == pytest.approx(120)
     assert placement["tandem.placement.path"] == "remote" and placement["tandem.placement.waited_ms"] == pytest.approx(3)
     assert by_name["kv_transfer"].attributes["tandem.kv.bytes"] == 4096
+    assert by_name["kv_transfer"].attributes["tandem.kv.draft_bytes"] == 1024  # the draft's KV of the prompt, sent too
     assert by_name["prefill"].attributes["tandem.prefill.cached_tokens"] == 16
     decode = by_name["decode"].attributes  # speculation: guesses checked and kept for this request
     assert (decode["tandem.decode.tokens"], decode["tandem.decode.proposed_tokens"],
