@@ -187,7 +187,8 @@ def _planner(raw: dict) -> dict | None:
         return None
     defaults = {"number": 0, "at": 0.0, "mode": "", "current": "", "proposed": "", "acted": False,
                 "predicted_goodput_rps": 0.0, "predicted_attainment": 0.0, "observed": "", "detail": "",
-                "measured_goodput_rps": None, "measured_attainment": None, "measured_at": None}  # proto3 leaves these out
+                "measured_goodput_rps": None, "measured_attainment": None, "measured_at": None,
+                "measured_rate_rps": None, "expected_goodput_rps": None}  # proto3 leaves these out
     planner["decisions"] = [{**defaults, **d, "number": int(d.get("number", 0))} for d in planner.get("decisions", [])]
     return planner
 
@@ -204,7 +205,7 @@ def planner_lines(status: dict) -> list[str]:
     decisions = planner.get("decisions") or []
     if decisions:
         lines.append("  decisions:")
-        lines += [f"    {PlannerDecision(**d).line()}" for d in decisions]
+        lines += [f"    {PlannerDecision.from_mapping(d).line()}" for d in decisions]
     return lines
 
 

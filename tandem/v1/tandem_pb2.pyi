@@ -538,7 +538,7 @@ class PlannerStatus(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., latest_at: _Optional[float] = ..., observed: _Optional[str] = ..., proposal: _Optional[str] = ..., waiting: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlannerDecision, _Mapping]]] = ...) -> None: ...
 
 class PlannerDecision(_message.Message):
-    __slots__ = ("number", "at", "mode", "current", "proposed", "acted", "predicted_goodput_rps", "predicted_attainment", "observed", "detail", "measured_goodput_rps", "measured_attainment", "measured_at")
+    __slots__ = ("number", "at", "mode", "current", "proposed", "acted", "predicted_goodput_rps", "predicted_attainment", "observed", "detail", "measured_goodput_rps", "measured_attainment", "measured_at", "measured_rate_rps", "expected_goodput_rps")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +552,8 @@ class PlannerDecision(_message.Message):
     MEASURED_GOODPUT_RPS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
     MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_RATE_RPS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_GOODPUT_RPS_FIELD_NUMBER: _ClassVar[int]
     number: int
     at: float
     mode: str
@@ -565,4 +567,6 @@ class PlannerDecision(_message.Message):
     measured_goodput_rps: float
     measured_attainment: float
     measured_at: float
-    def __init__(self, number: _Optional[int] = ..., at: _Optional[float] = ..., mode: _Optional[str] = ..., current: _Optional[str] = ..., proposed: _Optional[str] = ..., acted: _Optional[bool] = ..., predicted_goodput_rps: _Optional[float] = ..., predicted_attainment: _Optional[float] = ..., observed: _Optional[str] = ..., detail: _Optional[str] = ..., measured_goodput_rps: _Optional[float] = ..., measured_attainment: _Optional[float] = ..., measured_at: _Optional[float] = ...) -> None: ...
+    measured_rate_rps: float
+    expected_goodput_rps: float
+    def __init__(self, number: _Optional[int] = ..., at: _Optional[float] = ..., mode: _Optional[str] = ..., current: _Optional[str] = ..., proposed: _Optional[str] = ..., acted: _Optional[bool] = ..., predicted_goodput_rps: _Optional[float] = ..., predicted_attainment: _Optional[float] = ..., observed: _Optional[str] = ..., detail: _Optional[str] = ..., measured_goodput_rps: _Optional[float] = ..., measured_attainment: _Optional[float] = ..., measured_at: _Optional[float] = ..., measured_rate_rps: _Optional[float] = ..., expected_goodput_rps: _Optional[float] = ...) -> None: ...

@@ -11,7 +11,10 @@ import pytest
 
 from cluster.plan.live.controller import LivePlanner
 from cluster.registry.planner_decisions import Journal
-from cluster.plan.live.propose import Split
+from cluster.bench.metrics import class_objectives
+from cluster.plan.live.observe import observe
+from cluster.plan.live.propose import Split, predict
+from cluster.registry.goodput import GoodputReader
 from cluster.registry.goodput import GoodputRecorder, RequestRecord
 from cluster.registry.load import StepSample, WorkerLoad, publish_load
 from cluster.topology.spec import ClusterSpec, PlannerSpec
@@ -90,6 +93,15 @@ def test_it_acts_on_a_confirmed_proposal_and_measures_it_a_window_later(redis_cl
     assert measured.measured_attainment == 1.0
     assert measured.error == pytest.approx((measured.predicted_goodput_rps - 2.0) / 2.0)
     assert "resized 1P+1D -> 2P+1D" in measured.line() and "measured 2.00 req/s (100%)" in measured.line()
+    # The model checked apart from its guess of the traffic: 2P+1D simulated at the 2 req/s that
+    # came, by the same code that proposed it (the workers as they reported themselves).
+    spec_for, config = live._simulation()
+    after = observe(GoodputReader(redis_client, CLUSTER), 30.0, decision.at + 30)
+    expected = predict(after, Split(2, 1), spec_for, config, class_objectives(live.spec.router), 32000)
+    assert measured.measured_rate_rps == pytest.approx(2.0)
+    assert measured.expected_goodput_rps == pytest.approx(expected.goodput_rps) and expected.goodput_rps > 0
+    assert measured.model_error == pytest.approx((expected.goodput_rps - 2.0) / 2.0)
+    assert f"for the 2.00 req/s that came it predicts {expected.goodput_rps:.2f}" in measured.line()
 
 
 def test_advise_only_says_and_a_failed_resize_is_kept_as_not_done(redis_client):

@@ -18,7 +18,7 @@ from cluster.bench.metrics import class_objectives
 from cluster.plan.live.hysteresis import Hysteresis
 from cluster.registry.planner_decisions import Journal, PlannerDecision
 from cluster.plan.live.observe import Observation, measured_profile, observe
-from cluster.plan.live.propose import Bounds, Proposal, Split, propose
+from cluster.plan.live.propose import Bounds, Proposal, Split, predict, propose
 from cluster.parallel.tp_runner import threads_per_rank
 from cluster.plan.simulator import SimConfig, WorkerSpec
 from cluster.registry.goodput import GoodputReader
@@ -88,6 +88,12 @@ class LivePlanner:
         return decision
 
     def proposal(self, observation: Observation, current: Split) -> Proposal:
+        spec_for, config = self._simulation()
+        return propose(observation, current, self.bounds, spec_for, config, class_objectives(self.spec.router),
+                       self.vocab_size)
+
+    def _simulation(self) -> tuple[Callable[[str], WorkerSpec], SimConfig]:
+        """The workers as they measured themselves, and the simulator's settings."""
         workers = self.workers_now()
         roles = {w: w.rsplit("-", 1)[0] for w in workers}
         tps = {w: self.spec.pool(role).tp for w, role in roles.items() if role in ("prefill", "decode")}
@@ -102,8 +108,7 @@ class LivePlanner:
             spec = profile.spec(role)
             return replace(spec, threads=self.spec.pool(role).threads or threads_per_rank(spec.tp))
 
-        return propose(observation, current, self.bounds, spec_for, config, class_objectives(self.spec.router),
-                       self.vocab_size)
+        return spec_for, config
 
     def _decide(self, proposal: Proposal, observation: Observation) -> PlannerDecision:
         acted, detail, after = False, "", proposal.current
@@ -125,10 +130,28 @@ class LivePlanner:
         return decision
 
     def _measure_due(self, now: float) -> None:
+        """Each decision a window on: the goodput measured over it, and what the simulator
+        predicts of the split that ran for the traffic that came in it."""
         window = self.planner.window_s
         for decision in [d for d in self._unmeasured if now >= d.at + window]:
-            w = self.reader.window(window, now=decision.at + window)
-            done = self.journal.measured(decision, w.goodput_rps, w.attainment, now)
+            after = observe(self.reader, window, decision.at + window)
+            done = self.journal.measured(decision, after.goodput_rps, after.attainment, now,
+                                         *self._expected(decision, after))
             self._unmeasured.remove(decision)
             log.warning("[planner] measured: %s", done.line())
+
+    def _expected(self, decision: PlannerDecision, after: Observation) -> tuple[float | None, float | None]:
+        """(the rate offered after the decision, the simulated goodput of the split that ran at
+        that traffic), or Nones where it had none to simulate or the simulation failed."""
+        if not after.has_traffic:
+            return None, None
+        ran = Split.parse(decision.proposed if decision.acted else decision.current)
+        try:
+            spec_for, config = self._simulation()
+            expected = predict(after, ran, spec_for, config, class_objectives(self.spec.router), self.vocab_size)
+        except Exception as exc:  # noqa: BLE001 - a measurement without its check, said, not fatal
+            log.warning("[planner] could not simulate %s for the traffic after decision %d: %s", ran.label(),
+                        decision.number, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+            return after.rate_rps, None
+        return after.rate_rps, expected.goodput_rps
 

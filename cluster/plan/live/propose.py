@@ -31,6 +31,12 @@ class Split:
     def label(self) -> str:
         return f"{self.prefill}P+{self.decode}D"
 
+    @classmethod
+    def parse(cls, label: str) -> "Split":
+        """The split a ``label()`` names ("2P+1D")."""
+        prefill, _, decode = label.partition("P+")
+        return cls(int(prefill), int(decode.rstrip("D")))
+
 
 @dataclass(frozen=True)
 class Bounds:
@@ -101,15 +107,23 @@ def propose(observation: Observation, current: Split, bounds: Bounds,
             spec_for: Callable[[str], WorkerSpec], config: SimConfig, class_objectives: dict[str, Objectives],
             vocab_size: int, seed: int = 0, max_requests: int = SIMULATED_REQUESTS[1]) -> Proposal:
     """Every split within ``bounds`` (and the current one) simulated under the observed traffic."""
+    predictions = {split: predict(observation, split, spec_for, config, class_objectives, vocab_size, seed,
+                                  max_requests)
+                   for split in sorted({current, *bounds.splits()})}
+    return Proposal(current, chosen(predictions, current), predictions)
+
+
+def predict(observation: Observation, split: Split, spec_for: Callable[[str], WorkerSpec], config: SimConfig,
+            class_objectives: dict[str, Objectives], vocab_size: int, seed: int = 0,
+            max_requests: int = SIMULATED_REQUESTS[1]) -> Prediction:
+    """One split simulated under the observed traffic (the same workload for every split of a
+    look: its seed and the observation fix it)."""
     duration = config.duration_s or observation.window_s
     count = min(max(round(observation.rate_rps * duration), SIMULATED_REQUESTS[0]), max_requests)
     prompt, output = observation.mean_prompt_tokens, observation.mean_output_tokens
     workload = synthetic(count, Length("normal", prompt, LENGTH_SPREAD * prompt),
                          Length("normal", output, LENGTH_SPREAD * output), vocab_size, seed)
     arrivals = Arrivals("poisson", rate=observation.rate_rps, seed=seed)
-    predictions = {}
-    for split in sorted({current, *bounds.splits()}):
-        pools = Pools(prefill=(split.prefill, spec_for("prefill")), decode=(split.decode, spec_for("decode")))
-        e = evaluate(pools, workload, arrivals, None, config, class_objectives)
-        predictions[split] = Prediction(observation.rate_rps * e.attainment, e.attainment)
-    return Proposal(current, chosen(predictions, current), predictions)
+    pools = Pools(prefill=(split.prefill, spec_for("prefill")), decode=(split.decode, spec_for("decode")))
+    e = evaluate(pools, workload, arrivals, None, config, class_objectives)
+    return Prediction(observation.rate_rps * e.attainment, e.attainment)
