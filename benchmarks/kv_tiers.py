@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import heapq
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common import fmt_ms, machine_rows, percentile, print_table
 from local_cluster import LocalCluster, free_port, stop_on_sigterm
@@ -50,15 +49,15 @@ MODES = ("off", "host", "host + peer")
 VOCAB = (100, 40000)  # token ids drawn from here: plain text pieces of the default model's vocabulary
 
 
-@dataclass
+@dataclass(frozen=True)
 class Conversation:
+    """Its own context, its user messages and when it opens; each later turn waits its think time."""
+
     index: int
     system: list[int]
     users: list[list[int]]
     start: float
     thinks: list[float]
-    history: list[int] = field(default_factory=list)
-    turn: int = 0
 
 
 def make_workload(args) -> list[Conversation]:
@@ -107,15 +106,16 @@ async def drive(api: str, args, mode: str) -> tuple[list[tuple[str, RequestResul
 
     async def converse(c: Conversation) -> None:
         await asyncio.sleep(max(0.0, c.start - clock()))
+        history: list[int] = []  # the earlier turns' messages and the answers the model gave
         for turn in range(args.turns):
-            prompt = c.system + c.history + c.users[turn]
+            prompt = c.system + history + c.users[turn]
             result = await backend.send(f"{mode[:4]}-c{c.index}-t{turn}", prompt, args.answer_tokens, "chat",
                                         options, clock)
             done.append((f"c{c.index}-t{turn}", result))
             if not result.ok:
                 progress(f"{mode}: c{c.index} turn {turn} ended: {result.error}")
                 return  # the conversation cannot go on without its answer
-            c.history = prompt[len(c.system):] + result.output_token_ids
+            history = prompt[len(c.system):] + result.output_token_ids
             if turn + 1 < args.turns:
                 await asyncio.sleep(c.thinks[turn + 1])
 
