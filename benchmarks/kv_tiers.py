@@ -230,7 +230,7 @@ def main() -> None:
         rows.append(("turns whose tokens equal off's", *(
             f"{sum(1 for t, ids in r['tokens'].items() if off['tokens'].get(t) == ids)}/{len(r['tokens'])}"
             for r in results.values())))
-    others = [m for m in results if m != "off"]
+    others = [m for m in results if m != "off"] if off is not None else []
     print_table("tiers off vs host tier vs host + peer pulls", rows,
                 headers=("", *results, *(f"{m} / off" for m in others)))
     print("goals (issue 27, host + peer against off): hit rate >= 2x, TTFT p90 <= 0.5x, goodput >= 1.5x.")
