@@ -185,22 +185,23 @@ class Scheduler:
         """For a peer that pulls this prefix: references the leading blocks of ``block_hashes``
         cached here from ``first_block`` on (device blocks touched, host-tier blocks loaded into
         fresh ones, as far as there is room), so no eviction takes them while they are sent.
-        Returns their ids (the caller frees them when sent); [] when none past ``first_block``."""
+        Returns their ids (the caller frees them when sent); [] when none past ``first_block``.
+        Host-tier blocks before ``first_block`` are not loaded: the peer holds them."""
         device = self.blocks.lookup_prefix(block_hashes)
         on_host = self.blocks.lookup_host_prefix(block_hashes[len(device):])
         if len(device) + on_host <= first_block:
             return []
         touched = device[first_block:]
-        on_host = min(on_host, max(0, self.blocks.num_free_blocks - self.blocks.num_blocks_to_touch(touched)))
+        start = max(len(device), first_block)  # the first host-tier block to send
+        wanted = min(len(device) + on_host - start,
+                     max(0, self.blocks.num_free_blocks - self.blocks.num_blocks_to_touch(touched)))
         self.blocks.touch(touched)
         loaded: list[int] = []
-        if on_host:
-            fresh = self.blocks.allocate(on_host)
-            count = self.blocks.load_from_host(block_hashes[len(device):len(device) + on_host], fresh)
+        if wanted:
+            fresh = self.blocks.allocate(wanted)
+            count = self.blocks.load_from_host(block_hashes[start:start + wanted], fresh)
             loaded = fresh[:count]
-            skipped = max(0, first_block - len(device))  # loaded, but the peer holds them already
-            self.blocks.free(fresh[count:] + loaded[:skipped])
-            loaded = loaded[skipped:]
+            self.blocks.free(fresh[count:])
         return touched + loaded
 
     def admit_transferred(self, request_id: str, first_token: int) -> Request:

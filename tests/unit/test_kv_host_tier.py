@@ -309,6 +309,7 @@ class HostHits:
                                    max_model_len=64)
         first = self.request("first", self.PROMPT, 1)
         self.step({"first": 99})
+        self.hashes = first.block_hashes[:3]
         assert first.block_ids == [] and self.manager.free_block_ids() == [4, 5, 6, 7, 3, 2, 1, 0]
         self.request("filler", list(range(30, 45)), 1)  # takes all 8 blocks: first's 3 cached ones go to the host
         self.step({"filler": 99})
@@ -416,3 +417,15 @@ def test_a_transferred_request_whose_host_blocks_are_loading_decodes_once_they_a
     manager.loads_done([0, 1, 2])
     out = scheduler.schedule()
     assert out.decodes == [request] and request.status is RequestStatus.RUNNING and scheduler.num_loading == 0
+
+
+def test_a_peer_pull_pins_and_loads_only_the_host_blocks_past_what_the_peer_holds():
+    hits = HostHits()
+    manager = hits.manager
+    pinned = hits.scheduler.pin_prefix(hits.hashes, first_block=2)
+    # The peer holds blocks 0 and 1: only the third (host slot 0) is loaded, into a fresh block.
+    assert pinned == [0] and manager.drain_moves() == [Load(0, 0)]  # block 0 held no hash
+    assert manager.is_loading([0]) and [manager.ref_count(b) for b in range(8)] == [2, 0, 0, 0, 0, 0, 0, 0]
+    manager.loads_done(pinned)
+    manager.free(pinned)  # sent
+    assert manager.num_used_blocks == 0 and manager.lookup_prefix(hits.hashes[2:]) == [0]
