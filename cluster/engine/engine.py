@@ -697,6 +697,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    @property
+    def loads_in_flight(self) -> bool:
+        """Host-tier loads queued, under way, or made and not yet taken in by a step (their blocks
+        stay referenced until then: a loop with no request to step steps for these too)."""
+        return bool(self._loads)
+
     # -- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

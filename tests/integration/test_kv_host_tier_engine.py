@@ -242,12 +242,13 @@ def test_a_request_cancelled_mid_load_frees_its_blocks_once_the_copy_is_made(che
     llm.abort_request("hit")
     # The request's references are gone; the load's stay until its copy is made.
     manager, host = llm.block_manager, llm.block_manager.host
-    assert not llm.has_unfinished_requests()
+    assert not llm.has_unfinished_requests() and llm.loads_in_flight  # a worker's loop steps for it still
     assert manager.num_used_blocks == 4 and [manager.ref_count(b) for b in loading] == [1] * 4
     assert not set(loading) & set(manager.free_block_ids())
     loads.open()
     llm._loads[0].done.wait(HANG_GUARD_S)
     llm.step()  # collects the load
+    assert not llm.loads_in_flight
     assert host.num_used + host.num_free == host.num_slots and host.num_held_slots == 0
     # The copy was made: the blocks are cached, and a request that hits them reads the right KV.
     all_free_and_the_prefix_hits_again(llm, prompt, first)
