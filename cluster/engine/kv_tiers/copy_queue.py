@@ -39,11 +39,6 @@ class CopyJob:
         """From queued to made: what a request waiting for these copies waits."""
         return (self.finished_at or time.perf_counter()) - self.submitted_at
 
-    @property
-    def copy_seconds(self) -> float:
-        """The copies alone, without the wait for the jobs queued before."""
-        return (self.finished_at or time.perf_counter()) - (self.started_at or self.submitted_at)
-
 
 class CopyQueue:
     def __init__(self, apply: Callable[[Sequence[TierMove]], None], name: str = "kv-host-copies",
