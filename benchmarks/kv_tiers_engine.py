@@ -66,12 +66,17 @@ def run_mode(model_dir: str, host_cache: int | None, args, threads: int, redis_u
                     spec = GroupSpec(cluster, name, 2)
                     engines[sender].runner.join_transfer(layout, spec, True)
                     engines[receiver].runner.join_transfer(layout, spec, False)
-    pulls = {"pulls": 0, "blocks": 0, "seconds": 0.0, "failed": 0}
+    pulls = {"pulls": 0, "blocks": 0, "seconds": 0.0, "failed": 0, "no_room": 0}
 
     def pull_and_add(receiver: str, sender: str, rid: str, prompt: list[int], blocks: int) -> None:
         """The turn's prefix pulled from ``sender``'s cache into ``receiver``, which computes the rest."""
         started = time.perf_counter()
-        first, dst = engines[receiver].reserve_pull(rid, prompt, params, blocks)
+        reserved = engines[receiver].reserve_pull(rid, prompt, params, blocks)
+        if reserved is None:  # its blocks are short now (this wave's reserves hold them): computed there
+            engines[receiver].add_request(rid, prompt, params)
+            pulls["no_room"] += 1
+            return
+        first, dst = reserved
         pinned = engines[sender].pin_prefix(prompt, first, blocks)
         error = engines[sender].send_blocks(pairs[sender, receiver], rid, pinned, 0, 10.0) if pinned else None
         error = error or (engines[receiver].receive_transfer(pairs[sender, receiver], rid, dst[:len(pinned)], 0, 10.0)
@@ -147,6 +152,7 @@ def run_mode(model_dir: str, host_cache: int | None, args, threads: int, redis_u
         "loaded": sum(s.host_loaded_blocks for s in stats), "offloaded": sum(s.host_offloaded_blocks for s in stats),
         "written_back": sum(s.host_written_back_blocks for s in stats),
         "sync_copy_s": sum(s.host_copy_seconds for s in stats),
+        "load_wait_s": sum(s.host_load_seconds for s in stats),
         **pulls,
     }
 
@@ -211,8 +217,10 @@ def main() -> None:
     rows.append(("of which written back ahead", "-", f"{host['written_back']}", f"{peer['written_back']}", "", ""))
     rows.append(("copies on the step's path", "-", f"{host['sync_copy_s'] * 1000:.0f} ms",
                  f"{peer['sync_copy_s'] * 1000:.0f} ms", "", ""))
-    rows.append(("peer pulls (failed) / blocks pulled", "-", "-",
-                 f"{peer['pulls']} ({peer['failed']}) / {peer['blocks']}", "", ""))
+    rows.append(("loads' waits, queued to made (off it)", "-", f"{host['load_wait_s'] * 1000:.0f} ms",
+                 f"{peer['load_wait_s'] * 1000:.0f} ms", "", ""))
+    rows.append(("peer pulls (failed, no room) / blocks pulled", "-", "-",
+                 f"{peer['pulls']} ({peer['failed']}, {peer['no_room']}) / {peer['blocks']}", "", ""))
     rows.append(("pull time, all pulls", "-", "-", f"{peer['seconds'] * 1000:.0f} ms", "", ""))
     print_table("tiers off vs host tier vs host + peer pulls", rows,
                 headers=("", "tiers off", "host", "host + peer", "host / off", "host + peer / off"))

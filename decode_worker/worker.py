@@ -510,8 +510,8 @@ class DecodeWorker(PeerPulls, EngineWorker):
     # -- the stepping thread ------------------------------------------------------------------
 
     def _has_work(self) -> bool:
-        # Requests still receiving their KV are not schedulable yet.
-        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+        # Requests still receiving their KV are not schedulable yet; host-tier loads are taken in by a step.
+        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting) or self.engine.loads_in_flight
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         parts = [(o.request_id, delta_of(o)) for o in outputs if o.request_id in self._streams]

@@ -87,7 +87,7 @@ class PrefillWorker(EngineWorker):
             return len(self._done)
 
     def _has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
+        return self.engine.has_unfinished_requests() or self.engine.loads_in_flight
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

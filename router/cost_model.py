@@ -9,8 +9,10 @@ that something outside the model slowed (``fit_robust``):
 
 and the transfer tail per KV block sent: the time a prefill step waits, after its last layer,
 for its sends to complete, per block sent (zero until the worker has sent something); and the
-time to load one block from the worker's host KV tier, as its steps measured it
-(``DEFAULT_HOST_LOAD_S_PER_BLOCK`` until it has loaded one).
+time to load one block from the worker's host KV tier, as its loads measured it: each load's
+wait from queued to copied (in the background, while other requests' steps run; the request
+waits that long before its prefill), over the blocks loaded (``DEFAULT_HOST_LOAD_S_PER_BLOCK``
+until it has loaded one).
 
 A prompt's prefix may sit in three places on a worker (``TierHits``): blocks in its device cache
 cost nothing, blocks in its host tier cost their load, the rest are computed
@@ -45,8 +47,10 @@ OUTLIER_ROUNDS = 3
 RECENT_DECODE_STEPS = 32  # the latest steps with decodes that the measured step scale is taken over ...
 SCALE_TRIM = 8  # ... without the slowest 1 in this many (a collection pause is not the worker's pace)
 # A host-tier block's load until the worker has measured one: the order of what this 2-core CPU
-# measured for the default model's 720 KiB blocks, 8-bit on the host (2.3-3.3 ms); a GPU's pinned
-# copies are faster, and the first load it reports replaces this.
+# measured for the default model's 720 KiB blocks, 8-bit on the host, when loads were made whole
+# before the forward (2.3-3.3 ms); made layer by layer in the background they wait 0.1-0.5 ms a
+# block (kv_tiers/host_store.py), so this errs high; a GPU's pinned copies are faster still, and
+# the first load a worker reports replaces it.
 DEFAULT_HOST_LOAD_S_PER_BLOCK = 0.003
 # A block pulled from a peer's cache until the sending worker has measured its sends (its
 # transfer tail per block): the order of what gloo on this 2-core CPU moved for the default

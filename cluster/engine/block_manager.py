@@ -10,7 +10,15 @@ event for the cluster's KV registry.
 With a host tier (:class:`~cluster.engine.kv_tiers.host_pool.HostBlockPool`), an evicted hash is
 stored there rather than lost, and a prefix that misses the device cache may continue there
 (``lookup_host_prefix``, ``load_from_host``). The copies are recorded in order as moves
-(``drain_moves``) that the engine makes before the next forward reads or writes a block.
+(``drain_moves``): the engine makes the offloads before the next forward writes a block, and
+hands the loads to a background copier.
+
+Loads run while other requests' steps do: a block being loaded (``is_loading``) is cached under
+its hash at once, so a request that hits it shares the load, but it holds a reference of its
+load's own and its host slot is held, until ``loads_done``: it is never reallocated, written
+back, nor its slot reused meanwhile, and a request that holds it is not scheduled until it is
+loaded (the scheduler's rule). A request cancelled meanwhile drops its own reference only; the
+block reaches the free list when its copy is made. A load that failed uncaches its blocks.
 
 Write-back (``write_back``) takes most of those copies off the critical path: after a step's
 forward, the free cached blocks next in line for eviction are copied to the host tier ahead of
@@ -88,6 +96,7 @@ class BlockManager:
         self.host = host if enable_prefix_caching else None
         self._moves: list[TierMove] = []
         self._copying: set[int] = set()  # blocks whose write-back is not known done
+        self._loading: dict[int, int] = {}  # block -> the host slot its load in flight reads
         self._reused_while_copying = False
 
     @property
@@ -144,8 +153,28 @@ class BlockManager:
             self.host.touch(block_hash)
             self._moves.append(Load(slot, block_id))
             self.cache_block(block_id, block_hash)
+            self.host.hold(slot)
+            self._loading[block_id] = slot
+            self._ref_counts[block_id] += 1  # the load's own, dropped by loads_done
             loaded += 1
         return loaded
+
+    def is_loading(self, block_ids: Sequence[int]) -> bool:
+        """Whether any of these blocks is the target of a load not known done."""
+        return bool(self._loading) and any(block_id in self._loading for block_id in block_ids)
+
+    def loads_done(self, block_ids: Sequence[int], failed: bool = False) -> None:
+        """The loads into these blocks are made (``failed``: they stopped, and what the blocks
+        hold is not their hashes' KV: those are uncached, as if evicted). Each block's slot is
+        released and its load's reference dropped."""
+        for block_id in block_ids:
+            self.host.release(self._loading.pop(block_id))
+            block_hash = self._hashes[block_id]
+            if failed and block_hash is not None:
+                self._hashes[block_id] = None
+                del self._cached[block_hash]
+                self._record(BlockRemoved, block_hash)
+        self.free(block_ids)
 
     def drain_moves(self) -> list[TierMove]:
         """The copies between tiers since the last drain, in the order they must be made."""
@@ -165,16 +194,23 @@ class BlockManager:
             block_hash = self._hashes[block_id]
             if block_hash is None or block_id in self._copying or self.host.lookup(block_hash) is not None:
                 continue
-            offloads.append(Offload(block_id, self._store_on_host(block_hash, on_host)))
+            slot = self._store_on_host(block_hash, on_host)
+            if slot is None:  # every host slot is held by a load in flight
+                break
+            offloads.append(Offload(block_id, slot))
             self._copying.add(block_id)
         self._record_host(on_host)
         return offloads
 
     def must_wait_for_copies(self) -> bool:
         """Whether the write-backs must be done before the next copy or forward: a block being
-        copied was reallocated, or there are copies of the block manager's own to make (a load
-        may read, an offload write, a slot a write-back writes)."""
-        return bool(self._copying) and (self._reused_while_copying or bool(self._moves))
+        copied was reallocated (the forward or a load may write it; a load may read the slot
+        it is copied to, its hash being no longer on the device), or there are offloads of the
+        block manager's own to make (one may write a slot a write-back writes). Loads alone need
+        not wait: they write blocks no write-back reads (referenced ones) and read slots no
+        write-back writes (their hashes' blocks were not reallocated)."""
+        return bool(self._copying) and (self._reused_while_copying
+                                        or any(isinstance(move, Offload) for move in self._moves))
 
     def copies_done(self) -> None:
         """Every write-back handed out so far is made."""

@@ -23,8 +23,8 @@ from cluster.engine.config import EngineConfig, EngineConfigError
 from cluster.engine.kernels.threads import torch_ops_single_threaded
 from cluster.engine.kernels.triton_support import BackendUnavailableError, resolve_attention_backend
 from cluster.engine.kv_port import KVPortFactory, KVStream
-from cluster.engine.kv_tiers.copy_queue import CopyQueue
-from cluster.engine.kv_tiers.host_pool import HostBlockPool
+from cluster.engine.kv_tiers.copy_queue import CopyJob, CopyQueue
+from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load, Offload
 from cluster.engine.kv_tiers.host_store import HostKVStore, host_block_bytes, host_format
 from cluster.engine.kv_tiers.size import parse_host_cache
 from cluster.engine.model_runner import ModelRunner, device_memory_bytes
@@ -32,7 +32,7 @@ from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.read_config import load_model_config
 from cluster.engine.models.source import ModelSource, resolve_model_source
 from cluster.engine.quantization.choice import QuantizationChoiceError, resolve_quantization
-from cluster.engine.request import FinishReason, Request, TransferTarget, row_runs
+from cluster.engine.request import FinishReason, Request, RequestStatus, TransferTarget, row_runs
 from cluster.engine.sampler import make_generator, skip_one_draw
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
@@ -98,9 +98,10 @@ class StepRecord:
     draft_seconds: float = 0.0  # of ``seconds``, the draft model's forwards (speculative ``draft``) ...
     draft_prompt_tokens: int = 0  # ... where they built prompts' draft KV to send, the tokens fed (prompt_draft_model)
     host_loaded_blocks: int = 0  # blocks loaded from the host tier since the last step's record ...
-    host_load_s: float = 0.0  # ... and the time their loads took
+    host_load_s: float = 0.0  # ... and their loads' waits, each from queued to copied (see EngineStats)
 
 
+LOAD_WAIT_S = 0.02  # a step with nothing to run waits up to this for a host-tier load in flight
 PREFILL_STEPS_KEPT = 16  # the latest prefill-only steps kept apart from the rest (``EngineStats.prefill_steps``)
 DECODE_STEPS_PER_WIDTH = 2  # the latest decode-only steps kept per batch width (``EngineStats.decode_steps``)
 
@@ -128,10 +129,16 @@ class EngineStats:
     accepted_tokens: int = 0  # ... and kept ...
     verify_steps: int = 0  # ... over this many request-steps
     host_offloaded_blocks: int = 0  # blocks copied to the host tier as the device cache evicted them ...
-    host_loaded_blocks: int = 0  # ... and back, as prefix hits
-    host_copy_seconds: float = 0.0  # the time those copies took (before the steps' forwards)
-    host_load_seconds: float = 0.0  # of which the loads: what the router's cost model prices a host hit by
+    host_loaded_blocks: int = 0  # ... and back, as prefix hits (in the background, while other requests run)
+    # The engine's thread on copies between tiers, on the steps' path: the offloads it made itself
+    # (evictions not written back ahead) and its waits for copies in the background (write-backs
+    # of blocks it reallocated; loads of blocks a peer's pull sends).
+    host_copy_seconds: float = 0.0
+    # Each load's wait, from queued to copied: what a request that hits the host tier waits before
+    # its prefill, and what the router's cost model prices a host hit by (per block loaded).
+    host_load_seconds: float = 0.0
     host_written_back_blocks: int = 0  # of the offloads, those copied ahead of eviction, off the critical path
+    host_load_failures: int = 0  # loads whose copy failed (their requests ended with the error)
 
     def record(self, step: StepRecord) -> None:
         self.steps.append(step)
@@ -216,7 +223,12 @@ class LLMEngine:
                 f"ready in {time.perf_counter() - started:.1f}s"
             )
         self.host_store, host_pool = self._host_tier(verbose)
-        self.copy_queue = CopyQueue(self.host_store.apply) if self.host_store is not None else None
+        # Two copiers in the background: write-backs to the host tier, and loads back from it (on
+        # one CPU thread, out of the way of the steps' threads: on CUDA a copy is a DMA anyway).
+        self.copy_queue = CopyQueue(self.host_store.offload) if self.host_store is not None else None
+        self.load_queue = (CopyQueue(self.host_store.load, name="kv-host-loads", torch_threads=1)
+                           if self.host_store is not None else None)
+        self._loads: deque[CopyJob] = deque()  # loads in flight, in the order queued (and made)
         # write-back after each step: the blocks the next step could evict at most
         self._write_back_blocks = config.max_num_batched_tokens // config.block_size + config.max_num_seqs
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, host_pool)
@@ -237,6 +249,7 @@ class LLMEngine:
         self._masks: StepMasks | None = None
         self.stats = EngineStats()
         self._host_loads_recorded = (0, 0.0)  # the host loads counted in step records so far
+        self._failed_loads: list[Request] = []  # waiting requests to end at the next step: a load failed
         self.transfer_errors: dict[str, str | None] = {}  # request id -> None (sent) or the error
 
     def _host_tier(self, verbose: bool) -> tuple[HostKVStore | None, HostBlockPool | None]:
@@ -258,26 +271,85 @@ class LLMEngine:
         return store, HostBlockPool(slots)
 
     def _move_between_tiers(self) -> None:
-        """Makes the copies the block manager recorded (evicted blocks to the host tier, host
-        hits back), before anything reads or writes those blocks; first, where the block
-        manager's ordering rule says so, waits for the write-backs in flight."""
+        """Makes the offloads the block manager recorded (evicted blocks to the host tier) before
+        anything writes those blocks, and queues its loads (host hits back) on the load copier,
+        which makes them while the steps run; first, where the block manager's ordering rule says
+        so, waits for the write-backs in flight."""
         if self.copy_queue is not None:
             if self.copy_queue.idle:
                 self.block_manager.copies_done()
             elif self.block_manager.must_wait_for_copies():
+                started = time.perf_counter()
                 self.copy_queue.wait()
                 self.block_manager.copies_done()
+                self.stats.host_copy_seconds += time.perf_counter() - started
         moves = self.block_manager.drain_moves()
         if not moves:
             return
-        tally, stats = self.host_store.tally, self.stats
-        before = replace(tally)
-        self.host_store.apply(moves)
-        stats.host_offloaded_blocks += tally.offloaded - before.offloaded
-        stats.host_loaded_blocks += tally.loaded - before.loaded
-        stats.host_copy_seconds += (tally.offload_seconds - before.offload_seconds
-                                    + tally.load_seconds - before.load_seconds)
-        stats.host_load_seconds += tally.load_seconds - before.load_seconds
+        # Offloads before loads: a block evicted may be a load's target (the block manager's
+        # rule keeps every other pair of these copies apart, in blocks and in slots).
+        offloads = [move for move in moves if isinstance(move, Offload)]
+        if offloads:
+            started = time.perf_counter()
+            self.host_store.offload(offloads)
+            self.stats.host_offloaded_blocks += len({move.slot for move in offloads})
+            self.stats.host_copy_seconds += time.perf_counter() - started
+        job = self.load_queue.submit([move for move in moves if isinstance(move, Load)])
+        if job is not None:
+            self._loads.append(job)
+
+    def _collect_loads(self) -> None:
+        """The loads whose copies are made, oldest first: their blocks are loaded (the requests
+        that hold them may run), or, where a copy failed, uncached, and the requests that hold
+        them marked to end with the error (a waiting one at the next step, one still receiving
+        KV at its admission)."""
+        while self._loads and self._loads[0].done.is_set():
+            job = self._loads.popleft()
+            blocks = [move.block_id for move in job.moves]
+            if job.error is None:
+                self.stats.host_loaded_blocks += len(blocks)
+                self.stats.host_load_seconds += job.wait_seconds
+            else:
+                self._mark_load_failed(blocks, job.error)
+            self.block_manager.loads_done(blocks, failed=job.error is not None)
+
+    def _mark_load_failed(self, blocks: list[int], error: BaseException) -> None:
+        failed = set(blocks)
+        message = f"loading the prompt's cached prefix from the host KV tier failed: {error}"
+        _log(message)
+        self.stats.host_load_failures += 1
+        holders = [r for r in self.scheduler.waiting if r.status is RequestStatus.LOADING]
+        for request in holders + list(self.scheduler.receiving.values()):
+            index = next((i for i, b in enumerate(request.block_ids) if b in failed), None)
+            if index is not None and request.load_failure is None:
+                request.load_failure = (index, message)
+                if request.status is RequestStatus.LOADING:
+                    self._failed_loads.append(request)
+
+    def _end_failed_loads(self) -> list[RequestOutput]:
+        """Ends the requests marked by a failed load (waiting, or admitted since), with its error."""
+        outputs = []
+        for request in self._failed_loads:
+            if not request.finished:
+                self.scheduler.finish(request, FinishReason.ERROR, request.load_failure[1])
+                outputs.append(self._output(request, []))
+        self._failed_loads.clear()
+        return outputs
+
+    def _wait_for_loads(self, block_ids: Sequence[int]) -> None:
+        """Until none of these blocks is being loaded: the engine's thread waits (a peer's pull
+        sends them at once)."""
+        started = time.perf_counter()
+        while self._loads and self.block_manager.is_loading(block_ids):
+            self._loads[0].done.wait()
+            self._collect_loads()
+        self.stats.host_copy_seconds += time.perf_counter() - started
+
+    def _wait_for_any_load(self) -> None:
+        """A step with nothing to run while loads are in flight: waits a while for the oldest,
+        rather than have the caller spin."""
+        if self._loads:
+            self._loads[0].done.wait(LOAD_WAIT_S)
 
     def _write_back(self) -> None:
         """After a step's forward: the free cached blocks next in line for eviction are copied
@@ -290,9 +362,8 @@ class LLMEngine:
         self.stats.host_written_back_blocks += len(offloads)
 
     def _host_loads(self) -> tuple[int, float]:
-        """Blocks loaded from the host tier so far, and the seconds the loads took."""
-        tally = self.host_store.tally if self.host_store is not None else None
-        return (tally.loaded, tally.load_seconds) if tally is not None else (0, 0.0)
+        """Blocks loaded from the host tier so far, and their loads' waits."""
+        return self.stats.host_loaded_blocks, self.stats.host_load_seconds
 
     def _weights_kind(self) -> str:
         dtype = str(self.model_config.dtype).removeprefix("torch.")
@@ -366,8 +437,9 @@ class LLMEngine:
         """Stops the engine's other processes (tensor-parallel ranks) and threads, if it has any."""
         if self._masks is not None:
             self._masks.close()
-        if self.copy_queue is not None:
-            self.copy_queue.close()
+        for queue in (self.copy_queue, self.load_queue):
+            if queue is not None:  # a copy under way ends first; none queued behind it is made
+                queue.close()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
@@ -545,6 +617,10 @@ class LLMEngine:
         when asked for; under the request's grammar, which replays it here): the request joins
         the batch (or finishes, if that token ends it). ``draft_first_block``: the draft's KV of
         the prompt arrived too, from that block on (``receive_transfer``'s ``draft_blocks``)."""
+        request = self.scheduler.receiving[request_id]
+        if request.load_failure is not None:  # a block it holds from the host tier did not load
+            self.scheduler.finish(request, FinishReason.ERROR, request.load_failure[1])
+            return self._output(request, [])
         request = self.scheduler.admit_transferred(request_id, first_token)
         if draft_first_block is not None and not request.finished:
             self.draft.received(request, draft_first_block)
@@ -581,8 +657,12 @@ class LLMEngine:
 
     def admit_pull(self, request_id: str, pulled_blocks: int) -> None:
         """The pull ended with ``pulled_blocks`` received (0: it failed): the request is
-        prefilled here from there on, the blocks that did not arrive computed like the rest."""
+        prefilled here from there on, the blocks that did not arrive computed like the rest (where
+        the load of a block it holds from the host tier failed, it ends at the next step with that
+        error)."""
         request = self.scheduler.admit_pulled(request_id, pulled_blocks)
+        if request.load_failure is not None:
+            self._failed_loads.append(request)
         request.times.first_scheduled = time.monotonic()
         self.stats.prompt_tokens += request.num_prompt_tokens
         self.stats.cached_prompt_tokens += request.num_cached_tokens
@@ -596,7 +676,11 @@ class LLMEngine:
         hashes = hash_token_blocks(list(prompt[:blocks * self.config.block_size]), self.config.block_size, keys)
         pinned = self.scheduler.pin_prefix(hashes[:blocks], first_block)
         self._move_between_tiers()
-        return pinned
+        self._wait_for_loads(pinned)
+        sent = next((i for i, block in enumerate(pinned) if self.block_manager.block_hash_of(block) is None),
+                    len(pinned))  # up to the first block whose load failed (uncached)
+        self.block_manager.free(pinned[sent:])
+        return pinned[:sent]
 
     def unpin(self, block_ids: Sequence[int]) -> None:
         self.block_manager.free(block_ids)
@@ -613,6 +697,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    @property
+    def loads_in_flight(self) -> bool:
+        """Host-tier loads queued, under way, or made and not yet taken in by a step (their blocks
+        stay referenced until then: a loop with no request to step steps for these too)."""
+        return bool(self._loads)
+
     # -- one step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -621,11 +711,14 @@ class LLMEngine:
         started = time.perf_counter()
         accepted_before = self.stats.accepted_tokens
         draft_before = self.draft.forward_seconds if self.draft is not None else 0.0
+        self._collect_loads()
+        failed = self._end_failed_loads() if self._failed_loads else []
         out = self.scheduler.schedule()
         self._move_between_tiers()
         self.stats.num_preemptions += len(out.preempted)
         if out.is_empty:
-            return []
+            self._wait_for_any_load()
+            return failed
         now = time.monotonic()
         for request, _ in out.prefills:
             if request.times.first_scheduled is None:
@@ -674,7 +767,7 @@ class LLMEngine:
             self._masks.build_ahead(self.scheduler.running)
 
         now = time.monotonic()
-        outputs = []
+        outputs = failed
         for request in sampling:
             if request.times.first_token is None:
                 request.times.first_token = now

@@ -17,6 +17,7 @@ _arrival_counter = itertools.count()
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RECEIVING = "receiving"  # decode side of disaggregation: blocks held, KV arriving from a prefill worker
+    LOADING = "loading"  # in the waiting queue, blocks held, its prefix being loaded from the host KV tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -93,6 +94,8 @@ class Request:
     num_accepted_tokens: int = field(default=0, init=False)
     # Constrained decoding (cluster/engine/structured): the request's place in its grammar.
     grammar: Any = field(default=None, init=False)
+    # The host KV tier: the index of the first of its blocks whose load failed, and why.
+    load_failure: tuple[int, str] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -6,6 +6,12 @@ prompt and output) still lacks KV. Running requests go first in priority order; 
 are admitted while budget and blocks last. When a running request needs a block and none is
 free, the lowest-priority running request is preempted: its blocks are freed (their contents
 stay cached) and it is recomputed later. Knows nothing of torch.
+
+A request whose prefix is being loaded from the host KV tier (its own loads, or another
+request's it shares: ``BlockManager.is_loading``) holds its blocks and a seat but stays in the
+waiting queue, passed over (``RequestStatus.LOADING``), while the others' steps run; once its
+blocks are in it joins the running requests with that prefix computed, before the step's
+scheduling, as one whose prompt is part done.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.receiving: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        self.num_loading = 0  # waiting requests whose prefix is being loaded (each holds a seat)
 
     # -- admission ------------------------------------------------------------------------
 
@@ -140,43 +147,67 @@ class Scheduler:
     def admit_pulled(self, request_id: str, pulled_blocks: int) -> Request:
         """A pull reserved by :meth:`reserve_for_pull` ended with ``pulled_blocks`` blocks
         received after those cached here (0: it failed, and they are computed here like the
-        rest). The request joins the batch with that prefix computed; its remaining prompt
-        tokens are prefilled by the next steps, into the blocks it holds and more."""
+        rest). The request joins the batch with that prefix computed (once the blocks it holds
+        from the host tier are loaded); its remaining prompt tokens are prefilled by the next
+        steps, into the blocks it holds and more."""
         request = self.receiving.pop(request_id)
         cached = request.num_registered_blocks + max(0, min(pulled_blocks, len(request.block_ids)
                                                             - request.num_registered_blocks))
         request.num_computed_tokens = cached * self.block_size
         request.num_cached_tokens = request.num_computed_tokens
         self._register_full_blocks(request)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._run_when_loaded(request)
         return request
+
+    def _run_when_loaded(self, request: Request) -> None:
+        """A request past its reserve joins the running ones, or, while blocks of its prefix are
+        being loaded, waits for them in the queue."""
+        if self.blocks.is_loading(request.block_ids):
+            request.status = RequestStatus.LOADING
+            self.num_loading += 1
+            bisect.insort(self.waiting, request, key=lambda r: r.order)
+        else:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _start_loaded(self) -> None:
+        """The waiting requests whose prefix is loaded now join the running ones."""
+        if not self.num_loading:
+            return
+        for request in [r for r in self.waiting if r.status is RequestStatus.LOADING
+                        and not self.blocks.is_loading(r.block_ids)]:
+            self.waiting.remove(request)
+            self.num_loading -= 1
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def pin_prefix(self, block_hashes: Sequence[bytes], first_block: int) -> list[int]:
         """For a peer that pulls this prefix: references the leading blocks of ``block_hashes``
         cached here from ``first_block`` on (device blocks touched, host-tier blocks loaded into
         fresh ones, as far as there is room), so no eviction takes them while they are sent.
-        Returns their ids (the caller frees them when sent); [] when none past ``first_block``."""
+        Returns their ids (the caller frees them when sent); [] when none past ``first_block``.
+        Host-tier blocks before ``first_block`` are not loaded: the peer holds them."""
         device = self.blocks.lookup_prefix(block_hashes)
         on_host = self.blocks.lookup_host_prefix(block_hashes[len(device):])
         if len(device) + on_host <= first_block:
             return []
         touched = device[first_block:]
-        on_host = min(on_host, max(0, self.blocks.num_free_blocks - self.blocks.num_blocks_to_touch(touched)))
+        start = max(len(device), first_block)  # the first host-tier block to send
+        wanted = min(len(device) + on_host - start,
+                     max(0, self.blocks.num_free_blocks - self.blocks.num_blocks_to_touch(touched)))
         self.blocks.touch(touched)
         loaded: list[int] = []
-        if on_host:
-            fresh = self.blocks.allocate(on_host)
-            count = self.blocks.load_from_host(block_hashes[len(device):len(device) + on_host], fresh)
+        if wanted:
+            fresh = self.blocks.allocate(wanted)
+            count = self.blocks.load_from_host(block_hashes[start:start + wanted], fresh)
             loaded = fresh[:count]
-            skipped = max(0, first_block - len(device))  # loaded, but the peer holds them already
-            self.blocks.free(fresh[count:] + loaded[:skipped])
-            loaded = loaded[skipped:]
+            self.blocks.free(fresh[count:])
         return touched + loaded
 
     def admit_transferred(self, request_id: str, first_token: int) -> Request:
         """The prompt's KV has arrived and the prefill worker sampled ``first_token``: the
-        request joins the batch as a decode (or finishes, if that token ends it)."""
+        request joins the batch as a decode (or finishes, if that token ends it), once the
+        blocks it holds from the host tier are loaded."""
         request = self.receiving[request_id]
         request.num_computed_tokens = request.num_tokens
         self._register_full_blocks(request)
@@ -186,8 +217,7 @@ class Scheduler:
             self.finish(request, reason)
         else:
             del self.receiving[request_id]
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._run_when_loaded(request)
         return request
 
     def _hash_blocks(self, request: Request, token_ids: Sequence[int], start_block: int = 0) -> list[bytes]:
@@ -200,6 +230,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._start_loaded()
         self.running.sort(key=lambda r: r.order)
         index = 0
         while index < len(self.running) and budget > 0:
@@ -239,8 +270,15 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        """Admits waiting requests in order while budget, seats and blocks last; one whose
+        prefix is to be loaded (or is being loaded for another) takes its blocks and seat and
+        waits, and those behind it go on."""
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) + self.num_loading < self.max_num_seqs:
+            request = self.waiting[index]
+            if request.status is RequestStatus.LOADING:
+                index += 1
+                continue
             hits = self._prefix_hits(request)
             on_host = self._host_prefix(request, len(hits),
                                         cacheable_prefix_blocks(request.num_tokens, self.block_size))
@@ -269,8 +307,13 @@ class Scheduler:
             request.num_registered_blocks = len(hits)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = start
+            if self.blocks.is_loading(hits):
+                request.status = RequestStatus.LOADING
+                self.num_loading += 1
+                index += 1
+                continue
             request.status = RequestStatus.RUNNING
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             self.running.append(request)
             self._emit(out, request, count)
             budget -= count
@@ -417,6 +460,8 @@ class Scheduler:
             del self.receiving[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
+            if request.status is RequestStatus.LOADING:
+                self.num_loading -= 1
         if request.block_ids:
             self.blocks.free(request.block_ids)
             request.block_ids = []

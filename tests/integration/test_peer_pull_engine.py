@@ -10,6 +10,7 @@ import pytest
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
+from cluster.engine.request import RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv_transfer.agent import PairLayout, TransferAgent
 from cluster.kv_transfer.in_process_transport import InProcessTransport
@@ -115,6 +116,37 @@ def test_a_peer_sends_only_the_blocks_the_receiver_lacks_and_loads_its_host_tier
     assert peer.stats.host_loaded_blocks - loaded_before >= 3  # the peer's host tier held them
     assert pulled.usage.cached_tokens == 80
     assert pulled.token_ids == generate(engine(model_dir, "alone-b"), "recomputed", prompt).token_ids
+    assert peer.block_manager.num_free_blocks == here.block_manager.num_free_blocks == BLOCKS
+
+
+def test_the_receivers_own_host_tier_blocks_load_while_it_pulls_the_rest_and_it_runs_once_they_are_in(checkpoint):
+    model_dir = checkpoint("llama")
+    peer, here = engine(model_dir, "peer-d"), engine(model_dir, "here-d", host_cache=32)
+    pair = paired(peer, here, "pull-d")
+    head = random_prompts([32], seed=16)[0]
+    prompt = head + random_prompts([38], seed=17)[0]  # 4 cacheable blocks; the receiver's host tier holds 2
+    computed = generate(peer, "on-peer", prompt)
+    generate(here, "head-here", head + [7])
+    for index, filler in enumerate(random_prompts([80, 80], seed=18)):  # to the receiver's host tier
+        generate(here, f"filler-{index}", filler)
+    gate = threading.Event()
+    here.host_store.layer_issued = lambda layer: gate.wait(60)  # the load, under way, held
+    first, dst = here.reserve_pull("pulled", prompt, GREEDY, 4)
+    loading = here.scheduler.receiving["pulled"].block_ids[:2]
+    assert first == 2 and len(dst) == 2 and here.block_manager.is_loading(loading)
+    pinned = peer.pin_prefix(prompt, first, 4)
+    sending = threading.Thread(target=peer.send_blocks, args=(pair, "pulled", pinned, 0, 10.0))
+    sending.start()
+    assert here.receive_transfer(pair, "pulled", dst, 0, 10.0) is None
+    sending.join()
+    peer.unpin(pinned)
+    here.admit_pull("pulled", len(pinned))
+    request = here.scheduler.requests["pulled"]
+    assert request.status is RequestStatus.LOADING and here.step() == []  # not scheduled before its load
+    gate.set()
+    pulled = run_to_end(here)["pulled"]
+    assert pulled.usage.cached_tokens == 64 and pulled.token_ids == computed.token_ids
+    assert here.stats.host_loaded_blocks == 2
     assert peer.block_manager.num_free_blocks == here.block_manager.num_free_blocks == BLOCKS
 
 
