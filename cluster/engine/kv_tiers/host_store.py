@@ -27,7 +27,7 @@ Measured on this 2-core CPU, shared with other agents (load 0.7-3.9, which the f
 the 8-bit conversion most of it; a load 0.11-0.12 ms a block layer by layer on one thread (0.07 at
 load 0.7 on two; the one gather and scatter over all layers it replaced took 0.48-0.59 ms in the
 same minutes: a layer's rows stay in the CPU's caches), and 0.24-0.47 ms from queued to made
-through the copier while the caller's thread computed (load 2.1-2.4). In ``benchmarks/kv_tiers.py`` (the random
+through the copier while the caller's thread computed (load 2.1-2.4). In ``benchmarks/kv_tiers_engine.py`` (the random
 30M Llama, two engines, 540-650 blocks loaded a run) the copies on the steps' path went from
 38-59 ms a run to 1-11 ms (offloads not written back ahead, waits for write-backs, a peer pull's
 loads), the loads' 45-58 ms moving off it. ``EngineStats.host_copy_seconds`` counts the former in a
