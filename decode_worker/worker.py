@@ -246,7 +246,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
     async def status(self) -> dict:
         return {**await self._call(super().status), "unpaired": sorted(self._unpaired),
                 "pair_rebuilds": self.pair_rebuilds, "pull_from": list(self._pull_from()),
-                "pulls": dict(self.pulls)}
+                "pulls": dict(self.pulls) if self._pulls_from or any(self.pulls.values()) else None}  # kv.peer_pull
 
     def _unpaired_prefill(self) -> tuple[str, ...]:
         return tuple(sorted(w for w in self._unpaired if w not in self._pulls_from))
