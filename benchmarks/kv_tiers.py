@@ -24,6 +24,13 @@ tokens equal the ``off`` run's (the host tier holds 8-bit rows on a CPU, so a re
 within half a code step of what it was: a differing token is counted, not hidden). Goals (issue
 27, host + peer against off): hit rate >= 2x, TTFT p90 <= 0.5x, goodput >= 1.5x.
 
+After its run, one mode's router is started again (``--restart-mode``, host + peer): 16
+conversations' next turns are sent at once, the ingress replica's process is killed (Ray Serve
+starts another, whose router rebuilds its view from the registry), and the same turns are sent
+at once again as soon as the API serves: their hit rates before and after, how long the API was
+away and the new router's warm-up (``tandem status``). Goal: hit rate back to >= 90% of before
+within 1 s.
+
     PYTHONPATH=. .venv/bin/python benchmarks/kv_tiers.py   # about 8 minutes on a 2-core CPU
 
 ``benchmarks/kv_tiers_engine.py`` measures the same tiers in one process, on the engines alone.
@@ -94,8 +101,9 @@ def progress(text: str) -> None:
     print(f"[bench] {text}", file=sys.stderr, flush=True)
 
 
-async def drive(api: str, args, mode: str) -> tuple[list[tuple[str, RequestResult]], float]:
-    """Every conversation's turns through the API; (turn id, result) in the order they ended."""
+async def drive(api: str, args, mode: str) -> tuple[list[tuple[str, RequestResult]], float, dict[int, list[int]]]:
+    """Every conversation's turns through the API: (turn id, result) in the order they ended, the
+    seconds it took, and each conversation's last prompt with its answer."""
     backend = GrpcBackend(api)
     conversations = make_workload(args)
     options = SendOptions(ignore_eos=True, temperature=0.0, timeout_s=600)
@@ -103,6 +111,7 @@ async def drive(api: str, args, mode: str) -> tuple[list[tuple[str, RequestResul
     clock = lambda: time.perf_counter() - start  # noqa: E731
     done: list[tuple[str, RequestResult]] = []
     total = len(conversations) * args.turns
+    last: dict[int, list[int]] = {}
 
     async def converse(c: Conversation) -> None:
         await asyncio.sleep(max(0.0, c.start - clock()))
@@ -116,6 +125,7 @@ async def drive(api: str, args, mode: str) -> tuple[list[tuple[str, RequestResul
                 progress(f"{mode}: c{c.index} turn {turn} ended: {result.error}")
                 return  # the conversation cannot go on without its answer
             history = prompt[len(c.system):] + result.output_token_ids
+            last[c.index] = prompt + result.output_token_ids
             if turn + 1 < args.turns:
                 await asyncio.sleep(c.thinks[turn + 1])
 
@@ -130,7 +140,60 @@ async def drive(api: str, args, mode: str) -> tuple[list[tuple[str, RequestResul
         reporter.cancel()
     finally:
         await backend.close()
-    return done, clock()
+    return done, clock(), last
+
+
+async def send_all(api: str, prompts: list[list[int]], args, tag: str) -> list[RequestResult]:
+    """The prompts at once through a new connection, each one more turn of its conversation."""
+    backend = GrpcBackend(api)
+    options = SendOptions(ignore_eos=True, temperature=0.0, timeout_s=600)
+    start = time.perf_counter()
+    try:
+        return await asyncio.gather(*(backend.send(f"{tag}-{i}", p, args.answer_tokens, "chat", options,
+                                                   lambda: time.perf_counter() - start)
+                                      for i, p in enumerate(prompts)))
+    finally:
+        await backend.close()
+
+
+def hit_rate(results: list[RequestResult]) -> float:
+    ok = [r for r in results if r.ok]
+    return sum(r.cached_tokens or 0 for r in ok) / max(1, sum(r.prompt_tokens for r in ok))
+
+
+def restart_router(cluster: LocalCluster, last: dict[int, list[int]], args) -> dict:
+    """The ingress replica (and its router) killed and started again by Ray Serve: the same
+    returning turns sent at once before and right after, their hit rates compared, with the
+    time the API was away and the new router's warm-up from the registry."""
+    import psutil
+
+    rng = random.Random(args.seed + 1)
+    prompts = [history + [rng.randrange(*VOCAB) for _ in range(args.user_tokens)]
+               for _, history in sorted(last.items())[:args.restart_turns]]
+    before = asyncio.run(send_all(cluster.api, prompts, args, "before"))
+    name = f"ServeReplica:{cluster.name}:grpc-ingress"
+    replicas = [p for p in psutil.process_iter(["cmdline"]) if name in " ".join(p.info["cmdline"] or ())]
+    if not replicas:
+        return {"error": f"no process named {name}"}
+    killed = time.perf_counter()
+    for process in replicas:
+        process.kill()
+    progress(f"restart: killed {name} (pid {', '.join(str(p.pid) for p in replicas)}); waiting for the API")
+    deadline = killed + 120
+    while time.perf_counter() < deadline:
+        status = cluster.status() or {}
+        routers = status.get("each_router") or []
+        if status.get("serving") and routers and all(r.get("warm_up_s") is not None for r in routers):
+            break
+        time.sleep(0.2)
+    else:
+        return {"error": "the API did not come back within 120 s"}
+    back = time.perf_counter() - killed
+    after = asyncio.run(send_all(cluster.api, prompts, args, "after"))
+    placed_s = max((r.first_token_at for r in after if r.first_token_at is not None), default=float("nan"))
+    return {"turns": len(prompts), "before": hit_rate(before), "after": hit_rate(after), "back_s": back,
+            "warm_up_s": max(r["warm_up_s"] for r in routers), "first_tokens_s": placed_s,
+            "failed": sum(not r.ok for r in before + after)}
 
 
 def summarise(done: list[tuple[str, RequestResult]], wall: float, args, status: dict | None) -> dict:
@@ -159,9 +222,10 @@ def summarise(done: list[tuple[str, RequestResult]], wall: float, args, status: 
 def run_mode(args, mode: str) -> dict:
     with LocalCluster(f"bench-kv-tiers-{MODES.index(mode)}", topology(args, mode), cache=cache_dir()) as cluster:
         progress(f"{mode}: the cluster is up; {args.conversations} conversations x {args.turns} turns")
-        done, wall = asyncio.run(drive(cluster.api, args, mode))
+        done, wall, last = asyncio.run(drive(cluster.api, args, mode))
         status = cluster.status()
-    return summarise(done, wall, args, status)
+        restart = restart_router(cluster, last, args) if mode == args.restart_mode else None
+    return {**summarise(done, wall, args, status), "restart": restart}
 
 
 def main() -> None:
@@ -181,6 +245,9 @@ def main() -> None:
     parser.add_argument("--ttft-ms", type=float, default=1000.0)
     parser.add_argument("--tpot-ms", type=float, default=200.0)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--restart-mode", default="host + peer", choices=(*MODES, "none"),
+                        help="the mode whose router is killed and started again after its run")
+    parser.add_argument("--restart-turns", type=int, default=16, help="returning turns sent before and after it")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     longest = -(-(args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)) // args.block_size)
@@ -234,6 +301,20 @@ def main() -> None:
     print_table("tiers off vs host tier vs host + peer pulls", rows,
                 headers=("", *results, *(f"{m} / off" for m in others)))
     print("goals (issue 27, host + peer against off): hit rate >= 2x, TTFT p90 <= 0.5x, goodput >= 1.5x.")
+    restarted = [(mode, r["restart"]) for mode, r in results.items() if r.get("restart")]
+    for mode, r in restarted:
+        if "error" in r:
+            print(f"\nthe router's restart ({mode}): {r['error']}")
+            continue
+        print_table(f"the router's restart ({mode}): the ingress replica killed, Ray Serve starts it again", [
+            ("returning turns sent at once, before and after", str(r["turns"])),
+            ("prefix hit rate before / after", f"{r['before']:.1%} / {r['after']:.1%} "
+                                               f"({r['after'] / r['before']:.0%} of before)" if r["before"] else "-"),
+            ("API away (kill to serving, the router warm)", f"{r['back_s']:.1f} s"),
+            ("the new router's warm-up from the registry", f"{r['warm_up_s'] * 1000:.1f} ms"),
+            ("the turns' first tokens after it was back", f"within {r['first_tokens_s']:.2f} s"),
+            ("failed turns", str(r["failed"]))])
+        print("goal (issue 27): hit rate back to >= 90% of before within 1 s.")
 
 
 if __name__ == "__main__":

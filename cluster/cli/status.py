@@ -34,6 +34,7 @@ def status_dict(message: tandem_pb2.ClusterStatus, api: str | None = None, dashb
             router[key] = int(router.get(key, 0))
         router["rejected_by_class"] = {name: int(n) for name, n in router.get("rejected_by_class", {}).items()}
         router.setdefault("ttft_prediction_error", None)
+        router.setdefault("warm_up_s", None)
     router = dict(routers[0]) if routers else {"policy": "-", "registry": "no router answers",
                                               **{k: 0 for k in ROUTER_SUMS}, "rejected_by_class": {}}
     router["rejected_by_class"] = dict(router["rejected_by_class"])

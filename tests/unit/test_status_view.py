@@ -36,6 +36,7 @@ def message(placed: int = 7, goodput: bool = True) -> tandem_pb2.ClusterStatus:
         r.rejected_by_class["standard"] = 1
         if i:
             r.rejected_by_class["interactive"] = 2
+            r.warm_up_s = 0.0146  # started again: its view rebuilt from the registry
     if goodput:
         for window in (m.last_minute, m.last_hour):
             window.cluster.CopyFrom(tandem_pb2.SloWindow(window_s=60, requests=4, met=3, goodput_rps=0.05,
@@ -52,6 +53,7 @@ def test_status_dict_sums_the_routers_and_keeps_the_shape_of_status_json():
     assert status["in_flight"] == 4 and status["routers"] == 2 and len(status["each_router"]) == 2
     assert status["router"]["ttft_correction_s"] == {"remote": 0.01}
     assert status["router"]["ttft_prediction_error"] is None
+    assert [r["warm_up_s"] for r in status["each_router"]] == [None, 0.0146]
     assert status["router"]["rejected_by_class"] == {"standard": 2, "interactive": 2}  # summed over the routers
     workers = {w["name"]: w for w in status["workers"]}
     assert workers["prefill-0"]["kv_blocks_used"] == 3 and workers["prefill-0"]["tp"] == 2
