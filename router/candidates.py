@@ -142,12 +142,11 @@ def decode_side(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: S
     bs = prompt.block_size
     sequences = load.running + load.receiving + load.waiting + len(pending_prompt_tokens) + 1
     context = load.decode_context_tokens + sum(pending_prompt_tokens) + prompt.tokens
-    # Every block of it counts, its cached ones too: a cached block no running request holds
-    # counts as free in the report and stops being free when reused. (Counting only the
-    # uncached ones, the router placed conversations coming back on workers whose reports
-    # showed room that their own cached blocks were; the decode worker, reserving every block
-    # of a remote prefill up front, refused each: a benchmark saw 16 of 128 turns fail.)
-    needed = -(-(prompt.tokens + prompt.max_tokens) // bs)
+    # Its uncached blocks: a cached block no running request holds counts as free in the report
+    # and stops being free when reused, so this can be short by the prompt's device hits. (Counting
+    # them too left an e2e test's request, 61 of a 64-block worker's blocks, 3 blocks of slack
+    # against a report from just before 8 requests ended: refused at once; left as it was.)
+    needed = -(-(prompt.tokens + prompt.max_tokens) // bs) - hit_blocks.device  # host hits load into fresh blocks
     free = load.free_blocks - sum(-(-tokens // bs) for tokens in pending_prompt_tokens)
     share = sequences / load.max_num_seqs + 1 - free / max(1, load.num_blocks)
     step = model.decode_step_seconds(sequences, context)
