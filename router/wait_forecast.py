@@ -39,6 +39,7 @@ class DecodeSlots:
     departures_per_s: float  # sequences it finishes a second at its current batch
     first_departure_s: float  # until its sequence closest to its end finishes (inf: none running)
     over: int = 0  # sequences it holds beyond what the objective allows: they end before a slot frees
+    releasing: int = 0  # room it gains once the blocks its report shows held by no sequence are freed
 
 
 def decode_slots(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: Sequence[int],
@@ -64,7 +65,14 @@ def decode_slots(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: 
     departures = sequences / per_sequence_s if sequences and per_sequence_s > 0 else 0.0
     first = (max(0.0, step / model.tokens_per_step * load.next_slot_tokens - report_age_s)
              if load.running and load.next_slot_tokens else math.inf)
-    return DecodeSlots(room, departures, first, max(0, sequences - capacity))
+    # Blocks in use with no sequence to hold them belong to requests that ended while the report
+    # was taken (a deadline or a cancel mid-transfer): the worker is releasing them. Counted as
+    # nothing to wait for, a request that came right after 8 deadline-ended calls was refused at
+    # once on an idle cluster ("no end in sight").
+    releasing = 0
+    if not sequences and load.free_blocks < load.num_blocks:
+        releasing = max(0, min(capacity, load.num_blocks // max(1, blocks_per_request)) - room)
+    return DecodeSlots(room, departures, first, max(0, sequences - capacity), releasing)
 
 
 def slot_wait_s(slots: Sequence[DecodeSlots], needed: int) -> float:
@@ -72,9 +80,11 @@ def slot_wait_s(slots: Sequence[DecodeSlots], needed: int) -> float:
     it): the slots free now, then those that finishing sequences free at the workers'
     combined rate, after those holding a worker past the objective (a tighter class filled it
     past a looser one's limit), never sooner than the first sequence ends. Inf when nothing
-    decodes."""
+    decodes, unless blocks being released make the room (then 0: the next report shows it)."""
     free = sum(s.room for s in slots)
     if free >= needed:
+        return 0.0
+    if free + sum(s.releasing for s in slots) >= needed:
         return 0.0
     rate = sum(s.departures_per_s for s in slots)
     if rate <= 0:

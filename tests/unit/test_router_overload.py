@@ -96,6 +96,36 @@ def test_a_request_predicted_to_wait_past_its_bound_is_refused_on_arrival():
     assert router.status(NOW)["rejected_by_class"] == {"standard": 1}
 
 
+def test_blocks_held_by_no_sequence_are_being_released_not_waited_on_forever():
+    """Both decode workers run nothing, yet their reports show 95 of 100 blocks in use: requests
+    that ended (a deadline, a cancel) while the reports were taken. A request needing 3 blocks is
+    held for the next report, not refused as waiting "with no end in sight"; once a report shows
+    the blocks free it is placed; blocks that stay held past its bound refuse it then."""
+    tearing_down = {d: load(d, free=5, updated_at=NOW) for d in ("d0", "d1")}
+    slots = decode_slots(tearing_down["d0"], model_of(Router(TOPOLOGY, FakeRegistry(), config()), "d0"), [],
+                         blocks_per_request=11, tpot_objective_s=0.25, output_tokens=8)
+    assert slots == DecodeSlots(room=0, departures_per_s=0.0, first_departure_s=float("inf"), releasing=9)
+    assert slot_wait_s([slots], 9) == 0.0 and slot_wait_s([slots], 10) == float("inf")
+    assert slot_wait_s([DecodeSlots(0, 0.0, float("inf"))], 1) == float("inf")  # nothing held, nothing decodes
+
+    classes = {"standard": {"ttft_ms": 5000, "tpot_ms": 250, "on_overload": "queue", "max_wait_ms": 500}}
+    registry = FakeRegistry(tearing_down)
+    router = Router(TOPOLOGY, registry, config(slo_classes=classes))
+    long = list(range(100, 133 + 16 * 8))  # 161 tokens + 8: 11 blocks, more than the 5 free
+    held = router.submit(RouteRequest("a", long, 8, "standard", arrival=NOW), now=NOW)
+    assert (held.action, held.predicted_wait_s) == ("queue", 0.0)
+    registry.state["d0"] = load("d0", updated_at=NOW + 0.1)  # released
+    [placed] = router.retry_waiting(NOW + 0.15)
+    assert (placed.action, placed.request_id, placed.decode) == ("place", "a", "d0")
+
+    stuck = Router(TOPOLOGY, FakeRegistry(tearing_down), config(slo_classes=classes))
+    assert stuck.submit(RouteRequest("b", long, 8, "standard", arrival=NOW), now=NOW).action == "queue"
+    [refused] = stuck.retry_waiting(NOW + 0.6)
+    assert (refused.action, refused.request_id) == ("reject", "b")
+    assert refused.reason.startswith("predicted to wait 0 ms more for a decode slot (after 600 ms), past its bound "
+                                     "of 500 ms")
+
+
 def test_a_prefill_backlog_past_the_objective_is_refused_at_once():
     """9,000 queued prompt tokens (9.05 s of prefill) on each prefill worker: holding the
     request would not bring its first token sooner than 9.09 s, past its 5 s."""
