@@ -179,12 +179,14 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
     decode worker has the round-robin turn (None: no pair of it has). A decode worker drafting with
     a model may ask the prefill worker to build the draft's KV of the prompt too: its prefill then
     counts that work, by the share of its remote prefills that asked for it (its measured choice,
-    ``decode_worker/draft_prompt_kv.py``). One call per decode worker, not per pair: the pairs are
-    a placement's inner loop."""
+    ``decode_worker/draft_prompt_kv.py``). The blocks it holds in its host tier load beside all
+    that (``scheduler.reserve_for_transfer``). One call per decode worker, not per pair: the pairs
+    are a placement's inner loop."""
     out = []
     missing_blocks, cacheable = prompt.blocks - d.hit_blocks.blocks, prompt.cacheable_blocks
     hit_d, load, tpot_s, idle_tpot_s = d.hit_blocks, d.load, d.tpot_s, d.idle_tpot_s  # locals: the inner loop
-    has_room, slot_wait_s, reserve_s, call_s = d.has_room, d.slot_wait_s, d.reserve_wait_s + d.host_load_s, d.call_s
+    has_room, slot_wait_s, reserve_s, call_s = d.has_room, d.slot_wait_s, d.reserve_wait_s, d.call_s
+    host_load_s = d.host_load_s
     draft_share = d.draft_prompt_share
     for prefill in paired:
         model, hit_p, queue_s, prefill_s, worth_p, draft_s = prefill_sides[prefill]
@@ -194,9 +196,12 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
                       call_s=call_s, tpot_s=tpot_s, decode_has_room=has_room, decode_room_later=d.room_later,
                       rotation_slot=prefill == rotation_prefill, **tier_fields(hit_p, worth_p, hit_d, d.host_worth))
         c.correction_s = correction_s
-        c.ttft_s = corrected(c.queue_s + c.prefill_s + c.transfer_s + call_s + reserve_s, c.correction_s)
+        # The decode worker's host-tier blocks load in the background from its reservation on,
+        # while its call, the prefill and the transfer go on: the longer of the two counts.
+        c.ttft_s = corrected(reserve_s + max(c.queue_s + c.prefill_s + c.transfer_s + call_s, host_load_s),
+                             c.correction_s)
         c.ttft_s = max(c.ttft_s, slot_wait_s + c.correction_s)
-        c.idle_ttft_s = corrected(c.prefill_s + c.transfer_s + call_s + d.host_load_s, c.correction_s)
+        c.idle_ttft_s = corrected(max(c.prefill_s + c.transfer_s + call_s, host_load_s), c.correction_s)
         c.idle_tpot_s = idle_tpot_s
         out.append(c)
     return out

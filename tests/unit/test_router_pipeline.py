@@ -201,14 +201,18 @@ def test_device_hits_beat_host_hits_beat_recomputation_in_ttft_and_prefix_affini
     assert fastest(list(local.values())).decode == "dev"
     affinity = {w: SCORER_FUNCTIONS["prefix_affinity"](c, None, None) for w, c in local.items()}
     assert affinity == pytest.approx({"dev": 1.0, "host": 0.25, "none": 0.0})
-    # A decode worker's host blocks are loaded as it reserves: they do not travel, their load is waited for.
+    # A decode worker's host blocks are loaded from its reservation on: they do not travel, and
+    # their load runs beside the prefill and the transfer; the longer of the two is waited for.
     p = prefill_side(MODEL, 0, TierHits(0), prompt)
     d = decode_side(load("d0"), MODEL, [], TierHits(2, 3), prompt, "queue")
     assert (d.host_load_s, d.has_room) == (pytest.approx(0.009), True)
     [c] = remote_candidates("d0", d, ["p0"], {"p0": p}, {"p0": 0}, prompt, 0.0, rotation_prefill=None)
     assert c.transfer_s == pytest.approx(0.002 * (9 - 5))
-    assert c.ttft_s == pytest.approx(0.043 + 0.008 + 0.009)
+    assert c.ttft_s == pytest.approx(0.043 + 0.008)  # prefill 43 ms + transfer 8 ms, the 9 ms load beside them
     assert (c.decode_hit_blocks, c.decode_host_blocks) == (5, 3)
+    slow = decode_side(load("d0"), replace(MODEL, host_load_s_per_block=0.030), [], TierHits(2, 3), prompt, "queue")
+    [c] = remote_candidates("d0", slow, ["p0"], {"p0": p}, {"p0": 0}, prompt, 0.0, rotation_prefill=None)
+    assert c.ttft_s == c.idle_ttft_s == pytest.approx(3 * 0.030)  # a load longer than the prefill: the load
 
 
 def test_a_correction_takes_off_at_most_half_and_never_goes_under_the_floor():
