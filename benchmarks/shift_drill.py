@@ -15,8 +15,8 @@ cluster's: ``cluster/plan/live/``, its proposal simulated on other seeds than th
 on its cores (1 prefill + 2 decode to start, the split for the first phase), driven through the
 gRPC API by Poisson arrivals of the ``standard`` class, once with ``planner.mode: off`` and once
 with ``act`` (bounds: 3 workers, moves only; a look every ``--interval-s``). Goodput per phase is
-measured at the client; each decision's prediction and the goodput measured a window after it
-come from the planner's own record (``tandem status``). Each worker runs ``--local-threads``
+measured at the client; each decision's prediction and the goodput measured ``--measure-s`` (60 s)
+after it come from the planner's own record (``tandem status``). Each worker runs ``--local-threads``
 torch threads (1): with the default (every core per worker) three workers share two cores
 whatever their roles, so no split serves more than another (what the planner's shared-cores
 simulator predicts, and what a drill at that setting measured). With one thread each, one
@@ -27,10 +27,11 @@ lasts 240 s so that most of it runs after the planner has confirmed and made its
 
 Goals (issue #26): with ``act``, goodput in the second phase >= 1.3x the fixed split's, and
 each decision's predicted goodput within 20% of what was measured after it. Locally, each
-decision is checked twice: its prediction as made (the traffic of the window that set it off,
-which on a Poisson stream of about a dozen requests a window is a guess of the traffic to come,
-and a high one: the planner acts on the windows that look heavy), and the same simulation at
-the traffic offered in the window it was measured over (the planner's model alone).
+decision is checked twice: its prediction as made (the lengths of the window that set it off, at
+the rate offered over the ``--measure-s`` before it: a 20 s window's dozen requests of a Poisson
+stream are a poor guess of the rate to come, and a high one, since the planner acts on the
+windows that look heavy), and the same simulation at the traffic offered over the time it was
+measured over (the planner's model alone).
 
     PYTHONPATH=. .venv/bin/python benchmarks/shift_drill.py            # about 10 minutes on 2 cores
     PYTHONPATH=. .venv/bin/python benchmarks/shift_drill.py --scale local   # about 14 minutes, quiet cores
@@ -157,6 +158,9 @@ def main() -> int:
     parser.add_argument("--local-phase2", default="1024,16,0.6,240", help="local: prompt,output,rate,seconds")
     parser.add_argument("--local-threads", type=int, default=1, help="local: torch threads of each worker")
     parser.add_argument("--interval-s", type=float, default=10.0, help="local: between the planner's looks")
+    parser.add_argument("--measure-s", type=float, default=60.0,
+                        help="local: planner.measure_s, how long after a decision its goodput is measured (and the "
+                             "rate its prediction is made at is taken over as long before it)")
     parser.add_argument("--gpus", type=int, default=16, help="GPUs the split is made of")
     parser.add_argument("--tp", type=int, default=4, help="TP degree of every worker")
     parser.add_argument("--hardware", default="h100")
@@ -239,7 +243,8 @@ def local_topology(args, mode: str) -> dict:
     threads = args.local_threads
     return {"server": {"port": free_port(), "http_port": 0}, "prefill": {"replicas": 1, "threads": threads},
             "decode": {"replicas": 2, "threads": threads},
-            "planner": {"mode": mode, "interval_s": args.interval_s, "window_s": args.window_s, "min_workers": 3,
+            "planner": {"mode": mode, "interval_s": args.interval_s, "window_s": args.window_s,
+                        "measure_s": args.measure_s, "min_workers": 3,
                         "max_workers": 3, "confirmations": args.confirmations, "cooldown_s": args.cooldown_s,
                         "min_gain": args.min_gain}}
 
@@ -300,8 +305,8 @@ def local_drill(args) -> int:
     for mode in ("off", "act"):
         with LocalCluster(f"shift-{mode}", local_topology(args, mode), cache=cache_dir()) as cluster:
             results = asyncio.run(drive(cluster.api, phases, seed=11))
-            if mode == "act":  # the last decision's window passes, and a look measures it
-                time.sleep(args.window_s + args.interval_s)
+            if mode == "act":  # the last decision's measure_s passes, and a look measures it
+                time.sleep(max(args.window_s, args.measure_s) + args.interval_s)
             status = cluster.status() or {}
         figures[mode] = {}
         for phase, seconds in phases:
@@ -321,7 +326,8 @@ def local_drill(args) -> int:
         ("cluster", f"the quick start's default model; 3 workers on this machine's cores, {args.local_threads} torch "
                     "thread(s) each, 1 prefill + 2 decode to start"),
         ("planner", f"act: a look every {args.interval_s:g} s over {args.window_s:g} s, {args.confirmations} looks to "
-                    f"confirm, cooldown {args.cooldown_s:g} s, min gain {args.min_gain:.0%}; moves only (3 workers)")])
+                    f"confirm, cooldown {args.cooldown_s:g} s, min gain {args.min_gain:.0%}; moves only (3 workers); each "
+                    f"decision measured over {args.measure_s:g} s after it")])
     rows = []
     for phase, seconds in phases:
         off, act = figures["off"][phase.name], figures["act"][phase.name]
@@ -345,8 +351,9 @@ def local_drill(args) -> int:
          rps(d.measured_rate_rps), rps(d.expected_goodput_rps), pct(d.model_error), d.detail[:40]) for d in made],
         ("#", "at", "resize", "acted", "predicted req/s", "measured after", "error", "offered after",
          "predicted for it", "error", "detail"))
-    print("(predicted: the split's simulated goodput at the traffic of the window that set the decision off; "
-          "predicted for it: the same simulation at the traffic offered in the window it was measured over)")
+    print(f"(predicted: the split's simulated goodput at the lengths of the window that set the decision off and the "
+          f"rate offered over the {args.measure_s:g} s before it; predicted for it: the same simulation at the traffic "
+          f"offered over the {args.measure_s:g} s it was measured over)")
     print(f"\nworkers at the end: off {', '.join(finals['off'])}; act {', '.join(finals['act'])}")
     off2, act2 = figures["off"]["phase 2"][0], figures["act"]["phase 2"][0]
     ratio = act2 / off2 if off2 else (float("inf") if act2 else 0.0)

@@ -354,8 +354,8 @@ PLANNER_MODES = ("off", "advise", "act")
 
 @dataclass(frozen=True)
 class PlannerSpec:
-    check_order: ClassVar[tuple[str, ...]] = ("mode", "interval_s", "window_s", "prefill_min", "prefill_max",
-                                              "decode_min", "decode_max", "min_workers", "max_workers", "min_gain",
+    check_order: ClassVar[tuple[str, ...]] = ("mode", "interval_s", "window_s", "measure_s", "prefill_min",
+                                              "prefill_max", "decode_min", "decode_max", "min_workers", "max_workers", "min_gain",
                                               "confirmations", "cooldown_s")
     mode: str = key("off", checks.choice(PLANNER_MODES), """
         The live planner (``cluster/plan/live/``): every ``interval_s`` it reads the registry's
@@ -371,7 +371,13 @@ class PlannerSpec:
         Seconds between two looks, 1..30.""")
     window_s: float = key(60.0, checks.number(5.0, 90.0), """
         The goodput window each look reads, 5..90 s (the registry keeps 1-second counts for
-        130 s); also how long after a decision its measured goodput is taken.""")
+        130 s).""")
+    measure_s: float | None = key(None, checks.number(5.0, 120.0, null=True), """
+        How long after a decision the goodput it is checked against is measured, 5..120 s;
+        its prediction is made at the rate offered over as long before it (with the request
+        lengths of the window that set it off). Longer than ``window_s``, the check is less a
+        matter of chance: a 20 s window holds about 12 requests of a 0.6 req/s stream, whose
+        count alone varies by some 30% from one window to the next. Null: ``window_s``.""")
     prefill_min: int = key(1, checks.integer(1), """
         Fewest prefill workers, at least 1.""")
     prefill_max: int | None = key(None, checks.integer(1, null=True), """

@@ -294,7 +294,7 @@ def test_planner_act_with_room_to_grow_turns_on_kubray_s_autoscaler(helm, tmp_pa
     the topology's planner and ray.node_wait_s from the values. Every manifest still valid."""
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     overrides = {"planner": {"mode": "act", "maxWorkers": 5, "decodeMax": 3, "nodeWaitS": 450, "intervalS": 10,
-                             "autoscaler": {"idleTimeoutSeconds": 120, "upscalingMode": "Conservative",
+                             "measureS": 90, "autoscaler": {"idleTimeoutSeconds": 120, "upscalingMode": "Conservative",
                                             "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}},
                  "prefill": {"replicas": 2}, "pods": {"containerSecurityContext": {"runAsNonRoot": True}}}
     docs = template(helm, *values_args("default", tmp_path, overrides))
@@ -320,8 +320,8 @@ def test_planner_act_with_room_to_grow_turns_on_kubray_s_autoscaler(helm, tmp_pa
     assert bounds == {"prefill": (2, 1, 4), "decode": (1, 1, 3)}
     topology = parse_topology(topology_of(docs))
     planner = topology.planner
-    assert (planner.mode, planner.max_workers, planner.decode_max, planner.prefill_max, planner.interval_s) == (
-        "act", 5, 3, None, 10.0)
+    assert (planner.mode, planner.max_workers, planner.decode_max, planner.prefill_max, planner.interval_s,
+            planner.measure_s) == ("act", 5, 3, None, 10.0, 90.0)
     assert topology.ray.node_wait_s == 450.0
     from cluster.plan.live.propose import Bounds
 

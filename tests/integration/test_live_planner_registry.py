@@ -61,9 +61,9 @@ def record_traffic(client, start: float, seconds: int, per_second: int, prompt: 
                                           prompt_tokens=prompt, output_tokens=output))
 
 
-def planner(client, cluster: Cluster, clock, mode: str = "act") -> LivePlanner:
+def planner(client, cluster: Cluster, clock, mode: str = "act", measure_s: float | None = None) -> LivePlanner:
     spec = replace(ClusterSpec(), planner=PlannerSpec(mode=mode, interval_s=1.0, window_s=30.0, max_workers=3,
-                                                      confirmations=2, cooldown_s=0.0))
+                                                      confirmations=2, cooldown_s=0.0, measure_s=measure_s))
     return LivePlanner(spec, client, CLUSTER, lambda: cluster.split, cluster.workers, vocab_size=32000,
                        max_model_len=4096, resize=cluster.resize, clock=clock)
 
@@ -102,6 +102,41 @@ def test_it_acts_on_a_confirmed_proposal_and_measures_it_a_window_later(redis_cl
     assert measured.expected_goodput_rps == pytest.approx(expected.goodput_rps) and expected.goodput_rps > 0
     assert measured.model_error == pytest.approx((expected.goodput_rps - 2.0) / 2.0)
     assert f"for the 2.00 req/s that came it predicts {expected.goodput_rps:.2f}" in measured.line()
+
+
+def test_with_a_longer_measure_s_the_prediction_is_made_at_the_steadier_rate_and_checked_over_as_long(redis_client):
+    """measure_s 90 s, window 30 s: the window that sets the decision off has 3 req/s, the 60 s
+    before it 1 req/s (about 2 req/s over the 90 s). The decision predicts its split at 2 req/s, with
+    the window's lengths; it is measured over the 90 s after it."""
+    cluster, now = Cluster(), [time.time()]
+    publish_workers(redis_client, cluster)
+    start = int(now[0]) - 90
+    record_traffic(redis_client, start, 60, 1, prompt=1024, output=16)
+    record_traffic(redis_client, start + 60, 30, 3, prompt=1024, output=16)
+    live = planner(redis_client, cluster, lambda: now[0], measure_s=90.0)
+    live.look()
+    now[0] += 1
+    decision = live.look()
+    assert (decision.acted, decision.proposed) == (True, "2P+1D")
+    window = observe(GoodputReader(redis_client, CLUSTER), 30.0, now[0])
+    steady = observe(GoodputReader(redis_client, CLUSTER), 90.0, now[0])
+    assert window.rate_rps > 1.3 * steady.rate_rps  # the window's 3 req/s against the 90 s's ~2
+    spec_for, config = live._simulation()
+    expected = predict(replace(window, rate_rps=steady.rate_rps), Split(2, 1), spec_for, config,
+                       class_objectives(live.spec.router), 32000)
+    assert decision.predicted_goodput_rps == pytest.approx(expected.goodput_rps)
+    assert decision.predicted_goodput_rps < Journal(redis_client, CLUSTER).latest()["predictions"]["2P+1D"]
+    assert decision.observed.endswith(f"predicted at {steady.rate_rps:.2f} req/s (last 90 s)")
+    record_traffic(redis_client, int(decision.at) + 1, 90, 2, prompt=1024, output=16)
+    publish_workers(redis_client, cluster)
+    now[0] = decision.at + 60.5
+    live.look()
+    first = {d.number: d for d in Journal(redis_client, CLUSTER).decisions()}[1]
+    assert first.measured_goodput_rps is None  # 90 s have not passed
+    now[0] = decision.at + 90.5
+    live.look()
+    measured = {d.number: d for d in Journal(redis_client, CLUSTER).decisions()}[1]
+    assert measured.measured_goodput_rps == pytest.approx(180 / 90) and measured.measured_rate_rps == pytest.approx(2.0)
 
 
 def test_advise_only_says_and_a_failed_resize_is_kept_as_not_done(redis_client):

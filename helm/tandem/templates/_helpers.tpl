@@ -232,7 +232,7 @@ values, the pools pinned to their pods by the custom resources, Ray joined on th
 {{- $_ := set $t "ray" (dict "address" "127.0.0.1:6379" "node_wait_s" $v.planner.nodeWaitS) -}}
 {{- $pl := $v.planner -}}
 {{- $planner := dict "mode" $pl.mode "prefill_min" (int $pl.prefillMin) "decode_min" (int $pl.decodeMin) -}}
-{{- range $from, $to := dict "intervalS" "interval_s" "windowS" "window_s" "prefillMax" "prefill_max" "decodeMax" "decode_max" "minWorkers" "min_workers" "maxWorkers" "max_workers" "minGain" "min_gain" "confirmations" "confirmations" "cooldownS" "cooldown_s" -}}
+{{- range $from, $to := dict "intervalS" "interval_s" "windowS" "window_s" "measureS" "measure_s" "prefillMax" "prefill_max" "decodeMax" "decode_max" "minWorkers" "min_workers" "maxWorkers" "max_workers" "minGain" "min_gain" "confirmations" "confirmations" "cooldownS" "cooldown_s" -}}
 {{- if not (kindIs "invalid" (index $pl $from)) -}}{{- $_ := set $planner $to (index $pl $from) -}}{{- end -}}
 {{- end -}}
 {{- $_ := set $t "planner" $planner -}}
