@@ -145,3 +145,69 @@ def test_library_is_built_once_and_cached(tmp_path, monkeypatch):
         assert not list((tmp_path / "kernels").glob(".build-*")), "no build scratch left behind"
     finally:
         load_library.cache_clear()
+
+
+def verify_case(num_heads, num_kv_heads, head_dim, block_size, fmt=None, seed=7):
+    """A call's rows as a step of the fused step has them: a decode, 5 rows of one request at
+    consecutive lengths (a verify: one block table each), a decode, then 37 rows of a prompt
+    chunk (more than a group's 16): tables padded to the widest."""
+    spans = [(0, [130]), (1, [200 + i for i in range(5)]), (2, [17]), (3, [64 + i for i in range(37)])]
+    counts = {request: -(-max(lengths) // block_size) for request, lengths in spans}
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = sum(counts.values()) + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    if fmt is not None:
+        k_cache, v_cache = fmt.quantize_rows(k_cache), fmt.quantize_rows(v_cache)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    blocks, start = {}, 0
+    for request, count in counts.items():
+        blocks[request], start = order[start : start + count], start + count
+    widest = max(counts.values())
+    rows = [(blocks[request], length) for request, lengths in spans for length in lengths]
+    table = torch.tensor([b + [0] * (widest - len(b)) for b, _ in rows], dtype=torch.long)
+    fused = torch.randn(len(rows), (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    q = fused[:, : num_heads * head_dim].view(len(rows), num_heads, head_dim)
+    return q, k_cache, v_cache, [b for b, _ in rows], table, [length for _, length in rows]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [(9, 3, 64, 16), (8, 2, 128, 8), (6, 2, 48, 16)])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_reading_the_same_blocks_get_the_bits_they_get_alone(kernel, num_heads, num_kv_heads, head_dim,
+                                                                     block_size, window, threads):
+    """Rows of one request in one call (a verify's, a prompt chunk's: read together, each key once
+    for all of them) give, bit for bit, what each row gives in a call of its own (a one-row decode
+    step): so a guess checked in a verify gets the token a plain step would. And they are right."""
+    q, k_cache, v_cache, tables, table, lengths = verify_case(num_heads, num_kv_heads, head_dim, block_size)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = torch.empty(len(lengths), num_heads * head_dim)
+        kernel(q, k_cache, v_cache, table, torch.tensor(lengths), together, num_kv_heads, window, head_dim**-0.5)
+        alone = torch.empty_like(together)
+        for row, length in enumerate(lengths):
+            kernel(q[row : row + 1], k_cache, v_cache, table[row : row + 1], torch.tensor([length]), alone[row : row + 1],
+                   num_kv_heads, window, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(together, alone)
+    expected = dense_reference(q, k_cache, v_cache, tables, lengths, num_kv_heads, window)
+    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_8bit_rows_reading_the_same_blocks_get_the_bits_they_get_alone(kernel, name):
+    from cluster.engine.quantization.kv_format import KVCacheFormat
+
+    fmt = KVCacheFormat(name, torch.float32)
+    q, k_cache, v_cache, tables, table, lengths = verify_case(9, 3, 64, 16, fmt)
+    together = torch.empty(len(lengths), 9 * 64)
+    kernel(q, k_cache, v_cache, table, torch.tensor(lengths), together, 3, None, 0.125, fmt)
+    alone = torch.empty_like(together)
+    for row, length in enumerate(lengths):
+        kernel(q[row : row + 1], k_cache, v_cache, table[row : row + 1], torch.tensor([length]), alone[row : row + 1], 3,
+               None, 0.125, fmt)
+    assert torch.equal(together, alone)
+    expected = dense_reference(q, fmt.dequantize_rows(k_cache), fmt.dequantize_rows(v_cache), tables, lengths, 3, None)
+    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
