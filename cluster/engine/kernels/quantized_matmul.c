@@ -18,9 +18,12 @@
  * up to 2 features by up to 8 rows: each widened weight is used for every row of the tile, so a
  * step that checks speculative guesses (5-8 rows) widens its q4 weights once, not twice
  * (single-threaded, caches flushed, q4 3072 x 576: 5 rows 193 us against 230, 8 rows 288 against
- * 339). q8 weights stay in 4-row tiles: 8-row tiles of q8 took 30% longer at 5-7 rows. Each accumulator takes the low half of a group, then the high
- * half, in the same order whatever the tile's shape, so a row's result does not depend on how
- * many rows share its call (a guess checked in a 6-row step gives the token a 1-row step would).
+ * 339). Other weights keep 4 features a tile: 8-row tiles 2 features wide took 30% longer at 5-7
+ * rows for q8; but where 5 or 6 rows are left they go in one tile 4 features wide (the default
+ * model's q8 output layer, 49152 x 576, one thread: 5 rows 2.23 ms against 3.04 in a 4-row and a
+ * 1-row tile, 6 rows 2.38 against 3.08, 4 rows 2.0). Each accumulator takes the low half of a group,
+ * then the high half, in the same order whatever the tile's shape, so a row's result does not depend
+ * on how many rows share its call (a guess checked in a 6-row step gives the token a 1-row step would).
  * The pool's threads (thread_pool.c) take 16 features at a time, each from its own share first.
  *
  * Why not torch's packed kernels: on a 2-core AVX-512 machine (torch 2.13) _weight_int8pack_mm
@@ -181,8 +184,12 @@ ALWAYS_INLINE void any_tile(const int kind, int mb, int nb, const float *x, int6
     case 36: TILE_CASE(kind, 4, 4); break;
     case 41: TILE_CASE(kind, 5, 1); break;
     case 42: TILE_CASE(kind, 5, 2); break;
+    case 43: TILE_CASE(kind, 5, 3); break;
+    case 44: TILE_CASE(kind, 5, 4); break;
     case 49: TILE_CASE(kind, 6, 1); break;
     case 50: TILE_CASE(kind, 6, 2); break;
+    case 51: TILE_CASE(kind, 6, 3); break;
+    case 52: TILE_CASE(kind, 6, 4); break;
     case 57: TILE_CASE(kind, 7, 1); break;
     case 58: TILE_CASE(kind, 7, 2); break;
     case 65: TILE_CASE(kind, 8, 1); break;
@@ -203,6 +210,15 @@ typedef struct {
     int64_t y_stride;
 } matmul_args;
 
+/* The rows of the next tile, `left` rows to go: q4 weights up to 8 (2 features wide past 4 rows);
+ * other weights 4 features wide, up to 4 rows, but 5 or 6 rows left go in one tile (24 accumulators:
+ * a verify of 4-5 guesses widens each weight once, not twice). */
+ALWAYS_INLINE int tile_rows(const int kind, int64_t left) {
+    if (kind == Q4) return left < TILE_ROWS ? (int)left : TILE_ROWS;
+    if (left == 5 || left == 6) return (int)left;
+    return left < TILE ? (int)left : TILE;
+}
+
 #define TILES_PER_TASK 4 /* 16 features: a thread reads its share in order (thread_pool.c), so tasks can be small */
 #define ROW_BLOCK 64     /* rows of x a task's features go through before the next rows: 147 KB of x at K = 576 */
 
@@ -218,12 +234,12 @@ ALWAYS_INLINE void matmul_features(const int kind, const matmul_args *a, int64_t
     const int64_t code_stride = a->code_stride, y_stride = a->y_stride;
     const int64_t first = task * TILES_PER_TASK * TILE;
     const int64_t last = first + TILES_PER_TASK * TILE < n ? first + TILES_PER_TASK * TILE : n;
-    const int64_t tile_rows = kind == Q4 ? TILE_ROWS : TILE;
     for (int64_t block = 0; block < m; block += ROW_BLOCK) {
         const int64_t block_end = block + ROW_BLOCK < m ? block + ROW_BLOCK : m;
-        for (int64_t m0 = block; m0 < block_end; m0 += tile_rows) {
-            const int mb = block_end - m0 < tile_rows ? (int)(block_end - m0) : tile_rows;
-            const int width = mb > TILE ? WIDE_TILE : TILE;
+        int mb;
+        for (int64_t m0 = block; m0 < block_end; m0 += mb) {
+            mb = tile_rows(kind, block_end - m0);
+            const int width = mb > TILE && kind == Q4 ? WIDE_TILE : TILE;
             for (int64_t n0 = first; n0 < last; n0 += width) {
                 const int nb = last - n0 < width ? (int)(last - n0) : width;
                 float out[TILE_ROWS][TILE];
