@@ -27,22 +27,30 @@ each (cycled to fill a batch):
 Greedy, ``--max-tokens`` out (EOS may end a request sooner: the tokens counted are those made).
 Per engine and workload, one warm-up generate of every distinct prompt computes their KV, which
 the prefix cache then serves: a measured generate is decoding, which speculation changes, and not
-the prompts' prefill, which it does not. At batch 1 the ``--single-requests`` requests run one at
-a time, each on the three engines in turn; at a batch above 1, ``--rounds`` generates of that many
-requests, each on the three engines in turn; each engine goes first in turn.
+the prompts' prefill, which it does not.
+
+Noise (the machine is shared, and its load moves within seconds): the configurations are measured
+in rounds, interleaved as finely as a generate allows, and compared round by round. At batch 1 a
+round is one pass over ``--single-requests`` requests, each run alone on every engine in turn
+(``--repeats`` rounds); at a batch above 1 a round is one generate of that many requests on every
+engine in turn (``--rounds`` rounds). Each engine goes first in turn. A round's ratio is a
+configuration's tokens/s over ``off``'s in that round (the same requests, the same tokens); the
+verdicts use the median of the rounds' ratios, and the table shows their range beside the ratio of
+the totals, so that a ratio within the rounds' scatter reads as such.
 
 Reported per workload, batch and configuration: tokens/s (tokens over the wall time of
-``llm.generate``) and its ratio to ``off``; TPOT p50 (per request, its time after the first token
-over its tokens after the first) and its ratio; the share of guesses kept, tokens per verify
-(1 + kept guesses per request-step that checked guesses), decode tokens per request-step and the
-share of request-steps that guessed (``llm.engine.stats``, differences over the generate); and
-the requests whose greedy tokens differ from ``off``'s (must be 0). Goals (issue 24), for
-``ngram``: >= 2x ``off``'s tokens/s at batch 1 on (a), >= 1.0x at every batch on both workloads.
+``llm.generate``) and its ratio to ``off`` (of the totals; the rounds' median and range); TPOT p50
+(per request, its time after the first token over its tokens after the first) and its ratio; the
+share of guesses kept, tokens per verify (1 + kept guesses per request-step that checked guesses),
+decode tokens per request-step and the share of request-steps that guessed (``llm.engine.stats``,
+differences over the generate); and the requests whose greedy tokens differ from ``off``'s (must
+be 0). Goals (issue 24), for ``ngram``: >= 2x ``off``'s tokens/s at batch 1 on (a), >= 1.0x at every
+batch on both workloads (medians of the rounds).
 A CUDA device, when there is one, runs the same at ``--gpu-batch`` (default 1, 8, 64).
 
     .venv/bin/python benchmarks/speculative.py                                  # batches 1, 8, 32; 128 tokens
     .venv/bin/python benchmarks/speculative.py --batch 1,8 --max-tokens 48         # about a minute on 2 cores
-    .venv/bin/python benchmarks/speculative.py --workloads a --batch 1 --single-requests 2 --max-tokens 16  # smoke
+    .venv/bin/python benchmarks/speculative.py --workloads a --batch 1 --single-requests 2 --repeats 1 --max-tokens 16  # smoke
 """
 
 from __future__ import annotations
@@ -199,10 +207,20 @@ class Cell:
     accepted: int = 0
     verifies: int = 0
     request_steps: int = 0  # decode rows of requests (plain or verifying) over the generates' steps
+    round_tokens: list[int] = field(default_factory=list)  # per round (see the module's docstring) ...
+    round_seconds: list[float] = field(default_factory=list)  # ... its generates' tokens and seconds
+
+    def start_round(self) -> None:
+        self.round_tokens.append(0)
+        self.round_seconds.append(0.0)
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds else float("nan")
+
+    def round_rate(self, index: int) -> float:
+        seconds = self.round_seconds[index]
+        return self.round_tokens[index] / seconds if seconds else float("nan")
 
     @property
     def tpot(self) -> float:
@@ -233,7 +251,9 @@ def generate_into(cell: Cell, llm, prompts: list[list[int]], max_tokens: int) ->
     before = (stats.proposed_tokens, stats.accepted_tokens, stats.verify_steps, stats.num_steps)
     started = time.perf_counter()
     outputs = llm.generate(prompts, greedy(max_tokens))
-    cell.seconds += time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    cell.seconds += seconds
+    cell.round_seconds[-1] += seconds
     steps = stats.num_steps - before[3]
     cell.request_steps += sum(s.num_decode_tokens for s in list(stats.steps)[-steps:]) if steps else 0
     cell.proposed += stats.proposed_tokens - before[0]
@@ -245,6 +265,7 @@ def generate_into(cell: Cell, llm, prompts: list[list[int]], max_tokens: int) ->
         made = len(output.token_ids)
         cell.requests += 1
         cell.tokens += made
+        cell.round_tokens[-1] += made
         cell.outputs.append(list(output.token_ids))
         if made > 1 and output.first_token_time is not None and output.finish_time is not None:
             cell.tpots.append((output.finish_time - output.first_token_time) / (made - 1))
@@ -258,7 +279,19 @@ class Result:
     cells: dict[str, Cell]
 
     def ratio(self, config: str) -> float:
+        """Of the totals."""
         return self.cells[config].rate / self.cells[OFF].rate
+
+    def round_ratios(self, config: str) -> list[float]:
+        cell, off = self.cells[config], self.cells[OFF]
+        return [cell.round_rate(i) / off.round_rate(i) for i in range(len(off.round_tokens))]
+
+    def median_ratio(self, config: str) -> float:
+        return median(self.round_ratios(config))
+
+    def spread(self, config: str) -> str:
+        ratios = self.round_ratios(config)
+        return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
 
     def mismatches(self, config: str) -> int:
         return sum(a != b for a, b in zip(self.cells[config].outputs, self.cells[OFF].outputs))
@@ -269,6 +302,16 @@ def rotated(names: tuple[str, ...], index: int) -> tuple[str, ...]:
     that none always meets the machine right after another's run."""
     shift = index % len(names)
     return names[shift:] + names[:shift]
+
+
+def measured_rounds(prompts: list[list[int]], batch: int, args) -> list[list[list[list[int]]]]:
+    """Per round, its generates (each a list of prompts): at batch 1 ``--single-requests`` requests
+    one at a time (``--repeats`` rounds, each starting where the last ended), above it one generate
+    of ``batch`` requests (``--rounds`` rounds)."""
+    if batch == 1:
+        per_round = args.single_requests
+        return [[[p] for p in batch_of(prompts, per_round, start=i * per_round)] for i in range(args.repeats)]
+    return [[batch_of(prompts, batch, start=i * batch)] for i in range(args.rounds)]
 
 
 def measure_device(model: Path, device: str, threads: int, workloads: dict[str, list[list[int]]],
@@ -287,17 +330,20 @@ def measure_device(model: Path, device: str, threads: int, workloads: dict[str, 
                 llm.generate(prompts, greedy(WARM_UP_TOKENS))
             for batch in batches:
                 cells = {name: Cell() for name in configs}
-                rounds = [[p] for p in batch_of(prompts, args.single_requests)] if batch == 1 else \
-                    [batch_of(prompts, batch, start=i * batch) for i in range(args.rounds)]
-                for index, requests in enumerate(rounds):
-                    for name in rotated(configs, index):
-                        generate_into(cells[name], engines[name], requests, args.max_tokens)
-                    if len(rounds) > 1:
-                        log(f"{device}, {workload}, batch {batch}: round {index + 1}/{len(rounds)} done")
+                for index, generates in enumerate(measured_rounds(prompts, batch, args)):
+                    for cell in cells.values():
+                        cell.start_round()
+                    for turn, generate in enumerate(generates):
+                        for name in rotated(configs, index * len(generates) + turn):
+                            generate_into(cells[name], engines[name], generate, args.max_tokens)
+                    log(f"{device}, {workload}, batch {batch}: round {index + 1} done: " + ", ".join(
+                        f"{name} {cells[name].round_rate(index) / cells[OFF].round_rate(index):.2f}x"
+                        for name in configs if name != OFF))
                 result = Result(device, workload, batch, cells)
                 log(f"{device}, {workload}, batch {batch}: " + ", ".join(
                     f"{name} {cell.rate:.1f} tok/s" for name, cell in cells.items())
-                    + "; " + ", ".join(f"{name} {result.ratio(name):.2f}x" for name in configs if name != OFF))
+                    + "; median of rounds: " + ", ".join(f"{name} {result.median_ratio(name):.2f}x"
+                                                         for name in configs if name != OFF))
                 results.append(result)
     finally:
         for llm in engines.values():
@@ -320,7 +366,9 @@ def result_rows(results: list[Result]) -> list[tuple]:
         for name, cell in result.cells.items():
             spec = name != OFF
             rows.append((result.workload, result.batch, name, cell.requests, cell.tokens, f"{cell.seconds:.2f}",
-                         f"{cell.rate:.1f}", f"{cell.rate / off.rate:.2f}x", fmt(cell.tpot * 1e3, ".2f"),
+                         f"{cell.rate:.1f}", f"{cell.rate / off.rate:.2f}x",
+                         f"{result.median_ratio(name):.2f}x" if spec else "-", result.spread(name) if spec else "-",
+                         fmt(cell.tpot * 1e3, ".2f"),
                          fmt(cell.tpot / off.tpot, ".2f", "x"),
                          fmt(cell.acceptance * 100, ".0f", "%") if spec else "-",
                          fmt(cell.tokens_per_verify, ".2f") if spec else "-",
@@ -330,8 +378,12 @@ def result_rows(results: list[Result]) -> list[tuple]:
     return rows
 
 
-def verdict(ratio: float, goal: float) -> str:
-    return f"{ratio:.2f}x (goal >= {goal:.1f}x): " + ("met" if ratio >= goal else "NOT met")
+def verdict(result: Result, config: str, goal: float) -> str:
+    """On the median of the rounds' ratios, with their range and how many rounds met the goal."""
+    ratios, ratio = result.round_ratios(config), result.median_ratio(config)
+    return (f"{ratio:.2f}x median of {len(ratios)} rounds ({result.spread(config)}, {sum(r >= goal for r in ratios)} "
+            f"at or above; totals {result.ratio(config):.2f}x) (goal >= {goal:.1f}x): "
+            + ("met" if ratio >= goal else "NOT met"))
 
 
 def goal_lines(device: str, results: list[Result]) -> list[str]:
@@ -340,16 +392,17 @@ def goal_lines(device: str, results: list[Result]) -> list[str]:
     at_one = [r for r in results if r.workload == COPY and r.batch == 1]
     if at_one:
         lines.append(f"{device}: ngram / off tokens/s at batch 1 on ({COPY}): "
-                     + verdict(at_one[0].ratio(NGRAM), GOAL_BATCH_ONE))
+                     + verdict(at_one[0], NGRAM, GOAL_BATCH_ONE))
     else:
         lines.append(f"{device}: ngram / off tokens/s at batch 1 on ({COPY}): not measured (batch 1 was not run)")
     speculating = [name for name in results[0].cells if name != OFF]
     for name in speculating:
-        worst = min(results, key=lambda r: r.ratio(name))
+        worst = min(results, key=lambda r: r.median_ratio(name))
         where = f"({worst.workload}, batch {worst.batch})"
         lines.append(f"{device}: {name} / off tokens/s, worst of every batch and workload {where}: "
-                     + (verdict(worst.ratio(name), GOAL_EVERY_BATCH) if name in (NGRAM, DRAFT)
-                        else f"{worst.ratio(name):.2f}x (no adaptive policy; not a goal, for reference)"))
+                     + (verdict(worst, name, GOAL_EVERY_BATCH) if name in (NGRAM, DRAFT)
+                        else f"{worst.median_ratio(name):.2f}x median of rounds (no adaptive policy; not a goal, "
+                             "for reference)"))
     differ = sum(r.mismatches(name) for r in results for name in speculating)
     compared = sum(r.cells[name].requests for r in results for name in speculating)
     lines.append(f"{device}: greedy tokens with speculation that differ from off's: {differ} of {compared} requests"
@@ -359,9 +412,11 @@ def goal_lines(device: str, results: list[Result]) -> list[str]:
 
 def report(results: list[Result], device: str, args) -> None:
     print_table(f"{device}: side by side (greedy, up to {args.max_tokens} tokens per request; batch 1: "
-                f"{args.single_requests} requests one at a time, above: {args.rounds} generates; ratios over off)",
+                f"{args.repeats} rounds of {args.single_requests} requests one at a time, above: {args.rounds} rounds "
+                "of one generate; ratios over off: of the totals, the rounds' median and range)",
                 result_rows(results),
-                ("workload", "batch", "config", "requests", "tokens", "seconds", "tok/s", "vs off",
+                ("workload", "batch", "config", "requests", "tokens", "seconds", "tok/s", "vs off", "median",
+                 "rounds",
                  "TPOT p50 ms", "TPOT vs off", "accepted", "tok/verify", "tok/step", "guessed steps", "differ"))
     print("\n" + "\n".join(goal_lines(device, results)))
 
@@ -376,9 +431,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens out of every request, at most")
     parser.add_argument("--num-tokens", type=int, default=4, help="speculative num_tokens: most guesses per step")
     parser.add_argument("--single-requests", type=int, default=8,
-                        help="requests at batch 1, one at a time (default 8: every distinct prompt once)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="generates of each batch above 1 per configuration, taken in turn (default 2)")
+                        help="requests of a round at batch 1, one at a time (default 8: every distinct prompt once)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds at batch 1 (default 3)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds (generates of the batch, every configuration in turn) above batch 1 (default 5)")
     parser.add_argument("--draft-model", metavar="PATH",
                         help="a draft checkpoint with the model's tokenizer: adds the draft column")
     parser.add_argument("--workloads", choices=["both", "a", "b"], default="both",
@@ -386,7 +442,8 @@ def main() -> int:
     args = parser.parse_args()
     if not 2 <= args.max_tokens <= MAX_TOKENS_LIMIT:
         parser.error(f"--max-tokens must be in [2, {MAX_TOKENS_LIMIT}], got {args.max_tokens}")
-    for flag, value in (("--single-requests", args.single_requests), ("--rounds", args.rounds)):
+    for flag, value in (("--single-requests", args.single_requests), ("--repeats", args.repeats),
+                        ("--rounds", args.rounds)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     from cluster.engine.speculative.config import SpeculativeConfigError
