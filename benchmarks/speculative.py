@@ -435,6 +435,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds at batch 1 (default 3)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds (generates of the batch, every configuration in turn) above batch 1 (default 5)")
+    parser.add_argument("--configs", default=",".join(CONFIGS[1:]),
+                        help=f"configurations to run besides off, comma-separated (default {','.join(CONFIGS[1:])})")
     parser.add_argument("--draft-model", metavar="PATH",
                         help="a draft checkpoint with the model's tokenizer: adds the draft column")
     parser.add_argument("--workloads", choices=["both", "a", "b"], default="both",
@@ -452,7 +454,11 @@ def main() -> int:
         speculative_config(NGRAM, args.num_tokens)
     except SpeculativeConfigError as exc:
         parser.error(f"--num-tokens: {exc}")
-    args.configs = CONFIGS + ((DRAFT,) if args.draft_model else ())
+    chosen_configs = [c.strip() for c in args.configs.split(",") if c.strip() and c.strip() != OFF]
+    unknown = [c for c in chosen_configs if c not in CONFIGS]
+    if unknown or not chosen_configs:
+        parser.error(f"--configs takes {', '.join(CONFIGS[1:])} (off always runs), got {args.configs!r}")
+    args.configs = (OFF, *chosen_configs) + ((DRAFT,) if args.draft_model else ())
 
     import torch
     from cluster.default_model import default_model_path

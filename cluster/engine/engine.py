@@ -854,10 +854,13 @@ class LLMEngine:
     def _step_cost(self) -> StepCost | None:
         """The step cost fitted to the latest ``FITTED_STEPS`` steps (start-up profile included),
         fitted again every ``REFIT_STEPS`` steps: refitting every step over the whole history cost
-        a 32-stream batch 7% of its time. Where the latest steps all had one width (guesses stopped
-        paying) there is no line, and the policy guesses one a request to measure again: for
-        n-gram guesses a row each, which also corrects a fit a load spike spoiled (kept, a bad fit
-        stopped an n-gram engine's guessing for good on a loaded run). A draft's measuring guess
+        a 32-stream batch 7% of its time. Where the latest steps all had one width (a steady batch,
+        or guesses stopped paying) the line goes through every step kept (``EngineStats.steps``);
+        only where those too had one width is there no line, and the policy guesses one a request
+        to measure again: for n-gram guesses a row each, which also corrects a fit a load spike
+        spoiled (kept, a bad fit stopped an n-gram engine's guessing for good on a loaded run).
+        Without the whole history a steady batch would measure so every ``FITTED_STEPS`` steps,
+        each time with a step of twice its rows. A draft's measuring guess
         costs its catch-up (a self-draft paid it in 5% of its batch-1 steps, 0.67x), so with a
         draft the last fit stays, and until a first fit exists it is tried again after every step
         that checked guesses rather than every 16 steps."""
@@ -865,13 +868,17 @@ class LLMEngine:
         drafting = isinstance(self.proposer, DraftProposer)
         first_spread = drafting and self._cost is None and steps and steps[-1].guess_tokens > 0
         if self._cost_fitted_at is None or first_spread or self.stats.num_steps - self._cost_fitted_at >= REFIT_STEPS:
-            recent = islice(reversed(steps), FITTED_STEPS)
-            fitted = StepCost.fit([(s.num_decode_tokens + s.num_prefill_tokens + s.guess_tokens,
-                                    s.seconds - s.draft_seconds)
-                                   for s in recent if s.num_prefill_tokens <= self.config.max_num_seqs])
+            fitted = StepCost.fit(self._step_points(islice(reversed(steps), FITTED_STEPS)))
+            if fitted is None and not drafting:
+                fitted = StepCost.fit(self._step_points(steps))
             self._cost = fitted or (self._cost if drafting else None)
             self._cost_fitted_at = self.stats.num_steps
         return self._cost
+
+    def _step_points(self, steps) -> list[tuple[int, float]]:
+        """(rows, seconds of the target's forward) of the steps a decode step's cost is fitted to."""
+        return [(s.num_decode_tokens + s.num_prefill_tokens + s.guess_tokens, s.seconds - s.draft_seconds)
+                for s in steps if s.num_prefill_tokens <= self.config.max_num_seqs]
 
     def _propose(self, out) -> None:
         """Guesses for the next step of every decoding request that may speculate, as many as

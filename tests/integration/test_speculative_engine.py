@@ -70,7 +70,8 @@ def code_edit_prompt() -> str:
 
 
 @pytest.mark.registry
-@pytest.mark.parametrize("speculative", [FIXED, SpeculativeConfig(num_tokens=4)], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("speculative", [FIXED, SpeculativeConfig(num_tokens=4), SpeculativeConfig(num_tokens=8)],
+                         ids=["fixed", "adaptive", "adaptive-8"])
 def test_the_default_model_gives_the_same_tokens_and_logprobs_greedy_and_seeded(speculative):
     from cluster.default_model import default_model_path
 
@@ -121,3 +122,65 @@ def test_no_block_is_held_after_300_requests_with_a_third_cancelled(checkpoint):
         assert engine.stats.verify_steps > 0 and engine.stats.proposed_tokens > engine.stats.accepted_tokens
         assert engine.block_manager.num_free_blocks == 96
         assert not engine.scheduler.requests
+
+
+@pytest.mark.registry
+def test_the_default_model_checks_8_guesses_a_step_with_the_tokens_and_blocks_of_plain_steps():
+    """Verifies of up to 9 rows (past the fused step's 8-row tiles, the output layer's 4 and 5-row
+    ones, one attention group): greedy tokens are the plain engine's, and after every step each
+    running request holds the blocks of its computed tokens and at most its newest token's (those
+    held for guesses not kept went back), every other block free."""
+    from cluster.default_model import default_model_path
+
+    prompts = [code_edit_prompt(), "Once upon a time, in a small village at the edge of a great forest, there lived a"]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    with LLM(str(default_model_path()), verbose=False, num_kv_blocks=64) as plain:
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+    with LLM(str(default_model_path()), verbose=False, num_kv_blocks=64,
+             speculative=SpeculativeConfig(num_tokens=8, adaptive=False)) as llm:
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        tokens: dict[str, list[int]] = {}
+        most_guesses = 0  # of a request in a step
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens[output.request_id] = output.token_ids
+            running = engine.scheduler.running
+            most_guesses = max([most_guesses, *(len(r.spec_token_ids) for r in running)])
+            for request in running:  # the slots of its computed tokens, and at most its newest token's
+                bs = engine.config.block_size
+                assert -(-request.num_computed_tokens // bs) <= len(request.block_ids) <= -(-request.num_tokens // bs)
+            assert engine.block_manager.num_free_blocks == 64 - sum(len(r.block_ids) for r in running)
+        stats = engine.stats
+        assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+        assert stats.proposed_tokens > stats.accepted_tokens > 0, "guesses kept and refused: both were tested"
+        assert most_guesses == 8, "no request was given 8 guesses"
+        assert engine.block_manager.num_free_blocks == 64
+
+
+def test_a_steady_batch_keeps_a_step_cost_fitted_through_every_step_kept(checkpoint):
+    """Where the latest steps all had one width (a steady batch that guesses nothing) the n-gram
+    policy's cost is the line through every step kept, not none (which guesses one a request, a
+    step twice as wide, to measure again); where every step kept had one width there is none."""
+    from cluster.engine.engine import StepRecord
+    from cluster.engine.speculative.policy import FITTED_STEPS
+
+    with LLM(str(checkpoint("llama")), verbose=False, num_kv_blocks=64, max_num_seqs=8,
+             speculative=SpeculativeConfig(num_tokens=4)) as llm:
+        engine = llm.engine
+        engine.stats.steps.clear()
+        for _ in range(FITTED_STEPS + 10):
+            engine.stats.record(StepRecord(num_decode_tokens=8, num_prefill_tokens=0, seconds=0.013, context_tokens=0))
+        engine._cost_fitted_at = None
+        assert engine._step_cost() is None  # one width in all of history: nothing says what a row costs
+        for rows in (1, 2, 4):  # earlier steps of other widths, then a steady batch of 8
+            for _ in range(4):
+                engine.stats.steps.appendleft(StepRecord(num_decode_tokens=rows, num_prefill_tokens=0,
+                                                         seconds=0.005 + 0.001 * rows, context_tokens=0))
+        engine._cost_fitted_at = None
+        cost = engine._step_cost()
+        assert cost is not None
+        assert (cost.fixed_s, cost.per_row_s) == (pytest.approx(0.005), pytest.approx(0.001))
+        assert cost.widths == {1: pytest.approx(0.006), 2: pytest.approx(0.007), 4: pytest.approx(0.009),
+                               8: pytest.approx(0.013)}
