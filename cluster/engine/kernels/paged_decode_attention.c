@@ -56,6 +56,29 @@ ALWAYS_INLINE int64_t first_key(int64_t length, int64_t window) {
     return window > 0 && length > window ? length - window : 0;
 }
 
+/* Each of a group's query rows (nrows rows of `rows` query heads, score_stride apart) softmaxed
+ * over its row's keys, lengths[i] - first[i] of them, as torch normalises. */
+static void softmax_rows(float *restrict scores, int64_t nrows, int64_t rows, int64_t score_stride,
+                         const int64_t *restrict lengths, const int64_t *restrict first) {
+    for (int64_t i = 0; i < nrows; ++i) {
+        const int64_t n = lengths[i] - first[i];
+        for (int64_t row = 0; row < rows; ++row) {
+            float *s = scores + (i * rows + row) * score_stride;
+            float peak = s[0];
+            for (int64_t x = 1; x < n; ++x) peak = s[x] > peak ? s[x] : peak;
+            float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int64_t x = 0; x < n; ++x) {
+                s[x] = expf(s[x] - peak);
+                total += s[x];
+            }
+            const float inverse = 1.0f / total;
+#pragma omp simd
+            for (int64_t x = 0; x < n; ++x) s[x] *= inverse;
+        }
+    }
+}
+
 /* The first row of cache tokens [t, ...) that lie in t's block, and how many of them (up to `count`). */
 ALWAYS_INLINE const float *block_run(const float *cache, const int64_t *block_table, int64_t t, int64_t count,
                                      int64_t block_size, int64_t token_stride, int64_t *run) {
@@ -194,23 +217,7 @@ ALWAYS_INLINE void attend_rows(
         }
     }
 
-    for (int64_t i = 0; i < nrows; ++i) {
-        const int64_t n = lengths[i] - first[i];
-        for (int64_t row = 0; row < rows; ++row) {
-            float *s = scores + (i * rows + row) * score_stride;
-            float peak = s[0];
-            for (int64_t x = 1; x < n; ++x) peak = s[x] > peak ? s[x] : peak;
-            float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t x = 0; x < n; ++x) {
-                s[x] = expf(s[x] - peak);
-                total += s[x];
-            }
-            const float inverse = 1.0f / total;
-#pragma omp simd
-            for (int64_t x = 0; x < n; ++x) s[x] *= inverse;
-        }
-    }
+    softmax_rows(scores, nrows, rows, score_stride, lengths, first);
 
     if (SIMD_ATTENTION(head_dim, group)) {
 #if defined(__AVX512F__)
@@ -455,21 +462,7 @@ static void attend_rows_8bit(const float *restrict q, int64_t q_stride, int64_t 
             }
         }
     }
-    for (int64_t i = 0; i < nrows; ++i) {
-        const int64_t n = lengths[i] - first[i];
-        for (int64_t r = 0; r < rows; ++r) {
-            float *s = scores + (i * rows + r) * score_stride;
-            float peak = s[0];
-            for (int64_t x = 1; x < n; ++x) peak = s[x] > peak ? s[x] : peak;
-            float total = 0.0f;
-            for (int64_t x = 0; x < n; ++x) {
-                s[x] = expf(s[x] - peak);
-                total += s[x];
-            }
-            const float inverse = 1.0f / total;
-            for (int64_t x = 0; x < n; ++x) s[x] *= inverse;
-        }
-    }
+    softmax_rows(scores, nrows, rows, score_stride, lengths, first);
     for (int64_t x = 0; x < nrows * rows * head_dim; ++x) acc[x] = 0.0f;
     for (int64_t t = lo; t < hi; ++t) {
         const int8_t *v = row8(v_cache, block_table, t, block_size, token_stride);
