@@ -122,8 +122,11 @@ class SpeculativeSpec:
         for requests given guesses (caught up in one forward when a request's guessing resumes;
         the draft's KV of a prompt computed by a prefill worker is built where
         ``draft_prompt_kv`` says).""")
-    num_tokens: int = key(4, checks.integer(1, MAX_NUM_TOKENS), f"""
-        The most tokens guessed for a request in one step, an integer in 1..{MAX_NUM_TOKENS}.""")
+    num_tokens: int | None = key(None, checks.integer(1, MAX_NUM_TOKENS, null=True), shown="8 with ngram, 4 with draft",
+                                 doc=f"""
+        The most tokens guessed for a request in one step, an integer in 1..{MAX_NUM_TOKENS}; null:
+        8 with ``ngram`` (a lookup's guesses cost nothing to make and come in long runs), 4 with
+        ``draft`` (each guess costs a step of the draft).""")
     adaptive: bool = key(True, checks.boolean, """
         Guess fewer tokens, or none, where the worker's measured step times and each request's
         measured acceptance say that checking them would cost more than it saves (a busy batch).

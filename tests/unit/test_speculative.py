@@ -183,6 +183,13 @@ def test_ngram_odds_are_the_engines_for_the_proposals_match_length():
     assert proposer.first_by_match[2] == 0.5
 
 
+def test_num_tokens_left_out_is_8_for_ngram_and_4_for_a_draft():
+    assert SpeculativeConfig().num_tokens == 8
+    assert SpeculativeConfig(method="draft", draft_model="/models/small").num_tokens == 4
+    assert SpeculativeConfig(num_tokens=3).num_tokens == 3
+    assert SpeculativeConfig() == SpeculativeConfig(num_tokens=8)
+
+
 def test_the_config_refuses_what_it_cannot_serve_with_one_line():
     with pytest.raises(SpeculativeConfigError, match="speculative.draft_model must name the draft checkpoint"):
         SpeculativeConfig(method="draft")

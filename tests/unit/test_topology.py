@@ -320,6 +320,8 @@ def test_the_pools_engine_settings_carry_speculation_to_decode_workers_only():
     settings = {pool.role: dict(pool.engine_args) for pool in pools_of(spec)}
     assert settings["decode"]["speculative"] == SpeculativeConfig(num_tokens=2)
     assert settings["prefill"]["speculative"] is None
+    spec = parse_topology("decode:\n  speculative: {}\n")  # num_tokens left out: the method's
+    assert {pool.role: dict(pool.engine_args) for pool in pools_of(spec)}["decode"]["speculative"].num_tokens == 8
     from cluster.offline.spec_from_args import disaggregated_spec
 
     spec, overrides = disaggregated_spec("/models/m", speculative=SpeculativeConfig(num_tokens=3, adaptive=False))
@@ -391,11 +393,11 @@ def test_validate_checks_a_draft_model_against_the_model(tmp_path, capsys, check
 
 @pytest.mark.parametrize("text, key, message", [
     ("decode:\n  speculative: {num_tokens: 0}\n", "decode.speculative.num_tokens",
-     "must be an integer in 1..16; got 0"),
+     "must be an integer in 1..16 or null; got 0"),
     ("decode:\n  speculative: {num_tokens: 17}\n", "decode.speculative.num_tokens",
-     "must be an integer in 1..16; got 17"),
+     "must be an integer in 1..16 or null; got 17"),
     ("decode:\n  speculative: {num_tokens: '4'}\n", "decode.speculative.num_tokens",
-     "must be an integer in 1..16; got '4' (a string)"),
+     "must be an integer in 1..16 or null; got '4' (a string)"),
     ("decode:\n  speculative: {method: draft}\n", "decode.speculative.draft_model",
      "is required with method draft: the path of a smaller model with the model's tokenizer"),
     ("decode:\n  speculative: {draft_model: /models/small}\n", "decode.speculative.draft_model",
