@@ -1,17 +1,17 @@
 """Speculative decoding (n-gram prompt lookup, and a draft model where one is given) against plain decoding, side by side in one run,
 on in-process engines (``tandem.LLM``) of the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
 
-Three engines per device (four with a draft), alive together, get the same requests one after
-another, so that a change in the machine's load weighs on all of them:
+Three engines per device (four with a draft), alive together, get the same requests, stepped in
+turn (below), so that a change in the machine's load weighs on all of them:
 
 - ``off``: ``speculative=None``, one token per decode step;
-- ``ngram``: ``SpeculativeConfig(num_tokens=4)``, the adaptive policy sizing each request's guesses
+- ``ngram``: ``SpeculativeConfig(num_tokens=--num-tokens)``, the adaptive policy sizing each request's guesses
   from the engine's fitted step cost and the request's acceptance (none where they would not pay);
 - ``ngram-fixed``: the same with ``adaptive=False``: every proposal checked in full, to show what
   the policy buys.
 
 - ``draft`` (with ``--draft-model PATH``): ``SpeculativeConfig(method="draft", draft_model=PATH,
-  num_tokens=4)``, adaptive: a smaller checkpoint with the model's tokenizer makes the guesses.
+  num_tokens=--num-tokens)``, adaptive: a smaller checkpoint with the model's tokenizer makes the guesses.
 
 On the CPU every engine takes torch threads for every usable core.
 
@@ -29,24 +29,28 @@ Per engine and workload, one warm-up generate of every distinct prompt computes 
 the prefix cache then serves: a measured generate is decoding, which speculation changes, and not
 the prompts' prefill, which it does not.
 
-Noise (the machine is shared, and its load moves within seconds): the configurations are measured
-in rounds, interleaved as finely as a generate allows, and compared round by round. At batch 1 a
-round is one pass over ``--single-requests`` requests, each run alone on every engine in turn
-(``--repeats`` rounds); at a batch above 1 a round is one generate of that many requests on every
-engine in turn (``--rounds`` rounds). Each engine goes first in turn. A round's ratio is a
-configuration's tokens/s over ``off``'s in that round (the same requests, the same tokens); the
-verdicts use the median of the rounds' ratios, and the table shows their range beside the ratio of
-the totals, so that a ratio within the rounds' scatter reads as such.
+Noise (the machine is shared, and its load moves within seconds: on 2 cores a one-row step took
+6.6 ms quiet and 45 ms while other processes ran): the engines run together, stepped in turn, each
+step given to the engine whose steps have emitted the fewest tokens so far, so that every
+configuration goes through the same requests at the same pace and its steps are spread over the
+same seconds as the others'; a configuration's time is the sum of its own steps' (the time between
+steps is the benchmark's). They are measured in rounds and compared round by round. At batch 1 a
+round is ``--single-requests`` requests, one at a time on each engine (``--repeats`` rounds); at a
+batch above 1 a round is one batch of that many requests on each engine (``--rounds`` rounds). Each
+engine takes the ties first in turn. A round's ratio is a configuration's tokens/s over ``off``'s in
+that round (the same requests, the same tokens); the verdicts use the median of the rounds' ratios,
+and the table shows their range beside the ratio of the totals, so that a ratio within the rounds'
+scatter reads as such.
 
-Reported per workload, batch and configuration: tokens/s (tokens over the wall time of
-``llm.generate``) and its ratio to ``off`` (of the totals; the rounds' median and range); TPOT p50
-(per request, its time after the first token over its tokens after the first) and its ratio; the
-share of guesses kept, tokens per verify (1 + kept guesses per request-step that checked guesses),
-decode tokens per request-step and the share of request-steps that guessed (``llm.engine.stats``,
-differences over the generate); and the requests whose greedy tokens differ from ``off``'s (must
-be 0). Goals (issue 24), for ``ngram``: >= 2x ``off``'s tokens/s at batch 1 on (a), >= 1.0x at every
-batch on both workloads (medians of the rounds).
-A CUDA device, when there is one, runs the same at ``--gpu-batch`` (default 1, 8, 64).
+Reported per workload, batch and configuration: tokens/s (tokens over the seconds of the engine's
+steps) and its ratio to ``off`` (of the totals; the rounds' median and range); TPOT p50 (per
+request, its engine's step seconds after its first token over its tokens after the first) and its
+ratio; the share of guesses kept, tokens per verify (1 + kept guesses per request-step that checked
+guesses), decode tokens per request-step and the share of request-steps that guessed
+(``llm.engine.stats``, differences over the steps); and the requests whose greedy tokens differ
+from ``off``'s (must be 0). Goals (issue 24), for ``ngram``: >= 2x ``off``'s tokens/s at batch 1 on
+(a), >= 1.0x at every batch on both workloads (medians of the rounds). A CUDA device, when there
+is one, runs the same at ``--gpu-batch`` (default 1, 8, 64).
 
     .venv/bin/python benchmarks/speculative.py                                  # batches 1, 8, 32; 128 tokens
     .venv/bin/python benchmarks/speculative.py --batch 1,8 --max-tokens 48         # about a minute on 2 cores
@@ -159,7 +163,7 @@ def batch_of(prompts: list[list[int]], size: int, start: int = 0) -> list[list[i
 
 # -- the engines --------------------------------------------------------------------------------
 
-def speculative_config(name: str, num_tokens: int, draft_model: str | None = None):
+def speculative_config(name: str, num_tokens: int | None, draft_model: str | None = None):
     from cluster.engine.speculative.config import SpeculativeConfig
 
     if name == DRAFT:
@@ -178,18 +182,21 @@ def kv_blocks(workloads: dict[str, list[list[int]]], batch: int, max_tokens: int
 
 
 def make_engines(model: Path, device: str, threads: int, workloads: dict[str, list[list[int]]], batch: int,
-                 max_tokens: int, num_tokens: int, configs: tuple[str, ...], draft_model: str | None) -> dict:
+                 max_tokens: int, num_tokens: int | None, configs: tuple[str, ...], draft_model: str | None) -> dict:
+    """``num_tokens``: each speculating engine's (None: its method's default)."""
     from cluster.offline.llm import LLM
 
     block_size = 16
     longest = max(len(p) for ps in workloads.values() for p in ps)
+    specs = {name: speculative_config(name, num_tokens, draft_model) for name in configs}
+    guesses = max([spec.num_tokens for spec in specs.values() if spec is not None], default=0)
     engines = {}
     for name in configs:
         log(f"{device}: loading the {name} engine")
         engines[name] = LLM(str(model), verbose=False, device=device, num_threads=threads, block_size=block_size,
-                            max_num_seqs=batch, max_model_len=longest + max_tokens + num_tokens + block_size,
-                            num_kv_blocks=kv_blocks(workloads, batch, max_tokens, num_tokens, block_size),
-                            speculative=speculative_config(name, num_tokens, draft_model))
+                            max_num_seqs=batch, max_model_len=longest + max_tokens + guesses + block_size,
+                            num_kv_blocks=kv_blocks(workloads, batch, max_tokens, guesses, block_size),
+                            speculative=specs[name])
     return engines
 
 
@@ -244,31 +251,85 @@ class Cell:
         return self.verifies / self.request_steps if self.request_steps else float("nan")
 
 
-def generate_into(cell: Cell, llm, prompts: list[list[int]], max_tokens: int) -> None:
-    from cluster.offline.llm import greedy
+@dataclass
+class Turn:
+    """One configuration's part of a round (:func:`run_round`): its engine, the generates it has
+    left, and its own clock, the seconds of its own steps this round."""
+    cell: Cell
+    engine: object
+    generates: list[list[list[int]]]
+    tag: str
+    clock: float = 0.0
+    made: int = 0  # tokens its steps emitted this round
+    live: dict = field(default_factory=dict)  # request id -> its place in the generate, until it finishes
+    outputs: list = field(default_factory=list)  # the current generate's finished outputs, in its order
+    first_token_at: dict = field(default_factory=dict)  # request id -> the clock after its first token
 
-    stats = llm.engine.stats
-    before = (stats.proposed_tokens, stats.accepted_tokens, stats.verify_steps, stats.num_steps)
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, greedy(max_tokens))
-    seconds = time.perf_counter() - started
-    cell.seconds += seconds
-    cell.round_seconds[-1] += seconds
-    steps = stats.num_steps - before[3]
-    cell.request_steps += sum(s.num_decode_tokens for s in list(stats.steps)[-steps:]) if steps else 0
-    cell.proposed += stats.proposed_tokens - before[0]
-    cell.accepted += stats.accepted_tokens - before[1]
-    cell.verifies += stats.verify_steps - before[2]
-    for output in outputs:
-        if output.error:
-            raise RuntimeError(f"a request failed: {output.error}")
-        made = len(output.token_ids)
+    @property
+    def busy(self) -> bool:
+        return bool(self.live) or bool(self.generates)
+
+    def step(self, max_tokens: int) -> None:
+        """Starts the next generate if the last one ended, then one engine step, timed alone."""
+        from cluster.offline.llm import greedy
+
+        if not self.live:
+            prompts = self.generates.pop(0)
+            self.outputs = [None] * len(prompts)
+            for index, prompt in enumerate(prompts):
+                request_id = f"{self.tag}-{self.cell.requests + index}"
+                self.engine.add_request(request_id, prompt, greedy(max_tokens))
+                self.live[request_id] = index
+        stats = self.engine.stats
+        before = (stats.num_steps, stats.proposed_tokens, stats.accepted_tokens, stats.verify_steps)
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        self.clock += time.perf_counter() - started
+        cell = self.cell
+        if stats.num_steps > before[0]:
+            cell.request_steps += stats.steps[-1].num_decode_tokens
+        cell.proposed += stats.proposed_tokens - before[1]
+        cell.accepted += stats.accepted_tokens - before[2]
+        cell.verifies += stats.verify_steps - before[3]
+        for output in outputs:
+            self.made += len(output.new_token_ids)
+            if output.new_token_ids:
+                self.first_token_at.setdefault(output.request_id, self.clock)
+            if output.finished:
+                if output.error:
+                    raise RuntimeError(f"a request failed: {output.error}")
+                self._finished(output)
+        if not self.live:
+            for output in self.outputs:
+                cell.outputs.append(list(output.token_ids))
+
+    def _finished(self, output) -> None:
+        cell, made = self.cell, len(output.token_ids)
+        self.outputs[self.live.pop(output.request_id)] = output
+        first = self.first_token_at.pop(output.request_id, None)
         cell.requests += 1
         cell.tokens += made
         cell.round_tokens[-1] += made
-        cell.outputs.append(list(output.token_ids))
-        if made > 1 and output.first_token_time is not None and output.finish_time is not None:
-            cell.tpots.append((output.finish_time - output.first_token_time) / (made - 1))
+        if made > 1 and first is not None:
+            cell.tpots.append((self.clock - first) / (made - 1))
+
+
+def run_round(turns: list[Turn], max_tokens: int) -> None:
+    """Steps the configurations' engines in turn, always the one whose steps have emitted the
+    fewest tokens this round (ties: in ``turns``' order): each goes through its generates at the
+    pace of the others, so that every configuration's steps are spread over the same seconds and
+    meet the same load (a loaded 2-core machine slowed one-row steps 7-fold, and within seconds).
+    A configuration's seconds are its own steps', its TPOT taken on that clock."""
+    for turn in turns:
+        turn.cell.start_round()
+    while True:
+        busy = [turn for turn in turns if turn.busy]
+        if not busy:
+            break
+        min(busy, key=lambda turn: turn.made).step(max_tokens)
+    for turn in turns:
+        turn.cell.seconds += turn.clock
+        turn.cell.round_seconds[-1] += turn.clock
 
 
 @dataclass
@@ -298,8 +359,8 @@ class Result:
 
 
 def rotated(names: tuple[str, ...], index: int) -> tuple[str, ...]:
-    """The configurations in the order round ``index`` runs them: each goes first in turn, so
-    that none always meets the machine right after another's run."""
+    """The configurations in the order round ``index`` breaks its ties in (:func:`run_round`):
+    each goes first in turn, so that none always steps right after the same other one."""
     shift = index % len(names)
     return names[shift:] + names[:shift]
 
@@ -331,11 +392,8 @@ def measure_device(model: Path, device: str, threads: int, workloads: dict[str, 
             for batch in batches:
                 cells = {name: Cell() for name in configs}
                 for index, generates in enumerate(measured_rounds(prompts, batch, args)):
-                    for cell in cells.values():
-                        cell.start_round()
-                    for turn, generate in enumerate(generates):
-                        for name in rotated(configs, index * len(generates) + turn):
-                            generate_into(cells[name], engines[name], generate, args.max_tokens)
+                    run_round([Turn(cells[name], engines[name].engine, list(generates), f"{name}-{batch}-{index}")
+                               for name in rotated(configs, index)], args.max_tokens)
                     log(f"{device}, {workload}, batch {batch}: round {index + 1} done: " + ", ".join(
                         f"{name} {cells[name].round_rate(index) / cells[OFF].round_rate(index):.2f}x"
                         for name in configs if name != OFF))
@@ -429,7 +487,8 @@ def main() -> int:
     parser.add_argument("--gpu-batch", type=positive_ints, default=[1, 8, 64],
                         help="GPU batch sizes when CUDA is available (default 1,8,64)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens out of every request, at most")
-    parser.add_argument("--num-tokens", type=int, default=4, help="speculative num_tokens: most guesses per step")
+    parser.add_argument("--num-tokens", type=int, default=None,
+                        help="speculative num_tokens: most guesses per step (default: the method's, 8 for ngram)")
     parser.add_argument("--single-requests", type=int, default=8,
                         help="requests of a round at batch 1, one at a time (default 8: every distinct prompt once)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds at batch 1 (default 3)")
@@ -462,6 +521,9 @@ def main() -> int:
 
     import torch
     from cluster.default_model import default_model_path
+    from cluster.engine.speculative.config import DEFAULT_NUM_TOKENS
+
+    defaults = ", ".join(f"{method} {count}" for method, count in DEFAULT_NUM_TOKENS.items())
 
     threads = use_all_cores()
     model = default_model_path()
@@ -484,8 +546,8 @@ def main() -> int:
 
     print_table("machine", machine_rows() + [
         ("model file", f"{model} ({model.stat().st_size / 2**20:.0f} MiB)"),
-        ("engines", f"{', '.join(args.configs)} (speculative num_tokens {args.num_tokens}), {threads} torch threads "
-                    "each"),
+        ("engines", f"{', '.join(args.configs)} (speculative num_tokens {args.num_tokens or 'by method: ' + defaults}), "
+                    f"{threads} torch threads each"),
     ] + ([("draft model", args.draft_model)] if args.draft_model else []))
     print_table("prompts (distinct; cycled to fill a batch)",
                 [(name, source, len(ids)) for name in workloads for source, ids in zip(sources[name], workloads[name])],
