@@ -63,6 +63,7 @@ import argparse
 import ast
 import gc
 import heapq
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -437,9 +438,11 @@ def result_rows(results: list[Result]) -> list[tuple]:
 
 
 def verdict(result: Result, config: str, goal: float) -> str:
-    """On the median of the rounds' ratios, with their range and how many rounds met the goal."""
+    """On the median of the rounds' ratios, with their range and how many rounds met the goal.
+    The median is cut (not rounded) to three places: rounded, 1.9995x read as 2.00x beside 'NOT met'."""
     ratios, ratio = result.round_ratios(config), result.median_ratio(config)
-    return (f"{ratio:.2f}x median of {len(ratios)} rounds ({result.spread(config)}, {sum(r >= goal for r in ratios)} "
+    shown = math.floor(ratio * 1000) / 1000 if math.isfinite(ratio) else ratio
+    return (f"{shown:.3f}x median of {len(ratios)} rounds ({result.spread(config)}, {sum(r >= goal for r in ratios)} "
             f"at or above; totals {result.ratio(config):.2f}x) (goal >= {goal:.1f}x): "
             + ("met" if ratio >= goal else "NOT met"))
 
