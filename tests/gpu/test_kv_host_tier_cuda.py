@@ -11,6 +11,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from conftest import random_prompts
+from engine_runs import run_one
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -23,13 +24,7 @@ def engine(model_dir, device: str) -> LLMEngine:
 
 
 def run(llm: LLMEngine, request_id: str, prompt: list[int]):
-    llm.add_request(request_id, prompt, GREEDY)
-    finished = None
-    while llm.has_unfinished_requests():
-        for output in llm.step():
-            if output.finished:
-                finished = output
-    return finished
+    return run_one(llm, request_id, prompt, GREEDY)
 
 
 def test_a_host_hit_on_cuda_loads_from_pinned_slots_on_a_side_stream_with_the_tokens_of_a_device_hit(checkpoint):

@@ -19,6 +19,7 @@ from cluster.engine.request import RequestStatus
 from cluster.engine.kv_tiers.tier import HOST
 from cluster.engine.sampling_params import SamplingParams
 from conftest import random_prompts
+from engine_runs import run_one
 from reference_checks import reference_greedy
 
 BLOCK = 16
@@ -31,13 +32,7 @@ def engine(model_dir, **overrides) -> LLMEngine:
 
 
 def run(llm: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams = GREEDY):
-    llm.add_request(request_id, prompt, params)
-    finished = None
-    while llm.has_unfinished_requests():
-        for output in llm.step():
-            if output.finished:
-                finished = output
-    return finished
+    return run_one(llm, request_id, prompt, params)
 
 
 def evict_device_cache(llm: LLMEngine, seed: int) -> None:
