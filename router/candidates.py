@@ -186,8 +186,7 @@ def remote_candidates(decode: str, d: DecodeSide, paired: Sequence[str], prefill
     missing_blocks, cacheable = prompt.blocks - d.hit_blocks.blocks, prompt.cacheable_blocks
     hit_d, load, tpot_s, idle_tpot_s = d.hit_blocks, d.load, d.tpot_s, d.idle_tpot_s  # locals: the inner loop
     has_room, slot_wait_s, reserve_s, call_s = d.has_room, d.slot_wait_s, d.reserve_wait_s, d.call_s
-    host_load_s = d.host_load_s
-    draft_share = d.draft_prompt_share
+    host_load_s, draft_share = d.host_load_s, d.draft_prompt_share
     for prefill in paired:
         model, hit_p, queue_s, prefill_s, worth_p, draft_s = prefill_sides[prefill]
         prefill_s += draft_s * draft_share

@@ -82,8 +82,6 @@ def slot_wait_s(slots: Sequence[DecodeSlots], needed: int) -> float:
     past a looser one's limit), never sooner than the first sequence ends. Inf when nothing
     decodes, unless blocks being released make the room (then 0: the next report shows it)."""
     free = sum(s.room for s in slots)
-    if free >= needed:
-        return 0.0
     if free + sum(s.releasing for s in slots) >= needed:
         return 0.0
     rate = sum(s.departures_per_s for s in slots)

