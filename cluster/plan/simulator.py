@@ -9,7 +9,7 @@ What is the same code as the real cluster, not a copy:
   ``cluster.engine.block_hash``), driven by a stand-in engine whose steps take the time a
   ``router.cost_model.StepTimeModel`` predicts instead of running a model;
 - the start-up profile (``step_profile.measure``) and the load reports the router reads
-  (``EngineWorker._snapshot``), run on the simulated workers;
+  (``EngineWorker._snapshot_held``), run on the simulated workers;
 - the workload, arrivals and metrics of ``tandem bench`` (``cluster/bench``).
 
 What is modelled: each request follows the real request path (``cluster/ingress/request_path.py``,
@@ -230,7 +230,7 @@ def _token(request: Request) -> int:
 
 
 class _NoMetrics:
-    """What ``EngineWorker._snapshot`` updates on a worker's metrics: nothing, in the simulator."""
+    """What ``EngineWorker._snapshot_held`` updates on a worker's metrics: nothing, in the simulator."""
 
     def blocks(self, *args) -> None:
         pass
@@ -244,7 +244,7 @@ class _NoMetrics:
 
 class SimWorker:
     """A worker of the simulated cluster: a ``SimEngine`` stepped on the simulator's clock.
-    It has what ``step_profile.measure`` and ``EngineWorker._snapshot`` use (``engine``, ``name``,
+    It has what ``step_profile.measure`` and ``EngineWorker._snapshot_held`` use (``engine``, ``name``,
     ``role``, ``_lock``, ``metrics``, ``node``, ``incarnation``), so the real ones run on it."""
 
     def __init__(self, name: str, role: str, spec: WorkerSpec, sim: "Simulator"):
@@ -271,7 +271,7 @@ class SimWorker:
         return 2 * self.sim.config.hop_s if self.role == "decode" else 0.0
 
     def load(self) -> WorkerLoad:
-        _, load = EngineWorker._snapshot(self)
+        _, load = EngineWorker._snapshot_held(self)
         return replace(load, updated_at=self.sim.now())
 
     def call(self, fn: Callable[[], None]) -> None:

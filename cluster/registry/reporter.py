@@ -18,7 +18,9 @@ from cluster.engine.block_manager import KVEvent
 from cluster.registry.kv_index import KVIndexPublisher
 from cluster.registry.load import WorkerLoad, publish_load
 
-Snapshot = Callable[[], tuple[list[KVEvent], WorkerLoad]]
+# The worker's KV events since the last call and its load now; None when its state is as last
+# reported (an engine step in progress): the reporter then renews that report and the heartbeat.
+Snapshot = Callable[[], tuple[list[KVEvent], WorkerLoad] | None]
 
 
 def connect(url: str, timeout_s: float = 1.0) -> redis.Redis:
@@ -37,6 +39,8 @@ class WorkerReporter:
         self.publisher = KVIndexPublisher(self.client, cluster, worker, heartbeat_ttl_s)
         self.connected = True
         self.resyncs = 0
+        self.renewals = 0  # reports renewed unchanged while the worker's engine was busy
+        self._last_load: WorkerLoad | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # set: publish now, not at the next interval
         self._thread = threading.Thread(target=self._run, name=f"registry-{worker}", daemon=True)
@@ -44,11 +48,16 @@ class WorkerReporter:
 
     def report_now(self) -> bool:
         """One publish; True if Redis took it."""
-        events, load = self.snapshot()
+        snapshot = self.snapshot()
         try:
-            if self.publisher.publish(events):
-                self.resyncs += 1
-            publish_load(self.client, self.cluster, load, self.heartbeat_ttl_s)
+            if snapshot is None:
+                self._renew()
+            else:
+                events, load = snapshot
+                if self.publisher.publish(events):
+                    self.resyncs += 1
+                publish_load(self.client, self.cluster, load, self.heartbeat_ttl_s)
+                self._last_load = load
         except redis.RedisError as exc:
             if self.connected:
                 print(f"[tandem] {self.worker}: registry unreachable ({exc}); serving on, will re-publish",
@@ -59,6 +68,14 @@ class WorkerReporter:
             print(f"[tandem] {self.worker}: registry back; state re-published", file=sys.stderr, flush=True)
         self.connected = True
         return True
+
+    def _renew(self) -> None:
+        """The heartbeat, and the last load report as it was (its ``updated_at`` unchanged: it
+        describes the worker as of then), given a new lifetime."""
+        self.publisher.heartbeat()
+        if self._last_load is not None:
+            publish_load(self.client, self.cluster, self._last_load, self.heartbeat_ttl_s)
+        self.renewals += 1
 
     def report_soon(self) -> None:
         """Publishes from the reporter's thread now rather than at the next interval (a change

@@ -10,7 +10,10 @@ cost model before the first request: measured on a worker's first start, then ke
 settings and machine (``cluster/worker/step_profile.py``). Its KV cache's pages are faulted in
 by a background thread meanwhile (``cluster/engine/memory.py``). With a registry URL it then
 reports its KV events, a heartbeat and its load from a background thread
-(``cluster/registry/reporter.py``).
+(``cluster/registry/reporter.py``). A step that holds the engine longer than the reporter waits
+for it (a long prompt chunk on a slow or starved CPU) does not stop the heartbeat: the report
+taken before the step is renewed, since nothing in the engine changes until the step ends; only
+a step past ``STEP_BEAT_LIMIT_S``, hung, lets the worker fall silent.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from itertools import islice
 
 from typing import TYPE_CHECKING
@@ -38,6 +42,15 @@ if TYPE_CHECKING:
 
 IDLE_WAKE_S = 0.05
 EXIT_STEP_FAILED = 70  # the process's exit status when a step raised (EX_SOFTWARE)
+# How long the reporter waits for the engine before renewing the report it took last: a third of
+# the heartbeat's 3 s lifetime. A step that held the engine longer than the lifetime (a 1,024-token
+# prompt takes 2.6 s on one thread of this project's 2 cores, more on starved ones) let the
+# worker's heartbeat lapse, and the routers saw it gone: a drill on starved cores lost both prefill
+# workers that way and refused 9 requests with "no live prefill worker".
+REPORT_WAIT_S = 1.0
+# A step holding the engine this long is hung (a tensor-parallel group's collectives time out at
+# 120 s): the worker stops renewing its report, and the routers stop placing on it.
+STEP_BEAT_LIMIT_S = 150.0
 
 
 class StepLock:
@@ -49,32 +62,58 @@ class StepLock:
         self._lock = threading.Lock()
         self._count = threading.Lock()
         self._waiting = 0
+        self._held_since: float | None = None  # monotonic time the holder took the lock
         self.released = threading.Event()  # set when a call lets go: it may have given the loop work
 
     def __enter__(self) -> "StepLock":
-        with self._count:
-            self._waiting += 1
-        self._lock.acquire()
-        with self._count:
-            self._waiting -= 1
+        self.acquire_within(None)
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
 
+    def acquire_within(self, timeout_s: float | None) -> bool:
+        """Takes the lock as a call does (served before the loop's next step), waiting at most
+        ``timeout_s`` (None: until it is free); True if taken (then ``release`` it)."""
+        with self._count:
+            self._waiting += 1
+        try:
+            taken = self._lock.acquire(timeout=-1 if timeout_s is None else timeout_s)
+        finally:
+            with self._count:
+                self._waiting -= 1
+        if taken:
+            self._held_since = time.monotonic()
+        return taken
+
     def acquire_now(self) -> bool:
         """Takes the lock if it is free now (then ``release`` it); never waits."""
-        return self._lock.acquire(blocking=False)
+        taken = self._lock.acquire(blocking=False)
+        if taken:
+            self._held_since = time.monotonic()
+        return taken
 
     def release(self) -> None:
+        self._held_since = None
         self._lock.release()
         self.released.set()
 
+    def held_for(self) -> float:
+        """Seconds the current holder has held the lock (0 when free)."""
+        since = self._held_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    @contextmanager
     def step_turn(self):
         """For the loop: the lock, once no call waits for it."""
         while self._waiting:
             time.sleep(0.0002)
-        return self._lock
+        with self._lock:
+            self._held_since = time.monotonic()
+            try:
+                yield
+            finally:
+                self._held_since = None
 
 
 def reported_steps(stats) -> list:
@@ -115,44 +154,58 @@ class EngineWorker:
             step_profile.start_up(self.engine, self.role)
         self.metrics = WorkerMetrics(config.cluster_name, self.name, self.role,  # before the reporter sets it
                                      generates=not self.prefill_side)
-        self.reporter = (WorkerReporter(registry_url, config.cluster_name, self.name, self._snapshot)
+        self.reporter = (WorkerReporter(registry_url, config.cluster_name, self.name, self._report_snapshot)
                          if registry_url else None)
         self._stepper = threading.Thread(target=self._run, name=f"{type(self).__name__}-loop", daemon=True)
         self._stepper.start()
 
-    def _snapshot(self) -> tuple[list[KVEvent], WorkerLoad]:
+    def _report_snapshot(self) -> tuple[list[KVEvent], WorkerLoad] | None:
+        """The reporter's snapshot; None while a step (or call) has held the engine for longer than
+        ``REPORT_WAIT_S`` and less than ``STEP_BEAT_LIMIT_S``: the last report still holds, and is renewed.
+        A holder past the limit is waited for, so the heartbeat lapses meanwhile."""
+        lock = self._lock
+        if not lock.acquire_within(REPORT_WAIT_S):
+            if lock.held_for() < STEP_BEAT_LIMIT_S:
+                return None
+            lock.acquire_within(None)
+        try:
+            return self._snapshot_held()
+        finally:
+            lock.release()
+
+    def _snapshot_held(self) -> tuple[list[KVEvent], WorkerLoad]:
+        """The KV events since the last snapshot, and the load now (the caller holds the engine)."""
         engine = self.engine
-        with self._lock:
-            scheduler = engine.scheduler
-            queued = scheduler.waiting + scheduler.running
-            load = WorkerLoad(
-                worker=self.name, role=self.role, waiting=len(scheduler.waiting), running=len(scheduler.running),
-                receiving=len(scheduler.receiving),
-                queued_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
-                decode_context_tokens=sum(r.num_computed_tokens for r in scheduler.running
-                                          if r.num_computed_tokens >= r.num_prompt_tokens),
-                next_slot_tokens=min((r.params.max_tokens - r.num_output_tokens for r in scheduler.running),
-                                     default=0),
-                free_blocks=engine.block_manager.num_free_blocks, num_blocks=engine.block_manager.num_blocks,
-                block_size=engine.config.block_size, max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                max_num_seqs=engine.config.max_num_seqs,
-                steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
-                                       s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s,
-                                       s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s,
-                                       s.draft_prompt_tokens, s.draft_seconds)
-                            for s in reported_steps(engine.stats)),
-                unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
-                incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(), pull_from=self._pull_from(),
-                pull_s_per_block=self._pull_s_per_block(), draft_prompt_share=self._draft_prompt_share(),
-            )
-            stats = engine.stats
-            self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
-                                load.waiting, load.running, load.receiving)
-            self.metrics.speculation(stats.proposed_tokens, stats.accepted_tokens, stats.verify_steps)
-            host = engine.block_manager.host
-            self.metrics.host_tier(stats.host_offloaded_blocks, stats.host_loaded_blocks,
-                                   host.num_used if host is not None else 0)
-            return engine.block_manager.drain_events(), load
+        scheduler = engine.scheduler
+        queued = scheduler.waiting + scheduler.running
+        load = WorkerLoad(
+            worker=self.name, role=self.role, waiting=len(scheduler.waiting), running=len(scheduler.running),
+            receiving=len(scheduler.receiving),
+            queued_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in queued),
+            decode_context_tokens=sum(r.num_computed_tokens for r in scheduler.running
+                                      if r.num_computed_tokens >= r.num_prompt_tokens),
+            next_slot_tokens=min((r.params.max_tokens - r.num_output_tokens for r in scheduler.running),
+                                 default=0),
+            free_blocks=engine.block_manager.num_free_blocks, num_blocks=engine.block_manager.num_blocks,
+            block_size=engine.config.block_size, max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            max_num_seqs=engine.config.max_num_seqs,
+            steps=tuple(StepSample(s.num_prefill_tokens, s.prefill_attention, s.num_decode_tokens,
+                                   s.context_tokens, s.seconds, s.kv_blocks_sent, s.transfer_tail_s,
+                                   s.guess_tokens, s.accepted_tokens, s.host_loaded_blocks, s.host_load_s,
+                                   s.draft_prompt_tokens, s.draft_seconds)
+                        for s in reported_steps(engine.stats)),
+            unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
+            incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(), pull_from=self._pull_from(),
+            pull_s_per_block=self._pull_s_per_block(), draft_prompt_share=self._draft_prompt_share(),
+        )
+        stats = engine.stats
+        self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,
+                            load.waiting, load.running, load.receiving)
+        self.metrics.speculation(stats.proposed_tokens, stats.accepted_tokens, stats.verify_steps)
+        host = engine.block_manager.host
+        self.metrics.host_tier(stats.host_offloaded_blocks, stats.host_loaded_blocks,
+                               host.num_used if host is not None else 0)
+        return engine.block_manager.drain_events(), load
 
     def describe(self) -> dict:
         engine = self.engine
