@@ -23,6 +23,8 @@ if [ ! -f "$stamp" ]; then
     [ -n "$extras" ] && target="$TANDEM_ROOT[$extras]"
     echo "[bootstrap] installing tandem${extras:+ [$extras]}" >&2
     "${pip[@]}" install -e "$target"
+    echo "[bootstrap] compiling the native CPU kernels (once per machine and source, ~10 s)" >&2
+    "$TANDEM_VENV/bin/python" -m cluster.engine.kernels.prebuild
     touch "$stamp"
 fi
 export PATH="$TANDEM_VENV/bin:$PATH"

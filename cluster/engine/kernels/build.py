@@ -3,13 +3,16 @@
 The shared library is cached under ``<tandem cache>/kernels/<name>-<key>.so``, where the key
 hashes the source, the compiler's version, the flags and the CPU model (the code is built for
 the CPU it runs on). A build writes a temporary file and renames it into place, so concurrent
-processes never load a half-written library. The source is compiled with fast-math but linked
+processes never load a half-written library, and under a lock file, so processes starting together
+(a node's workers) compile it once between them. ``python -m cluster.engine.kernels.prebuild`` compiles
+every kernel ahead of a first start (``scripts/bootstrap.sh`` does, when it installs). The source is compiled with fast-math but linked
 without it, so loading the library does not change the process's floating-point mode.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -77,6 +80,19 @@ def _compile(compiler: str, source_path: Path, target: Path) -> None:
         os.replace(lib, target)
 
 
+def _compile_once(compiler: str, source_path: Path, target: Path) -> None:
+    """Compiles ``target`` unless another process, holding the lock first, has meanwhile."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes (or its process ends)
+        if not target.is_file():
+            logger.info("compiling native kernel %s", source_path.stem)
+            _compile(compiler, source_path, target)
+
+
+LIBRARIES = ("decode_step",)  # every CPU kernel is in one library (one thread pool: thread_pool.c)
+
+
 @cache
 def load_library(name: str) -> ctypes.CDLL | None:
     """The compiled ``<name>.c`` of this folder, or None (with one warning) when it cannot be
@@ -91,9 +107,9 @@ def load_library(name: str) -> ctypes.CDLL | None:
     try:
         target = cache_dir() / "kernels" / f"{name}-{_build_key(compiler, source_path.read_bytes())}.so"
         if not target.is_file():
-            logger.info("compiling native kernel %s", name)
-            _compile(compiler, source_path, target)
+            _compile_once(compiler, source_path, target)
         return ctypes.CDLL(str(target))
     except (OSError, NativeKernelError) as exc:
         logger.warning("native kernel %s unavailable, using plain torch: %s", name, exc)
         return None
+
