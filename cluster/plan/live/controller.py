@@ -19,7 +19,7 @@ from cluster.bench.metrics import class_objectives
 from cluster.plan.live.hysteresis import Hysteresis
 from cluster.registry.planner_decisions import Journal, PlannerDecision
 from cluster.plan.live.observe import Observation, measured_profile, observe
-from cluster.plan.live.propose import Bounds, Prediction, Proposal, Split, predict, propose
+from cluster.plan.live.propose import Bounds, Prediction, Proposal, Split, predict, propose, step_fit
 from cluster.parallel.tp_runner import threads_per_rank
 from cluster.plan.simulator import SimConfig, WorkerSpec
 from cluster.registry.goodput import GoodputReader
@@ -76,9 +76,10 @@ class LivePlanner:
         if not observation.has_traffic:
             self.journal.set_latest({**latest, "proposal": "nothing to size for"})
             return None
-        proposal = self.proposal(observation, current)
+        simulation = self._simulation()
+        proposal = self.proposal(observation, current, simulation)
         why_not = self.hysteresis.offer(proposal, now)
-        latest.update(proposal=proposal.describe(), waiting=why_not or "",
+        latest.update(proposal=proposal.describe(), waiting=why_not or "", step_fit=step_fit(simulation[0], observation),
                       workers={"current": {"prefill": current.prefill, "decode": current.decode},
                                "proposed": {"prefill": proposal.best.prefill, "decode": proposal.best.decode}},
                       predictions={s.label(): round(p.goodput_rps, 3) for s, p in sorted(proposal.predictions.items())})
@@ -89,8 +90,9 @@ class LivePlanner:
         self.hysteresis.acted(decision.at)
         return decision
 
-    def proposal(self, observation: Observation, current: Split) -> Proposal:
-        spec_for, config = self._simulation()
+    def proposal(self, observation: Observation, current: Split,
+                 simulation: tuple[Callable[[str], WorkerSpec], SimConfig] | None = None) -> Proposal:
+        spec_for, config = simulation or self._simulation()
         return propose(observation, current, self.bounds, spec_for, config, class_objectives(self.spec.router),
                        self.vocab_size)
 
