@@ -129,6 +129,8 @@ def test_with_a_longer_measure_s_the_prediction_is_made_at_the_steadier_rate_and
     assert decision.predicted_goodput_rps == pytest.approx(expected.goodput_rps)
     assert decision.predicted_goodput_rps < Journal(redis_client, CLUSTER).latest()["predictions"]["2P+1D"]
     assert decision.observed.endswith(f"predicted at {steady.rate_rps:.2f} req/s (last 90 s)")
+    assert "; a 1024-token prompt's prefill 0.52 s; a decode step of one sequence at 1040 tokens 22 ms; predicted" in (
+        decision.observed)  # the fits the decision was simulated with, kept with it
     record_traffic(redis_client, int(decision.at) + 1, 90, 2, prompt=1024, output=16)
     publish_workers(redis_client, cluster)
     now[0] = decision.at + 60.5
