@@ -354,6 +354,8 @@ def local_drill(args) -> int:
     print(f"(predicted: the split's simulated goodput at the lengths of the window that set the decision off and the "
           f"rate offered over the {args.measure_s:g} s before it; predicted for it: the same simulation at the traffic "
           f"offered over the {args.measure_s:g} s it was measured over)")
+    for d in made:  # the traffic it was taken for and what the workers' step fits took a request of it to cost
+        print(f"decision {d.number}: {d.observed}")
     print(f"\nworkers at the end: off {', '.join(finals['off'])}; act {', '.join(finals['act'])}")
     off2, act2 = figures["off"]["phase 2"][0], figures["act"]["phase 2"][0]
     ratio = act2 / off2 if off2 else (float("inf") if act2 else 0.0)

@@ -47,6 +47,7 @@ from cluster.engine.engine import EngineStats, StepRecord
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
+from cluster.plan.shared_cores import SharedCores
 from cluster.worker import step_profile
 from cluster.worker.engine_worker import EngineWorker
 from cluster.registry.kv_index import TierHits
@@ -111,7 +112,8 @@ class SimConfig:
     duration_s: float | None = None  # as ``tandem bench --duration``: nothing is sent after it
     send_objectives: Objectives | None = None  # sent with every request, as ``tandem bench --send-objectives``
     # CPU cores every worker shares (CPU workers on one machine); None: each worker has its own device.
-    # A step that starts while others run takes longer by the threads that want a core over the cores.
+    # While the steps in progress want more threads than cores, each runs at cores over threads
+    # (``cluster/plan/shared_cores.py``).
     shared_cores: float | None = None
 
 
@@ -288,14 +290,16 @@ class SimWorker:
         step = self.engine.begin_step()
         if step is None:
             return
-        share = self.sim.contention(self)
-        if share > 1.0:
-            step = replace(step, seconds=step.seconds * share, record=replace(step.record, seconds=step.seconds * share))
         self.stepping = True
-        self.busy_s += step.seconds
-        self.sim.after(step.seconds, lambda: self._end(step))
+        cores = self.sim.cores
+        if cores is None:
+            self.sim.after(step.seconds, lambda: self._end(step))
+        else:  # its time as the shared cores let it run; the record says so, as a worker's would
+            cores.start(self.name, step.seconds, self.spec.threads * self.spec.tp,
+                        lambda wall: self._end(replace(step, seconds=wall, record=replace(step.record, seconds=wall))))
 
     def _end(self, step: _Step) -> None:
+        self.busy_s += step.seconds
         for request, token in self.engine.end_step(step):
             handler = self.on_token.get(request.request_id)
             if handler is not None:
@@ -378,16 +382,7 @@ class Simulator:
         self._retry_due = False
         self._pending_starts = 0  # session starts and later turns scheduled, not yet sent
         self._progress_at = EPOCH  # when a request was last sent or ended
-
-    def contention(self, starting: SimWorker) -> float:
-        """How many times longer ``starting``'s step takes for sharing ``config.shared_cores``
-        with the workers stepping now: the threads that want a core over the cores, at least 1.
-        Fixed when the step starts (steps that start or end during it do not change it)."""
-        cores = self.config.shared_cores
-        if not cores:
-            return 1.0
-        wanting = sum(w.spec.threads * w.spec.tp for w in self.workers.values() if w.stepping or w is starting)
-        return max(1.0, wanting / cores)
+        self.cores = SharedCores(config.shared_cores, self.now, self.after) if config.shared_cores else None
 
     # -- the clock --------------------------------------------------------------------------
 

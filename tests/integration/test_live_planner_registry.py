@@ -82,6 +82,8 @@ def test_it_acts_on_a_confirmed_proposal_and_measures_it_a_window_later(redis_cl
         1, "act", "1P+1D", "2P+1D", True, "now 2P+1D")
     latest = Journal(redis_client, CLUSTER).latest()
     assert latest["current"] == "1P+1D" and set(latest["predictions"]) == {"1P+1D", "1P+2D", "2P+1D"}
+    # what the simulation took a request to cost (the fits of the steps published above; 512-token chunks)
+    assert latest["step_fit"] == "a 1024-token prompt's prefill 0.52 s; a decode step of one sequence at 1040 tokens 22 ms"
     assert decision.predicted_goodput_rps == pytest.approx(latest["predictions"]["2P+1D"], abs=1e-3)  # rounded there
     # the window after it: 2 req/s met (60 in 30 s), then the look that measures it
     record_traffic(redis_client, int(decision.at) + 1, 30, 2, prompt=1024, output=16)  # the window's 30 whole seconds
@@ -127,6 +129,8 @@ def test_with_a_longer_measure_s_the_prediction_is_made_at_the_steadier_rate_and
     assert decision.predicted_goodput_rps == pytest.approx(expected.goodput_rps)
     assert decision.predicted_goodput_rps < Journal(redis_client, CLUSTER).latest()["predictions"]["2P+1D"]
     assert decision.observed.endswith(f"predicted at {steady.rate_rps:.2f} req/s (last 90 s)")
+    assert "; a 1024-token prompt's prefill 0.52 s; a decode step of one sequence at 1040 tokens 22 ms; predicted" in (
+        decision.observed)  # the fits the decision was simulated with, kept with it
     record_traffic(redis_client, int(decision.at) + 1, 90, 2, prompt=1024, output=16)
     publish_workers(redis_client, cluster)
     now[0] = decision.at + 60.5

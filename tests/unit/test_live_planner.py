@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench.metrics import Objectives
+from cluster.bench.arrivals import Arrivals
+from cluster.bench.metrics import Objectives, RequestResult, summarize
+from cluster.bench.workloads import Length, synthetic
 from cluster.plan.live.hysteresis import Hysteresis
 from cluster.plan.live.observe import Observation
-from cluster.plan.live.propose import Bounds, Prediction, Proposal, Split, chosen, propose
-from cluster.plan.simulator import SimConfig, WorkerSpec
+from cluster.plan.live.propose import (LENGTH_SPREAD, Bounds, Prediction, Proposal, Split, chosen, predict, propose,
+                                       simulated_requests, steady, step_fit)
+from cluster.plan.simulator import Pools, SimConfig, WorkerSpec, simulate
 from cluster.topology.spec import PlannerSpec
 from router.config import RouterConfig
 from router.cost_model import StepTimeModel
@@ -54,6 +57,48 @@ def test_the_traffic_seen_decides_the_split(rate, prompt, output, best):
     assert proposal.best == best
     assert proposal.predictions[best].goodput_rps > proposal.predictions[P1D1].goodput_rps
     assert proposal.gain > 0.1
+
+
+def test_a_prediction_simulates_steady_traffic_whatever_the_window():
+    """A window's worth of requests at a low rate is a dozen from an empty cluster: too few to
+    see the queue a near-saturated pool builds. At least 80 are simulated (at most
+    ``max_requests``), all of them sent however long that takes."""
+    assert simulated_requests(0.48, 20.0) == 80  # 10 in the window
+    assert simulated_requests(30.0, 20.0, 1200) == 600  # the window's own
+    assert simulated_requests(30.0, 60.0, 1200) == 1200  # capped
+    assert simulated_requests(0.1, 20.0, 50) == 50  # the cap wins over the floor
+
+
+def test_the_first_quarter_of_a_simulation_is_warm_up_and_not_judged():
+    results = [RequestResult(f"r{i}", "standard", 10, sent_at=at) for i, at in enumerate([3.0, 0.0, 2.0, 1.0, 5.0, 4.0,
+                                                                                          7.0, 6.0])]
+    assert [r.request_id for r in steady(results)] == ["r2", "r0", "r5", "r4", "r7", "r6"]  # sent from 2.0 s on
+    assert steady(results[:3]) == [results[1], results[2], results[0]]  # int(3 / 4) = 0 dropped, in send order
+
+
+def test_a_prediction_is_the_rate_times_the_attainment_after_the_warm_up():
+    """1,024-token prompts at 3 req/s on one prefill worker (0.52 s each): beyond it, the queue
+    builds from empty. The prediction judges the 60 requests after the first 20 of 80,
+    sent without the window's cut-off (20 s would send about 60)."""
+    seen = Observation(0.0, 20.0, 60, 3.0, 0.0, 0.0, 1024, 16)
+    config = SimConfig(router=RouterConfig(), duration_s=20.0)
+    predicted = predict(seen, P1D1, lambda role: WORKER, config, OBJECTIVES, vocab_size=32000, seed=3)
+    workload = synthetic(80, Length("normal", 1024, LENGTH_SPREAD * 1024), Length("normal", 16, LENGTH_SPREAD * 16),
+                         32000, 3)
+    result = simulate(Pools(prefill=(1, WORKER), decode=(1, WORKER)), workload, Arrivals("poisson", rate=3.0, seed=3),
+                      SimConfig(router=RouterConfig()))
+    assert len(result.results) == 80
+    judged = summarize(result.results[20:], None, OBJECTIVES)["goodput"]["attainment"]
+    everything = summarize(result.results, None, OBJECTIVES)["goodput"]["attainment"]
+    assert predicted == Prediction(3.0 * judged, judged)
+    assert judged < everything  # the empty start flatters a saturated pool
+
+
+def test_the_step_fit_says_what_a_request_of_the_observed_lengths_costs():
+    # 1,024 tokens in two 512-token chunks of 5 + 256 ms; one sequence's decode step 10 + 12 ms
+    assert step_fit(lambda role: WORKER, traffic(3.0, 1024, 16)) == (
+        "a 1024-token prompt's prefill 0.52 s; a decode step of one sequence at 1040 tokens 22 ms")
+    assert step_fit(lambda role: WORKER, Observation(0.0, 60.0, 0, 0.0, 0.0, 0.0, None, None)) == ""
 
 
 def proposal(best: Split, goodput: float, current: Split = P1D1, now_goodput: float = 1.0) -> Proposal:

@@ -72,14 +72,32 @@ def test_shared_cores_slow_a_step_by_the_threads_wanting_a_core():
     alone = WorkerSpec(FIXED, 1000, threads=4)  # 4 threads on 2 shared cores: every step twice as long
     [r] = run(Pools(colocated=(1, alone)), workload(tokens(100)), shared_cores=2).results
     assert r.ttft_s == pytest.approx(2 * 0.110) and r.tpot_s == pytest.approx(2 * 0.020)
-    # two 2-thread workers on 2 cores, a request each at once: the first step starts alone (1x),
-    # the second while it runs (4 threads / 2 cores: 2x); without shared cores, both 1x
+    # two 2-thread workers on 2 cores, a request each at once: both prefill steps run side by
+    # side at half speed (4 threads / 2 cores) and end together; without shared cores, both 1x
     pair = Pools(colocated=(2, WorkerSpec(FIXED, 1000, threads=2)))
     both = workload(tokens(100), tokens(100, 500), max_tokens=1, at=[0.0, 0.0])
     first, second = run(pair, both, Arrivals("trace"), shared_cores=2).results
     assert {first.placement[1], second.placement[1]} == {"colocated-0", "colocated-1"}
-    assert first.ttft_s == pytest.approx(0.110) and second.ttft_s == pytest.approx(2 * 0.110)
+    assert [first.ttft_s, second.ttft_s] == pytest.approx([2 * 0.110, 2 * 0.110])
     assert [r.ttft_s for r in run(pair, both, Arrivals("trace")).results] == pytest.approx([0.110, 0.110])
+
+
+def test_a_long_step_slows_while_a_later_short_one_overlaps_it():
+    """Processor sharing: a step's slowdown follows the steps beside it as they come and go, not
+    the ones there when it started. Three 1-thread workers on 2 cores: a 1,000-token prefill
+    (1.01 s alone) from 0, another from 0, a 90-token one from 0.5 s (0.1 s alone)."""
+    spec = WorkerSpec(FIXED, 2000)
+    pools = Pools(colocated=(3, spec))
+    w = workload(tokens(1000), tokens(1000, 3000), tokens(90, 6000), max_tokens=1, at=[0.0, 0.0, 0.5])
+    long_a, long_b, short = run(pools, w, Arrivals("trace"), shared_cores=2).results
+    assert {long_a.placement[1], long_b.placement[1], short.placement[1]} == {
+        "colocated-0", "colocated-1", "colocated-2"}
+    # 0-0.5 s: two steps on two cores, full speed (0.51 s of each long step left). From 0.5 s:
+    # three threads on two cores, each at 2/3: the short step's 0.1 s takes 0.15 s (to 0.65 s),
+    # the long ones do 0.1 s of work in it (0.41 s left), then full speed again: 0.65 + 0.41.
+    assert short.ttft_s == pytest.approx(0.1 / (2 / 3))
+    assert [long_a.ttft_s, long_b.ttft_s] == pytest.approx([0.65 + 0.41, 0.65 + 0.41])
+    # the rule it replaced (a step's slowdown fixed when it started) had the long steps at 1.01 s
 
 
 def test_chunked_prefill_splits_the_prompt_by_the_token_budget():

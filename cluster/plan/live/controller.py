@@ -19,7 +19,7 @@ from cluster.bench.metrics import class_objectives
 from cluster.plan.live.hysteresis import Hysteresis
 from cluster.registry.planner_decisions import Journal, PlannerDecision
 from cluster.plan.live.observe import Observation, measured_profile, observe
-from cluster.plan.live.propose import Bounds, Prediction, Proposal, Split, predict, propose
+from cluster.plan.live.propose import Bounds, Prediction, Proposal, Split, predict, propose, step_fit
 from cluster.parallel.tp_runner import threads_per_rank
 from cluster.plan.simulator import SimConfig, WorkerSpec
 from cluster.registry.goodput import GoodputReader
@@ -76,21 +76,23 @@ class LivePlanner:
         if not observation.has_traffic:
             self.journal.set_latest({**latest, "proposal": "nothing to size for"})
             return None
-        proposal = self.proposal(observation, current)
+        simulation = self._simulation()
+        proposal = self.proposal(observation, current, simulation)
         why_not = self.hysteresis.offer(proposal, now)
-        latest.update(proposal=proposal.describe(), waiting=why_not or "",
+        latest.update(proposal=proposal.describe(), waiting=why_not or "", step_fit=step_fit(simulation[0], observation),
                       workers={"current": {"prefill": current.prefill, "decode": current.decode},
                                "proposed": {"prefill": proposal.best.prefill, "decode": proposal.best.decode}},
                       predictions={s.label(): round(p.goodput_rps, 3) for s, p in sorted(proposal.predictions.items())})
         self.journal.set_latest(latest)
         if why_not is not None:
             return None
-        decision = self._decide(proposal, observation)
+        decision = self._decide(proposal, observation, latest["step_fit"])
         self.hysteresis.acted(decision.at)
         return decision
 
-    def proposal(self, observation: Observation, current: Split) -> Proposal:
-        spec_for, config = self._simulation()
+    def proposal(self, observation: Observation, current: Split,
+                 simulation: tuple[Callable[[str], WorkerSpec], SimConfig] | None = None) -> Proposal:
+        spec_for, config = simulation or self._simulation()
         return propose(observation, current, self.bounds, spec_for, config, class_objectives(self.spec.router),
                        self.vocab_size)
 
@@ -112,7 +114,7 @@ class LivePlanner:
 
         return spec_for, config
 
-    def _decide(self, proposal: Proposal, observation: Observation) -> PlannerDecision:
+    def _decide(self, proposal: Proposal, observation: Observation, fit: str = "") -> PlannerDecision:
         acted, detail, after = False, "", proposal.current
         if self.planner.mode == "act":
             if self.resize is None:
@@ -122,7 +124,7 @@ class LivePlanner:
                     detail, acted, after = self.resize(proposal.best), True, proposal.best
                 except Exception as exc:  # noqa: BLE001 - a failed resize is a decision that did not happen
                     detail = f"resize failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"
-        predicted, observed = self._prediction(proposal, observation, after)
+        predicted, observed = self._prediction(proposal, observation, after, fit)
         decision = PlannerDecision(next(self._numbers), self.clock(), self.planner.mode, proposal.current.label(),
                                    proposal.best.label(), acted, predicted.goodput_rps, predicted.attainment,
                                    observed, detail)
@@ -131,21 +133,24 @@ class LivePlanner:
         log.warning("[planner] %s", decision.line())
         return decision
 
-    def _prediction(self, proposal: Proposal, observation: Observation, split: Split) -> tuple[Prediction, str]:
+    def _prediction(self, proposal: Proposal, observation: Observation, split: Split,
+                    fit: str = "") -> tuple[Prediction, str]:
         """What the decision predicts of ``split`` and the traffic it says it was taken for: the
         proposal's prediction, or, where ``measure_s`` is longer than the window, the same
         simulation at the rate offered over ``measure_s`` before the decision (the window's
         lengths kept: they are what shifted). A drill's decision predicted from its 20 s window
-        0.64 req/s and 0.40 was measured after it; at the rate that came, the same simulation said 0.41."""
+        0.64 req/s and 0.40 was measured after it; at the rate that came, the same simulation said 0.41.
+        The words say the traffic and what the workers' fits took one of its requests to cost (``fit``)."""
+        described = f"{observation.describe()}; {fit}" if fit else observation.describe()
         if self.measure_s <= observation.window_s:
-            return proposal.predictions[split], observation.describe()
+            return proposal.predictions[split], described
         steady = observe(self.reader, self.measure_s, observation.at)
         if not steady.has_traffic:
-            return proposal.predictions[split], observation.describe()
+            return proposal.predictions[split], described
         spec_for, config = self._simulation()
         predicted = predict(replace(observation, rate_rps=steady.rate_rps), split, spec_for, config,
                             class_objectives(self.spec.router), self.vocab_size)
-        return predicted, f"{observation.describe()}; predicted at {steady.rate_rps:.2f} req/s (last {self.measure_s:g} s)"
+        return predicted, f"{described}; predicted at {steady.rate_rps:.2f} req/s (last {self.measure_s:g} s)"
 
     def _measure_due(self, now: float) -> None:
         """Each decision ``measure_s`` on: the goodput measured over that time, and what the
