@@ -2,12 +2,13 @@
 (an EAGLE or MTP head would be a third: its ``propose`` would read the target's hidden states).
 
 After each target step the engine asks ``best_first_odds`` the best odds any decoding request's
-first guess could have (where even those could not pay, no proposal is looked up), then ``available`` how many guesses each decoding request
-could get and ``first_odds`` how likely each one's first guess is to be kept, the policy
-(``policy.py``) chooses how many it gets (counting ``round_cost``, what each round of guessing
-costs, and ``catch_up``, what a proposer must feed before a request's first guess), the engine holds cache slots for them where ``writes_kv`` (a model that
-writes its guesses' KV), and ``propose`` makes them. ``propose`` is called after every step, with
-no request where none guesses (a model catches its KV up when guessing resumes). Each
+first guess could have (where even those could not pay, no proposal is looked up), then
+``available`` how many guesses each decoding request could get and ``first_odds`` how likely each
+one's first guess is to be kept, the policy (``policy.py``) chooses how many it gets (counting
+``round_cost``, what each round of guessing costs, and ``catch_up``, what a proposer must feed
+before a request's first guess), the engine holds cache slots for them where ``writes_kv`` (a
+model that writes its guesses' KV), and ``propose`` makes them. ``propose`` is called after every
+step, with no request where none guesses (a model catches its KV up when guessing resumes). Each
 verify's outcome is reported back (``observe``)."""
 
 from __future__ import annotations
