@@ -125,7 +125,7 @@ class GuessGate:
     odds, its requests and their guesses, and a proposer's own steps only add to its cost, so
     where that plan guesses nothing no plan of the real proposals does: the step does what a step
     without speculation does (a steady batch of 8 on a 2-core CPU: 3 us of speculative work a step
-    with the gate closed, 13 us with lookups that find nothing, against a step of about 12 ms).
+    with the gate closed, 13 us with lookups that find nothing, against a step of 13-14 ms).
 
     The answer for the last question is kept: a steady batch that guesses nothing asks the same
     one step after step (no verify moves the odds; the cost is refitted every ``REFIT_STEPS``)."""
