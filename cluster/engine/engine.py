@@ -40,7 +40,7 @@ from cluster.engine.speculative.config import SpeculativeConfigError
 from cluster.engine.speculative.draft import DraftProposer
 from cluster.engine.speculative.draft_model import check_draft, draft_quantization, read_draft
 from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, GuessGate, StepCost, catch_up_share,
-                                                plan_guesses, update_acceptance, update_continuation)
+                                                plan_guesses, update_acceptance, update_continuation, worth_a_row)
 from cluster.engine.speculative.proposer import NgramProposer, Proposer
 from cluster.engine.speculative.verify import accepted_prefix
 from cluster.engine.structured.backend import GrammarBackend
@@ -895,10 +895,11 @@ class LLMEngine:
                 request.acceptance = update_acceptance(request.acceptance, 0, 0)  # drifts back while not guessing
                 decoding.append(request)
         cost = self._step_cost() if spec.adaptive else None
-        if cost is not None and decoding and not self.guess_gate.open(
-                len(decoding), rows, proposer.best_first_odds(decoding), max(r.continuation for r in decoding),
-                spec.num_tokens, cost):
-            decoding = []  # no guess could pay in a step this wide: no lookups either
+        if cost is not None and decoding and not (
+                worth_a_row(max(r.acceptance for r in decoding), rows, cost)
+                and self.guess_gate.open(len(decoding), rows, proposer.best_first_odds(decoding),
+                                         max(r.continuation for r in decoding), spec.num_tokens, cost)):
+            decoding = []  # no request's own odds pay for a row, or no guess could pay: no lookups either
         candidates, rooms = [], []
         for request in decoding:
             room = min(spec.num_tokens, request.params.max_tokens - request.num_output_tokens - 1,

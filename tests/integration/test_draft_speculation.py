@@ -172,6 +172,7 @@ def switched_self_draft(model_dir, monkeypatch, num_kv_blocks: int):
     from cluster.engine.speculative.policy import GuessGate
 
     monkeypatch.setattr(GuessGate, "open", lambda self, *args: True)
+    monkeypatch.setattr(engine_module, "worth_a_row", lambda *args: True)
     monkeypatch.setattr(engine_module, "plan_guesses",
                         lambda first, then, available, rows, cost, round_cost=None, catch_up=None:
                         list(available) if switch["on"] else [0] * len(available))

@@ -293,6 +293,15 @@ def test_a_stop_among_the_emitted_tokens_finishes_the_request_and_frees_its_bloc
     assert sched.tokens_before_stop(request, [EOS, 61]) == 1
 
 
+def test_a_step_too_wide_for_any_requests_own_odds_skips_the_lookups():
+    from cluster.engine.speculative.policy import worth_a_row
+
+    cost = StepCost(fixed_s=0.005, per_row_s=0.001)
+    assert worth_a_row(0.9, rows=1, cost=cost)  # 0.9 > 1/6
+    assert not worth_a_row(0.8, rows=32, cost=cost)  # 0.8 < 32/37
+    assert worth_a_row(0.9, rows=32, cost=cost)  # 0.9 > 32/37 = 0.865
+
+
 def test_a_step_no_guess_could_pay_in_is_told_before_any_lookup():
     from cluster.engine.speculative.policy import GuessGate
 
