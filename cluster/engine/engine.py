@@ -39,8 +39,8 @@ from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.speculative.config import SpeculativeConfigError
 from cluster.engine.speculative.draft import DraftProposer
 from cluster.engine.speculative.draft_model import check_draft, draft_quantization, read_draft
-from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, StepCost, catch_up_share, plan_guesses,
-                                                update_acceptance, update_continuation, worth_a_row)
+from cluster.engine.speculative.policy import (FITTED_STEPS, REFIT_STEPS, GuessGate, StepCost, catch_up_share,
+                                                plan_guesses, update_acceptance, update_continuation, worth_a_row)
 from cluster.engine.speculative.proposer import NgramProposer, Proposer
 from cluster.engine.speculative.verify import accepted_prefix
 from cluster.engine.structured.backend import GrammarBackend
@@ -244,6 +244,7 @@ class LLMEngine:
         self.speculative = config.speculative  # None: one token per decode step
         self._cost: StepCost | None = None  # the step cost the speculative policy uses (_step_cost)
         self._cost_fitted_at: int | None = None
+        self.guess_gate = GuessGate()  # whether any guess could pay in a step, before any lookup
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.grammars: GrammarBackend | None = None  # made by the first constrained request (_matcher)
         self._masks: StepMasks | None = None
@@ -894,8 +895,11 @@ class LLMEngine:
                 request.acceptance = update_acceptance(request.acceptance, 0, 0)  # drifts back while not guessing
                 decoding.append(request)
         cost = self._step_cost() if spec.adaptive else None
-        if cost is not None and not worth_a_row(max((r.acceptance for r in decoding), default=0.0), rows, cost):
-            decoding = []  # not even the surest guess pays for its row in a step this wide: no lookups either
+        if cost is not None and decoding and not (
+                worth_a_row(max(r.acceptance for r in decoding), rows, cost)
+                and self.guess_gate.open(len(decoding), rows, proposer.best_first_odds(decoding),
+                                         max(r.continuation for r in decoding), spec.num_tokens, cost)):
+            decoding = []  # no request's own odds pay for a row, or no guess could pay: no lookups either
         candidates, rooms = [], []
         for request in decoding:
             room = min(spec.num_tokens, request.params.max_tokens - request.num_output_tokens - 1,
@@ -904,7 +908,7 @@ class LLMEngine:
                 candidates.append(request)
                 rooms.append(room)
         available = proposer.available(candidates, rooms) if candidates else []
-        if spec.adaptive and candidates:
+        if spec.adaptive and any(available):
             behind = [catch_up_share(n, min(r.params.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens))
                       for r, n in zip(candidates, proposer.catch_up(candidates))]
             counts = plan_guesses(proposer.first_odds(candidates), [r.continuation for r in candidates], available, rows,

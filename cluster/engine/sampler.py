@@ -45,6 +45,15 @@ def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str)
     return _host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
+def first_argmax(values: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its first largest value (a NaN counts as largest), as ``argmax(dim=-1)``.
+    On the CPU through numpy's vectorised argmax: torch's took 27 us a row of the default model's
+    49,152 logits on one thread, numpy's 3 (a verify of 8 guesses at batch 1 samples 9 rows)."""
+    if values.device.type == "cpu" and values.dtype == torch.float32 and values.dim() == 2:
+        return torch.from_numpy(values.contiguous().numpy().argmax(axis=-1))
+    return values.argmax(dim=-1)
+
+
 def make_generator(seed: int) -> torch.Generator:
     """CPU generator seeded for one request; the engine keeps it on the request and passes it every step."""
     generator = torch.Generator(device="cpu")
@@ -231,7 +240,7 @@ class Sampler:
         if batch.token_bitmask is not None:
             logits = apply_token_masks(logits, batch.token_bitmask, batch.masked_rows)
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = first_argmax(logits)
         else:
             greedy = batch.temperature == 0.0
             # Greedy rows of a mixed batch go through with temperature 1 and are replaced below.
@@ -241,9 +250,9 @@ class Sampler:
             if batch.min_p is not None:
                 floor = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
                 probs = probs.masked_fill(probs < floor, 0.0)
-            token_ids = (probs / _exponential_noise(probs, batch)).argmax(dim=-1)
+            token_ids = first_argmax(probs / _exponential_noise(probs, batch))
             if not batch.all_random:
-                token_ids = torch.where(greedy, logits.argmax(dim=-1), token_ids)
+                token_ids = torch.where(greedy, first_argmax(logits), token_ids)
 
         if raw_logprobs is None:
             return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None, top_logprobs=None)

@@ -169,6 +169,9 @@ def switched_self_draft(model_dir, monkeypatch, num_kv_blocks: int):
     import cluster.engine.engine as engine_module
 
     switch = {"on": False}
+    from cluster.engine.speculative.policy import GuessGate
+
+    monkeypatch.setattr(GuessGate, "open", lambda self, *args: True)
     monkeypatch.setattr(engine_module, "worth_a_row", lambda *args: True)
     monkeypatch.setattr(engine_module, "plan_guesses",
                         lambda first, then, available, rows, cost, round_cost=None, catch_up=None:

@@ -184,3 +184,61 @@ def test_a_steady_batch_keeps_a_step_cost_fitted_through_every_step_kept(checkpo
         assert (cost.fixed_s, cost.per_row_s) == (pytest.approx(0.005), pytest.approx(0.001))
         assert cost.widths == {1: pytest.approx(0.006), 2: pytest.approx(0.007), 4: pytest.approx(0.009),
                                8: pytest.approx(0.013)}
+
+
+def test_a_closed_gate_makes_no_lookup_and_the_index_catches_up_at_the_next_one(checkpoint, monkeypatch):
+    """While the policy's gate says no guess could pay (here: for the first 12 steps) no request's
+    n-gram index is looked up or extended; at the first lookup after, each index catches up from
+    where it stopped, and every proposal equals the one an index built at once over the request's
+    tokens gives. Greedy tokens are the plain engine's."""
+    from cluster.engine.speculative.ngram import NgramIndex
+    from cluster.engine.speculative.policy import GuessGate, StepCost
+    from cluster.engine.speculative.proposer import NgramProposer
+
+    model_dir = checkpoint("llama")
+    prompts = repeating_prompts()
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64) as plain:
+        expected = greedy(plain, prompts)
+    spec = SpeculativeConfig(num_tokens=4, adaptive=True)
+    with LLM(str(model_dir), verbose=False, num_kv_blocks=64, speculative=spec) as llm:
+        engine = llm.engine
+        gate = {"open": False, "asked": 0}
+
+        def gate_open(self, *args):
+            gate["asked"] += 1
+            return gate["open"]
+
+        monkeypatch.setattr(GuessGate, "open", gate_open)
+        # a fitted cost (the gate is asked every step) whose fixed part makes guesses pay at batch 4
+        monkeypatch.setattr(engine, "_step_cost", lambda: StepCost(0.05, 0.001))
+        checked, lookups = [], []
+        real_available = NgramProposer.available
+
+        def available(self, requests, rooms):
+            indexed = [r.proposer_state.indexed if r.proposer_state is not None else 0 for r in requests]
+            counts = real_available(self, requests, rooms)
+            for request, room, before, count in zip(requests, rooms, indexed, counts):
+                fresh = NgramIndex(spec.ngram_min, spec.ngram_max).propose(request.token_ids, room)
+                checked.append(self._proposals[id(request)] == fresh and count == len(fresh))
+                lookups.append(len(request.token_ids) - before)  # tokens the index caught up over
+            return counts
+
+        monkeypatch.setattr(NgramProposer, "available", available)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        tokens: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            gate["open"] = steps >= 12
+            for output in engine.step():
+                tokens[output.request_id] = output.token_ids
+            steps += 1
+            if steps == 12:
+                assert gate["asked"] > 0 and not lookups, "a lookup was made while the gate was closed"
+                assert all(r.proposer_state is None for r in engine.scheduler.running)
+        assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+        assert checked and all(checked), "a proposal after a catch-up differs from a fresh index's"
+        assert max(lookups) > 12, "no index caught up over the tokens made while the gate was closed"
+        assert engine.stats.verify_steps > 0, "no guess was made: nothing was tested"
+        assert engine.block_manager.num_free_blocks == 64

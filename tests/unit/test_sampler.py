@@ -299,3 +299,18 @@ def test_large_batch_runs():
     out = Sampler()(logits, batch)
     assert len(out.token_ids) == rows
     assert all(0 <= t < vocab for t in out.token_ids)
+
+
+def test_first_argmax_picks_what_torchs_argmax_picks_ties_nans_and_masked_rows_included():
+    from cluster.engine.sampler import first_argmax
+
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [nan, 1.0, nan, 5.0], [-inf] * 4, [0.0, inf, inf, 1.0],
+                         [1.0, 2.0, nan, 9.0]])
+    assert first_argmax(rows).tolist() == rows.argmax(dim=-1).tolist() == [1, 0, 0, 1, 2]
+    logits = torch.randn(9, 49152, generator=torch.Generator().manual_seed(5))
+    logits[3, 17] = logits[3, 40000] = 1e4  # a tie: the first
+    assert first_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert first_argmax(logits).dtype == torch.int64
+    half = logits.to(torch.bfloat16)  # not float32: torch's own
+    assert first_argmax(half).tolist() == half.argmax(dim=-1).tolist()

@@ -293,10 +293,64 @@ def test_a_stop_among_the_emitted_tokens_finishes_the_request_and_frees_its_bloc
     assert sched.tokens_before_stop(request, [EOS, 61]) == 1
 
 
-def test_a_step_too_wide_for_any_guess_skips_the_lookups():
+def test_a_step_too_wide_for_any_requests_own_odds_skips_the_lookups():
     from cluster.engine.speculative.policy import worth_a_row
 
     cost = StepCost(fixed_s=0.005, per_row_s=0.001)
     assert worth_a_row(0.9, rows=1, cost=cost)  # 0.9 > 1/6
     assert not worth_a_row(0.8, rows=32, cost=cost)  # 0.8 < 32/37
     assert worth_a_row(0.9, rows=32, cost=cost)  # 0.9 > 32/37 = 0.865
+
+
+def test_a_step_no_guess_could_pay_in_is_told_before_any_lookup():
+    from cluster.engine.speculative.policy import GuessGate
+
+    cost = StepCost(fixed_s=0.005, per_row_s=0.001)
+    gate = GuessGate()
+    # 32 decodes at odds 0.8 then 0.8, 8 guesses each: the plan of them all guesses nothing
+    assert plan_guesses([0.8] * 32, [0.8] * 32, [8] * 32, rows=32, cost=cost) == [0] * 32
+    assert not gate.open(32, 32, 0.8, 0.8, 8, cost)
+    # 8 decodes at odds 0.9 then 0.9 would guess (two each, 22% more a ms): open
+    assert gate.open(8, 8, 0.9, 0.9, 4, cost)
+    # one decode at odds 0.1 (1.1 tokens in 7 ms against 1 in 6): closed; 0.3 then 0.95: open
+    assert not gate.open(1, 1, 0.1, 0.8, 8, cost)
+    assert gate.open(1, 1, 0.3, 0.95, 8, cost)
+
+
+def test_the_gate_is_never_closed_where_the_plan_of_the_real_proposals_guesses():
+    import random
+
+    from cluster.engine.speculative.policy import GuessGate
+
+    rng = random.Random(24)
+    costs = [StepCost(0.005, 0.001), StepCost(0.006, 0.0008, {1: 0.006, 8: 0.012, 9: 0.02}), StepCost(0.004, 0.002)]
+    closed = 0
+    for trial in range(400):
+        requests, cost = rng.randint(1, 12), costs[trial % len(costs)]
+        first = [rng.random() for _ in range(requests)]
+        then = [rng.random() for _ in range(requests)]
+        available = [rng.randint(0, 8) for _ in range(requests)]
+        rows = requests + rng.choice([0, 0, 3])
+        gate_open = GuessGate().open(requests, rows, max(first), max(then), 8, cost)
+        guessed = any(plan_guesses(first, then, available, rows, cost))
+        assert gate_open or not guessed, (first, then, available, rows, cost)
+        closed += not gate_open
+    assert 0 < closed < 400  # both answers were tried
+
+
+def test_the_gate_keeps_its_answer_until_the_question_or_the_cost_changes(monkeypatch):
+    import cluster.engine.speculative.policy as policy
+
+    planned = []
+    real = policy.plan_guesses
+    monkeypatch.setattr(policy, "plan_guesses", lambda *args: planned.append(args[3]) or real(*args))
+    gate, cost = policy.GuessGate(), StepCost(0.005, 0.001)
+    for _ in range(5):
+        assert not gate.open(32, 32, 0.8, 0.8, 8, cost)
+    assert planned == [32]  # planned once for five steps
+    assert not gate.open(32, 32, 0.8001, 0.8, 8, cost)  # odds rounded up to 1/64: the same question
+    assert planned == [32]
+    assert not gate.open(32, 33, 0.8, 0.8, 8, cost)  # another width
+    assert not gate.open(32, 33, 0.8, 0.8, 8, StepCost(0.005, 0.001))  # a cost fitted again
+    assert planned == [32, 33, 33]
+    assert gate.open(32, 33, 0.8, 0.8, 8, StepCost(0.05, 0.001))  # a step dear in its fixed part: guesses pay

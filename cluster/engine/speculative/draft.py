@@ -88,6 +88,9 @@ class DraftProposer:
     def first_odds(self, requests: Sequence[Request]) -> list[float]:
         return [r.acceptance for r in requests]
 
+    def best_first_odds(self, requests: Sequence[Request]) -> float:
+        return max((r.acceptance for r in requests), default=0.0)
+
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
         pass  # the request's own odds are all the policy uses
 

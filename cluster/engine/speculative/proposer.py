@@ -1,12 +1,14 @@
 """Where guesses come from: one small interface, the n-gram lookup and a draft model behind it
 (an EAGLE or MTP head would be a third: its ``propose`` would read the target's hidden states).
 
-After each target step the engine asks ``available`` how many guesses each decoding request
-could get and ``first_odds`` how likely each one's first guess is to be kept, the policy
-(``policy.py``) chooses how many it gets (counting ``round_cost``, what each round of guessing
-costs, and ``catch_up``, what a proposer must feed before a request's first guess), the engine holds cache slots for them where ``writes_kv`` (a model that
-writes its guesses' KV), and ``propose`` makes them. ``propose`` is called after every step, with
-no request where none guesses (a model catches its KV up when guessing resumes). Each
+After each target step the engine asks ``best_first_odds`` the best odds any decoding request's
+first guess could have (where even those could not pay, no proposal is looked up), then
+``available`` how many guesses each decoding request could get and ``first_odds`` how likely each
+one's first guess is to be kept, the policy (``policy.py``) chooses how many it gets (counting
+``round_cost``, what each round of guessing costs, and ``catch_up``, what a proposer must feed
+before a request's first guess), the engine holds cache slots for them where ``writes_kv`` (a
+model that writes its guesses' KV), and ``propose`` makes them. ``propose`` is called after every
+step, with no request where none guesses (a model catches its KV up when guessing resumes). Each
 verify's outcome is reported back (``observe``)."""
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class Proposer(Protocol):
 
     def first_odds(self, requests: Sequence[Request]) -> list[float]:
         """The odds that each request's first guess (of the proposal ``available`` found) is kept."""
+
+    def best_first_odds(self, requests: Sequence[Request]) -> float:
+        """The highest odds ``first_odds`` could give any of ``requests``, known without looking
+        up their proposals (the policy's ``GuessGate`` asks it before any lookup)."""
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
         """A verify of ``request`` checked ``proposed`` of its guesses and kept ``accepted``."""
@@ -73,6 +79,9 @@ class NgramProposer:
 
     def first_odds(self, requests: Sequence[Request]) -> list[float]:
         return [self.first_by_match.get(r.proposer_state.matched, 0.0) for r in requests]
+
+    def best_first_odds(self, requests: Sequence[Request]) -> float:
+        return max(self.first_by_match.values())  # whatever length each lookup would match
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
         matched = request.proposer_state.matched if request.proposer_state is not None else 0
