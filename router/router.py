@@ -140,6 +140,12 @@ class RouteRequest:
     priority: int = 0  # added to the class's; higher waits less
     arrival: float | None = None  # wall-clock time the call reached the API (None: now)
     avoid: tuple[tuple[str, str], ...] = ()  # (prefill, decode) pairs whose KV transfer failed under it
+    # Placed again after admission control let it in (a worker failed under it, or its KV
+    # transfer did): never refused by admission control now, placed or held as an ``admit``
+    # class's request is. A quick start's only decode worker SIGKILLed under 8 streams took 5 s
+    # to start again on a busy machine, and 7 of the 8 streams, already streaming, were cut with
+    # "rejected by admission control: its first token is predicted 5004 ms after arrival".
+    admitted: bool = False
 
 
 @dataclass(frozen=True)
@@ -508,6 +514,8 @@ class Router:
         if request.ttft_s is not None or request.tpot_s is not None:
             cls = replace(cls, ttft_s=request.ttft_s if request.ttft_s is not None else cls.ttft_s,
                           tpot_s=request.tpot_s if request.tpot_s is not None else cls.tpot_s)
+        if request.admitted and cls.on_overload != "admit":
+            cls = replace(cls, on_overload="admit")
         return cls
 
     def _without_reports(self, request: RouteRequest, cls: SloClass, side: str, now: float) -> Decision:

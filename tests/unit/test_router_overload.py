@@ -138,6 +138,27 @@ def test_a_prefill_backlog_past_the_objective_is_refused_at_once():
                                       "(backlog 9050 ms, slot in 0 ms)")
 
 
+def test_a_request_placed_again_after_admission_is_never_refused_by_it():
+    """The same 9 s prefill backlog: a fresh request is refused, but one whose worker failed under
+    it (admitted before, placed again) is placed best effort, or held for room, never cut; an
+    interactive one too, and where every decode worker is full it is held past its class's bound."""
+    busy = {w: load(w, queued=9000) for w in ("p0", "p1")}
+    router = Router(TOPOLOGY, FakeRegistry(busy), config())
+    assert router.submit(RouteRequest("a", PROMPT, 8, "standard", arrival=NOW), now=NOW).action == "reject"
+    again = router.submit(RouteRequest("a.1", PROMPT, 8, "standard", arrival=NOW, admitted=True), now=NOW)
+    assert (again.action, again.slo_class) == ("place", "standard")
+    assert again.reason.startswith("best effort: ")
+    interactive = router.submit(RouteRequest("i.1", PROMPT, 8, "interactive", arrival=NOW, admitted=True), now=NOW)
+    assert interactive.action == "place"
+    assert router.status(NOW)["rejected_by_class"] == {"standard": 1}
+
+    full = Router(TOPOLOGY, FakeRegistry(full_decode()), config())
+    held = full.submit(RouteRequest("b.1", PROMPT, 8, "standard", arrival=NOW, admitted=True), now=NOW)
+    assert held.action == "queue" and held.reason.startswith("no decode worker has a free slot")
+    assert full.retry_waiting(NOW + 6.0) == []  # past standard's 5 s bound, still held, not refused
+    assert len(full.waiting) == 1
+
+
 def test_a_held_request_past_its_bound_is_refused_with_a_fresh_forecast():
     classes = {"standard": {"ttft_ms": 5000, "tpot_ms": 250, "on_overload": "queue", "max_wait_ms": 500}}
     registry = FakeRegistry(full_decode())
