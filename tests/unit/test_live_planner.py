@@ -121,3 +121,25 @@ def test_the_hysteresis_acts_only_on_a_confirmed_gain_outside_the_cooldown():
     fewer = Proposal(P1D2, P1D1, {P1D2: Prediction(1.0, 1.0), P1D1: Prediction(1.0, 0.95)})
     h = Hysteresis(min_gain=0.1, confirmations=1, cooldown_s=0.0)
     assert h.offer(fewer, 0.0) is None
+
+
+def test_the_planner_thread_yields_the_cores_to_the_workers():
+    """Its simulations run at a lower CPU priority than the process's other threads (Linux)."""
+    import os
+    import threading
+
+    from cluster.plan.live.controller import PLANNER_NICE, yield_to_workers
+
+    seen = {}
+
+    def planner_thread():
+        seen["before"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        yield_to_workers()
+        seen["after"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=planner_thread)
+    thread.start()
+    thread.join()
+    assert seen["after"] == min(19, seen["before"] + PLANNER_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before  # the other threads keep theirs
