@@ -44,9 +44,8 @@ IDLE_WAKE_S = 0.05
 EXIT_STEP_FAILED = 70  # the process's exit status when a step raised (EX_SOFTWARE)
 # How long the reporter waits for the engine before renewing the report it took last: a third of
 # the heartbeat's 3 s lifetime. A step that held the engine longer than the lifetime (a 1,024-token
-# prompt takes 2.6 s on one thread of this project's 2 cores, more on starved ones) let the
-# worker's heartbeat lapse, and the routers saw it gone: a drill on starved cores lost both prefill
-# workers that way and refused 9 requests with "no live prefill worker".
+# prompt takes 2.6 s on one thread of this project's 2 cores, two of them in one step about 5 s)
+# let the worker's heartbeat lapse, and the routers saw it gone ("no live prefill worker").
 REPORT_WAIT_S = 1.0
 # A step holding the engine this long is hung (a tensor-parallel group's collectives time out at
 # 120 s): the worker stops renewing its report, and the routers stop placing on it.

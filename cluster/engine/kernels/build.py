@@ -3,10 +3,11 @@
 The shared library is cached under ``<tandem cache>/kernels/<name>-<key>.so``, where the key
 hashes the source, the compiler's version, the flags and the CPU model (the code is built for
 the CPU it runs on). A build writes a temporary file and renames it into place, so concurrent
-processes never load a half-written library, and under a lock file, so processes starting together
-(a node's workers) compile it once between them. ``python -m cluster.engine.kernels.prebuild`` compiles
-every kernel ahead of a first start (``scripts/bootstrap.sh`` does, when it installs). The source is compiled with fast-math but linked
-without it, so loading the library does not change the process's floating-point mode.
+processes never load a half-written library, and under a lock file, so processes starting
+together (a node's workers) compile it once between them. ``python -m
+cluster.engine.kernels.prebuild`` compiles every kernel ahead of a first start
+(``scripts/bootstrap.sh`` does, when it installs). The source is compiled with fast-math but
+linked without it, so loading the library does not change the process's floating-point mode.
 """
 
 from __future__ import annotations
@@ -112,4 +113,3 @@ def load_library(name: str) -> ctypes.CDLL | None:
     except (OSError, NativeKernelError) as exc:
         logger.warning("native kernel %s unavailable, using plain torch: %s", name, exc)
         return None
-
