@@ -15,8 +15,10 @@ cluster's: ``cluster/plan/live/``, its proposal simulated on other seeds than th
 on its cores (1 prefill + 2 decode to start, the split for the first phase), driven through the
 gRPC API by Poisson arrivals of the ``standard`` class, once with ``planner.mode: off`` and once
 with ``act`` (bounds: 3 workers, moves only; a look every ``--interval-s``). Goodput per phase is
-measured at the client; each decision's prediction and the goodput measured ``--measure-s`` (60 s)
-after it come from the planner's own record (``tandem status``). Each worker runs ``--local-threads``
+measured at the client; each decision's prediction and the goodput measured ``--measure-s`` (120 s)
+after it come from the planner's own record (``tandem status``). Before it acts, the planner finds the
+scale on its workers' fitted step times at which the split in force reproduces the attainment it
+measured (``cluster/plan/live/calibrate.py``); the decision is simulated, and checked, at that scale. Each worker runs ``--local-threads``
 torch threads (1): with the default (every core per worker) three workers share two cores
 whatever their roles, so no split serves more than another (what the planner's shared-cores
 simulator predicts, and what a drill at that setting measured). With one thread each, one
@@ -158,9 +160,14 @@ def main() -> int:
     parser.add_argument("--local-phase2", default="1024,16,0.6,240", help="local: prompt,output,rate,seconds")
     parser.add_argument("--local-threads", type=int, default=1, help="local: torch threads of each worker")
     parser.add_argument("--interval-s", type=float, default=10.0, help="local: between the planner's looks")
-    parser.add_argument("--measure-s", type=float, default=60.0,
+    parser.add_argument("--measure-s", type=float, default=120.0,
                         help="local: planner.measure_s, how long after a decision its goodput is measured (and the "
-                             "rate its prediction is made at is taken over as long before it)")
+                             "rate its prediction is made at is taken over as long before it); 60 s holds about 26 "
+                             "requests at 0.5 req/s, whose attainment alone scatters by +-8 points (one sigma)")
+    parser.add_argument("--modes", default="off,act", help="local: the planner modes run, in order (off,act)")
+    parser.add_argument("--dump", default=None,
+                        help="local: write every request (wall-clock send, TTFT, TPOT, outcome, placement) and the "
+                             "planner's decisions to this JSON file, to look at what a decision's window held")
     parser.add_argument("--gpus", type=int, default=16, help="GPUs the split is made of")
     parser.add_argument("--tp", type=int, default=4, help="TP degree of every worker")
     parser.add_argument("--hardware", default="h100")
@@ -257,7 +264,7 @@ async def drive(api: str, phases: list[tuple[Phase, float]], seed: int) -> dict[
 
     backend = GrpcBackend(api)
     rng, arrivals = random.Random(seed), random.Random(seed + 1)
-    out: dict[str, list] = {}
+    out: dict[str, list] = {"_started_at": [time.time()]}  # the wall clock of the run's clock's zero
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     tasks, count, phase_start = [], 0, 0.0
@@ -301,8 +308,9 @@ def local_drill(args) -> int:
         prompt, output, rate, seconds = text.split(",")
         phases.append((Phase(name, float(rate), int(prompt), int(output)), float(seconds)))
     objectives = class_objectives(RouterConfig())
-    figures, decisions, finals = {}, {}, {}
-    for mode in ("off", "act"):
+    figures, decisions, finals, dumped = {}, {}, {}, {}
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
         with LocalCluster(f"shift-{mode}", local_topology(args, mode), cache=cache_dir()) as cluster:
             results = asyncio.run(drive(cluster.api, phases, seed=11))
             if mode == "act":  # the last decision's measure_s passes, and a look measures it
@@ -318,10 +326,21 @@ def local_drill(args) -> int:
             for error, n in errors.most_common(3):
                 log(f"local {mode}, {phase.name}: {n} failed: {error}")
         decisions[mode] = (status.get("planner") or {}).get("decisions", [])
+        dumped[mode] = {"decisions": decisions[mode], "requests": [
+            {"phase": name, "sent_at": results["_started_at"][0] + r.sent_at, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
+             "ok": r.ok, "rejected": r.rejected, "error": r.error, "placement": r.placement}
+            for name, rs in results.items() if name != "_started_at" for r in rs]}
         finals[mode] = sorted(w["name"] for w in status.get("workers", []))
         log(f"local {mode}: " + "; ".join(f"{name}: goodput {f[0]:.2f} req/s, attainment {f[1]:.0%}"
                                           for name, f in figures[mode].items()))
 
+    if args.dump:
+        import json
+
+        with open(args.dump, "w") as f:
+            json.dump(dumped, f, indent=1)
+    if modes != ["off", "act"]:
+        return 0  # a look at one mode's requests (--dump), not the drill's comparison
     print_table("machine", machine_rows() + [
         ("cluster", f"the quick start's default model; 3 workers on this machine's cores, {args.local_threads} torch "
                     "thread(s) each, 1 prefill + 2 decode to start"),
