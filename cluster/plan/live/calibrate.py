@@ -60,11 +60,12 @@ def scaled_specs(spec_for: Callable[[str], WorkerSpec], scale: float) -> Callabl
 
 
 def calibrate(observation: Observation, current: Split, spec_for: Callable[[str], WorkerSpec], config,
-              class_objectives, vocab_size: int, seed: int = 0) -> Calibration | None:
+              class_objectives, vocab_size: int, seed: int = 0, unscaled: float | None = None) -> Calibration | None:
     """The scale at which ``current``'s simulated attainment at ``observation``'s traffic is its
     measured one (bisection on a log scale: attainment falls as steps lengthen), or None where
     the window has too few requests to say. Where the measured attainment is what the fits give
-    (or every request met its objectives in both), the scale is 1."""
+    (or every request met its objectives in both), the scale is 1. ``unscaled``: that simulated
+    attainment at the fits as they are, where the caller has it (the same seed's)."""
     if not observation.has_traffic or observation.requests < MIN_REQUESTS:
         return None
     measured = observation.attainment
@@ -73,7 +74,7 @@ def calibrate(observation: Observation, current: Split, spec_for: Callable[[str]
         return predict(observation, current, scaled_specs(spec_for, scale), config, class_objectives, vocab_size,
                        seed).attainment
 
-    unscaled = attainment(1.0)
+    unscaled = attainment(1.0) if unscaled is None else unscaled
     if math.isclose(unscaled, measured, abs_tol=0.02):
         return Calibration(1.0, measured, unscaled, unscaled)
     # slower than the fits when it measured less, faster when more

@@ -130,7 +130,9 @@ class LivePlanner:
         if observation.at - self.hysteresis.last_action_at < observation.window_s:
             return proposal, None  # the window saw another split for a while: the scale found before is kept
         spec_for, config = self._simulation(scale=1.0)
-        found = calibrate(observation, current, spec_for, config, class_objectives(self.spec.router), self.vocab_size)
+        simulated = proposal.predictions[current].attainment if self.step_scale == 1.0 else None  # at the fits
+        found = calibrate(observation, current, spec_for, config, class_objectives(self.spec.router), self.vocab_size,
+                          unscaled=simulated)
         if found is None:
             return proposal, None
         unchanged = found.scale == self.step_scale  # the proposal was made at it
