@@ -16,9 +16,7 @@ on its cores (1 prefill + 2 decode to start, the split for the first phase), dri
 gRPC API by Poisson arrivals of the ``standard`` class, once with ``planner.mode: off`` and once
 with ``act`` (bounds: 3 workers, moves only; a look every ``--interval-s``). Goodput per phase is
 measured at the client; each decision's prediction and the goodput measured ``--measure-s`` (120 s)
-after it come from the planner's own record (``tandem status``). Before it acts, the planner finds the
-scale on its workers' fitted step times at which the split in force reproduces the attainment it
-measured (``cluster/plan/live/calibrate.py``); the decision is simulated, and checked, at that scale. Each worker runs ``--local-threads``
+after it come from the planner's own record (``tandem status``). Each worker runs ``--local-threads``
 torch threads (1): with the default (every core per worker) three workers share two cores
 whatever their roles, so no split serves more than another (what the planner's shared-cores
 simulator predicts, and what a drill at that setting measured). With one thread each, one
@@ -104,9 +102,11 @@ def log(message: str) -> None:
 
 
 def traffic(phase: Phase, window_s: float, seed: int):
+    """A window's requests, of the router's default class (``standard``): judged by its objectives."""
     count = max(1, round(phase.rate * window_s))
     workload = synthetic(count, Length("normal", phase.prompt, LENGTH_SPREAD * phase.prompt),
-                         Length("normal", phase.output, LENGTH_SPREAD * phase.output), VOCAB, seed)
+                         Length("normal", phase.output, LENGTH_SPREAD * phase.output), VOCAB, seed,
+                         slo_class=RouterConfig().default_class)
     return workload, Arrivals("poisson", rate=phase.rate, seed=seed)
 
 

@@ -190,8 +190,7 @@ def _planner(raw: dict) -> dict | None:
                 "predicted_goodput_rps": 0.0, "predicted_attainment": 0.0, "observed": "", "detail": "",
                 "measured_goodput_rps": None, "measured_attainment": None, "measured_at": None,
                 "measured_rate_rps": None, "expected_goodput_rps": None}  # proto3 leaves these out
-    planner["decisions"] = [{**defaults, **d, "number": int(d.get("number", 0)), "step_scale": d.get("step_scale") or 1.0}
-                            for d in planner.get("decisions", [])]  # a step scale left out (0) is none: 1
+    planner["decisions"] = [{**defaults, **d, "number": int(d.get("number", 0))} for d in planner.get("decisions", [])]
     return planner
 
 
@@ -204,8 +203,6 @@ def planner_lines(status: dict) -> list[str]:
         return []
     lines = [f"planner ({planner.get('mode', '')}): {planner.get('observed', '')}",
              f"  proposal: {planner.get('proposal', '')}" + (f" ({planner['waiting']})" if planner.get("waiting") else "")]
-    if planner.get("calibration"):
-        lines.append(f"  calibration: {planner['calibration']}")
     decisions = planner.get("decisions") or []
     if decisions:
         lines.append("  decisions:")

@@ -41,8 +41,7 @@ async def read_status(monitor) -> tandem_pb2.ClusterStatus:
         latest, decisions = planner
         message.planner.CopyFrom(tandem_pb2.PlannerStatus(
             mode=latest.get("mode", ""), latest_at=latest.get("at", 0.0), observed=latest.get("observed", ""),
-            proposal=latest.get("proposal", ""), waiting=latest.get("waiting", ""),
-            calibration=latest.get("calibration", "")))
+            proposal=latest.get("proposal", ""), waiting=latest.get("waiting", "")))
         for decision in decisions[-PLANNER_DECISIONS_SHOWN:]:
             message.planner.decisions.add(**_fields(tandem_pb2.PlannerDecision, asdict(decision)))
     return message

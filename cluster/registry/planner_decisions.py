@@ -40,10 +40,6 @@ class PlannerDecision:
     # Poisson stream; 0.50 was measured after, what the simulator gave for 0.6 req/s.)
     measured_rate_rps: float | None = None
     expected_goodput_rps: float | None = None
-    # The workers' fitted step times were simulated times this, for the prediction and for the
-    # check after it: what made the split in force reproduce its measured attainment
-    # (``cluster/plan/live/calibrate.py``).
-    step_scale: float = 1.0
 
     @property
     def error(self) -> float | None:

@@ -524,25 +524,23 @@ class ClusterStatus(_message.Message):
     def __init__(self, cluster: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ..., last_minute: _Optional[_Union[GoodputView, _Mapping]] = ..., last_hour: _Optional[_Union[GoodputView, _Mapping]] = ..., serving: _Optional[bool] = ..., health: _Optional[str] = ..., worker_events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ..., planner: _Optional[_Union[PlannerStatus, _Mapping]] = ...) -> None: ...
 
 class PlannerStatus(_message.Message):
-    __slots__ = ("mode", "latest_at", "observed", "proposal", "waiting", "decisions", "calibration")
+    __slots__ = ("mode", "latest_at", "observed", "proposal", "waiting", "decisions")
     MODE_FIELD_NUMBER: _ClassVar[int]
     LATEST_AT_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
-    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     mode: str
     latest_at: float
     observed: str
     proposal: str
     waiting: str
     decisions: _containers.RepeatedCompositeFieldContainer[PlannerDecision]
-    calibration: str
-    def __init__(self, mode: _Optional[str] = ..., latest_at: _Optional[float] = ..., observed: _Optional[str] = ..., proposal: _Optional[str] = ..., waiting: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlannerDecision, _Mapping]]] = ..., calibration: _Optional[str] = ...) -> None: ...
+    def __init__(self, mode: _Optional[str] = ..., latest_at: _Optional[float] = ..., observed: _Optional[str] = ..., proposal: _Optional[str] = ..., waiting: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[PlannerDecision, _Mapping]]] = ...) -> None: ...
 
 class PlannerDecision(_message.Message):
-    __slots__ = ("number", "at", "mode", "current", "proposed", "acted", "predicted_goodput_rps", "predicted_attainment", "observed", "detail", "measured_goodput_rps", "measured_attainment", "measured_at", "measured_rate_rps", "expected_goodput_rps", "step_scale")
+    __slots__ = ("number", "at", "mode", "current", "proposed", "acted", "predicted_goodput_rps", "predicted_attainment", "observed", "detail", "measured_goodput_rps", "measured_attainment", "measured_at", "measured_rate_rps", "expected_goodput_rps")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -558,7 +556,6 @@ class PlannerDecision(_message.Message):
     MEASURED_AT_FIELD_NUMBER: _ClassVar[int]
     MEASURED_RATE_RPS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_GOODPUT_RPS_FIELD_NUMBER: _ClassVar[int]
-    STEP_SCALE_FIELD_NUMBER: _ClassVar[int]
     number: int
     at: float
     mode: str
@@ -574,5 +571,4 @@ class PlannerDecision(_message.Message):
     measured_at: float
     measured_rate_rps: float
     expected_goodput_rps: float
-    step_scale: float
-    def __init__(self, number: _Optional[int] = ..., at: _Optional[float] = ..., mode: _Optional[str] = ..., current: _Optional[str] = ..., proposed: _Optional[str] = ..., acted: _Optional[bool] = ..., predicted_goodput_rps: _Optional[float] = ..., predicted_attainment: _Optional[float] = ..., observed: _Optional[str] = ..., detail: _Optional[str] = ..., measured_goodput_rps: _Optional[float] = ..., measured_attainment: _Optional[float] = ..., measured_at: _Optional[float] = ..., measured_rate_rps: _Optional[float] = ..., expected_goodput_rps: _Optional[float] = ..., step_scale: _Optional[float] = ...) -> None: ...
+    def __init__(self, number: _Optional[int] = ..., at: _Optional[float] = ..., mode: _Optional[str] = ..., current: _Optional[str] = ..., proposed: _Optional[str] = ..., acted: _Optional[bool] = ..., predicted_goodput_rps: _Optional[float] = ..., predicted_attainment: _Optional[float] = ..., observed: _Optional[str] = ..., detail: _Optional[str] = ..., measured_goodput_rps: _Optional[float] = ..., measured_attainment: _Optional[float] = ..., measured_at: _Optional[float] = ..., measured_rate_rps: _Optional[float] = ..., expected_goodput_rps: _Optional[float] = ...) -> None: ...

@@ -198,22 +198,18 @@ def test_the_live_planner_s_look_and_decisions_are_shown():
     m.planner.CopyFrom(tandem_pb2.PlannerStatus(mode="act", latest_at=1_700_000_100.0,
                                                 observed="3.00 req/s offered, 1024 in / 16 out (last 60 s)",
                                                 proposal="keep 2P+1D: predicted goodput 2.90 req/s",
-                                                waiting="the current split is the best",
-                                                calibration="steps x1.20: the current split measured 42% attainment"))
+                                                waiting="the current split is the best"))
     m.planner.decisions.add(number=1, at=1_700_000_000.0, mode="act", current="1P+2D", proposed="2P+1D", acted=True,
                             predicted_goodput_rps=2.5, predicted_attainment=1.0, observed="...", detail="now 2P+1D",
-                            measured_goodput_rps=2.0, measured_attainment=0.9, measured_at=1_700_000_060.0,
-                            step_scale=1.2)
+                            measured_goodput_rps=2.0, measured_attainment=0.9, measured_at=1_700_000_060.0)
     m.planner.decisions.add(number=2, at=1_700_000_050.0, mode="act", current="2P+1D", proposed="1P+2D",
                             predicted_goodput_rps=1.0, detail="resize failed: no room")  # not acted, not measured
     view = status_dict(m)
     assert view["planner"]["decisions"][1]["measured_goodput_rps"] is None
-    assert [d["step_scale"] for d in view["planner"]["decisions"]] == [1.2, 1.0]  # left out: none
     text = format_status(view).splitlines()
     start = text.index("planner (act): 3.00 req/s offered, 1024 in / 16 out (last 60 s)")
-    assert text[start + 1:start + 6] == [
+    assert text[start + 1:start + 5] == [
         "  proposal: keep 2P+1D: predicted goodput 2.90 req/s (the current split is the best)",
-        "  calibration: steps x1.20: the current split measured 42% attainment",
         "  decisions:",
         "    22:13:20 resized 1P+2D -> 2P+1D: predicted 2.50 req/s (100%), measured 2.00 req/s (90%), +25%; now 2P+1D",
         "    22:14:10 did not resize 2P+1D -> 1P+2D: predicted 1.00 req/s (0%); resize failed: no room",

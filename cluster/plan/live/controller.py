@@ -16,11 +16,10 @@ from dataclasses import replace
 from typing import Callable
 
 from cluster.bench.metrics import class_objectives
-from cluster.plan.live.calibrate import Calibration, calibrate, scaled_specs
 from cluster.plan.live.hysteresis import Hysteresis
 from cluster.registry.planner_decisions import Journal, PlannerDecision
 from cluster.plan.live.observe import Observation, measured_profile, observe
-from cluster.plan.live.propose import Bounds, Prediction, Proposal, Split, predict, propose, step_fit
+from cluster.plan.live.propose import Bounds, Prediction, Proposal, Split, predict_settled, propose, step_fit
 from cluster.parallel.tp_runner import threads_per_rank
 from cluster.plan.simulator import SimConfig, WorkerSpec
 from cluster.registry.goodput import GoodputReader
@@ -61,7 +60,6 @@ class LivePlanner:
         self.reader = GoodputReader(client, cluster)
         self._numbers = iter(range(max((d.number for d in self.journal.decisions()), default=0) + 1, 1 << 62))
         self._unmeasured: list[PlannerDecision] = []
-        self.calibration: Calibration | None = None  # the latest, found before the latest decision
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-planner", daemon=True)
 
@@ -104,10 +102,6 @@ class LivePlanner:
         self.journal.set_latest(latest)
         if why_not is not None:
             return None
-        proposal, why_not = self._calibrated(proposal, observation, current, latest)
-        self.journal.set_latest({**latest, "waiting": why_not or ""})
-        if why_not is not None:
-            return None
         decision = self._decide(proposal, observation, latest["step_fit"])
         self.hysteresis.acted(decision.at)
         return decision
@@ -118,39 +112,8 @@ class LivePlanner:
         return propose(observation, current, self.bounds, spec_for, config, class_objectives(self.spec.router),
                        self.vocab_size)
 
-    @property
-    def step_scale(self) -> float:
-        return self.calibration.scale if self.calibration is not None else 1.0
-
-    def _calibrated(self, proposal: Proposal, observation: Observation, current: Split,
-                    latest: dict) -> tuple[Proposal, str | None]:
-        """Before acting: the step-time scale at which the current split reproduces the
-        attainment measured over the window (``calibrate.py``), and the proposal made again at
-        it; with why not to act where, so simulated, the proposal is no longer worth it."""
-        if observation.at - self.hysteresis.last_action_at < observation.window_s:
-            return proposal, None  # the window saw another split for a while: the scale found before is kept
-        spec_for, config = self._simulation(scale=1.0)
-        simulated = proposal.predictions[current].attainment if self.step_scale == 1.0 else None  # at the fits
-        found = calibrate(observation, current, spec_for, config, class_objectives(self.spec.router), self.vocab_size,
-                          unscaled=simulated)
-        if found is None:
-            return proposal, None
-        unchanged = found.scale == self.step_scale  # the proposal was made at it
-        self.calibration = found
-        latest["calibration"] = found.describe()
-        if unchanged:
-            return proposal, None
-        again = self.proposal(observation, current, (scaled_specs(spec_for, found.scale), config))
-        latest["proposal"] = again.describe()
-        latest["predictions"] = {s.label(): round(p.goodput_rps, 3) for s, p in sorted(again.predictions.items())}
-        if again.best != proposal.best:
-            return again, f"calibrated ({found.describe()}), it proposes {again.best.label()}"
-        unworthy = self.hysteresis.unworthy(again)
-        return again, (f"calibrated ({found.describe()}): {unworthy}" if unworthy else None)
-
-    def _simulation(self, scale: float | None = None) -> tuple[Callable[[str], WorkerSpec], SimConfig]:
-        """The workers as they measured themselves, their step times times ``scale`` (the
-        latest calibration's where not given), and the simulator's settings."""
+    def _simulation(self) -> tuple[Callable[[str], WorkerSpec], SimConfig]:
+        """The workers as they measured themselves, and the simulator's settings."""
         workers = self.workers_now()
         roles = {w: w.rsplit("-", 1)[0] for w in workers}
         tps = {w: self.spec.pool(role).tp for w, role in roles.items() if role in ("prefill", "decode")}
@@ -165,7 +128,7 @@ class LivePlanner:
             spec = profile.spec(role)
             return replace(spec, threads=self.spec.pool(role).threads or threads_per_rank(spec.tp))
 
-        return scaled_specs(spec_for, self.step_scale if scale is None else scale), config
+        return spec_for, config
 
     def _decide(self, proposal: Proposal, observation: Observation, fit: str = "") -> PlannerDecision:
         acted, detail, after = False, "", proposal.current
@@ -180,7 +143,7 @@ class LivePlanner:
         predicted, observed = self._prediction(proposal, observation, after, fit)
         decision = PlannerDecision(next(self._numbers), self.clock(), self.planner.mode, proposal.current.label(),
                                    proposal.best.label(), acted, predicted.goodput_rps, predicted.attainment,
-                                   observed, detail, step_scale=self.step_scale)
+                                   observed, detail)
         self.journal.add(decision)
         self._unmeasured.append(decision)
         log.warning("[planner] %s", decision.line())
@@ -189,22 +152,20 @@ class LivePlanner:
     def _prediction(self, proposal: Proposal, observation: Observation, split: Split,
                     fit: str = "") -> tuple[Prediction, str]:
         """What the decision predicts of ``split`` and the traffic it says it was taken for: the
-        proposal's prediction, or, where ``measure_s`` is longer than the window, the same
-        simulation at the rate offered over ``measure_s`` before the decision (the window's
+        proposal's simulation of it averaged over ``DECISION_SEEDS`` workloads (``predict_settled``),
+        or, where ``measure_s`` is longer than the window, the same at the rate offered over
+        ``measure_s`` before the decision (the window's
         lengths kept: they are what shifted). A drill's decision predicted from its 20 s window
         0.64 req/s and 0.40 was measured after it; at the rate that came, the same simulation said 0.41.
         The words say the traffic and what the workers' fits took one of its requests to cost (``fit``)."""
         described = f"{observation.describe()}; {fit}" if fit else observation.describe()
-        if self.calibration is not None:
-            described += f"; {self.calibration.describe()}"
-        if self.measure_s <= observation.window_s:
-            return proposal.predictions[split], described
-        steady = observe(self.reader, self.measure_s, observation.at)
-        if not steady.has_traffic:
-            return proposal.predictions[split], described
         spec_for, config = self._simulation()
-        predicted = predict(replace(observation, rate_rps=steady.rate_rps), split, spec_for, config,
-                            class_objectives(self.spec.router), self.vocab_size)
+        steady = observe(self.reader, self.measure_s, observation.at) if self.measure_s > observation.window_s else None
+        if steady is None or not steady.has_traffic:
+            return predict_settled(observation, split, spec_for, config, class_objectives(self.spec.router),
+                                   self.vocab_size, first=proposal.predictions[split]), described
+        predicted = predict_settled(replace(observation, rate_rps=steady.rate_rps), split, spec_for, config,
+                                    class_objectives(self.spec.router), self.vocab_size)
         return predicted, f"{described}; predicted at {steady.rate_rps:.2f} req/s (last {self.measure_s:g} s)"
 
     def _measure_due(self, now: float) -> None:
@@ -225,8 +186,9 @@ class LivePlanner:
             return None, None
         ran = Split.parse(decision.proposed if decision.acted else decision.current)
         try:
-            spec_for, config = self._simulation(scale=decision.step_scale)  # the model that made the decision
-            expected = predict(after, ran, spec_for, config, class_objectives(self.spec.router), self.vocab_size)
+            spec_for, config = self._simulation()
+            expected = predict_settled(after, ran, spec_for, config, class_objectives(self.spec.router),
+                                       self.vocab_size)
         except Exception as exc:  # noqa: BLE001 - a measurement without its check, said, not fatal
             log.warning("[planner] could not simulate %s for the traffic after decision %d: %s", ran.label(),
                         decision.number, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)

@@ -20,10 +20,13 @@ class Hysteresis:
     def offer(self, proposal: Proposal, now: float) -> str | None:
         """Why not to act on ``proposal`` now, or None to act."""
         best = proposal.best
-        unworthy = self.unworthy(proposal)
-        if unworthy is not None:
+        if best == proposal.current:
             self._streak = (None, 0)
-            return unworthy
+            return "the current split is the best"
+        fewer = best.workers < proposal.current.workers
+        if not fewer and proposal.gain < self.min_gain:
+            self._streak = (None, 0)
+            return f"predicted gain {proposal.gain:+.0%} is under {self.min_gain:.0%}"
         seen, count = self._streak
         count = count + 1 if seen == best else 1
         self._streak = (best, count)
@@ -32,20 +35,6 @@ class Hysteresis:
         if now - self._last_action_at < self.cooldown_s:
             return f"{self.cooldown_s - (now - self._last_action_at):.0f} s of cooldown left"
         return None
-
-    def unworthy(self, proposal: Proposal) -> str | None:
-        """Why ``proposal`` is not worth a resize whatever the looks before it (the same split,
-        or a small gain with no fewer workers), or None."""
-        if proposal.best == proposal.current:
-            return "the current split is the best"
-        fewer = proposal.best.workers < proposal.current.workers
-        if not fewer and proposal.gain < self.min_gain:
-            return f"predicted gain {proposal.gain:+.0%} is under {self.min_gain:.0%}"
-        return None
-
-    @property
-    def last_action_at(self) -> float:
-        return self._last_action_at
 
     def acted(self, now: float) -> None:
         self._last_action_at = now

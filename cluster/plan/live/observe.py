@@ -21,6 +21,9 @@ class Observation:
     attainment: float
     mean_prompt_tokens: float | None
     mean_output_tokens: float | None
+    # Each SLO class's share of the window's requests, largest first: a simulation judges its
+    # requests by their classes' objectives, as the registry judged these (none: the router's default class).
+    class_shares: tuple[tuple[str, float], ...] = ()
 
     @property
     def has_traffic(self) -> bool:
@@ -37,8 +40,11 @@ class Observation:
 
 def observe(reader: GoodputReader, window_s: float, now: float) -> Observation:
     w = reader.window(window_s, now=now)
+    classes = reader.class_requests(window_s, now=now)
+    total = sum(classes.values())
+    shares = tuple(sorted(((c, n / total) for c, n in classes.items()), key=lambda cs: (-cs[1], cs[0]))) if total else ()
     return Observation(now, window_s, w.requests, w.rate_rps, w.goodput_rps, w.attainment, w.mean_prompt_tokens,
-                       w.mean_output_tokens)
+                       w.mean_output_tokens, shares)
 
 
 def measured_profile(client, cluster: str, workers: list[str], tps: dict[str, int],
