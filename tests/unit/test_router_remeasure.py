@@ -65,3 +65,15 @@ def test_the_path_not_taken_is_measured_again_either_way_and_left_when_slower():
     placements, slower (30 against 12 ms), and local kept."""
     router = Router(ONE_PAIR, profiled_decode_worker(0.000), config(local_prefill_max_tokens=64))  # local: 33 ms
     assert placed_paths(router, 0, 18, local_ttft_s=0.012, remote_ttft_s=0.030) == ("L" * 8 + "R") * 2
+
+
+def test_a_prompt_too_long_to_prefill_locally_still_goes_to_the_prefill_worker_when_local_is_due():
+    """Local is due a re-measure, but a prompt with more than ``local_prefill_max_tokens`` to
+    compute has no local candidate: it goes to the prefill worker, and the next short one is
+    the re-measure."""
+    router = Router(ONE_PAIR, profiled_decode_worker(0.060), config(local_prefill_max_tokens=64))
+    assert placed_paths(router, 0, REMEASURE_EVERY, local_ttft_s=0.020) == "R" * 8
+    long = route(router, "long", prompt=list(range(1000, 1300)))  # 300 tokens, none cached
+    assert (long.prefill, long.predicted_ttft_s, long.reason) == ("p0", pytest.approx(0.010 + 0.300), "")
+    router.finished("long", service_ttft_s=0.310, now=NOW)
+    assert route(router, "short").prefill is None
