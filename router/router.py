@@ -26,7 +26,10 @@ sooner first token wins: a remote prefill adds the decode worker's measured call
 worker (``WorkerLoad.prefill_call_s``), the hop a local prefill does not make, and a path's
 correction, when not refreshed, decays towards the other path's rather than to 0 (most of what
 the model leaves out, the API and the stream, both paths share: a path used a while ago, or
-never, must not look faster than the one in use for lacking it).
+never, must not look faster than the one in use for lacking it). Such a path's prediction rests
+on what was measured of it before, perhaps only a start-up profile: one placement in a few goes
+to it when it could serve the request too, and a path measured sooner than the one it displaced
+was predicted is taken again (``router/remeasure.py``).
 
 Admission is honest about time. A request's TTFT objective counts from when the call reached
 the API (``RouteRequest.arrival``), and every class must be served in time counting what it
@@ -68,9 +71,10 @@ from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel, measured_step_scale
 from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
 from router.peer_pull import best_pull
-from router.picker import (explain, fastest, first_meeting, first_within_headroom, never_meets, rank,
-                           with_room, without_room)
+from router.picker import (explain, fastest, first_meeting, first_within_headroom, meets, never_meets, rank,
+                           with_room, within_headroom, without_room)
 from router.prefill_choice import prefills_itself
+from router.remeasure import PathRemeasure, path_of
 from router.wait_forecast import WaitForecast, decode_slots, slot_wait_s
 from router.waiting import WaitingQueue
 
@@ -181,6 +185,7 @@ class _Placed:
     prompt_tokens: int
     placed_at: float
     max_tokens: int = 0
+    displaced_ttft_s: float | None = None  # a re-measure: the predicted TTFT of the candidate it displaced
 
 
 def _less_ended(load: WorkerLoad, ended: Sequence["_Ended"]) -> WorkerLoad:
@@ -220,6 +225,7 @@ class RouterCounters:
     ttft_error_n: int = 0
     last_rejection: str = ""
     waiting_placed: int = 0  # placed after having waited in the router
+    remeasures: int = 0  # placed on the prefill path not chosen, to measure it (router/remeasure.py)
     rejected_by_class: dict[str, int] = field(default_factory=dict)
 
 
@@ -257,6 +263,7 @@ class Router:
         self._class_tpot = {c.name: c.tpot_s for c in self.config.slo_classes}  # configured, not overridden
         self.warm_up_s: float | None = None  # how long its view took to rebuild from the registry (``warm_up``)
         self._ended: dict[str, list[_Ended]] = {}  # per decode worker: its placements ended since its last report
+        self.remeasure = PathRemeasure()  # the prefill path not taken, measured again (router/remeasure.py)
 
     def correction(self, path: str, now: float) -> float:
         """The learned TTFT correction of a path (``remote`` or ``local`` prefill), decayed by
@@ -654,10 +661,12 @@ class Router:
             chosen = without_room(first_within_headroom(ranked), ranked)
             if chosen is None:
                 return self._hold_for_room(request, cls, fastest(ranked), spent, forecast)
-            return self._place(request, cls, chosen, now)
+            return self._place_or_remeasure(request, cls, chosen, ranked, now,
+                                            lambda c: c.decode_has_room and within_headroom(c))
         chosen = first_meeting(ranked, cls, spent)
         if chosen is not None:
-            return self._place(request, cls, chosen, now)
+            return self._place_or_remeasure(request, cls, chosen, ranked, now, lambda c: c.decode_has_room and meets(
+                c.ttft_s + spent, c.tpot_s, cls) and within_headroom(c))
         best = fastest(ranked)
         if cls.on_overload == "admit" or (cls.on_overload == "queue" and never_meets(candidates, cls, 0.0)):
             chosen = without_room(ranked[0], ranked)
@@ -760,10 +769,28 @@ class Router:
                         predicted_tpot_s=fastest.tpot_s if fastest else None, reason=why,
                         waited_s=_waited(request, now), retry_after_s=retry_after_s)
 
+    def _place_or_remeasure(self, request: RouteRequest, cls: SloClass, chosen: Candidate,
+                            ranked: Sequence[Candidate], now: float, serves: Callable[[Candidate], bool]) -> Decision:
+        """``chosen``, unless the prefill path it does not take is due a re-measure and the best
+        candidate of that path ``serves`` the request as well (``router/remeasure.py``)."""
+        if not chosen.decode_has_room or not serves(chosen):
+            return self._place(request, cls, chosen, now)
+        alt = self.remeasure.pick(chosen, ranked, serves)
+        if alt is None:
+            return self._place(request, cls, chosen, now)
+        why = "measured sooner last time" if path_of(alt) in self.remeasure.faster else "not taken for a while"
+        reason = (f"re-measuring the {path_of(alt)} prefill path ({why}): {alt.label} predicts TTFT "
+                  f"{alt.ttft_s * 1000:.0f} ms against {chosen.ttft_s * 1000:.0f} ms for {chosen.label}")
+        decision = self._place(request, cls, alt, now, reason)
+        self.counters.remeasures += 1
+        self.inflight[request.request_id].displaced_ttft_s = chosen.ttft_s
+        return decision
+
     def _place(self, request: RouteRequest, cls: SloClass, c: Candidate, now: float, reason: str = "") -> Decision:
         self._rotation += 1
         self.counters.placed += 1
         self.counters.local_prefills += c.prefill is None
+        self.remeasure.placed(c)
         decision = Decision("place", request.request_id, c.prefill, c.decode, cls.name, cls.ttft_s, cls.tpot_s,
                             c.ttft_s, c.tpot_s, c.prefill_hit_blocks, c.decode_hit_blocks, reason=reason,
                             ttft_correction_s=c.correction_s, waited_s=_waited(request, now),
@@ -843,6 +870,8 @@ class Router:
             residual = min(limit, max(-limit, service_ttft_s - (predicted - decision.ttft_correction_s)))
             current = self.correction(path, now)
             self._residual[path] = (current + RESIDUAL_WEIGHT * (residual - current), now)
+            if placed.displaced_ttft_s is not None:
+                self.remeasure.measured(path, service_ttft_s, placed.displaced_ttft_s)
         if tpot_s and decision.predicted_tpot_s and not decision.load_only:
             now = time.time() if now is None else now
             low, high = TPOT_SCALE_LIMITS
@@ -905,7 +934,8 @@ class Router:
             "draining_workers": list(self.topology.draining),
             "live_workers": sorted(self._loads) if self._registry_down_since is None else [],
             "failed_workers": sorted(self.failed), "in_flight": len(self.inflight),
-            "placed": c.placed, "local_prefills": c.local_prefills, "queued_decisions": c.queued,
+            "placed": c.placed, "local_prefills": c.local_prefills, "prefill_path_remeasures": c.remeasures,
+            "queued_decisions": c.queued,
             "waiting": len(self.waiting), "waiting_by_class": self.waiting.by_class(),
             "placed_after_waiting": c.waiting_placed,
             "rejected": c.rejected, "rejected_by_class": dict(c.rejected_by_class),
