@@ -18,7 +18,7 @@ from google.protobuf.json_format import MessageToDict
 from tandem.v1 import tandem_pb2
 
 ROUTER_SUMS = ("in_flight", "waiting", "placed", "local_prefills", "rejected", "queued_decisions",
-               "placed_by_load_only", "placed_after_waiting", "goodput_records_waiting")
+               "placed_by_load_only", "placed_after_waiting", "goodput_records_waiting", "prefill_path_remeasures")
 
 
 # -- on the command line: the status as a mapping, and as text ----------------------------------

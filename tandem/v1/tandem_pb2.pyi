@@ -387,7 +387,7 @@ class Speculation(_message.Message):
     def __init__(self, method: _Optional[str] = ..., num_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_verify: _Optional[float] = ...) -> None: ...
 
 class RouterStatus(_message.Message):
-    __slots__ = ("name", "policy", "registry", "waiting", "in_flight", "placed", "local_prefills", "rejected", "queued_decisions", "placed_by_load_only", "placed_after_waiting", "last_rejection", "live_workers", "failed_workers", "waiting_by_class", "ttft_correction_s", "ttft_prediction_error", "goodput_records_waiting", "rejected_by_class", "warm_up_s")
+    __slots__ = ("name", "policy", "registry", "waiting", "in_flight", "placed", "local_prefills", "rejected", "queued_decisions", "placed_by_load_only", "placed_after_waiting", "last_rejection", "live_workers", "failed_workers", "waiting_by_class", "ttft_correction_s", "ttft_prediction_error", "goodput_records_waiting", "rejected_by_class", "warm_up_s", "prefill_path_remeasures")
     class WaitingByClassEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -429,6 +429,7 @@ class RouterStatus(_message.Message):
     GOODPUT_RECORDS_WAITING_FIELD_NUMBER: _ClassVar[int]
     REJECTED_BY_CLASS_FIELD_NUMBER: _ClassVar[int]
     WARM_UP_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PATH_REMEASURES_FIELD_NUMBER: _ClassVar[int]
     name: str
     policy: str
     registry: str
@@ -449,7 +450,8 @@ class RouterStatus(_message.Message):
     goodput_records_waiting: int
     rejected_by_class: _containers.ScalarMap[str, int]
     warm_up_s: float
-    def __init__(self, name: _Optional[str] = ..., policy: _Optional[str] = ..., registry: _Optional[str] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., placed: _Optional[int] = ..., local_prefills: _Optional[int] = ..., rejected: _Optional[int] = ..., queued_decisions: _Optional[int] = ..., placed_by_load_only: _Optional[int] = ..., placed_after_waiting: _Optional[int] = ..., last_rejection: _Optional[str] = ..., live_workers: _Optional[_Iterable[str]] = ..., failed_workers: _Optional[_Iterable[str]] = ..., waiting_by_class: _Optional[_Mapping[str, int]] = ..., ttft_correction_s: _Optional[_Mapping[str, float]] = ..., ttft_prediction_error: _Optional[float] = ..., goodput_records_waiting: _Optional[int] = ..., rejected_by_class: _Optional[_Mapping[str, int]] = ..., warm_up_s: _Optional[float] = ...) -> None: ...
+    prefill_path_remeasures: int
+    def __init__(self, name: _Optional[str] = ..., policy: _Optional[str] = ..., registry: _Optional[str] = ..., waiting: _Optional[int] = ..., in_flight: _Optional[int] = ..., placed: _Optional[int] = ..., local_prefills: _Optional[int] = ..., rejected: _Optional[int] = ..., queued_decisions: _Optional[int] = ..., placed_by_load_only: _Optional[int] = ..., placed_after_waiting: _Optional[int] = ..., last_rejection: _Optional[str] = ..., live_workers: _Optional[_Iterable[str]] = ..., failed_workers: _Optional[_Iterable[str]] = ..., waiting_by_class: _Optional[_Mapping[str, int]] = ..., ttft_correction_s: _Optional[_Mapping[str, float]] = ..., ttft_prediction_error: _Optional[float] = ..., goodput_records_waiting: _Optional[int] = ..., rejected_by_class: _Optional[_Mapping[str, int]] = ..., warm_up_s: _Optional[float] = ..., prefill_path_remeasures: _Optional[int] = ...) -> None: ...
 
 class SloWindow(_message.Message):
     __slots__ = ("window_s", "requests", "met", "ttft_met", "tpot_met", "failed", "mean_ttft_s", "mean_tpot_s", "goodput_rps", "attainment")

@@ -31,7 +31,7 @@ def message(placed: int = 7, goodput: bool = True) -> tandem_pb2.ClusterStatus:
                         at=1_700_000_000.0, detail="The actor died unexpectedly")
     for i in range(2):
         r = m.routers.add(name=f"router-{i}", policy="slo", registry="ok", waiting=1, in_flight=2, placed=placed,
-                          rejected=1 + 2 * i, failed_workers=["decode-0"])
+                          rejected=1 + 2 * i, failed_workers=["decode-0"], prefill_path_remeasures=3 + i)
         r.ttft_correction_s["remote"] = 0.01
         r.rejected_by_class["standard"] = 1
         if i:
@@ -50,6 +50,7 @@ def test_status_dict_sums_the_routers_and_keeps_the_shape_of_status_json():
     status = status_dict(message(), api="127.0.0.1:1", dashboard=None)
     json.dumps(status)  # plain JSON
     assert status["router"]["placed"] == 14 and status["router"]["waiting"] == 2 and status["queued"] == 2
+    assert status["router"]["prefill_path_remeasures"] == 7  # summed
     assert status["in_flight"] == 4 and status["routers"] == 2 and len(status["each_router"]) == 2
     assert status["router"]["ttft_correction_s"] == {"remote": 0.01}
     assert status["router"]["ttft_prediction_error"] is None
