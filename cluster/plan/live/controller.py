@@ -154,8 +154,8 @@ class LivePlanner:
         """What the decision predicts of ``split`` and the traffic it says it was taken for: the
         proposal's simulation of it averaged over ``DECISION_SEEDS`` workloads (``predict_settled``),
         or, where ``measure_s`` is longer than the window, the same at the rate offered over
-        ``measure_s`` before the decision (the window's
-        lengths kept: they are what shifted). A drill's decision predicted from its 20 s window
+        ``measure_s`` before the decision (the window's lengths and classes kept: they are what
+        shifted). A drill's decision predicted from its 20 s window
         0.64 req/s and 0.40 was measured after it; at the rate that came, the same simulation said 0.41.
         The words say the traffic and what the workers' fits took one of its requests to cost (``fit``)."""
         described = f"{observation.describe()}; {fit}" if fit else observation.describe()
