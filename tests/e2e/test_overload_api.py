@@ -76,8 +76,12 @@ def test_a_request_that_would_wait_past_its_bound_is_refused_at_once_with_retry_
         assert error["message"].startswith("rejected by admission control: predicted to wait ")
         assert "past its bound of 300 ms" in error["message"]
         retry_ms = int(refused.headers["retry-after-ms"])
-        predicted_ms = int(re.search(r"predicted to wait (\d+) ms more", error["message"]).group(1))
-        assert abs(retry_ms - predicted_ms) <= 1  # the wait it predicted (the message rounds it)
+        predicted = re.search(r"predicted to wait (\d+) ms more", error["message"])
+        if predicted is not None:
+            assert abs(retry_ms - int(predicted.group(1))) <= 1  # the wait it predicted (the message rounds it)
+        else:  # a report that shows no sequence decoding yet (seen on a starved machine): no rate to go by
+            assert error["message"].startswith("rejected by admission control: predicted to wait with no end in sight")
+            assert retry_ms == 300  # the class's bound
         assert int(refused.headers["Retry-After"]) == -(-retry_ms // 1000)
 
         with grpc.insecure_channel(cluster.api) as channel:

@@ -426,7 +426,8 @@ def test_an_added_worker_no_node_can_hold_waits_then_gives_up_cleanly(checkpoint
             text = format_status(status)
             assert "prefill worker prefill-1 waiting for a node with 0.25 CPU, 1 prefill_node" in text
             assert f"prefill worker prefill-1 not added: {line}" in text
-            assert f"did not resize 1P+1D -> 2P+1D: predicted 1.00 req/s (50%); resize failed: {line}" in text
+            assert (f"did not resize 1P+1D -> 2P+1D: predicted {decision.predicted_goodput_rps:.2f} req/s "
+                    f"({decision.predicted_attainment:.0%}); resize failed: {line}") in text
     finally:
         cluster.remove_node(decode_node)
 
