@@ -256,7 +256,8 @@ def local_topology(args, mode: str) -> dict:
                         "min_gain": args.min_gain}}
 
 
-async def drive(api: str, phases: list[tuple[Phase, float]], seed: int) -> dict[str, list]:
+async def drive(api: str, phases: list[tuple[Phase, float]], seed: int) -> tuple[float, dict[str, list]]:
+    """Each phase's results, and the wall clock (``time.time()``) at the zero of their send times."""
     import asyncio
     import random
 
@@ -264,7 +265,8 @@ async def drive(api: str, phases: list[tuple[Phase, float]], seed: int) -> dict[
 
     backend = GrpcBackend(api)
     rng, arrivals = random.Random(seed), random.Random(seed + 1)
-    out: dict[str, list] = {"_started_at": [time.time()]}  # the wall clock of the run's clock's zero
+    out: dict[str, list] = {}
+    started_at = time.time()
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     tasks, count, phase_start = [], 0, 0.0
@@ -292,7 +294,7 @@ async def drive(api: str, phases: list[tuple[Phase, float]], seed: int) -> dict[
         await asyncio.gather(*tasks)
     finally:
         await backend.close()
-    return out
+    return started_at, out
 
 
 def local_drill(args) -> int:
@@ -312,7 +314,7 @@ def local_drill(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
         with LocalCluster(f"shift-{mode}", local_topology(args, mode), cache=cache_dir()) as cluster:
-            results = asyncio.run(drive(cluster.api, phases, seed=11))
+            started_at, results = asyncio.run(drive(cluster.api, phases, seed=11))
             if mode == "act":  # the last decision's measure_s passes, and a look measures it
                 time.sleep(max(args.window_s, args.measure_s) + args.interval_s)
             status = cluster.status() or {}
@@ -327,9 +329,9 @@ def local_drill(args) -> int:
                 log(f"local {mode}, {phase.name}: {n} failed: {error}")
         decisions[mode] = (status.get("planner") or {}).get("decisions", [])
         dumped[mode] = {"decisions": decisions[mode], "requests": [
-            {"phase": name, "sent_at": results["_started_at"][0] + r.sent_at, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
+            {"phase": name, "sent_at": started_at + r.sent_at, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
              "ok": r.ok, "rejected": r.rejected, "error": r.error, "placement": r.placement}
-            for name, rs in results.items() if name != "_started_at" for r in rs]}
+            for name, rs in results.items() for r in rs]}
         finals[mode] = sorted(w["name"] for w in status.get("workers", []))
         log(f"local {mode}: " + "; ".join(f"{name}: goodput {f[0]:.2f} req/s, attainment {f[1]:.0%}"
                                           for name, f in figures[mode].items()))

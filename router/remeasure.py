@@ -54,9 +54,11 @@ class PathRemeasure:
              ) -> Candidate | None:
         """The candidate of the other path to place instead of ``chosen`` (None: ``chosen``):
         the best ranked of it that ``serves`` the request, when that path is due a re-measure
-        or measured faster last time, and is predicted within the margin."""
+        or measured faster last time, ``chosen`` serves it too, and it is predicted within the margin."""
         other = "remote" if path_of(chosen) == "local" else "local"
         if other not in self.faster and self.untaken[other] < self.every:
+            return None  # asked first: most placements stop here
+        if not serves(chosen):
             return None
         alt = next((c for c in ranked if path_of(c) == other and serves(c)), None)
         if alt is None or alt.ttft_s > chosen.ttft_s + self.margin_s:

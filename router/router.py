@@ -773,8 +773,6 @@ class Router:
                             ranked: Sequence[Candidate], now: float, serves: Callable[[Candidate], bool]) -> Decision:
         """``chosen``, unless the prefill path it does not take is due a re-measure and the best
         candidate of that path ``serves`` the request as well (``router/remeasure.py``)."""
-        if not chosen.decode_has_room or not serves(chosen):
-            return self._place(request, cls, chosen, now)
         alt = self.remeasure.pick(chosen, ranked, serves)
         if alt is None:
             return self._place(request, cls, chosen, now)

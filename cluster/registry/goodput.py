@@ -168,12 +168,14 @@ class GoodputReader:
         [scopes], since = self._read([self._bucket_keys(window_s, now)])
         return _window(window_s, scopes.get(scope, {}), since, now)
 
-    def class_requests(self, window_s: float, now: float | None = None) -> dict[str, int]:
-        """Requests that ended in the window, per SLO class (one round trip)."""
+    def window_and_class_requests(self, window_s: float, now: float | None = None
+                                  ) -> tuple[GoodputWindow, dict[str, int]]:
+        """The cluster's window, and the requests that ended in it per SLO class (one round trip)."""
         now = time.time() if now is None else now
-        [scopes], _ = self._read([self._bucket_keys(window_s, now)])
-        return {scope[len(CLASS_SCOPE):]: counts.get("n", 0) for scope, counts in sorted(scopes.items())
-                if scope.startswith(CLASS_SCOPE) and counts.get("n", 0)}
+        [scopes], since = self._read([self._bucket_keys(window_s, now)])
+        classes = {scope[len(CLASS_SCOPE):]: counts.get("n", 0) for scope, counts in sorted(scopes.items())
+                   if scope.startswith(CLASS_SCOPE) and counts.get("n", 0)}
+        return _window(window_s, scopes.get(CLUSTER_SCOPE, {}), since, now), classes
 
     def summary(self, now: float | None = None) -> dict:
         """Each of WINDOWS for the cluster, every worker and every SLO class seen in it."""

@@ -172,11 +172,6 @@ class EngineWorker:
         finally:
             lock.release()
 
-    def _snapshot(self) -> tuple[list[KVEvent], WorkerLoad]:
-        """The KV events since the last snapshot and the load now, waiting for the engine."""
-        with self._lock:
-            return self._snapshot_held()
-
     def _snapshot_held(self) -> tuple[list[KVEvent], WorkerLoad]:
         """The KV events since the last snapshot, and the load now (the caller holds the engine)."""
         engine = self.engine

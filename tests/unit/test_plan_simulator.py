@@ -48,7 +48,7 @@ def test_one_colocated_worker_one_request():
 
 
 def test_workers_report_their_load_as_the_simulation_runs():
-    """Three requests a second apart: the workers publish load reports (``EngineWorker._snapshot``
+    """Three requests a second apart: the workers publish load reports (``EngineWorker._snapshot_held``
     on the simulated workers, every ``REPORT_INTERVAL_S``) all the while, and each request is
     served as on an idle worker. (A snapshot that called a metric the simulated workers lack
     once broke every simulation longer than a report interval: the live planner's and

@@ -69,7 +69,7 @@ def test_a_second_start_of_a_worker_reuses_its_kept_profile(model, measured):
     try:
         assert measured == ["prefill"]  # not measured again
         assert list(second.engine.stats.steps) == kept
-        _, load = second._snapshot()
+        _, load = second._report_snapshot()  # the engine is free: the reporter's snapshot now
         assert [s.seconds for s in load.steps] == [s.seconds for s in kept[-len(load.steps):]]
         assert_nothing_left(second.engine)
     finally:

@@ -39,8 +39,7 @@ class Observation:
 
 
 def observe(reader: GoodputReader, window_s: float, now: float) -> Observation:
-    w = reader.window(window_s, now=now)
-    classes = reader.class_requests(window_s, now=now)
+    w, classes = reader.window_and_class_requests(window_s, now=now)
     total = sum(classes.values())
     shares = tuple(sorted(((c, n / total) for c, n in classes.items()), key=lambda cs: (-cs[1], cs[0]))) if total else ()
     return Observation(now, window_s, w.requests, w.rate_rps, w.goodput_rps, w.attainment, w.mean_prompt_tokens,
