@@ -6,12 +6,16 @@ head (128256 x 4096). Every layer has weights of its own (random; 32 copies of o
 served partly from L2), in the engine's forms:
 
 - bf16: ``F.linear`` on bfloat16 weights (cuBLAS);
-- fp8: the f8 layout (e4m3 codes, a float32 scale per 32 weights, as ``model.quantization: fp8``
-  makes it), through the Triton kernel with FP8 activations where the GPU has FP8 tensor cores
-  (compute capability >= 8.9); ``fp8 w-only``: the same weights, activations kept bf16 (what the
-  engine runs: FP8 activations measured slower);
-- int8: q8, a byte and a float32 scale per 32 weights; int4: q4, half a byte and a float32 scale
-  and min per 32 (``cluster/engine/quantization/quantize.py``).
+- fp8: the f8 layout (e4m3 codes, a float32 scale per row, as ``model.quantization: fp8`` makes
+  it), through the Triton kernel with FP8 activations where the GPU has FP8 tensor cores
+  (compute capability >= 8.9); ``fp8 w-only``: the same weights through the Triton kernel,
+  activations kept bf16; ``fp8 _scaled_mm``: the same weights through ``torch._scaled_mm``
+  (activations quantized per row to e4m3); ``fp8 (engine)``: what the engine runs, each batch
+  through the kernel ``kernels/torch_quantized_matmul.py`` gives it;
+- int8: q8, a byte and a float32 scale per 32 weights, through the Triton kernel;
+- int4: q4, half a byte and a float32 scale and min per 32 (``cluster/engine/quantization/quantize.py``),
+  through the Triton kernel; ``int4 tinygemm``: the same weights through ``torch._weight_int4pack_mm``
+  (scale and zero in bf16); ``int4 (engine)``: the engine's choice per batch.
 
 For each batch (rows of activations, bf16), the step's matmuls, in the order a decode step runs
 them, are captured in one CUDA graph (as the engine's decode steps are) and replayed; the step
@@ -66,8 +70,16 @@ NOMINAL_BANDWIDTH = (
     ("A10", 0.6e12),
     ("RTX 4090", 1.008e12),
 )
-FORMATS = ("bf16", "fp8", "fp8 w-only", "int8", "int4")
-QUANTIZE_AS = {"fp8": "fp8", "fp8 w-only": "fp8", "int8": "int8", "int4": "int4"}
+# Formats by the weights they share: (name, kernel) with kernel one of dense, triton, triton-fp8 (FP8
+# activations), torch (the torch kernel's form at every batch) and engine (the engine's rule).
+WEIGHTS = {
+    "bf16": (("bf16", "dense"),),
+    "fp8": (("fp8", "triton-fp8"), ("fp8 w-only", "triton"), ("fp8 _scaled_mm", "torch"), ("fp8 (engine)", "engine")),
+    "int8": (("int8", "triton"),),
+    "int4": (("int4", "triton"), ("int4 tinygemm", "torch"), ("int4 (engine)", "engine")),
+}
+FORMATS = tuple(name for formats in WEIGHTS.values() for name, _ in formats)
+QUANTIZE_AS = {name: quantization for quantization, formats in WEIGHTS.items() for name, _ in formats}
 ENGINE_FORMATS = {"bf16": "none", "fp8": "fp8", "int8": "int8", "int4": "int4"}
 
 
@@ -85,8 +97,10 @@ def nominal_bandwidth(name: str) -> float | None:
     return next((bandwidth for key, bandwidth in NOMINAL_BANDWIDTH if key in name), None)
 
 
-def make_weights(fmt: str, generator: torch.Generator) -> list:
-    """Every layer's four weights and the head, in the format: bf16 tensors or PackedWeights."""
+def make_weights(quantization: str, generator: torch.Generator) -> list:
+    """Every layer's four weights and the head, quantized as ``quantization`` (bf16: tensors; else
+    PackedWeights carrying the torch kernel's form where one applies, as the engine loads them)."""
+    from cluster.engine.kernels.quantized_matmul import with_kernel_form
     from cluster.engine.quantization.quantize import quantize
 
     shapes = [shape for _ in range(LLAMA3_8B["num_hidden_layers"]) for shape in layer_shapes()]
@@ -94,30 +108,48 @@ def make_weights(fmt: str, generator: torch.Generator) -> list:
     weights = []
     for _, rows, cols in shapes:
         w = torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda").uniform_(-0.05, 0.05, generator=generator)
-        weights.append(w if fmt == "bf16" else quantize(w, QUANTIZE_AS[fmt]))
+        weights.append(w if quantization == "bf16" else with_kernel_form(quantize(w, quantization), torch.bfloat16))
         del w
     return weights
 
 
-def weight_bytes(weights: list) -> int:
-    return sum(w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes for w in weights)
+def weight_bytes(weights: list, kernel: str = "triton", batch: int = 1) -> int:
+    """Bytes a step reads of the weights: the tensor, the packed codes, scales and mins, or the
+    torch kernel's form where ``kernel`` takes it at ``batch`` (f8: the codes and a scale a row)."""
+    def form_bytes(form) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(form).values())
+
+    total = 0
+    for w in weights:
+        if isinstance(w, torch.Tensor):
+            total += w.numel() * w.element_size()
+        elif w.kernel_form is not None and (kernel == "torch" or (kernel == "engine" and w.kernel_form.takes(batch))):
+            total += form_bytes(w.kernel_form)
+        else:
+            total += w.nbytes
+    return total
 
 
-def step_fn(fmt: str, weights: list, batch: int):
-    """The step's matmuls on persistent inputs (each matmul reads an input of its width)."""
+def step_fn(kernel: str, weights: list, batch: int):
+    """The step's matmuls on persistent inputs (each matmul reads an input of its width), through
+    ``kernel`` (see WEIGHTS); None where the torch kernel has no form for these weights."""
+    from cluster.engine.kernels.torch_quantized_matmul import torch_matmul
     from cluster.engine.kernels.triton_quantized_matmul import packed_linear
 
+    if kernel == "torch" and any(w.kernel_form is None for w in weights):
+        return None, 0
     widths = {w.shape[1] if isinstance(w, torch.Tensor) else w.cols for w in weights}
     device = weights[0].device if isinstance(weights[0], torch.Tensor) else weights[0].codes.device
     inputs = {k: torch.randn(batch, k, dtype=torch.bfloat16, device=device) for k in widths}
-    fp8_activations = fmt == "fp8"
 
     def step() -> None:
         for w in weights:
             if isinstance(w, torch.Tensor):
                 F.linear(inputs[w.shape[1]], w)
+            elif kernel == "torch":
+                torch_matmul(inputs[w.cols], w.kernel_form)
             else:
-                packed_linear(inputs[w.cols], ((0, w),), w.rows, fp8_activations)
+                packed_linear(inputs[w.cols], ((0, w),), w.rows, kernel == "triton-fp8", kernel == "engine")
 
     return step, sum(t.numel() * t.element_size() for t in inputs.values())
 
@@ -146,16 +178,22 @@ def time_step(step, repeats: int) -> float:
 def run_linear(batches: list[int], repeats: int) -> dict:
     generator = torch.Generator(device="cuda").manual_seed(0)
     results: dict = {}
-    for fmt in FORMATS:
-        log(f"{fmt}: building the weights")
-        weights = make_weights(fmt, generator)
-        total = weight_bytes(weights)
-        results[fmt] = dict(weight_bytes=total, rows={})
-        for batch in batches:
-            step, input_bytes = step_fn(fmt, weights, batch)
-            seconds = time_step(step, repeats)
-            results[fmt]["rows"][batch] = dict(step_s=seconds, bytes=total + input_bytes)
-            log(f"{fmt}: batch {batch}: {seconds * 1e3:.3f} ms a step ({total / 1e9:.2f} GB of weights)")
+    for quantization, formats in WEIGHTS.items():
+        log(f"{quantization}: building the weights")
+        weights = make_weights(quantization, generator)
+        for fmt, kernel in formats:
+            rows = {}
+            for batch in batches:
+                step, input_bytes = step_fn(kernel, weights, batch)
+                if step is None:
+                    log(f"{fmt}: no form for these weights on this GPU; left out")
+                    break
+                seconds = time_step(step, repeats)
+                total = weight_bytes(weights, kernel, batch)
+                rows[batch] = dict(step_s=seconds, bytes=total + input_bytes, weight_bytes=total)
+                log(f"{fmt}: batch {batch}: {seconds * 1e3:.3f} ms a step ({total / 1e9:.2f} GB of weights read)")
+            if rows:
+                results[fmt] = dict(rows=rows)
         del weights
         gc.collect()
         torch.cuda.empty_cache()
@@ -194,12 +232,13 @@ def linear_table(results: dict, batches: list[int], bandwidth: float) -> list[tu
         for fmt in ["bf16"] + [f for f in results if f != "bf16"]:
             row = results[fmt]["rows"][batch]
             rows.append((batch, fmt, f"{row['step_s'] * 1e3:.3f}", f"{row['step_s'] / base:.2f}x",
-                         f"{results[fmt]['weight_bytes'] / 1e9:.2f}", f"{row['bytes'] / row['step_s'] / bandwidth:.1%}",
+                         f"{row['weight_bytes'] / 1e9:.2f}", f"{row['bytes'] / row['step_s'] / bandwidth:.1%}",
                          f"{batch / row['step_s']:.0f}"))
     return rows
 
 
 def goal_rows(results: dict, bandwidth: float) -> list[tuple[str, str]]:
+    """The issue's goals for what the engine runs (its rule's rows where there are any)."""
     def at(fmt: str, batch: int) -> dict:
         return results[fmt]["rows"][batch]
 
@@ -208,20 +247,20 @@ def goal_rows(results: dict, bandwidth: float) -> list[tuple[str, str]]:
     for plans in ("", " (swept)"):
         if f"int4{plans}" not in results:
             continue
+        served = {kind: next(f for f in (f"{kind} (engine){plans}", f"{kind}{plans}") if f in results)
+                  for kind in ("fp8", "int8", "int4")}
         if 1 in batches:
             bf16 = at("bf16", 1)["step_s"]
-            goals.append((f"INT4{plans} batch-1 step over bf16's (goal <= 0.4x)",
-                          f"{at(f'int4{plans}', 1)['step_s'] / bf16:.2f}x"))
-            goals.append((f"FP8{plans} batch-1 step over bf16's (goal <= 0.6x)",
-                          f"{min(at(f'fp8{plans}', 1)['step_s'], at(f'fp8 w-only{plans}', 1)['step_s']) / bf16:.2f}x"))
-            for fmt in ("fp8", "fp8 w-only", "int8", "int4"):
-                row = at(f"{fmt}{plans}", 1)
-                goals.append((f"{fmt}{plans} MBU at batch 1 (goal >= 60%)",
-                              f"{row['bytes'] / row['step_s'] / bandwidth:.1%}"))
+            goals.append((f"{served['int4']}: batch-1 step over bf16's (goal <= 0.4x)",
+                          f"{at(served['int4'], 1)['step_s'] / bf16:.2f}x"))
+            goals.append((f"{served['fp8']}: batch-1 step over bf16's (goal <= 0.6x)",
+                          f"{at(served['fp8'], 1)['step_s'] / bf16:.2f}x"))
+            for fmt in served.values():
+                row = at(fmt, 1)
+                goals.append((f"{fmt}: MBU at batch 1 (goal >= 60%)", f"{row['bytes'] / row['step_s'] / bandwidth:.1%}"))
         if 64 in batches:
-            fp8 = min(at(f"fp8{plans}", 64)["step_s"], at(f"fp8 w-only{plans}", 64)["step_s"])
-            goals.append((f"FP8{plans} tokens/s at batch 64 over bf16's (goal >= 1.3x)",
-                          f"{at('bf16', 64)['step_s'] / fp8:.2f}x"))
+            goals.append((f"{served['fp8']}: tokens/s at batch 64 over bf16's (goal >= 1.3x)",
+                          f"{at('bf16', 64)['step_s'] / at(served['fp8'], 64)['step_s']:.2f}x"))
     return goals
 
 
@@ -254,6 +293,7 @@ def main() -> int:
     parser.add_argument("--batches", type=positive_ints, default=[1, 8, 64], help="default: 1,8,64")
     parser.add_argument("--repeats", type=int, default=30, help="replays timed per format and batch (default: 30)")
     parser.add_argument("--engine", action="store_true", help="also the whole engine's decode step per format")
+    parser.add_argument("--engine-only", action="store_true", help="only the whole engine's decode step per format")
     parser.add_argument("--context", type=int, default=512, help="--engine: prompt tokens per request (default: 512)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="--engine: tokens per request (default: 64)")
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -272,12 +312,12 @@ def main() -> int:
     measured = copy_bandwidth()
     nominal = nominal_bandwidth(name)
     bandwidth = nominal or measured
-    linear = run_linear(args.batches, args.repeats)
+    linear = {} if args.engine_only else run_linear(args.batches, args.repeats)
     if args.plans:
         with swept_plans(args.plans):
             tuned = run_linear(args.batches, args.repeats)
         linear.update({f"{fmt} (swept)": row for fmt, row in tuned.items() if fmt != "bf16"})
-    engine = run_engine(args.batches, args.context, args.decode_tokens) if args.engine else None
+    engine = run_engine(args.batches, args.context, args.decode_tokens) if args.engine or args.engine_only else None
 
     machine = machine_rows(measured)
     machine.append(("bandwidth MBU is taken against", f"{bandwidth / 1e12:.2f} TB/s ("
@@ -285,10 +325,11 @@ def main() -> int:
     machine.append(("fp8 activations", "e4m3 (FP8 tensor cores)" if fp8_activations_run_on(torch.device("cuda"))
                     else "none here: fp8 runs weight-only (compute capability < 8.9)"))
     print_table("machine", machine)
-    print_table("Llama-3-8B shape: 32 layers' linear layers and the output head, one decode step (CUDA graph, "
-                f"median of {args.repeats} replays)", linear_table(linear, args.batches, bandwidth),
-                ("batch", "weights", "step ms", "over bf16", "weights GB", "MBU", "tok/s (linear only)"))
-    print_table("goals (linear layers)", goal_rows(linear, bandwidth))
+    if linear:
+        print_table("Llama-3-8B shape: 32 layers' linear layers and the output head, one decode step (CUDA graph, "
+                    f"median of {args.repeats} replays)", linear_table(linear, args.batches, bandwidth),
+                    ("batch", "weights", "step ms", "over bf16", "weights GB read", "MBU", "tok/s (linear only)"))
+        print_table("goals (linear layers)", goal_rows(linear, bandwidth))
     if engine:
         print_table(f"the engine, whole decode step ({args.context}-token prompts, {args.decode_tokens} new tokens; "
                     "weights quantized at load)", engine_table(engine, bandwidth),

@@ -47,10 +47,11 @@ def assert_close_to_dequantized(out: torch.Tensor, x: torch.Tensor, weight: Pack
     assert (error <= bound).all(), f"worst error {error.max():.3g}, over its bound {(error / bound).max():.3g}x"
 
 
-def fp8_rounding_bound(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+def fp8_rounding_bound(x: torch.Tensor, weight: PackedWeight, group: int = 32) -> torch.Tensor:
     """sum over k of |w| (|x| 2^-4 + s 2^-10): each activation's e4m3 rounding at its group's
-    scale s = max |x| / 448 (3 mantissa bits; below e4m3's normal range, a step of s 2^-9)."""
-    groups = x.float().view(x.shape[0], -1, 32)
+    scale s = max |x| / 448 (3 mantissa bits; below e4m3's normal range, a step of s 2^-9);
+    ``group``: columns per activation scale (a whole row: its width)."""
+    groups = x.float().view(x.shape[0], -1, group)
     scale = groups.abs().amax(-1, keepdim=True) / 448
     per_activation = (groups.abs() * 2.0**-4 + scale * 2.0**-10).view(x.shape)
     return per_activation @ weight.dequantize().abs().T

@@ -95,3 +95,27 @@ def test_bfloat16_decode_graphs_agree_with_eager_steps(quantization, checkpoint)
     eager = LLM(model_dir, enforce_eager=True, **engine).generate(prompts, params)
     for a, b in zip(graphs, eager):
         torch.testing.assert_close(torch.tensor(a.logprobs[0]), torch.tensor(b.logprobs[0]), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "fp8"])
+def test_bfloat16_engines_multiply_through_torchs_kernels_in_their_graphs(quantization, checkpoint):
+    """Wide enough for tinygemm (K a multiple of 128): every packed layer carries the torch
+    kernel's form (tinygemm from compute capability 8.0, _scaled_mm from 8.9), and decode graphs,
+    which take it at their batches, give the eager steps' first-token log-probabilities."""
+    from cluster.engine.models.layers import ShardedLinear
+
+    needs = (8, 0) if quantization == "int4" else (8, 9)
+    if torch.cuda.get_device_capability() < needs:
+        pytest.skip(f"{quantization}'s torch kernel needs compute capability {needs}")
+    model_dir = str(checkpoint("llama", hidden_size=128, intermediate_size=256))
+    prompts = random_prompts([40, 7], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    engine = dict(device="cuda", dtype="bfloat16", verbose=False, num_kv_blocks=128, quantization=quantization)
+    llm = LLM(model_dir, **engine)
+    parts = [part for module in llm.engine.runner.model.modules() if isinstance(module, ShardedLinear)
+             for _, part in module.packed]
+    assert parts and all(part.kernel_form is not None for part in parts)
+    graphs = llm.generate(prompts, params)
+    eager = LLM(model_dir, enforce_eager=True, **engine).generate(prompts, params)
+    for a, b in zip(graphs, eager):
+        torch.testing.assert_close(torch.tensor(a.logprobs[0]), torch.tensor(b.logprobs[0]), atol=0.05, rtol=0.05)

@@ -199,11 +199,12 @@ def test_load_time_quantization_tp2_equals_colocated(checkpoint, kind, sizes):
     assert tp2.tokens == run_batch(model_dir, quantization=kind).tokens
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("tp_size,packed", [(2, True), (4, False)])
 def test_a_row_parallel_rank_of_a_load_time_quantized_weight_holds_the_whole_weights_values(kind, tp_size, packed):
     """Columns 64 / tp_size wide: 32 stay packed, 16 (a cut through a group of 32) are kept widened
-    with the values quantizing the whole weight gives them, not quantized on their own."""
+    with the values quantizing the whole weight gives them, not quantized on their own (fp8: with
+    the scale of each whole row)."""
     from cluster.engine.models.layers import RowParallelLinear
     from cluster.engine.quantization.quantize import quantize
 

@@ -29,6 +29,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from cluster.engine.kernels import triton_fp8  # noqa: E402
 from cluster.engine.kernels import triton_quantized_matmul as kernel  # noqa: E402
 from cluster.engine.kernels.quantized_matmul import packed_linear  # noqa: E402
 from cluster.engine.quantization.packed import PackedWeight  # noqa: E402
@@ -159,7 +160,7 @@ def test_one_row_takes_the_gemv_kernel_with_k_in_runs_of_1024_columns():
 @triton.jit
 def _round_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + i, kernel._round_to_e4m3(tl.load(v_ptr + i, mask=i < n)), mask=i < n)
+    tl.store(out_ptr + i, triton_fp8.round_to_e4m3(tl.load(v_ptr + i, mask=i < n)), mask=i < n)
 
 
 def test_activations_round_to_the_nearest_e4m3_value_as_torch_does():

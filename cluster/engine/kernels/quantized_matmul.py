@@ -12,6 +12,7 @@ AVX-512 cores (torch 2.13), it beats widening the weight and running torch's mat
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 from functools import cache
 from types import ModuleType
 
@@ -99,6 +100,23 @@ def _triton_kernel() -> ModuleType:
     from cluster.engine.kernels import triton_quantized_matmul
 
     return triton_quantized_matmul
+
+
+@cache
+def _torch_kernels() -> ModuleType:
+    """The module of torch's own quantized GPU kernels (imports Triton: its FP8 row quantizer)."""
+    from cluster.engine.kernels import torch_quantized_matmul
+
+    return torch_quantized_matmul
+
+
+def with_kernel_form(weight: PackedWeight, dtype: torch.dtype) -> PackedWeight:
+    """``weight`` carrying the form a torch kernel takes it in (``torch_quantized_matmul``) for
+    activations of ``dtype``, where one applies on its device (CUDA only)."""
+    if weight.codes.device.type != "cuda":
+        return weight
+    form = _torch_kernels().torch_form(weight, dtype)
+    return weight if form is None else replace(weight, kernel_form=form)
 
 
 def packed_linear(x: torch.Tensor, parts: tuple[tuple[int, PackedWeight], ...], out_features: int,

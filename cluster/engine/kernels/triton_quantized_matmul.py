@@ -23,9 +23,11 @@ rounding to e4m3 is done with integer arithmetic to the nearest even value (exac
 conversion: Triton's interpreter converts float32 to e4m3 wrongly where the rounding carries into
 the exponent). It is not the default: on an H200 (Llama-3-8B shape, ``benchmarks/quantized_gpu.py``)
 it took 5.7, 5.8 and 12.3 ms a step at batch 1, 8 and 64 against weight-only's 3.8, 5.3 and 7.4:
-every program quantizes its rows again, per group. ``torch._scaled_mm`` does not fit this layout:
+every program quantizes its rows again, per group. ``torch._scaled_mm`` does not fit a scale per 32:
 its float32 scales are per tensor, per row/column or per 1x128/128x128 block, and its 1x32 blocks
-(MXFP8) take power-of-two e8m0 scales, which would change the weights.
+(MXFP8) take power-of-two e8m0 scales, which would change the weights. f8 weights with one scale
+per row do fit it, and a bfloat16 model multiplies them there (``torch_quantized_matmul``), as
+it does q4 weights on tinygemm at small batches: this kernel serves what those do not take.
 
 Plans (``plan_tiles``), from the number of activation rows M (not specialised on: one compiled
 variant per plan and layout), chosen by ``benchmarks/quantized_gpu_tiles.py`` on an H200
@@ -65,6 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cluster.engine.kernels.triton_fp8 import round_to_e4m3
+from cluster.engine.kernels.torch_quantized_matmul import torch_matmul
 from cluster.engine.kernels.triton_support import device_sm_count, interpreting
 from cluster.engine.quantization.packed import PackedWeight
 
@@ -87,15 +91,6 @@ def _dot(a, b, acc, FP32: tl.constexpr):
     else:
         out = tl.dot(a, b, acc)
     return out
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """float32 values in [-448, 448] rounded to the nearest e4m3fn value (ties to even)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    subnormal = (v + 24576.0) - 24576.0  # multiples of 2^-9: 24576 = 1.5 * 2^14 has an ulp of 2^-9
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
 @triton.jit
@@ -218,7 +213,7 @@ def _quantized_matmul_kernel(
                 x = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
                 amax = tl.max(tl.abs(x), axis=1)
                 x_scale = tl.where(amax > 0, amax / 448.0, 1.0)
-                x_codes = _round_to_e4m3(tl.clamp(x * (448.0 / tl.where(amax > 0, amax, 448.0))[:, None],
+                x_codes = round_to_e4m3(tl.clamp(x * (448.0 / tl.where(amax > 0, amax, 448.0))[:, None],
                                                   -448.0, 448.0)).to(tl.float8e4nv)
                 mask = k_ok[:, None] & n_ok[None, :]
                 w_codes = tl.load(codes_ptr + local_n[None, :] * stride_cn + kk[:, None], mask=mask, other=0)
@@ -408,12 +403,22 @@ def quantized_matmul_into(x: torch.Tensor, weight: PackedWeight, out: torch.Tens
 
 
 def packed_linear(x: torch.Tensor, parts: tuple[tuple[int, PackedWeight], ...], out_features: int,
-                  fp8_activations: bool | None = None) -> torch.Tensor:
-    """``x @ W.T`` for a weight kept as packed row blocks ``(first row, part)``, in x's dtype."""
+                  fp8_activations: bool | None = None, torch_kernels: bool = True) -> torch.Tensor:
+    """``x @ W.T`` for a weight kept as packed row blocks ``(first row, part)``, in x's dtype: a
+    part with a torch kernel's form (``torch_kernels``) goes through it at the batches it takes."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
-    for first, part in parts:
-        quantized_matmul_into(rows, part, out[:, first : first + part.rows], fp8_activations)
+    m = rows.shape[0]
+    forms = [part.kernel_form if torch_kernels and part.kernel_form is not None and part.kernel_form.takes(m)
+             else None for _, part in parts]
+    if len(parts) == 1 and forms[0] is not None:
+        return torch_matmul(rows, forms[0]).view(*x.shape[:-1], out_features)
+    out = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
+    for (first, part), form in zip(parts, forms):
+        target = out[:, first : first + part.rows]
+        if form is not None:
+            target.copy_(torch_matmul(rows, form))
+        else:
+            quantized_matmul_into(rows, part, target, fp8_activations)
     return out.view(*x.shape[:-1], out_features)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine.kernels.quantized_matmul import KERNEL_COLUMNS, packed_linear
+from cluster.engine.kernels.quantized_matmul import KERNEL_COLUMNS, packed_linear, with_kernel_form
 from cluster.engine.quantization.choice import AS_SHIPPED
 from cluster.engine.quantization.packed import PackedWeight, stack_rows
 from cluster.engine.quantization.quantize import GROUP as LOAD_TIME_GROUP
@@ -70,13 +70,21 @@ def _read_rows(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
     return loaded[index]
 
 
-def _read_columns_as_quantized(loaded: Any, start: int, size: int, dtype: torch.dtype, kind: str) -> torch.Tensor:
+def _read_columns_as_quantized(loaded: Any, start: int, size: int, dtype: torch.dtype, kind: str,
+                               row_amax: torch.Tensor | None) -> torch.Tensor:
     """Columns [start, start + size) of ``loaded`` as the whole weight quantized with ``kind`` holds
     them: the groups the cut runs through are read whole, quantized and widened, then cut."""
     first = start - start % LOAD_TIME_GROUP
     stop = -(-(start + size) // LOAD_TIME_GROUP) * LOAD_TIME_GROUP
     groups = _read_rows(loaded, 1, first, stop - first).to(dtype)
-    return quantize(groups, kind).dequantize(dtype)[:, start - first : start - first + size]
+    return quantize(groups, kind, row_amax).dequantize(dtype)[:, start - first : start - first + size]
+
+
+def _whole_row_amax(loaded: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's ``max |w|`` over all of ``loaded``'s columns (read once, at load), as the
+    weight's dtype holds it: fp8's scale per row of the whole weight, for a rank holding some
+    of its columns."""
+    return _read_rows(loaded, 1, 0, _width(loaded)).to(dtype).abs().amax(dim=1).to(torch.float32)
 
 
 def _width(loaded: Any) -> int:
@@ -139,6 +147,7 @@ class ShardedLinear(nn.Module):
         self.packed: tuple[tuple[int, PackedWeight], ...] = ()  # (first row, part), once loaded packed
         self.triton_matmul = False  # multiply packed weights with the Triton kernel (also off CUDA)
         self._packed_parts: dict[int, PackedWeight] = {}
+        self._row_amax: torch.Tensor | None = None  # fp8 on a rank holding some columns: the whole rows' max |w|
 
     def _load(self, param: nn.Parameter, loaded: Any, dim: int, start: int, size: int, offset: int | None,
               what: str) -> None:
@@ -154,8 +163,10 @@ class ShardedLinear(nn.Module):
                 self._packed_parts[offset or 0] = packed
                 return
         target = param.data if offset is None else param.data.narrow(0, offset, size)
+        if param is self.weight and dim == 1 and self.quantization == "fp8" and size < _width(loaded):
+            self._row_amax = _whole_row_amax(loaded, param.dtype)
         if param is self.weight and dim == 1 and self._cuts_quantization_groups(loaded, start, size):
-            values = _read_columns_as_quantized(loaded, start, size, param.dtype, self.quantization)
+            values = _read_columns_as_quantized(loaded, start, size, param.dtype, self.quantization, self._row_amax)
         else:
             values = _read_rows(loaded, dim, start, size)
         _copy_into(target, values, what)
@@ -179,11 +190,11 @@ class ShardedLinear(nn.Module):
                 return
             self.packed = blocks
         elif self.quantization in LOAD_TIME_KINDS and quantizable(self.weight):
-            self.packed = ((0, quantize(self.weight, self.quantization)),)
+            self.packed = ((0, quantize(self.weight, self.quantization, self._row_amax)),)
         else:
             return
-        device = self.weight.device
-        self.packed = tuple((first, part.to(device)) for first, part in self.packed)
+        device, dtype = self.weight.device, self.weight.dtype
+        self.packed = tuple((first, with_kernel_form(part.to(device), dtype)) for first, part in self.packed)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device)
 
     def packed_bytes(self) -> int:
@@ -305,7 +316,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def finish_loading(self) -> None:
         if self._loaded_packed is not None:
-            self.packed, self._loaded_packed = self._loaded_packed.to(self.weight.device), None
+            packed, self._loaded_packed = self._loaded_packed.to(self.weight.device), None
+            self.packed = with_kernel_form(packed, self.weight.dtype)
             self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def packed_bytes(self) -> int:

@@ -18,7 +18,8 @@ sub-block scale, as in the K-quants) is held exactly and the weights dequantize 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +33,9 @@ class PackedWeight:
     codes: torch.Tensor  # q4: uint8 [rows, cols / 2]; q8: int8 [rows, cols]; f8: uint8 [rows, cols]
     scales: torch.Tensor  # float32 [rows, cols / group]
     mins: torch.Tensor | None  # float32 [rows, cols / group], or None (q8, and f8 always)
+    # The same weight as a torch kernel takes it (kernels/torch_quantized_matmul.py), made at load
+    # on a GPU where one applies; the forms made from this one (slices, moves) drop it.
+    kernel_form: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
