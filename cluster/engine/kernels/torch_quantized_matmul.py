@@ -11,7 +11,8 @@ Measured on an H200 (Llama-3-8B shape, a decode step's linear layers, ``benchmar
   column-major operand cuBLASLt takes). The activations are quantized per row to e4m3 by one
   Triton kernel (``max |x| / 448``, rounded to the nearest even code), so the product differs
   from weight-only dequantization by that rounding: at most 1/16 of each activation (3 mantissa
-  bits), as the FP8 recipes of vLLM and llm-compressor (FP8_DYNAMIC) do. Why not ``_scaled_mm``'s
+  bits), as the FP8 recipes of vLLM and llm-compressor (FP8_DYNAMIC) do; the unscaled product is
+  rounded to bfloat16 before the scales are applied (two roundings). Why not ``_scaled_mm``'s
   own row-wise scales: on the H200 they run on a CUTLASS kernel that read the step's 7.5 GB in
   3.4-4.1 ms at batches 1-64 (quantizer excluded), where unit (per-tensor) scales take cuBLASLt's
   kernels: 2.3-2.4 ms; and the Triton kernel's weight-only GEMV took 3.8 ms at batch 1.

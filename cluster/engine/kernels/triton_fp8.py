@@ -12,9 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-F8_MAX = 448.0  # the largest finite e4m3fn value
-
-
 @triton.jit
 def round_to_e4m3(v):
     """float32 values in [-448, 448] rounded to the nearest e4m3fn value (ties to even)."""
