@@ -1,0 +1,62 @@
+"""float32 FMAs against bfloat16 dot products for the CPU's q4 matmul, side by side in one run.
+
+Why: a decode step of one row reads the weights and widens them (memory and widening bound), but
+each row past the first (a prompt's tokens, a speculative verify's guesses) is float32 FMAs on
+the widened weight: on this project's 2-core AVX-512 machine a prompt token costs 1.0-1.3 ms and
+each verify row 9-33% of a one-row step (``docs/speculative_cpu.txt``). CPUs with AVX512_BF16
+take 32 products a vector with ``vdpbf16ps`` where an FMA takes 16. This measures what that buys
+per q4 weight of the default model (``cpu_dot_products.c``: one thread, the two tile kernels on
+the same codes) and what bfloat16's rounding costs in the outputs; the engine does not use
+bfloat16 dot products (they change the arithmetic its token-exact tests compare).
+
+Needs a C compiler and a CPU with AVX512_BF16; without them it says so in one line.
+
+    .venv/bin/python benchmarks/cpu_dot_products.py
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import machine_rows, print_table
+
+SOURCE = Path(__file__).with_name("cpu_dot_products.c")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def main() -> int:
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    missing = {"avx512f", "avx512bw", "avx512_bf16"} - cpu_flags()
+    if compiler is None or missing:
+        why = "no C compiler (gcc or cc)" if compiler is None else f"this CPU lacks {', '.join(sorted(missing))}"
+        print(f"cpu_dot_products.py: skipped, {why}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="tandem-dot-") as folder:
+        binary = Path(folder) / "dot"
+        subprocess.run([compiler, "-O3", "-march=native", "-o", str(binary), str(SOURCE), "-lm"], check=True)
+        print("[bench] one thread, best of 30 calls per kernel and shape", file=sys.stderr, flush=True)
+        lines = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split("\n")
+    rows = []
+    for line in filter(None, lines):
+        n, k, m, f32_ms, bf16_ms, diff = line.split()
+        rows.append((f"{n} x {k}", m, f32_ms, bf16_ms, f"{float(f32_ms) / float(bf16_ms):.2f}x", diff))
+    print_table("machine", machine_rows())
+    print_table("a q4 weight times activation rows (the min term left out of both), one thread",
+                rows, ("weight", "rows", "f32 FMA ms", "bf16 dot ms", "f32 / bf16", "mean |diff| / mean |out|"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
