@@ -16,13 +16,14 @@ Needs a C compiler and a CPU with AVX512_BF16; without them it says so in one li
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from common import machine_rows, print_table
+
+from cluster.engine.kernels.build import c_compiler
 
 SOURCE = Path(__file__).with_name("cpu_dot_products.c")
 
@@ -37,10 +38,11 @@ def cpu_flags() -> set[str]:
 
 
 def main() -> int:
-    compiler = shutil.which("gcc") or shutil.which("cc")
+    compiler = c_compiler()
     missing = {"avx512f", "avx512bw", "avx512_bf16"} - cpu_flags()
     if compiler is None or missing:
-        why = "no C compiler (gcc or cc)" if compiler is None else f"this CPU lacks {', '.join(sorted(missing))}"
+        why = ("no C compiler (cc, gcc or clang; or set CC)" if compiler is None
+               else f"this CPU lacks {', '.join(sorted(missing))}")
         print(f"cpu_dot_products.py: skipped, {why}")
         return 0
     with tempfile.TemporaryDirectory(prefix="tandem-dot-") as folder:

@@ -49,17 +49,24 @@ def within_headroom(c: Candidate) -> bool:
     return c.tpot_limit_s is None or c.tpot_s <= c.tpot_limit_s
 
 
+def room_within_headroom(c: Candidate) -> bool:
+    """It has room now and keeps a tighter class's headroom."""
+    return c.decode_has_room and within_headroom(c)
+
+
+def serves_in_time(c: Candidate, cls: SloClass, spent_s: float) -> bool:
+    """It has room, serves the request in time counting ``spent_s``, and keeps a tighter class's headroom."""
+    return c.decode_has_room and meets(c.ttft_s + spent_s, c.tpot_s, cls) and within_headroom(c)
+
+
 def first_meeting(ranked: Sequence[Candidate], cls: SloClass, spent_s: float) -> Candidate | None:
-    """The best candidate with room that serves the request in time, counting ``spent_s``, and
-    keeps a tighter class's headroom."""
-    return next((c for c in ranked if c.decode_has_room and meets(c.ttft_s + spent_s, c.tpot_s, cls)
-                 and within_headroom(c)), None)
+    """The best candidate that ``serves_in_time``."""
+    return next((c for c in ranked if serves_in_time(c, cls, spent_s)), None)
 
 
 def first_within_headroom(ranked: Sequence[Candidate]) -> Candidate:
-    """A request without objectives: the best with room that keeps a tighter class's headroom,
-    else the best."""
-    return next((c for c in ranked if c.decode_has_room and within_headroom(c)), ranked[0])
+    """A request without objectives: the best with ``room_within_headroom``, else the best."""
+    return next((c for c in ranked if room_within_headroom(c)), ranked[0])
 
 
 def never_meets(candidates: Sequence[Candidate], cls: SloClass, spent_s: float) -> bool:

@@ -71,8 +71,8 @@ from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel, measured_step_scale
 from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
 from router.peer_pull import best_pull
-from router.picker import (explain, fastest, first_meeting, first_within_headroom, meets, never_meets, rank,
-                           with_room, within_headroom, without_room)
+from router.picker import (explain, fastest, first_meeting, first_within_headroom, never_meets, rank,
+                           room_within_headroom, serves_in_time, with_room, without_room)
 from router.prefill_choice import prefills_itself
 from router.remeasure import PathRemeasure, path_of
 from router.wait_forecast import WaitForecast, decode_slots, slot_wait_s
@@ -661,12 +661,11 @@ class Router:
             chosen = without_room(first_within_headroom(ranked), ranked)
             if chosen is None:
                 return self._hold_for_room(request, cls, fastest(ranked), spent, forecast)
-            return self._place_or_remeasure(request, cls, chosen, ranked, now,
-                                            lambda c: c.decode_has_room and within_headroom(c))
+            return self._place_or_remeasure(request, cls, chosen, ranked, now, room_within_headroom)
         chosen = first_meeting(ranked, cls, spent)
         if chosen is not None:
-            return self._place_or_remeasure(request, cls, chosen, ranked, now, lambda c: c.decode_has_room and meets(
-                c.ttft_s + spent, c.tpot_s, cls) and within_headroom(c))
+            return self._place_or_remeasure(request, cls, chosen, ranked, now,
+                                            lambda c: serves_in_time(c, cls, spent))
         best = fastest(ranked)
         if cls.on_overload == "admit" or (cls.on_overload == "queue" and never_meets(candidates, cls, 0.0)):
             chosen = without_room(ranked[0], ranked)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cluster.engine.kernels.build import COMPILE_FLAGS, LINK_FLAGS, SOURCE_DIR, _compiler
+from cluster.engine.kernels.build import COMPILE_FLAGS, LINK_FLAGS, SOURCE_DIR, c_compiler
 from cluster.engine.kernels.quantized_matmul import (
     NativeQuantizedMatmul,
     native_quantized_matmul,
@@ -50,7 +50,7 @@ def portable_kernel(tmp_path_factory) -> NativeQuantizedMatmul:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return native_quantized_matmul()
     target = tmp_path_factory.mktemp("portable") / "quantized_matmul.so"
-    subprocess.run([_compiler(), *COMPILE_FLAGS, "-mno-avx512f", *LINK_FLAGS, str(SOURCE_DIR / "quantized_matmul.c"),
+    subprocess.run([c_compiler(), *COMPILE_FLAGS, "-mno-avx512f", *LINK_FLAGS, str(SOURCE_DIR / "quantized_matmul.c"),
                     "-o", str(target), "-lm"], check=True, capture_output=True)
     return NativeQuantizedMatmul(ctypes.CDLL(str(target)))
 

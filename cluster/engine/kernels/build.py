@@ -41,7 +41,7 @@ def native_kernels_enabled() -> bool:
     return os.environ.get("TANDEM_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _compiler() -> str | None:
+def c_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
@@ -100,7 +100,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
     built or loaded; callers then use their plain-torch path."""
     if not native_kernels_enabled():
         return None
-    compiler = _compiler()
+    compiler = c_compiler()
     if compiler is None:
         logger.warning("no C compiler found (set CC): native kernel %s unavailable, using plain torch", name)
         return None

@@ -34,14 +34,13 @@ synchronisation and are captured in the engine's CUDA graphs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
 from cluster.engine.kernels.triton_fp8 import quantize_rows_e4m3, scale_product
+from cluster.engine.kernels.triton_support import FP8_TENSOR_CORES, capability_at_least
 from cluster.engine.quantization.packed import PackedWeight
 
-FP8_TENSOR_CORES = (8, 9)
 TINYGEMM_CAPABILITY = (8, 0)
 TINYGEMM_INNER_K_TILES = 8  # torchao's choice; K must be a multiple of 16 x this
 TINYGEMM_MAX_ROWS = 16  # up to here, tinygemm (above: the Triton tiles)
@@ -67,15 +66,6 @@ class Int4TinyGemm:
 
 
 TorchForm = Fp8RowScaled | Int4TinyGemm
-
-
-@cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def _runs(device: torch.device, capability: tuple[int, int]) -> bool:
-    return device.type == "cuda" and _capability(device) >= capability
 
 
 def per_row_scales(weight: PackedWeight) -> bool:
@@ -112,10 +102,10 @@ def torch_form(weight: PackedWeight, dtype: torch.dtype) -> TorchForm | None:
     device, or None where none applies (then the Triton kernel serves every batch)."""
     device = weight.codes.device
     rows, cols = weight.shape
-    if (weight.layout == "f8" and dtype == torch.bfloat16 and _runs(device, FP8_TENSOR_CORES)
+    if (weight.layout == "f8" and dtype == torch.bfloat16 and capability_at_least(device, FP8_TENSOR_CORES)
             and rows % 16 == 0 and cols % 16 == 0 and per_row_scales(weight)):
         return fp8_row_scaled(weight)
-    if (weight.layout == "q4" and dtype == torch.bfloat16 and _runs(device, TINYGEMM_CAPABILITY)
+    if (weight.layout == "q4" and dtype == torch.bfloat16 and capability_at_least(device, TINYGEMM_CAPABILITY)
             and rows % 8 == 0 and cols % (16 * TINYGEMM_INNER_K_TILES) == 0):
         return int4_tinygemm(weight)
     return None

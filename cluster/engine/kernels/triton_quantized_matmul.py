@@ -69,7 +69,7 @@ import triton.language as tl
 
 from cluster.engine.kernels.triton_fp8 import round_to_e4m3
 from cluster.engine.kernels.torch_quantized_matmul import torch_matmul
-from cluster.engine.kernels.triton_support import device_sm_count, interpreting
+from cluster.engine.kernels.triton_support import FP8_TENSOR_CORES, capability_at_least, device_sm_count, interpreting
 from cluster.engine.quantization.packed import PackedWeight
 
 LAYOUT_IDS = {"q4": 0, "q8": 1, "f8": 2}
@@ -79,7 +79,6 @@ GEMV_BLOCK_K = 256
 GEMV_TILES_PER_SPLIT = 4  # K is split into runs of 1,024 columns (the sweep's best on an H200)
 MAX_SPLITS = 16
 MIN_TILES_PER_SPLIT = 4
-FP8_ACTIVATIONS_CAPABILITY = (8, 9)  # Ada and Hopper onward have FP8 tensor cores
 
 
 @triton.jit
@@ -335,18 +334,13 @@ def plan_tiles(m: int, n: int, k: int, num_sms: int, splits: int | None = None, 
 
 
 @cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-@cache
 def _sm_count(device: torch.device) -> int:
     return device_sm_count(device)
 
 
 def fp8_activations_run_on(device: torch.device) -> bool:
     """Whether the device has FP8 tensor cores (compute capability >= 8.9)."""
-    return device.type == "cuda" and _capability(device) >= FP8_ACTIVATIONS_CAPABILITY
+    return capability_at_least(device, FP8_TENSOR_CORES)
 
 
 def _fp32_dot(dtype: torch.dtype) -> bool:

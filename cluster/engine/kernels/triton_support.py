@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from functools import cache
 
 import torch
 
@@ -47,6 +48,19 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
             f"attention_backend 'triton' runs on CUDA devices (or on the CPU under TRITON_INTERPRET=1), not on {device}"
         )
     return "triton"
+
+
+FP8_TENSOR_CORES = (8, 9)  # compute capability: Ada and Hopper onward have FP8 tensor cores
+
+
+@cache
+def device_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def capability_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """A CUDA device of at least this compute capability (False off CUDA)."""
+    return device.type == "cuda" and device_capability(device) >= capability
 
 
 def device_sm_count(device: torch.device) -> int:
