@@ -5,9 +5,10 @@ each row past the first (a prompt's tokens, a speculative verify's guesses) is f
 the widened weight: on this project's 2-core AVX-512 machine a prompt token costs 1.0-1.3 ms and
 each verify row 9-33% of a one-row step (``docs/speculative_cpu.txt``). CPUs with AVX512_BF16
 take 32 products a vector with ``vdpbf16ps`` where an FMA takes 16. This measures what that buys
-per q4 weight of the default model (``cpu_dot_products.c``: one thread, the two tile kernels on
-the same codes) and what bfloat16's rounding costs in the outputs; the engine does not use
-bfloat16 dot products (they change the arithmetic its token-exact tests compare).
+per q4 weight of the default model (``cpu_dot_products.c``: one thread, the tile kernels on the
+same codes) and what bfloat16's rounding costs in the outputs. Two bfloat16 kernels: one rounds
+the float32-widened weights, one (the engine's, ``cpu_matmul_dtype: bfloat16``) makes the same
+bfloat16 weights from a 16-entry table per group; the run checks that their outputs are equal.
 
 Needs a C compiler and a CPU with AVX512_BF16; without them it says so in one line.
 
@@ -52,11 +53,13 @@ def main() -> int:
         lines = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split("\n")
     rows = []
     for line in filter(None, lines):
-        n, k, m, f32_ms, bf16_ms, diff = line.split()
-        rows.append((f"{n} x {k}", m, f32_ms, bf16_ms, f"{float(f32_ms) / float(bf16_ms):.2f}x", diff))
+        n, k, m, f32_ms, bf16_ms, table_ms, diff, same = line.split()
+        rows.append((f"{n} x {k}", m, f32_ms, bf16_ms, table_ms, f"{float(f32_ms) / float(table_ms):.2f}x", diff,
+                     "yes" if same == "1" else "NO"))
     print_table("machine", machine_rows())
-    print_table("a q4 weight times activation rows (the min term left out of both), one thread",
-                rows, ("weight", "rows", "f32 FMA ms", "bf16 dot ms", "f32 / bf16", "mean |diff| / mean |out|"))
+    print_table("a q4 weight times activation rows (the min term left out), one thread",
+                rows, ("weight", "rows", "f32 FMA ms", "bf16 dot ms", "bf16 table ms", "f32 / table",
+                       "mean |diff| / mean |out|", "table = bf16"))
     return 0
 
 

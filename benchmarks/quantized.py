@@ -244,9 +244,13 @@ def wait_until_answering(url: str, deadline: float, alive=lambda: True) -> None:
 
 # -- Tandem ---------------------------------------------------------------------------------
 
-def tandem_topology(model: Path) -> dict:
-    """The quick-start topology (the embedded default), with the cached model and free ports."""
-    return {"model": {"path": str(model)}, "server": {"port": free_port(), "http_port": 0}}
+def tandem_topology(model: Path, cpu_matmul_dtype: str = "float32") -> dict:
+    """The quick-start topology (the embedded default), with the cached model and free ports
+    (and ``model.cpu_matmul_dtype`` when not the default)."""
+    spec = {"model": {"path": str(model)}, "server": {"port": free_port(), "http_port": 0}}
+    if cpu_matmul_dtype != "float32":
+        spec["model"]["cpu_matmul_dtype"] = cpu_matmul_dtype
+    return spec
 
 
 def tandem_threads() -> str:
@@ -256,11 +260,12 @@ def tandem_threads() -> str:
 
 
 @contextmanager
-def tandem_server(model: Path, name: str = CLUSTER, placed: dict | None = None) -> Iterator[tuple[str, float]]:
+def tandem_server(model: Path, name: str = CLUSTER, placed: dict | None = None,
+                  cpu_matmul_dtype: str = "float32") -> Iterator[tuple[str, float]]:
     """The cluster's OpenAI API base and its start-up seconds (launch to the API answering);
     at the end, before the cluster stops, its router's placement counts into ``placed``."""
     launched = time.monotonic()
-    with LocalCluster(name, tandem_topology(model)) as cluster:
+    with LocalCluster(name, tandem_topology(model, cpu_matmul_dtype)) as cluster:
         if not cluster.http:
             raise RuntimeError("the cluster serves no OpenAI HTTP API")
         wait_until_answering(f"{cluster.http}/models", launched + START_TIMEOUT_S)
@@ -419,6 +424,7 @@ def report(runs: list[ServerRun], model: Path, args, llama_note: str) -> None:
                               if run.levels[0].done)
     rows = machine_rows() + [
         ("model file", f"{model} ({model.stat().st_size / 2**20:.0f} MiB)"),
+        ("Tandem's cpu_matmul_dtype", args.cpu_matmul_dtype),
         *((f"threads, {run.name}", run.threads) for run in runs),
         ("workload", f"prompt tokens: {prompt_tokens or '?'}; {args.max_tokens} tokens out (greedy, ignore_eos), "
                      "streamed /v1/completions"),
@@ -468,6 +474,8 @@ def main() -> int:
     parser.add_argument("--llama-threads", type=int, default=num_cores(),
                         help="llama-server's --threads (default: the usable cores)")
     parser.add_argument("--first", choices=[TANDEM, LLAMA_CPP], default=TANDEM, help="which server runs first")
+    parser.add_argument("--cpu-matmul-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="Tandem's model.cpu_matmul_dtype (default float32, the quick start's)")
     args = parser.parse_args()
     stop_on_sigterm()
 
@@ -479,8 +487,9 @@ def main() -> int:
                   "--build-llama-server to build it there (about 20 minutes on 2 cores)")
     slots = max(args.concurrency)
     placed: dict = {}
-    servers = {TANDEM: lambda: run_server(TANDEM, tandem_server(model, placed=placed), tandem_threads(), args,
-                                          placed)}
+    servers = {TANDEM: lambda: run_server(TANDEM, tandem_server(model, placed=placed,
+                                                                cpu_matmul_dtype=args.cpu_matmul_dtype),
+                                          tandem_threads(), args, placed)}
     if binary:
         servers[LLAMA_CPP] = lambda: run_server(
             LLAMA_CPP, llama_server(binary, model, args.llama_threads, slots, args.max_tokens),

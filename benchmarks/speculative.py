@@ -183,7 +183,8 @@ def kv_blocks(workloads: dict[str, list[list[int]]], batch: int, max_tokens: int
 
 
 def make_engines(model: Path, device: str, threads: int, workloads: dict[str, list[list[int]]], batch: int,
-                 max_tokens: int, num_tokens: int | None, configs: tuple[str, ...], draft_model: str | None) -> dict:
+                 max_tokens: int, num_tokens: int | None, configs: tuple[str, ...], draft_model: str | None,
+                 cpu_matmul_dtype: str = "float32") -> dict:
     """``num_tokens``: each speculating engine's (None: its method's default)."""
     from cluster.offline.llm import LLM
 
@@ -197,7 +198,8 @@ def make_engines(model: Path, device: str, threads: int, workloads: dict[str, li
         engines[name] = LLM(str(model), verbose=False, device=device, num_threads=threads, block_size=block_size,
                             max_num_seqs=batch, max_model_len=longest + max_tokens + guesses + block_size,
                             num_kv_blocks=kv_blocks(workloads, batch, max_tokens, guesses, block_size),
-                            speculative=specs[name])
+                            speculative=specs[name],
+                            cpu_matmul_dtype=cpu_matmul_dtype if device == "cpu" else "float32")
     return engines
 
 
@@ -383,7 +385,7 @@ def measure_device(model: Path, device: str, threads: int, workloads: dict[str, 
 
     configs = args.configs
     engines = make_engines(model, device, threads, workloads, max(batches), args.max_tokens, args.num_tokens, configs,
-                           args.draft_model)
+                           args.draft_model, args.cpu_matmul_dtype)
     results = []
     try:
         for workload, prompts in workloads.items():
@@ -501,6 +503,8 @@ def main() -> int:
                         help=f"configurations to run besides off, comma-separated (default {','.join(CONFIGS[1:])})")
     parser.add_argument("--draft-model", metavar="PATH",
                         help="a draft checkpoint with the model's tokenizer: adds the draft column")
+    parser.add_argument("--cpu-matmul-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the CPU engines' cpu_matmul_dtype (default float32)")
     parser.add_argument("--workloads", choices=["both", "a", "b"], default="both",
                         help="a: edit/summarise (output repeats the prompt), b: free chat")
     args = parser.parse_args()
@@ -550,7 +554,7 @@ def main() -> int:
     print_table("machine", machine_rows() + [
         ("model file", f"{model} ({model.stat().st_size / 2**20:.0f} MiB)"),
         ("engines", f"{', '.join(args.configs)} (speculative num_tokens {args.num_tokens or 'by method: ' + defaults}), "
-                    f"{threads} torch threads each"),
+                    f"{threads} torch threads each, cpu_matmul_dtype {args.cpu_matmul_dtype}"),
     ] + ([("draft model", args.draft_model)] if args.draft_model else []))
     print_table("prompts (distinct; cycled to fill a batch)",
                 [(name, source, len(ids)) for name in workloads for source, ids in zip(sources[name], workloads[name])],

@@ -14,6 +14,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "fp8"],
                         help="auto: a quantized checkpoint on the CPU as shipped; none: widened; int8/int4/fp8: "
                              "a float checkpoint quantized at load (default: auto)")
+    parser.add_argument("--cpu-matmul-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="how the CPU multiplies quantized weights: float32, or bfloat16 dot products "
+                             "(AVX512_BF16: faster, a bfloat16 engine's rounding) (default: float32)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
@@ -63,6 +66,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
         quantization=args.quantization,
+        cpu_matmul_dtype=args.cpu_matmul_dtype,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         block_size=args.block_size,

@@ -25,6 +25,9 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+CPU_MATMUL_DTYPES = ("float32", "bfloat16")
+
+
 class EngineConfigError(ValueError):
     """A setting that cannot work; the message names it."""
 
@@ -53,7 +56,9 @@ class EngineConfig:
     ``int8``/``int4``/``fp8`` quantize a float checkpoint at load (on CUDA: not with
     ``attention_backend="torch"``; :mod:`cluster.engine.quantization.choice`). ``host_cache``: a
     host tier for the prefix cache's evicted blocks (:mod:`cluster.engine.kv_tiers`), a block count
-    or a size (``"512MiB"``); None: off.
+    or a size (``"512MiB"``); None: off. ``cpu_matmul_dtype``: how the CPU kernel multiplies
+    quantized weights: ``float32``, or ``bfloat16`` dot products (weights and activations rounded to
+    bfloat16, float32 sums; needs AVX512_BF16): see :meth:`resolved_cpu_matmul_dtype`.
     """
 
     model: str
@@ -81,6 +86,7 @@ class EngineConfig:
     load_format: str = "safetensors"
     quantization: str = "auto"  # see cluster/engine/quantization/choice.py
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8 or fp8_e4m3: cluster/engine/quantization/kv_format.py
+    cpu_matmul_dtype: str = "float32"  # or bfloat16: see above
     speculative: SpeculativeConfig | None = None  # several tokens per decode step: cluster/engine/speculative
     host_cache: int | str | None = None  # host KV tier: blocks, or a size like "512MiB"; cluster/engine/kv_tiers
     # A draft checkpoint loaded only to build its KV of the prompts this engine sends, for requests
@@ -125,6 +131,10 @@ class EngineConfig:
             raise EngineConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {quote(self.kv_cache_dtype)}"
             )
+        if self.cpu_matmul_dtype not in CPU_MATMUL_DTYPES:
+            raise EngineConfigError(
+                f"cpu_matmul_dtype must be one of {', '.join(CPU_MATMUL_DTYPES)}, got {quote(self.cpu_matmul_dtype)}"
+            )
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise EngineConfigError(f"speculative must be a SpeculativeConfig or None, got {quote(self.speculative)}")
         if self.prompt_draft_model is not None:
@@ -163,6 +173,23 @@ class EngineConfig:
             check_name("engine", self.engine_name)
         except GroupNameError as exc:
             raise EngineConfigError(str(exc)) from None
+
+    def resolved_cpu_matmul_dtype(self) -> str:
+        """This engine's CPU kernel's ``cpu_matmul_dtype``: float32 off the CPU (the GPU kernels have
+        their own rules); ``bfloat16`` refused where the kernel has no bfloat16 dot products.
+
+        Why float32 is the default: on the default model (teacher-forced over 2,048 tokens against
+        transformers in float32) bfloat16 dot products keep the perplexity within 0.02% but agree on
+        the top token at 97.9% of positions, under the 99% that float32 reaches (100%); a random
+        Q8_0 checkpoint agrees at 96.5%."""
+        from cluster.engine.kernels.quantized_matmul import bf16_dots_supported
+
+        if self.cpu_matmul_dtype == "float32" or not self.device.startswith("cpu"):
+            return "float32"
+        if not bf16_dots_supported():
+            raise EngineConfigError("cpu_matmul_dtype bfloat16 needs a CPU with AVX512_BF16 and the native kernels "
+                                    "(a C compiler); this machine lacks one: set cpu_matmul_dtype to float32")
+        return "bfloat16"
 
     @property
     def kv_share(self) -> float:

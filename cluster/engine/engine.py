@@ -195,7 +195,8 @@ class LLMEngine:
         model_config = load_model_config(source, config.dtype)
         shipped = "gguf" if source.is_gguf else model_config.quant_method
         self.model_config = replace(model_config, quantization=self._quantization(shipped),
-                                    kv_cache_dtype=config.kv_cache_dtype)
+                                    kv_cache_dtype=config.kv_cache_dtype,
+                                    cpu_matmul_dtype=config.resolved_cpu_matmul_dtype())
         self.max_model_len = self._max_model_len()
         self.tokenizer = self._load_tokenizer(source, verbose)
         progress = (lambda done, total, unit: _log(f"loading weights: {done}/{total} {unit}")) if verbose else None

@@ -18,7 +18,8 @@ from cluster.topology import (
 from router.config import RouterConfig, RouterConfigError
 
 # EngineConfig fields that have a place in the topology: model.*, kv.* and each pool's.
-_MODEL_ARGS = {"dtype": "dtype", "max_model_len": "max_model_len", "quantization": "quantization"}
+_MODEL_ARGS = {"dtype": "dtype", "max_model_len": "max_model_len", "quantization": "quantization",
+               "cpu_matmul_dtype": "cpu_matmul_dtype"}
 _KV_ARGS = {"block_size": "block_size", "num_kv_blocks": "num_blocks", "kv_cache_memory_fraction":
             "cache_memory_fraction", "enable_prefix_caching": "prefix_caching", "kv_cache_dtype": "cache_dtype"}
 _POOL_ARGS = {"max_num_batched_tokens": "max_num_batched_tokens", "max_num_seqs": "max_num_seqs",

@@ -245,6 +245,7 @@ def profile_key(engine: LLMEngine, role: str) -> dict:
         "role": role,
         "model": _checkpoint_identity(config.model),
         "engine": {"dtype": str(model.dtype), "quantization": model.quantization, "device": str(device),
+                   "cpu_matmul_dtype": model.cpu_matmul_dtype,
                    "block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens,
                    "max_num_seqs": config.max_num_seqs, "max_model_len": engine.max_model_len,
                    "num_blocks": engine.block_manager.num_blocks, "tp": config.tensor_parallel_size,

@@ -28,6 +28,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import save_file
 
+from cluster.engine.kernels.quantized_matmul import bf16_dots_supported
 from cluster.engine.model_runner import PrefillPlan, StepPlan
 from cluster.offline.llm import LLM
 from test_gguf import gguf_file, gguf_model, transformers_model  # noqa: F401  (gguf_model is a fixture)
@@ -35,6 +36,7 @@ from test_gguf import gguf_file, gguf_model, transformers_model  # noqa: F401  (
 pytestmark = pytest.mark.integration
 
 TEXT = "\n\n".join([heapq.__about__, argparse.__doc__, subprocess.__doc__, codecs.decode(this.s, "rot13")])
+needs_bf16_dots = pytest.mark.skipif(not bf16_dots_supported(), reason="no bfloat16 dot products here (AVX512_BF16)")
 TOKENS = 2048
 RANDOM_TOKENS = 512  # the tiny random checkpoints' max_position_embeddings
 CHUNK = 32  # positions a step
@@ -91,31 +93,51 @@ def engine(path: Path, max_model_len: int = TOKENS + 64, **options) -> LLM:
 
 
 @pytest.mark.registry
-def test_default_model_against_transformers_on_the_same_gguf():
+@pytest.mark.parametrize("cpu_matmul_dtype, least_agreement", [
+    ("float32", 0.99),
+    pytest.param("bfloat16", 0.97, marks=pytest.mark.skipif(not bf16_dots_supported(), reason="no AVX512_BF16")),
+])
+def test_default_model_against_transformers_on_the_same_gguf(cpu_matmul_dtype, least_agreement):
+    """float32 (the default) meets the issue's bounds; bfloat16 dot products (opt-in) keep the
+    perplexity bound but flip near-tied top tokens: 97.9% agreement when measured (2026-11-27),
+    held to 97% here, which a wrong widening or a lost min term would fall far below."""
     import transformers
 
     from cluster.default_model import default_model_path
 
     path = default_model_path()
-    with engine(path) as llm:
+    with engine(path, cpu_matmul_dtype=cpu_matmul_dtype) as llm:
         token_ids = llm.engine.tokenize(TEXT)[:TOKENS]
         assert len(token_ids) == TOKENS
+        assert llm.engine.model_config.cpu_matmul_dtype == cpu_matmul_dtype
+        assert llm.engine.runner.native_step.bf16_dots == (cpu_matmul_dtype == "bfloat16")
+        assert llm.engine.runner.model.lm_head.bf16_dots == (cpu_matmul_dtype == "bfloat16")
         ours = teacher_forced_logits(llm, token_ids)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32).eval()
     agreement, ppl_gap = compare(ours, reference_logits(model, token_ids), token_ids)
-    assert agreement >= 0.99 and ppl_gap <= 0.005, (agreement, ppl_gap)
+    print(f"{cpu_matmul_dtype}: top-1 agreement {agreement:.4f}, perplexity gap {ppl_gap:.5f}")
+    assert agreement >= least_agreement and ppl_gap <= 0.005, (agreement, ppl_gap)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=["Q8_0", "Q4_K"])
-def test_random_gguf_checkpoints_against_transformers(gguf_model, qtype):  # noqa: F811
+@pytest.mark.parametrize("qtype, cpu_matmul_dtype, least_agreement, most_ppl_gap", [
+    (Q.Q8_0, "float32", 0.99, 0.005),
+    (Q.Q4_K, "float32", 0.99, 0.005),
+    pytest.param(Q.Q4_K, "bfloat16", 0.99, 0.005, marks=needs_bf16_dots),
+    # bfloat16 rounds a Q8_0 weight's 8 bits: 96.5% agreement and a 0.47% gap when measured
+    # (2026-11-27), why float32 stays the default; held to what a wrong widening would miss by far.
+    pytest.param(Q.Q8_0, "bfloat16", 0.95, 0.01, marks=needs_bf16_dots),
+], ids=["Q8_0", "Q4_K", "Q4_K-bfloat16", "Q8_0-bfloat16"])
+def test_random_gguf_checkpoints_against_transformers(gguf_model, qtype, cpu_matmul_dtype, least_agreement,  # noqa: F811
+                                                      most_ppl_gap):
     folder = gguf_model("llama", qtype, "wide")
-    with engine(gguf_file(folder), max_model_len=RANDOM_TOKENS) as llm:
+    with engine(gguf_file(folder), max_model_len=RANDOM_TOKENS, cpu_matmul_dtype=cpu_matmul_dtype) as llm:
         token_ids = llm.engine.tokenize(TEXT)[:RANDOM_TOKENS]
         assert llm.engine.model_config.quantization == "gguf"
         ours = teacher_forced_logits(llm, token_ids)
     agreement, ppl_gap = compare(ours, reference_logits(transformers_model(folder), token_ids), token_ids)
-    assert agreement >= 0.99 and ppl_gap <= 0.005, (agreement, ppl_gap)
+    print(f"{qtype.name} {cpu_matmul_dtype}: top-1 agreement {agreement:.4f}, perplexity gap {ppl_gap:.5f}")
+    assert agreement >= least_agreement and ppl_gap <= most_ppl_gap, (agreement, ppl_gap)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from cluster.engine.kernels.quantized_matmul import bf16_dots_supported
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.speculative.config import SpeculativeConfig
 from cluster.offline.llm import LLM
@@ -21,6 +22,7 @@ from conftest import ARCHITECTURES, random_prompts
 from reference_checks import assert_equivalent, reference_greedy
 
 pytestmark = pytest.mark.integration
+needs_bf16_dots = pytest.mark.skipif(not bf16_dots_supported(), reason="no bfloat16 dot products here (AVX512_BF16)")
 
 FIXED = SpeculativeConfig(num_tokens=4, adaptive=False)  # every proposal checked: the bookkeeping's test
 MAX_TOKENS = 32
@@ -125,19 +127,22 @@ def test_no_block_is_held_after_300_requests_with_a_third_cancelled(checkpoint):
 
 
 @pytest.mark.registry
-def test_the_default_model_checks_8_guesses_a_step_with_the_tokens_and_blocks_of_plain_steps():
+@pytest.mark.parametrize("cpu_matmul_dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_dots)])
+def test_the_default_model_checks_8_guesses_a_step_with_the_tokens_and_blocks_of_plain_steps(cpu_matmul_dtype):
     """Verifies of up to 9 rows (past the fused step's 8-row tiles, the output layer's 4 and 5-row
     ones, one attention group): greedy tokens are the plain engine's, and after every step each
     running request holds the blocks of its computed tokens and at most its newest token's (those
-    held for guesses not kept went back), every other block free."""
+    held for guesses not kept went back), every other block free. With bfloat16 dot products too:
+    a row's products do not depend on the rows beside it there either."""
     from cluster.default_model import default_model_path
 
     prompts = [code_edit_prompt(), "Once upon a time, in a small village at the edge of a great forest, there lived a"]
     params = SamplingParams(temperature=0, max_tokens=64)
-    with LLM(str(default_model_path()), verbose=False, num_kv_blocks=64) as plain:
+    options = dict(verbose=False, num_kv_blocks=64, cpu_matmul_dtype=cpu_matmul_dtype)
+    with LLM(str(default_model_path()), **options) as plain:
         expected = [o.token_ids for o in plain.generate(prompts, params)]
-    with LLM(str(default_model_path()), verbose=False, num_kv_blocks=64,
-             speculative=SpeculativeConfig(num_tokens=8, adaptive=False)) as llm:
+    with LLM(str(default_model_path()), speculative=SpeculativeConfig(num_tokens=8, adaptive=False),
+             **options) as llm:
         engine = llm.engine
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, params)

@@ -237,12 +237,12 @@ def test_yaml_anchors_and_merge_keys():
 def test_engine_args():
     spec = parse_topology(doc("""
         cluster: {name: east}
-        model: {dtype: bfloat16, max_model_len: 1024, quantization: none}
+        model: {dtype: bfloat16, max_model_len: 1024, quantization: none, cpu_matmul_dtype: bfloat16}
         prefill: {gpus_per_rank: 1, max_num_batched_tokens: 8192, max_num_seqs: 16, threads: 2}
         kv: {block_size: 32, num_blocks: 500, cache_memory_fraction: 0.5, prefix_caching: false}
     """))
     assert spec.engine_args("prefill") == dict(
-        dtype="bfloat16", quantization="none", block_size=32, max_num_batched_tokens=8192, kv_cache_dtype="auto", max_num_seqs=16, max_model_len=1024,
+        dtype="bfloat16", quantization="none", cpu_matmul_dtype="bfloat16", block_size=32, max_num_batched_tokens=8192, kv_cache_dtype="auto", max_num_seqs=16, max_model_len=1024,
         num_kv_blocks=500, kv_cache_memory_fraction=0.5, enable_prefix_caching=False, num_threads=2,
         device="cuda", cluster_name="east", speculative=None, host_cache=None, prompt_draft_model=None,
     )

@@ -37,25 +37,29 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, window, max_blocks;
     int64_t kv_kind; /* KV_FLOAT, KV_INT8 or KV_FP8: see cluster/engine/quantization/kv_format.py */
+    int64_t bf16_dots; /* quantized weights multiply with bfloat16 dot products (quantized_matmul.c) */
     float eps, scale;
     const float *cos, *sin; /* [positions, head_dim] */
     const float *final_norm;
     const layer_weights *layers;
 } model_weights;
 
+/* x_bf16: scratch of m * k halves for bfloat16 dot products, or NULL (float32): x is rounded into
+ * it once for every part. */
 static void linear(const weight_part *parts, int64_t count, const float *x, int64_t m, int64_t k, float *y,
-                   int64_t y_stride, const float *bias, float *sums, int threads) {
+                   int64_t y_stride, const float *bias, float *sums, uint16_t *x_bf16, int threads) {
+    const uint16_t *xb = rounded_rows(x, k, m, k, x_bf16);
     for (int64_t p = 0; p < count; ++p) {
         const weight_part *w = &parts[p];
         float *out = y + w->first;
         if (w->kind == F32) {
-            matmul(F32, x, k, m, k, w->rows, w->codes, k * 4, 0, 0, 0, 0, out, y_stride, threads);
+            matmul(F32, x, k, m, k, w->rows, w->codes, k * 4, 0, 0, 0, 0, out, y_stride, 0, threads);
             continue;
         }
         const int64_t group = w->kind == Q8_G16 ? 16 : 32, groups = k / group;
-        if (w->mins) group_sums(x, k, m, k, group, sums);
+        if (w->mins && !xb) group_sums(x, k, m, k, group, sums);
         matmul((int)w->kind, x, k, m, k, w->rows, w->codes, w->kind == Q4 ? k / 2 : k, w->scales, w->mins, groups,
-               sums, out, y_stride, threads);
+               sums, out, y_stride, xb, threads);
     }
     if (bias)
         for (int64_t r = 0; r < m; ++r)
@@ -131,6 +135,8 @@ int decode_step(const model_weights *m, float *hidden, int64_t rows, const int64
     float *normed = scratch, *qkv = normed + rows * H, *attended = qkv + rows * qkv_width;
     float *projected = attended + rows * q_width, *gate_up = projected + rows * H, *act = gate_up + rows * 2 * I;
     float *sums = act + rows * I;
+    const int64_t widest = H > I ? H : I;
+    uint16_t *x_bf16 = m->bf16_dots ? (uint16_t *)(sums + rows * (widest / 16)) : 0;
     float e4m3_values[256];
     for (int b = 0; b < 256; ++b) e4m3_values[b] = e4m3fn_value((uint8_t)b);
     const int64_t row_bytes = m->kv_kind == KV_FLOAT ? D * 4 : D + 4;
@@ -138,7 +144,7 @@ int decode_step(const model_weights *m, float *hidden, int64_t rows, const int64
     for (int64_t l = 0; l < m->num_layers; ++l) {
         const layer_weights *w = &m->layers[l];
         rms_norm(hidden, w->input_norm, rows, H, m->eps, normed);
-        linear(w->qkv, w->qkv_parts, normed, rows, H, qkv, qkv_width, w->qkv_bias, sums, threads);
+        linear(w->qkv, w->qkv_parts, normed, rows, H, qkv, qkv_width, w->qkv_bias, sums, x_bf16, threads);
         for (int64_t r = 0; r < rows; ++r) {
             float *q = qkv + r * qkv_width, *k = q + q_width, *v = k + kv_width;
             if (w->q_norm) {
@@ -169,17 +175,17 @@ int decode_step(const model_weights *m, float *hidden, int64_t rows, const int64
                                               lengths, rows, m->heads, m->kv_heads, D, m->block_size, m->window,
                                               m->scale, m->kv_kind == KV_FP8, attended, q_width, threads);
         if (failed) return -1;
-        linear(w->o, 1, attended, rows, q_width, projected, H, w->o_bias, sums, threads);
+        linear(w->o, 1, attended, rows, q_width, projected, H, w->o_bias, sums, x_bf16, threads);
         for (int64_t i = 0; i < rows * H; ++i) hidden[i] += projected[i];
 
         rms_norm(hidden, w->post_norm, rows, H, m->eps, normed);
-        linear(w->gate_up, w->gate_up_parts, normed, rows, H, gate_up, 2 * I, w->gate_up_bias, sums, threads);
+        linear(w->gate_up, w->gate_up_parts, normed, rows, H, gate_up, 2 * I, w->gate_up_bias, sums, x_bf16, threads);
         for (int64_t r = 0; r < rows; ++r)
             for (int64_t i = 0; i < I; ++i) {
                 const float g = gate_up[r * 2 * I + i];
                 act[r * I + i] = g / (1.0f + expf(-g)) * gate_up[r * 2 * I + I + i];
             }
-        linear(w->down, 1, act, rows, I, projected, H, w->down_bias, sums, threads);
+        linear(w->down, 1, act, rows, I, projected, H, w->down_bias, sums, x_bf16, threads);
         for (int64_t i = 0; i < rows * H; ++i) hidden[i] += projected[i];
     }
     rms_norm(hidden, m->final_norm, rows, H, m->eps, hidden);
@@ -190,6 +196,7 @@ int decode_step(const model_weights *m, float *hidden, int64_t rows, const int64
 int64_t decode_step_scratch_floats(const model_weights *m, int64_t rows) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
     const int64_t q_width = m->heads * D, qkv_width = q_width + 2 * m->kv_heads * D;
-    const int64_t widest = H > I ? H : I;
-    return rows * (H + qkv_width + q_width + H + 2 * I + I + widest / 16);
+    const int64_t widest = H > I ? H : I, widest_input = widest > q_width ? widest : q_width;
+    /* the last term: the bfloat16 rows of the widest matmul input (two to a float) */
+    return rows * (H + qkv_width + q_width + H + 2 * I + I + widest / 16 + (widest_input + 1) / 2);
 }

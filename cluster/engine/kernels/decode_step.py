@@ -40,7 +40,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         ("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("block_size", _i64), ("window", _i64), ("max_blocks", _i64), ("kv_kind", _i64),
-        ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
+        ("bf16_dots", _i64), ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(_Layer)),
     ]
 
@@ -78,6 +78,7 @@ class StepShape:
     eps: float
     scale: float
     kv_cache_dtype: str = "auto"  # auto (float32 rows), int8 or fp8_e4m3: KVCacheFormat.name
+    bf16_dots: bool = False  # quantized weights multiply with bfloat16 dot products (quantized_matmul.c)
 
 
 def _kind(part: PackedWeight) -> int:
@@ -103,9 +104,10 @@ class NativeDecodeStep:
         self._layers = (_Layer * len(layers))(*(self._layer(w) for w in layers))
         self._model = _Model(len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                              shape.intermediate, shape.block_size, shape.window, 0,
-                             KV_KINDS[shape.kv_cache_dtype], shape.eps, shape.scale,
+                             KV_KINDS[shape.kv_cache_dtype], int(shape.bf16_dots), shape.eps, shape.scale,
                              cos.data_ptr(), sin.data_ptr(), final_norm.data_ptr(), self._layers)
         self.hidden = shape.hidden
+        self.bf16_dots = shape.bf16_dots
         self._scratch = torch.empty(0)
 
     def _parts(self, parts: WeightParts, size: int):

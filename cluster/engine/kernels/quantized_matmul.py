@@ -6,7 +6,10 @@ the CPU for an engine on the Triton backend (under ``TRITON_INTERPRET=1``, in te
 The kernel serves every number of activation rows, long prompt chunks included: measured on 2
 AVX-512 cores (torch 2.13), it beats widening the weight and running torch's matmul from 1 row to
 2,048 (q4 3072 x 576: 1.2 against 5.2 ms at 64 rows, 7.8 against 13.6 at 512, 31 against 35 at
-2,048), so there is no row count past which the weight is widened.
+2,048), so there is no row count past which the weight is widened. With ``bf16_dots`` (an engine's
+``cpu_matmul_dtype: bfloat16``, on a CPU with AVX512_BF16) it multiplies with
+bfloat16 dot products (``quantized_matmul.c``): faster at every row count, at a bfloat16 engine's
+rounding.
 """
 
 from __future__ import annotations
@@ -31,33 +34,37 @@ class NativeQuantizedMatmul:
     def __init__(self, lib: ctypes.CDLL):
         self._q4 = lib.quantized_matmul_q4
         self._q4.restype = _int
-        self._q4.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _int]
+        self._q4.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int]
         self._q8 = lib.quantized_matmul_q8
         self._q8.restype = _int
-        self._q8.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _int]
+        self._q8.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _int]
         self._f8 = lib.quantized_matmul_f8
         self._f8.restype = _int
-        self._f8.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int]
+        self._f8.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int]
+        self.bf16_dots_supported = bool(lib.bf16_dots_supported())
 
-    def __call__(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor) -> None:
-        """``out[m, n] = x[m] . w[n]``; x [M, K] float32 with unit column stride, out [M, N] likewise."""
+    def __call__(self, x: torch.Tensor, weight: PackedWeight, out: torch.Tensor, bf16_dots: bool = False) -> None:
+        """``out[m, n] = x[m] . w[n]``; x [M, K] float32 with unit column stride, out [M, N] likewise.
+        ``bf16_dots``: bfloat16 dot products, where this build has them."""
         m, k = x.shape
         n = weight.rows
         threads = kernel_threads()
+        rounded = torch.empty(m * k, dtype=torch.bfloat16) if bf16_dots and self.bf16_dots_supported else None
+        x_bf16 = rounded.data_ptr() if rounded is not None else None
         if weight.layout == "f8":
             status = self._f8(x.data_ptr(), x.stride(0), m, k, n, weight.codes.data_ptr(), weight.scales.data_ptr(),
-                              out.data_ptr(), out.stride(0), threads)
+                              out.data_ptr(), out.stride(0), x_bf16, threads)
         else:
             sums = torch.empty(m * (k // weight.group), dtype=torch.float32)
             mins = weight.mins.data_ptr() if weight.mins is not None else None
             if weight.layout == "q4":
                 status = self._q4(x.data_ptr(), x.stride(0), m, k, n, weight.codes.data_ptr(),
                                   weight.scales.data_ptr(), mins, sums.data_ptr(), out.data_ptr(), out.stride(0),
-                                  threads)
+                                  x_bf16, threads)
             else:
                 status = self._q8(x.data_ptr(), x.stride(0), m, k, n, weight.group, weight.codes.data_ptr(),
                                   weight.scales.data_ptr(), mins, sums.data_ptr(), out.data_ptr(), out.stride(0),
-                                  threads)
+                                  x_bf16, threads)
         if status:
             raise ValueError(f"quantized matmul: {k} columns do not fall on blocks of {KERNEL_COLUMNS}")
 
@@ -68,6 +75,14 @@ def native_quantized_matmul() -> NativeQuantizedMatmul | None:
     return NativeQuantizedMatmul(lib) if lib is not None else None
 
 
+def bf16_dots_supported() -> bool:
+    """Whether the CPU kernel here can multiply with bfloat16 dot products (built with AVX512_BF16)."""
+    if not native_kernels_enabled():
+        return False
+    kernel = native_quantized_matmul()
+    return kernel is not None and kernel.bf16_dots_supported
+
+
 def _fits_kernel(x: torch.Tensor, out: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu" and x.dtype == out.dtype == torch.float32
@@ -75,12 +90,13 @@ def _fits_kernel(x: torch.Tensor, out: torch.Tensor) -> bool:
     )
 
 
-def quantized_linear_into(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor) -> None:
-    """Writes ``x @ W.T`` into ``out`` ([M, N], possibly a column slice of a wider output)."""
+def quantized_linear_into(x: torch.Tensor, weight: PackedWeight, out: torch.Tensor, bf16_dots: bool = False) -> None:
+    """Writes ``x @ W.T`` into ``out`` ([M, N], possibly a column slice of a wider output);
+    ``bf16_dots``: the CPU kernel multiplies in bfloat16 (see ``quantized_matmul.c``)."""
     if native_kernels_enabled() and _fits_kernel(x, out):
         kernel = native_quantized_matmul()
         if kernel is not None:
-            kernel(x, weight, out)
+            kernel(x, weight, out, bf16_dots)
             return
     out.copy_(F.linear(x, weight.dequantize(x.dtype)))
 
@@ -120,10 +136,11 @@ def with_kernel_form(weight: PackedWeight, dtype: torch.dtype) -> PackedWeight:
 
 
 def packed_linear(x: torch.Tensor, parts: tuple[tuple[int, PackedWeight], ...], out_features: int,
-                  triton: bool = False) -> torch.Tensor:
+                  triton: bool = False, bf16_dots: bool = False) -> torch.Tensor:
     """``x @ W.T`` for a weight kept as packed row blocks ``(first row, part)`` (q, k and v of one
     layer may ship in different GGUF types), returned in x's dtype: on CUDA or with ``triton``
-    through the Triton kernel (float32 accumulation), else computed in float32 on the CPU."""
+    through the Triton kernel (float32 accumulation), else computed in float32 on the CPU (with
+    ``bf16_dots``, from bfloat16 products)."""
     if triton or x.device.type == "cuda":
         return _triton_kernel().packed_linear(x, parts, out_features)
     rows = x.reshape(-1, x.shape[-1])
@@ -131,5 +148,5 @@ def packed_linear(x: torch.Tensor, parts: tuple[tuple[int, PackedWeight], ...], 
         rows = rows.to(torch.float32).contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
     for first, part in parts:
-        quantized_linear_into(rows, part, out[:, first : first + part.rows])
+        quantized_linear_into(rows, part, out[:, first : first + part.rows], bf16_dots)
     return out.view(*x.shape[:-1], out_features).to(x.dtype)

@@ -202,6 +202,10 @@ class CausalLM(nn.Module):
             self.lm_head.packed = self.model.embed_tokens.packed
         else:
             self.lm_head.finish_loading()
+        if self.config.cpu_matmul_dtype == "bfloat16":
+            for module in self.modules():
+                if isinstance(module, (ShardedLinear, ParallelLMHead)):
+                    module.bf16_dots = True
 
     def use_triton_matmuls(self) -> None:
         """Packed layers multiply with the Triton kernel: on an engine on the Triton backend (on

@@ -74,6 +74,7 @@ def native_decode_step(model: CausalLM, block_size: int) -> NativeDecodeStep | N
         hidden=config.hidden_size, heads=first.num_heads, kv_heads=first.num_kv_heads, head_dim=config.head_dim,
         intermediate=config.intermediate_size, block_size=block_size, window=config.sliding_window or 0,
         eps=config.rms_norm_eps, scale=first.attn.scale, kv_cache_dtype=config.kv_cache_dtype,
+        bf16_dots=config.cpu_matmul_dtype == "bfloat16",
     )
     rotary = model.model.rotary
     return NativeDecodeStep(decode_step_library(), shape, layers, rotary.cos.contiguous(), rotary.sin.contiguous(),
