@@ -244,11 +244,11 @@ def wait_until_answering(url: str, deadline: float, alive=lambda: True) -> None:
 
 # -- Tandem ---------------------------------------------------------------------------------
 
-def tandem_topology(model: Path, cpu_matmul_dtype: str = "float32") -> dict:
+def tandem_topology(model: Path, cpu_matmul_dtype: str = "auto") -> dict:
     """The quick-start topology (the embedded default), with the cached model and free ports
     (and ``model.cpu_matmul_dtype`` when not the default)."""
     spec = {"model": {"path": str(model)}, "server": {"port": free_port(), "http_port": 0}}
-    if cpu_matmul_dtype != "float32":
+    if cpu_matmul_dtype != "auto":
         spec["model"]["cpu_matmul_dtype"] = cpu_matmul_dtype
     return spec
 
@@ -261,7 +261,7 @@ def tandem_threads() -> str:
 
 @contextmanager
 def tandem_server(model: Path, name: str = CLUSTER, placed: dict | None = None,
-                  cpu_matmul_dtype: str = "float32") -> Iterator[tuple[str, float]]:
+                  cpu_matmul_dtype: str = "auto") -> Iterator[tuple[str, float]]:
     """The cluster's OpenAI API base and its start-up seconds (launch to the API answering);
     at the end, before the cluster stops, its router's placement counts into ``placed``."""
     launched = time.monotonic()
@@ -474,8 +474,8 @@ def main() -> int:
     parser.add_argument("--llama-threads", type=int, default=num_cores(),
                         help="llama-server's --threads (default: the usable cores)")
     parser.add_argument("--first", choices=[TANDEM, LLAMA_CPP], default=TANDEM, help="which server runs first")
-    parser.add_argument("--cpu-matmul-dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="Tandem's model.cpu_matmul_dtype (default float32, the quick start's)")
+    parser.add_argument("--cpu-matmul-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="Tandem's model.cpu_matmul_dtype (default auto, the quick start's)")
     args = parser.parse_args()
     stop_on_sigterm()
 

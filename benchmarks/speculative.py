@@ -184,7 +184,7 @@ def kv_blocks(workloads: dict[str, list[list[int]]], batch: int, max_tokens: int
 
 def make_engines(model: Path, device: str, threads: int, workloads: dict[str, list[list[int]]], batch: int,
                  max_tokens: int, num_tokens: int | None, configs: tuple[str, ...], draft_model: str | None,
-                 cpu_matmul_dtype: str = "float32") -> dict:
+                 cpu_matmul_dtype: str = "auto") -> dict:
     """``num_tokens``: each speculating engine's (None: its method's default)."""
     from cluster.offline.llm import LLM
 
@@ -503,8 +503,8 @@ def main() -> int:
                         help=f"configurations to run besides off, comma-separated (default {','.join(CONFIGS[1:])})")
     parser.add_argument("--draft-model", metavar="PATH",
                         help="a draft checkpoint with the model's tokenizer: adds the draft column")
-    parser.add_argument("--cpu-matmul-dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="the CPU engines' cpu_matmul_dtype (default float32)")
+    parser.add_argument("--cpu-matmul-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the CPU engines' cpu_matmul_dtype (default auto)")
     parser.add_argument("--workloads", choices=["both", "a", "b"], default="both",
                         help="a: edit/summarise (output repeats the prompt), b: free chat")
     args = parser.parse_args()

@@ -14,9 +14,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "fp8"],
                         help="auto: a quantized checkpoint on the CPU as shipped; none: widened; int8/int4/fp8: "
                              "a float checkpoint quantized at load (default: auto)")
-    parser.add_argument("--cpu-matmul-dtype", default="float32", choices=["float32", "bfloat16"],
+    parser.add_argument("--cpu-matmul-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="how the CPU multiplies quantized weights: float32, or bfloat16 dot products "
-                             "(AVX512_BF16: faster, a bfloat16 engine's rounding) (default: float32)")
+                             "(AVX512_BF16: faster, a bfloat16 engine's rounding); auto: bfloat16 for 4-bit "
+                             "weights where the CPU has it (default: auto)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")

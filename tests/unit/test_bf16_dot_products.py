@@ -27,17 +27,21 @@ needs_bf16_dots = pytest.mark.skipif(not bf16_dots_supported(),
 
 
 def test_the_setting_is_checked_and_bfloat16_refused_where_the_kernel_lacks_it(monkeypatch):
-    with pytest.raises(EngineConfigError, match=r"cpu_matmul_dtype must be one of float32, bfloat16, got 'bf16'"):
+    with pytest.raises(EngineConfigError, match=r"cpu_matmul_dtype must be one of auto, float32, bfloat16, got 'bf16'"):
         EngineConfig(model="m", cpu_matmul_dtype="bf16")
-    assert EngineConfig(model="m").resolved_cpu_matmul_dtype() == "float32"
+    assert EngineConfig(model="m").cpu_matmul_dtype == "auto"
+    assert EngineConfig(model="m", cpu_matmul_dtype="float32").resolved_cpu_matmul_dtype() == "float32"
     assert EngineConfig(model="m", device="cuda", cpu_matmul_dtype="bfloat16").resolved_cpu_matmul_dtype() == "float32"
     monkeypatch.setattr(quantized_matmul, "bf16_dots_supported", lambda: False)
+    assert EngineConfig(model="m").resolved_cpu_matmul_dtype() == "float32"
     with pytest.raises(EngineConfigError, match="needs a CPU with AVX512_BF16") as refused:
         EngineConfig(model="m", cpu_matmul_dtype="bfloat16").resolved_cpu_matmul_dtype()
-    assert "\n" not in str(refused.value) and "set cpu_matmul_dtype to float32" in str(refused.value)
+    assert "\n" not in str(refused.value) and "set cpu_matmul_dtype to auto or float32" in str(refused.value)
     monkeypatch.setattr(quantized_matmul, "bf16_dots_supported", lambda: True)
+    assert EngineConfig(model="m").resolved_cpu_matmul_dtype() == "auto"
     assert EngineConfig(model="m", cpu_matmul_dtype="bfloat16").resolved_cpu_matmul_dtype() == "bfloat16"
-    assert engine_config.CPU_MATMUL_DTYPES == ("float32", "bfloat16")
+    assert engine_config.CPU_MATMUL_DTYPES == ("auto", "float32", "bfloat16")
+    assert quantized_matmul.BF16_LAYOUTS == {"float32": (), "auto": ("q4",), "bfloat16": ("q4", "q8", "f8")}
 
 
 def exact_weights(weight: PackedWeight) -> torch.Tensor:
@@ -108,7 +112,7 @@ def test_packed_linear_takes_the_bfloat16_kernel_for_every_part():
     different types): each part through the bfloat16 kernel."""
     parts = ((0, packed("q4", 8, 96, seed=1)), (8, packed("q8g16", 5, 96, seed=2)), (13, packed("f8", 3, 96, seed=3)))
     x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(9))
-    out = packed_linear(x, parts, 16, bf16_dots=True)
+    out = packed_linear(x, parts, 16, bf16_layouts=("q4", "q8", "f8"))
     assert out.shape == (2, 3, 16)
     rows = x.reshape(6, 96)
     for first, part in parts:
@@ -116,3 +120,5 @@ def test_packed_linear_takes_the_bfloat16_kernel_for_every_part():
         got = out.reshape(6, 16)[:, first : first + part.rows].double()
         assert ((got - exact).abs() <= 1e-5 * magnitude + 1e-7).all()
     assert not torch.equal(out, packed_linear(x, parts, 16))
+    q4_only = packed_linear(x, parts, 16, bf16_layouts=("q4",))  # auto's: the 8-bit parts in float32
+    assert torch.equal(q4_only[..., :8], out[..., :8]) and torch.equal(q4_only[..., 8:], packed_linear(x, parts, 16)[..., 8:])

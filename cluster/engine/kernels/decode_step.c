@@ -24,6 +24,7 @@ typedef struct {
     int64_t kind, first, rows;
     const void *codes;
     const float *scales, *mins;
+    int64_t bf16_dots; /* multiplied with bfloat16 dot products (quantized_matmul.c) */
 } weight_part;
 
 typedef struct {
@@ -37,18 +38,19 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, window, max_blocks;
     int64_t kv_kind; /* KV_FLOAT, KV_INT8 or KV_FP8: see cluster/engine/quantization/kv_format.py */
-    int64_t bf16_dots; /* quantized weights multiply with bfloat16 dot products (quantized_matmul.c) */
     float eps, scale;
     const float *cos, *sin; /* [positions, head_dim] */
     const float *final_norm;
     const layer_weights *layers;
 } model_weights;
 
-/* x_bf16: scratch of m * k halves for bfloat16 dot products, or NULL (float32): x is rounded into
- * it once for every part. */
+/* x_bf16: scratch of m * k halves: x is rounded into it once for the parts that take bfloat16 dot
+ * products. */
 static void linear(const weight_part *parts, int64_t count, const float *x, int64_t m, int64_t k, float *y,
                    int64_t y_stride, const float *bias, float *sums, uint16_t *x_bf16, int threads) {
-    const uint16_t *xb = rounded_rows(x, k, m, k, x_bf16);
+    int any_bf16 = 0;
+    for (int64_t p = 0; p < count; ++p) any_bf16 |= parts[p].kind != F32 && parts[p].bf16_dots;
+    const uint16_t *rounded = any_bf16 ? rounded_rows(x, k, m, k, x_bf16) : 0;
     for (int64_t p = 0; p < count; ++p) {
         const weight_part *w = &parts[p];
         float *out = y + w->first;
@@ -57,6 +59,7 @@ static void linear(const weight_part *parts, int64_t count, const float *x, int6
             continue;
         }
         const int64_t group = w->kind == Q8_G16 ? 16 : 32, groups = k / group;
+        const uint16_t *xb = w->bf16_dots ? rounded : 0;
         if (w->mins && !xb) group_sums(x, k, m, k, group, sums);
         matmul((int)w->kind, x, k, m, k, w->rows, w->codes, w->kind == Q4 ? k / 2 : k, w->scales, w->mins, groups,
                sums, out, y_stride, xb, threads);
@@ -136,7 +139,7 @@ int decode_step(const model_weights *m, float *hidden, int64_t rows, const int64
     float *projected = attended + rows * q_width, *gate_up = projected + rows * H, *act = gate_up + rows * 2 * I;
     float *sums = act + rows * I;
     const int64_t widest = H > I ? H : I;
-    uint16_t *x_bf16 = m->bf16_dots ? (uint16_t *)(sums + rows * (widest / 16)) : 0;
+    uint16_t *x_bf16 = (uint16_t *)(sums + rows * (widest / 16));
     float e4m3_values[256];
     for (int b = 0; b < 256; ++b) e4m3_values[b] = e4m3fn_value((uint8_t)b);
     const int64_t row_bytes = m->kv_kind == KV_FLOAT ? D * 4 : D + 4;

@@ -23,7 +23,8 @@ KV_KINDS = {"auto": 0, "int8": 1, "fp8_e4m3": 2}
 
 
 class _Part(ctypes.Structure):
-    _fields_ = [("kind", _i64), ("first", _i64), ("rows", _i64), ("codes", _ptr), ("scales", _ptr), ("mins", _ptr)]
+    _fields_ = [("kind", _i64), ("first", _i64), ("rows", _i64), ("codes", _ptr), ("scales", _ptr), ("mins", _ptr),
+                ("bf16_dots", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -40,7 +41,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         ("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("block_size", _i64), ("window", _i64), ("max_blocks", _i64), ("kv_kind", _i64),
-        ("bf16_dots", _i64), ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
+        ("eps", _f32), ("scale", _f32), ("cos", _ptr), ("sin", _ptr), ("final_norm", _ptr),
         ("layers", ctypes.POINTER(_Layer)),
     ]
 
@@ -78,7 +79,8 @@ class StepShape:
     eps: float
     scale: float
     kv_cache_dtype: str = "auto"  # auto (float32 rows), int8 or fp8_e4m3: KVCacheFormat.name
-    bf16_dots: bool = False  # quantized weights multiply with bfloat16 dot products (quantized_matmul.c)
+    # layouts of the quantized weights that multiply with bfloat16 dot products (quantized_matmul.c)
+    bf16_layouts: tuple[str, ...] = ()
 
 
 def _kind(part: PackedWeight) -> int:
@@ -101,13 +103,13 @@ class NativeDecodeStep:
         self._scratch_floats.restype = _i64
         self._scratch_floats.argtypes = [ctypes.POINTER(_Model), _i64]
         self._keep: list[torch.Tensor] = [cos, sin, final_norm]
+        self.bf16_layouts = shape.bf16_layouts
         self._layers = (_Layer * len(layers))(*(self._layer(w) for w in layers))
         self._model = _Model(len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                              shape.intermediate, shape.block_size, shape.window, 0,
-                             KV_KINDS[shape.kv_cache_dtype], int(shape.bf16_dots), shape.eps, shape.scale,
+                             KV_KINDS[shape.kv_cache_dtype], shape.eps, shape.scale,
                              cos.data_ptr(), sin.data_ptr(), final_norm.data_ptr(), self._layers)
         self.hidden = shape.hidden
-        self.bf16_dots = shape.bf16_dots
         self._scratch = torch.empty(0)
 
     def _parts(self, parts: WeightParts, size: int):
@@ -117,10 +119,10 @@ class NativeDecodeStep:
                 kind = _kind(part)
                 self._keep.extend(t for t in (part.codes, part.scales, part.mins) if t is not None)
                 array[slot] = _Part(kind, first, part.rows, part.codes.data_ptr(), part.scales.data_ptr(),
-                                    _pointer(part.mins))
+                                    _pointer(part.mins), part.layout in self.bf16_layouts)
             else:
                 self._keep.append(part)
-                array[slot] = _Part(F32, first, part.shape[0], part.data_ptr(), None, None)
+                array[slot] = _Part(F32, first, part.shape[0], part.data_ptr(), None, None, 0)
         return array
 
     def _layer(self, w: LayerWeights) -> _Layer:

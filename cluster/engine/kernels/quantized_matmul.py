@@ -6,10 +6,9 @@ the CPU for an engine on the Triton backend (under ``TRITON_INTERPRET=1``, in te
 The kernel serves every number of activation rows, long prompt chunks included: measured on 2
 AVX-512 cores (torch 2.13), it beats widening the weight and running torch's matmul from 1 row to
 2,048 (q4 3072 x 576: 1.2 against 5.2 ms at 64 rows, 7.8 against 13.6 at 512, 31 against 35 at
-2,048), so there is no row count past which the weight is widened. With ``bf16_dots`` (an engine's
-``cpu_matmul_dtype: bfloat16``, on a CPU with AVX512_BF16) it multiplies with
-bfloat16 dot products (``quantized_matmul.c``): faster at every row count, at a bfloat16 engine's
-rounding.
+2,048), so there is no row count past which the weight is widened. Weights whose layout an engine's
+``cpu_matmul_dtype`` names (:data:`BF16_LAYOUTS`; on a CPU with AVX512_BF16) multiply with bfloat16
+dot products (``quantized_matmul.c``): faster at every row count, at a bfloat16 engine's rounding.
 """
 
 from __future__ import annotations
@@ -28,6 +27,9 @@ from cluster.engine.quantization.packed import PackedWeight
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 KERNEL_COLUMNS = 32  # the kernel reads K in blocks of this many columns, even for q8's groups of 16
+# The packed layouts that multiply with bfloat16 dot products, per resolved cpu_matmul_dtype (see
+# EngineConfig.resolved_cpu_matmul_dtype): auto takes 4-bit weights only, whose quality it holds.
+BF16_LAYOUTS: dict[str, tuple[str, ...]] = {"float32": (), "auto": ("q4",), "bfloat16": ("q4", "q8", "f8")}
 
 
 class NativeQuantizedMatmul:
@@ -136,11 +138,11 @@ def with_kernel_form(weight: PackedWeight, dtype: torch.dtype) -> PackedWeight:
 
 
 def packed_linear(x: torch.Tensor, parts: tuple[tuple[int, PackedWeight], ...], out_features: int,
-                  triton: bool = False, bf16_dots: bool = False) -> torch.Tensor:
+                  triton: bool = False, bf16_layouts: tuple[str, ...] = ()) -> torch.Tensor:
     """``x @ W.T`` for a weight kept as packed row blocks ``(first row, part)`` (q, k and v of one
     layer may ship in different GGUF types), returned in x's dtype: on CUDA or with ``triton``
-    through the Triton kernel (float32 accumulation), else computed in float32 on the CPU (with
-    ``bf16_dots``, from bfloat16 products)."""
+    through the Triton kernel (float32 accumulation), else computed in float32 on the CPU (parts
+    whose layout ``bf16_layouts`` names from bfloat16 products)."""
     if triton or x.device.type == "cuda":
         return _triton_kernel().packed_linear(x, parts, out_features)
     rows = x.reshape(-1, x.shape[-1])
@@ -148,5 +150,5 @@ def packed_linear(x: torch.Tensor, parts: tuple[tuple[int, PackedWeight], ...], 
         rows = rows.to(torch.float32).contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
     for first, part in parts:
-        quantized_linear_into(rows, part, out[:, first : first + part.rows], bf16_dots)
+        quantized_linear_into(rows, part, out[:, first : first + part.rows], part.layout in bf16_layouts)
     return out.view(*x.shape[:-1], out_features).to(x.dtype)

@@ -94,8 +94,8 @@ class ModelConfig:
     quantization: str = "none"
     checkpoint_quantization: CheckpointQuantization | None = None  # how a Hugging Face checkpoint ships quantized
     kv_cache_dtype: str = "auto"  # how the KV cache holds keys and values: auto (dtype), int8, fp8_e4m3
-    # How the CPU kernel multiplies quantized weights: float32, or bfloat16 dot products (weights and
-    # activations rounded to bfloat16, float32 sums: kernels/quantized_matmul.c). EngineConfig resolves auto.
+    # How the CPU kernel multiplies quantized weights, as EngineConfig.resolved_cpu_matmul_dtype gives
+    # it: float32, auto (4-bit weights with bfloat16 dot products) or bfloat16 (every quantized weight).
     cpu_matmul_dtype: str = "float32"
 
     @property

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.engine.kernels.quantized_matmul import BF16_LAYOUTS
 from cluster.engine.models.attention import AttentionMetadata, PagedAttention
 from cluster.engine.models.config import ModelConfig
 from cluster.engine.models.layers import (
@@ -202,10 +203,10 @@ class CausalLM(nn.Module):
             self.lm_head.packed = self.model.embed_tokens.packed
         else:
             self.lm_head.finish_loading()
-        if self.config.cpu_matmul_dtype == "bfloat16":
-            for module in self.modules():
-                if isinstance(module, (ShardedLinear, ParallelLMHead)):
-                    module.bf16_dots = True
+        layouts = BF16_LAYOUTS[self.config.cpu_matmul_dtype]
+        for module in self.modules():
+            if isinstance(module, (ShardedLinear, ParallelLMHead)):
+                module.bf16_layouts = layouts
 
     def use_triton_matmuls(self) -> None:
         """Packed layers multiply with the Triton kernel: on an engine on the Triton backend (on

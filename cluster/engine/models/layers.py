@@ -146,7 +146,7 @@ class ShardedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: tuple[tuple[int, PackedWeight], ...] = ()  # (first row, part), once loaded packed
         self.triton_matmul = False  # multiply packed weights with the Triton kernel (also off CUDA)
-        self.bf16_dots = False  # the CPU kernel multiplies packed weights with bfloat16 dot products
+        self.bf16_layouts: tuple[str, ...] = ()  # packed layouts the CPU kernel multiplies in bfloat16
         self._packed_parts: dict[int, PackedWeight] = {}
         self._row_amax: torch.Tensor | None = None  # fp8 on a rank holding some columns: the whole rows' max |w|
 
@@ -203,7 +203,7 @@ class ShardedLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return packed_linear(x, self.packed, self.out_features, self.triton_matmul, self.bf16_dots)
+            return packed_linear(x, self.packed, self.out_features, self.triton_matmul, self.bf16_layouts)
         return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,7 +305,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.packed: PackedWeight | None = None  # the table kept as the checkpoint's codes, once loaded
         self.triton_matmul = False  # an output head multiplies by a packed table with the Triton kernel
-        self.bf16_dots = False  # an output head multiplies by a packed table with bfloat16 dot products
+        self.bf16_layouts: tuple[str, ...] = ()  # packed layouts the CPU kernel multiplies in bfloat16
         self._loaded_packed: PackedWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -356,7 +356,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            logits = packed_linear(hidden, ((0, self.packed),), self.per_rank, self.triton_matmul, self.bf16_dots)
+            logits = packed_linear(hidden, ((0, self.packed),), self.per_rank, self.triton_matmul, self.bf16_layouts)
         else:
             logits = F.linear(hidden, self.weight)
         if self.group.size > 1:

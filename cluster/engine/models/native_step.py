@@ -13,6 +13,7 @@ import torch
 
 from cluster.engine.kernels import native_kernels_enabled
 from cluster.engine.kernels.decode_step import LayerWeights, NativeDecodeStep, StepShape, WeightParts, decode_step_library
+from cluster.engine.kernels.quantized_matmul import BF16_LAYOUTS
 from cluster.engine.models.decoder import CausalLM
 from cluster.engine.models.layers import ShardedLinear
 
@@ -74,7 +75,7 @@ def native_decode_step(model: CausalLM, block_size: int) -> NativeDecodeStep | N
         hidden=config.hidden_size, heads=first.num_heads, kv_heads=first.num_kv_heads, head_dim=config.head_dim,
         intermediate=config.intermediate_size, block_size=block_size, window=config.sliding_window or 0,
         eps=config.rms_norm_eps, scale=first.attn.scale, kv_cache_dtype=config.kv_cache_dtype,
-        bf16_dots=config.cpu_matmul_dtype == "bfloat16",
+        bf16_layouts=BF16_LAYOUTS[config.cpu_matmul_dtype],
     )
     rotary = model.model.rotary
     return NativeDecodeStep(decode_step_library(), shape, layers, rotary.cos.contiguous(), rotary.sin.contiguous(),
