@@ -113,7 +113,7 @@ class PeerPulls:
         ask = PullRequest(request.request_id, list(request.prompt_token_ids[:request.kv_source_blocks * block_size]),
                           held, request.kv_source_blocks, pair, tag_base, time.time() + timeout_s)
         try:
-            peer = ray.get_actor(source, namespace=ray.get_runtime_context().namespace)
+            peer = self.peer_worker(source)
             offer: PullOffer = await asyncio.wait_for(peer.offer_pull.remote(ask), timeout_s)
         except asyncio.TimeoutError:
             self._pair_failed(source, group)  # it may answer and send yet: past its deadline, into a group gone

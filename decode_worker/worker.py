@@ -175,12 +175,10 @@ class DecodeWorker(PeerPulls, EngineWorker):
         await self._pair(peer, layout, spec, pulls=True)
 
     async def _pair(self, worker_name: str, layout, spec, pulls: bool) -> None:
-        import ray
-
         async with self._pairing.setdefault(worker_name, asyncio.Lock()):
             if worker_name in self._peers:
                 self._set_unpaired(self._unpaired | {worker_name})
-            worker = ray.get_actor(worker_name, namespace=ray.get_runtime_context().namespace)
+            worker = self.peer_worker(worker_name)
             await asyncio.gather(worker.join_pair.remote(layout, spec, True), self.join_pair(layout, spec, False))
             if not pulls:
                 await self._time_calls(worker)
@@ -295,7 +293,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
                     base = spec.name.partition(".rebuilt-")[0]
                     new = dataclasses.replace(spec, name=f"{base}.rebuilt-{self.pair_rebuilds}",
                                               timeout_s=REJOIN_TIMEOUT_S)
-                    worker = ray.get_actor(prefill, namespace=ray.get_runtime_context().namespace)
+                    worker = self.peer_worker(prefill)
                     await asyncio.gather(worker.join_pair.remote(layout, new, True), self.join_pair(layout, new, False))
                     self._tags[pair] = itertools.count()
                     self._set_unpaired(self._unpaired - {prefill})
@@ -430,7 +428,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
         stream.busy.append(receiving)
         receiving.add_done_callback(lambda _: times.setdefault("received", time.time()))
         try:
-            worker = ray.get_actor(prefill, namespace=ray.get_runtime_context().namespace)
+            worker = self.peer_worker(prefill)
             prefill_started, call_started = time.time(), time.perf_counter()
             result: PrefillResult = await worker.prefill.remote(request_id, request.prompt_token_ids, request.params,
                                                                 target, request.resumed_tokens)

@@ -278,7 +278,7 @@ class Deployment:
         self.placement_groups[name] = group
         self.nodes[name] = node_place(self._ray, group_node(group))
         worker = self.workers[name] = self._ray.remote(guarded(cls)).options(
-            name=name, num_cpus=pool.resources.cpus_per_rank, num_gpus=pool.resources.gpus_per_rank,
+            name=name, namespace=self.cluster_name, num_cpus=pool.resources.cpus_per_rank, num_gpus=pool.resources.gpus_per_rank,
             max_concurrency=concurrency, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True),
         ).remote(self.configs[name], self.registry_url,

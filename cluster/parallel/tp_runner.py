@@ -144,7 +144,7 @@ class TensorParallelRunner(ModelRunner):
         spec = GroupSpec(cluster, f"{name}-tp", tp_size)
         follower = ray.remote(guarded(TPFollower))
         self.followers = [
-            follower.options(name=f"{name}-tp{rank}", num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
+            follower.options(name=f"{name}-tp{rank}", namespace=cluster, num_cpus=cpus_per_rank, num_gpus=gpus_per_rank,
                              max_concurrency=FOLLOWER_THREADS).remote(
                 config, str(model_dir), block_size, max_model_len, device, spec, rank, threads, attention_backend,
                 load_format, kv_port,

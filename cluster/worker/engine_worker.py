@@ -143,6 +143,7 @@ class EngineWorker:
         self.engine = LLMEngine(config, verbose=False, make_runner=engine_runner(kv_port=TransferAgent),
                                 fault_kv_in_background=True)
         self.name = config.engine_name
+        self.cluster = config.cluster_name
         self.pairs_joined: set[str] = set()  # the transfer groups (pair names) this worker has joined
         self.node = this_node()
         self.incarnation = this_incarnation()
@@ -157,6 +158,14 @@ class EngineWorker:
                          if registry_url else None)
         self._stepper = threading.Thread(target=self._run, name=f"{type(self).__name__}-loop", daemon=True)
         self._stepper.start()
+
+    def peer_worker(self, name: str):
+        """Another worker of this cluster, by name. Looked up in the cluster's namespace, where the
+        deployment names them, not this process's: a driver that started Ray for another cluster
+        first (tests, a notebook) keeps that one's namespace for every later cluster."""
+        import ray
+
+        return ray.get_actor(name, namespace=self.cluster)
 
     def _report_snapshot(self) -> tuple[list[KVEvent], WorkerLoad] | None:
         """The reporter's snapshot; None while a step (or call) has held the engine for longer than

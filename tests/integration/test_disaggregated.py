@@ -178,6 +178,24 @@ def test_whole_request_transfer_gives_the_same_tokens(checkpoint):
         assert_no_leaks(llm)
 
 
+def test_a_cluster_named_apart_from_the_processs_ray_namespace_serves(checkpoint, ray_session):
+    """Ray keeps the namespace of the first ``ray.init`` for the whole process (here the
+    module's, as a notebook's or another cluster's would be). A cluster named otherwise still
+    names its workers in its own namespace, where the ingress and its workers look them up:
+    before, they landed in the process's, the ingress waited on a worker it could not find,
+    and remote prefills hung."""
+    model_dir = checkpoint("llama")
+    other = "tandem-disagg-apart"
+    with DisaggregatedLLM.from_args(str(model_dir), cluster_name=other, num_kv_blocks=BLOCKS,
+                                    max_num_batched_tokens=96, verbose=False, local_prefill_max_tokens=0) as llm:
+        for name in llm.deployment.workers:
+            ray_session.get_actor(name, namespace=other)  # raises ValueError where it is not
+        outputs = llm.generate(random_prompts(PROMPT_LENGTHS, seed=1), greedy())
+        assert [o.token_ids for o in outputs] == run_batch(model_dir).tokens
+        assert len(llm.transfers) == len(PROMPT_LENGTHS)
+        assert_no_leaks(llm)
+
+
 def test_seeded_sampling_continues_where_the_prefill_worker_left_off(checkpoint):
     model_dir = checkpoint("llama")
     prompts = random_prompts([5, 40], seed=3)
