@@ -239,7 +239,11 @@ class RouterConfig:
         ... and so may one with at most this many prompt tokens left to compute (0: only by the
         share above). The router then compares the predicted TTFT and TPOT of prefilling there
         against a prefill worker's, and picks what meets the objectives with the most headroom
-        (conditional disaggregation, per request).""")
+        (conditional disaggregation, per request). Where the prefill workers take turns with
+        the decode worker on the same CPU cores (threads outnumbering the cores they share, as
+        in the quick start), such a prompt is prefilled where it decodes: another worker on
+        those cores would give it no cores of its own, and would add the call and the KV
+        transfer.""")
     migration_limit: int = setting(3, _alone(_count, minimum=0), """
         Times a request may move after a worker failed under it: a decode worker that died
         mid-stream (prompt and the tokens already sent are prefilled elsewhere and the stream

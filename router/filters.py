@@ -4,8 +4,9 @@ Each is one rule, applied before anything is scored: a worker is live while it r
 no call to it has failed and it is not draining (its deployment is removing it: its requests in
 flight finish, no new one goes to it); a pair is out of use while its decode worker cannot take KV from
 that prefill worker (the pair is being rebuilt, or the request's transfer already failed on it);
-past ``prefill_shortlist`` workers, only the prefill workers soonest done are paired at all; and a
-decode worker has room when the request fits in its KV blocks and running batch. Room does not
+past ``prefill_shortlist`` workers, only the prefill workers soonest done are paired at all; a
+prompt its decode worker may prefill itself is not sent to a prefill worker that takes turns with
+it on the same CPU cores (:func:`on_cores_of_their_own`); and a decode worker has room when the request fits in its KV blocks and running batch. Room does not
 remove a candidate: the picker prefers those with room (``picker.with_room``), and admission
 explains a full cluster.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Collection, Container, Mapping, Sequence
 
 from cluster.registry.load import WorkerLoad
+from cluster.runtime.cpu_cores import share_cores
 
 
 def reporting(pool: Sequence[str], loads: Mapping[str, WorkerLoad]) -> list[str]:
@@ -88,6 +90,24 @@ def paired_prefill(shortlist: list[str], prefill: list[str], cut: Collection[str
     if not paired and len(cut) < len(prefill):
         paired = soonest_prefill([p for p in prefill if p not in cut], prefill_side, limit)
     return paired
+
+
+def on_cores_of_their_own(paired: list[str], loads: Mapping[str, WorkerLoad], decode: str) -> list[str]:
+    """The prefill workers of ``paired`` that do not take turns with ``decode`` on its CPU cores
+    (``cluster/runtime/cpu_cores.py``), for a prompt the decode worker may prefill itself. A
+    prefill worker on the same cores gives the prompt no cores the decode worker would not have
+    given it, and adds the call and the KV transfer; a short prefill inside a decode step holds
+    the decodes only briefly. Measured on the quick start (1 prefill + 1 decode worker, 2
+    threads each on 2 cores), 20-token prompts through the OpenAI API, TTFT p50 with both paths
+    open against with this rule, one session: 19.4 / 16.1 ms at 1 stream, 60.3 / 46.5 ms at 8,
+    205.9 / 143.4 ms at 32, decode rates unchanged (in a burst of 32 the router had split them,
+    and the remote half waited 350 ms: both workers' steps at half pace, 30 sends per request).
+    A prompt too long to prefill locally still goes to a prefill worker: there the decodes go on
+    beside it, at the shared cores' pace, rather than wait for it."""
+    mine = loads[decode]
+    return [p for p in paired
+            if not (loads[p].node_id == mine.node_id
+                    and share_cores(loads[p].cpus, loads[p].threads, mine.cpus, mine.threads))]
 
 
 def first_in_line(sequences: int, max_num_seqs: int, on_overload: str) -> bool:

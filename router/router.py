@@ -69,7 +69,7 @@ from router.candidates import Candidate, Prompt, decode_side, local_candidate, p
 from router.class_headroom import ArrivingClasses, tpot_limit
 from router.config import RouterConfig, SloClass
 from router.cost_model import StepTimeModel, measured_step_scale
-from router.filters import LivePools, cut_off, paired_prefill, soonest_prefill
+from router.filters import LivePools, cut_off, on_cores_of_their_own, paired_prefill, soonest_prefill
 from router.peer_pull import best_pull
 from router.picker import (explain, fastest, first_meeting, first_within_headroom, never_meets, rank,
                            room_within_headroom, serves_in_time, with_room, without_room)
@@ -627,18 +627,21 @@ class Router:
             cut = cut_off(d, loads[d], request.avoid, prefill_sides) if is_decode else set()
             paired = (paired_prefill(shortlist, live.prefill, cut, prefill_sides, self.config.prefill_shortlist)
                       if is_decode else [])
-            candidates += remote_candidates(d, side, paired, prefill_sides, queued, prompt, remote_correction,
-                                            rotation_prefill=turn_p if d == turn_d else None)
             every_pair_cut_off = is_decode and bool(live.prefill) and len(cut) == len(live.prefill)  # being rebuilt
             # A draining peer is still pulled from: it caches what it served until it is removed.
             peers = [q for q in loads[d].pull_from if q in loads and q not in self.failed and q != d]
             pull = (best_pull(side.model, side.hit_blocks, peers, hits, {q: self.model(loads[q]) for q in peers},
                               prompt, loads[d].pull_s_per_block) if peers else None)
             held = pull.blocks if pull is not None else side.hit_blocks.blocks
-            if prefills_itself(colocated=d in live.colocated, hit_blocks=held,
-                               cacheable_blocks=prompt.cacheable_blocks,
-                               uncached_tokens=prompt.uncached_tokens(held),
-                               every_pair_cut_off=every_pair_cut_off, config=self.config):
+            local = prefills_itself(colocated=d in live.colocated, hit_blocks=held,
+                                    cacheable_blocks=prompt.cacheable_blocks,
+                                    uncached_tokens=prompt.uncached_tokens(held),
+                                    every_pair_cut_off=every_pair_cut_off, config=self.config)
+            if local:
+                paired = on_cores_of_their_own(paired, loads, d)
+            candidates += remote_candidates(d, side, paired, prefill_sides, queued, prompt, remote_correction,
+                                            rotation_prefill=turn_p if d == turn_d else None)
+            if local:
                 local_turn = d == turn_d and (turn_p is None or d in live.colocated)
                 candidates.append(local_candidate(d, side, queued[d], prompt, local_correction, local_turn, pull))
             kept = limits[d] if limits[d] != cls.tpot_s else None

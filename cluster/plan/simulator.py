@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import inspect
 import itertools
+import math
 import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -48,6 +49,7 @@ from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.plan.shared_cores import SharedCores
+from cluster.runtime.cpu_cores import compute_cores_of
 from cluster.worker import step_profile
 from cluster.worker.engine_worker import EngineWorker
 from cluster.registry.kv_index import TierHits
@@ -255,6 +257,9 @@ class SimWorker:
         self.engine = SimEngine(spec, sim.now)
         self._lock = nullcontext()
         self.metrics = _NoMetrics()
+        cores = sim.config.shared_cores  # the machine's cores, all of them open to every worker's threads
+        self._compute_cores = (compute_cores_of(range(math.ceil(cores)), spec.threads * spec.tp) if cores
+                               else {"cpus": "", "threads": 0})
         self.stepping = False
         self.calls: list[Callable[[], None]] = []
         self.busy_s = 0.0

@@ -72,6 +72,8 @@ class WorkerLoad:
     prefill_call_s: float = 0.0  # a decode worker's calls to prefill workers: their time beyond the prefill's own
     pull_s_per_block: float = 0.0  # a decode worker's pulls from peers: the receive per block (0: none yet)
     draft_prompt_share: float = 0.0  # of a decode worker's remote prefills, those asked for the draft's KV too
+    cpus: str = ""  # where it computes on the CPU: the cores its threads may run on (a Linux cpulist, "0-3") ...
+    threads: int = 0  # ... and its compute threads, every rank's ("", 0: it computes on a GPU)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -33,6 +33,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.observability.metrics import WorkerMetrics
 from cluster.registry.load import STEPS_REPORTED, StepSample, WorkerLoad
 from cluster.registry.reporter import WorkerReporter
+from cluster.runtime.cpu_cores import compute_cores
 from cluster.runtime.ray_node import this_incarnation, this_node
 
 if TYPE_CHECKING:
@@ -135,6 +136,8 @@ class EngineWorker:
     def __init__(self, config: EngineConfig, registry_url: str | None = None, profile: bool = True):
         # Imported here, not with the class: a process that only holds a worker's handle (an
         # ingress replica) loads the class, and should not load torch and the engine with it.
+        import torch
+
         from cluster.engine.engine import LLMEngine
         from cluster.kv_transfer.agent import TransferAgent
         from cluster.parallel.tp_runner import engine_runner
@@ -144,6 +147,8 @@ class EngineWorker:
                                 fault_kv_in_background=True)
         self.name = config.engine_name
         self.cluster = config.cluster_name
+        self._compute_cores = compute_cores(torch.device(self.engine.config.device).type == "cpu",
+                                            torch.get_num_threads(), config.tensor_parallel_size)
         self.pairs_joined: set[str] = set()  # the transfer groups (pair names) this worker has joined
         self.node = this_node()
         self.incarnation = this_incarnation()
@@ -205,6 +210,7 @@ class EngineWorker:
             unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
             incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(), pull_from=self._pull_from(),
             pull_s_per_block=self._pull_s_per_block(), draft_prompt_share=self._draft_prompt_share(),
+            **self._compute_cores,
         )
         stats = engine.stats
         self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,

@@ -405,11 +405,13 @@ def test_a_prompt_the_decode_worker_holds_whole_sends_no_block_and_breaks_no_pai
     block to receive into, so the prefill worker sends none (a send with no receive waited out the
     transfer timeout, failed the attempt and had the pair rebuilt). Round robin: under the ``slo``
     policy a decode worker holding the whole prompt may prefill it itself, and whether it does is
-    the measured times' call (on a busy machine it did, and no second transfer came)."""
+    the measured times' call (on a busy machine it did, and no second transfer came). One thread
+    a worker, so that the two have cores of their own: a decode worker taking turns with its
+    prefill worker on the same cores keeps what it may prefill itself (``router/filters.py``)."""
     model_dir = checkpoint("llama")
     prompt = random_prompts([48], seed=6)[0]
     expected = colocated_tokens(model_dir, [prompt], greedy(8))[0]
-    with disaggregated(model_dir, transfer_timeout_s=60, policy="round_robin") as llm:
+    with disaggregated(model_dir, transfer_timeout_s=60, policy="round_robin", num_threads=1) as llm:
         assert [llm.generate([prompt], greedy(8))[0].token_ids for _ in range(2)] == [expected, expected]
         first, second = llm.transfers
         assert (first.blocks_cached_on_decode, first.blocks_sent) == (0, 3)

@@ -764,3 +764,25 @@ def test_a_placement_reads_the_reports_and_the_prefix_hits_in_one_round_trip():
     fresh = Router(TOPOLOGY, registry, config("prefix_affinity"))
     assert route(fresh, "c").prefill == "p1"
     assert registry.calls[-1] == "loads_and_prefix_tiers" and set(fresh._last_hits) == {"p1", "d0", "d1"}
+
+
+def test_a_prompt_its_decode_worker_may_prefill_stays_there_when_the_prefill_worker_shares_its_cores():
+    """Decode workers whose prefill queues make a prefill worker the sooner path (2 s queued)
+    keep a short prompt all the same when every prefill worker takes turns with them on the same
+    CPU cores (2 + 2 threads on cores 0-1 of one node); a prompt too long to prefill locally
+    still goes to a prefill worker, and workers on cores of their own, or on another node, are
+    paired as before."""
+    def on(worker: str, cpus: str, node: str = "n1", **kw) -> WorkerLoad:
+        return replace(load(worker, **kw), node_id=node, cpus=cpus, threads=2)
+
+    def registry(prefill_cpus: str, node: str = "n1") -> FakeRegistry:
+        return FakeRegistry({**{p: on(p, prefill_cpus, node) for p in ("p0", "p1")},
+                             **{d: on(d, "0-1", queued=2000) for d in ("d0", "d1")}})
+
+    shared = Router(TOPOLOGY, registry("0-1"), config(local_prefill_max_tokens=64))
+    short = route(shared, "short")
+    assert (short.prefill, short.decode) == (None, "d0")
+    assert short.predicted_ttft_s == pytest.approx(0.010 + 2.000 + 0.010 + 0.033)  # its queue (one chunk), then it
+    assert route(shared, "long", prompt=list(range(100))).prefill == "p0"  # 100 tokens left: too many locally
+    for apart in (registry("2-3"), registry("0-1", node="n2")):
+        assert route(Router(TOPOLOGY, apart, config(local_prefill_max_tokens=64)), "short").prefill == "p0"
