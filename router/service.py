@@ -71,7 +71,7 @@ class RouterService:
         self.name = name
         self.client = connect(registry_url)
         self.view = RedisRegistryView(self.client, cluster)
-        self.router = Router(topology, self.view, config or RouterConfig(), probe_elsewhere=True)
+        self.router = Router(topology, self.view, config or RouterConfig(), probe_elsewhere=True, defer_refits=True)
         self.recorder = GoodputRecorder(self.client, cluster)
         self.pending_records: deque[RequestRecord] = deque(maxlen=GOODPUT_BUFFER)
         self._last_sweep = 0.0
@@ -94,6 +94,7 @@ class RouterService:
         now = time.time()
         request_id = request.request_id
         decision = self.router.submit(request, now)
+        self._refit_after()
         self.metrics.decided(decision)
         if decision.action != "queue":
             return self._answered(decision)
@@ -236,7 +237,9 @@ class RouterService:
             except asyncio.TimeoutError:
                 pass
             self._changed.clear()
-            for decision in self.router.retry_waiting(time.time()):
+            decisions = self.router.retry_waiting(time.time())
+            self._refit_after()
+            for decision in decisions:
                 self.metrics.decided(decision)
                 waiter = self._waiters.get(decision.request_id)
                 if waiter is not None and not waiter.done():
@@ -264,6 +267,12 @@ class RouterService:
                                    tpot_objective_s=decision.tpot_objective_s, failed=failed,
                                    prompt_tokens=placed.prompt_tokens if placed is not None else 0,
                                    output_tokens=output_tokens or 0))
+
+    def _refit_after(self) -> None:
+        """The step-time models a placement found out of date are refitted once the loop is free
+        (after the request has gone to its worker), not while it waits (``Router.defer_refits``)."""
+        if self.router.refits_due:
+            asyncio.get_running_loop().call_soon(self.router.refit_deferred)
 
     def _told(self) -> None:
         if self._changed is not None and len(self.router.waiting):

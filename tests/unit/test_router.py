@@ -786,3 +786,26 @@ def test_a_prompt_its_decode_worker_may_prefill_stays_there_when_the_prefill_wor
     assert route(shared, "long", prompt=list(range(100))).prefill == "p0"  # 100 tokens left: too many locally
     for apart in (registry("2-3"), registry("0-1", node="n2")):
         assert route(Router(TOPOLOGY, apart, config(local_prefill_max_tokens=64)), "short").prefill == "p0"
+
+
+def test_a_deferred_refit_places_on_the_last_model_and_refits_after():
+    """``defer_refits`` (the ingress's router): a report whose steps changed is placed on the
+    model fitted before, exactly, and ``refit_deferred`` then fits the new steps; a worker with
+    no model yet is fitted at once, and without deferral every placement refits first."""
+    registry = FakeRegistry()
+    router = Router(TOPOLOGY, registry, config(local_prefill_max_tokens=64), defer_refits=True)
+    assert route(router, "a").predicted_ttft_s == pytest.approx(0.010 + 0.033)  # fitted at once: no model yet
+    assert not router.refits_due
+    slower = tuple(StepSample(n, 0, 0, 0, 0.020 + 0.002 * n) for n in (16, 64, 256))  # 20 ms + 2 ms a token
+    for w in ("p0", "p1", "d0", "d1"):
+        registry.state[w] = load(w, steps=slower + (DECODE_STEPS if w.startswith("d") else ()), updated_at=NOW + 0.5)
+    assert route(router, "b", now=NOW + 1).predicted_ttft_s == pytest.approx(0.010 + 0.033)  # the models before
+    assert router.refits_due
+    router.refit_deferred()
+    assert not router.refits_due
+    assert route(router, "c", now=NOW + 1).predicted_ttft_s == pytest.approx(0.020 + 0.066)  # the new steps
+    at_once = Router(TOPOLOGY, FakeRegistry(), config(local_prefill_max_tokens=64))
+    route(at_once, "a")
+    at_once.registry.state.update(registry.state)
+    assert route(at_once, "b", now=NOW + 1).predicted_ttft_s == pytest.approx(0.020 + 0.066)
+    assert not at_once.refits_due
