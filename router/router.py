@@ -387,6 +387,8 @@ class Router:
         models of the quick start, of a 2.1-2.5 ms placement. The model it uses is then one
         report behind, at most ``load_refresh_s`` plus a report's period."""
         cached = self._models.get(load.worker)
+        if cached is not None and self._refits.get(load.worker) is load:  # found changed earlier in this placement
+            return cached[1]
         if cached is None or cached[0] is not load.steps:  # a report read since (steps compared once)
             if cached is not None and cached[0] == load.steps:
                 fitted = cached[1]

@@ -49,7 +49,7 @@ from cluster.engine.request import Request
 from cluster.engine.sampling_params import InvalidRequestError, SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.plan.shared_cores import SharedCores
-from cluster.runtime.cpu_cores import compute_cores_of
+from cluster.runtime.cpu_cores import NO_CORES, compute_cores_of
 from cluster.worker import step_profile
 from cluster.worker.engine_worker import EngineWorker
 from cluster.registry.kv_index import TierHits
@@ -259,7 +259,7 @@ class SimWorker:
         self.metrics = _NoMetrics()
         cores = sim.config.shared_cores  # the machine's cores, all of them open to every worker's threads
         self._compute_cores = (compute_cores_of(range(math.ceil(cores)), spec.threads * spec.tp) if cores
-                               else {"cpus": "", "threads": 0})
+                               else NO_CORES)
         self.stepping = False
         self.calls: list[Callable[[], None]] = []
         self.busy_s = 0.0

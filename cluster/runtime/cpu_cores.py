@@ -6,6 +6,9 @@ they may run on together take turns on those cores: work given to one slows the 
 from __future__ import annotations
 
 import os
+from functools import lru_cache
+
+NO_CORES = {"cpus": "", "threads": 0}  # the load fields of a worker that computes on a GPU
 
 
 def format_cpulist(cpus) -> str:
@@ -19,8 +22,10 @@ def format_cpulist(cpus) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
+@lru_cache(maxsize=256)
 def parse_cpulist(text: str) -> frozenset[int]:
-    """``"0-2,5"`` -> ``{0, 1, 2, 5}``; ``""`` -> none."""
+    """``"0-2,5"`` -> ``{0, 1, 2, 5}``; ``""`` -> none. Cached: the router asks for the same few
+    workers' lists on every placement."""
     cpus: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
         first, _, last = part.partition("-")
@@ -40,7 +45,7 @@ def compute_cores(on_cpu: bool, threads: int, ranks: int = 1) -> dict:
     """A worker's ``cpus`` and ``threads`` load fields: ``ranks`` processes of ``threads``
     threads each, placed on this process's node (a CPU TP group is packed on one node); none
     where it computes on a GPU."""
-    return compute_cores_of(this_process_cpus(), threads * ranks) if on_cpu else {"cpus": "", "threads": 0}
+    return compute_cores_of(this_process_cpus(), threads * ranks) if on_cpu else NO_CORES
 
 
 def compute_cores_of(cpus, threads: int) -> dict:
