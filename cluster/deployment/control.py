@@ -22,7 +22,7 @@ from typing import Callable
 from cluster.deployment.scaling import ScaleError
 from cluster.deployment.supervisor import first_line
 from cluster.protocol.messages import Hello, ScaleProgress, ScaleRequest, ScaleResult
-from cluster.protocol.stream import frame, read_message
+from cluster.protocol.stream import read_message, send
 from cluster.runtime.ports import host_port
 
 ACTIONS = ("add", "remove", "move")
@@ -66,7 +66,7 @@ class ControlServer:
                 return
             request = await read_message(reader)
             if not isinstance(request, ScaleRequest):
-                writer.write(frame(ScaleResult(False, "not a scale request")))
+                send(writer, ScaleResult(False, "not a scale request"))
                 return
             loop = asyncio.get_running_loop()
             lines: asyncio.Queue = asyncio.Queue()
@@ -76,11 +76,11 @@ class ControlServer:
                 taking = asyncio.ensure_future(lines.get())
                 await asyncio.wait({taking, running}, return_when=asyncio.FIRST_COMPLETED)
                 if taking.done():
-                    writer.write(frame(ScaleProgress(taking.result())))
+                    send(writer, ScaleProgress(taking.result()))
                     await writer.drain()
                 else:
                     taking.cancel()
-            writer.write(frame(running.result()))
+            send(writer, running.result())
             await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
             return

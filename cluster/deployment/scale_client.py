@@ -16,7 +16,7 @@ from typing import Callable
 
 from cluster.deployment.state_file import process_alive, read_state
 from cluster.protocol.messages import Hello, ScaleRequest, ScaleResult
-from cluster.protocol.stream import frame, read_message
+from cluster.protocol.stream import read_message, send
 
 
 class ClusterNotUp(RuntimeError):
@@ -44,7 +44,7 @@ def request_scale(address: str, token: str, request: ScaleRequest,
         host, _, port = address.rpartition(":")
         reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
         try:
-            writer.write(frame(Hello(token)) + frame(request))
+            send(writer, Hello(token), request)
             await writer.drain()
             while True:
                 try:

@@ -56,6 +56,17 @@ def frame(message) -> bytes:
     return encode(encode_message(message))
 
 
+def send(writer: asyncio.StreamWriter, *messages) -> None:
+    """Writes each message's frame; ConnectionResetError once the connection is closing.
+
+    Why not ``writer.write`` alone: on uvloop (the loop of Ray's actors and of the ingress) a
+    write to a transport already closed raises RuntimeError, not a ConnectionError, so a caller
+    hanging up between two items surfaced as a traceback in the worker's log."""
+    if writer.is_closing():
+        raise ConnectionResetError("the connection is closed")
+    writer.write(b"".join(frame(message) for message in messages))
+
+
 async def read_frame(reader: asyncio.StreamReader):
     (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
     if size > MAX_FRAME:
@@ -155,12 +166,12 @@ class StreamServer:
             try:
                 items = self.serve(request)
             except Exception as exc:  # noqa: BLE001 - a request the worker cannot take: one line back
-                writer.write(frame(RequestFailed("unavailable", f"the worker refused it: {exc}")))
+                send(writer, RequestFailed("unavailable", f"the worker refused it: {exc}"))
                 await writer.drain()
                 return True
             try:
                 async for item in items:
-                    writer.write(frame(item))
+                    send(writer, item)
                     await writer.drain()
                     if item.final:
                         return True
@@ -206,7 +217,7 @@ class StreamClient:
         host, _, port = address.rpartition(":")
         reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
         keep_alive(writer)
-        writer.write(frame(Hello(self.token)))
+        send(writer, Hello(self.token))
         return reader, writer
 
     async def generate(self, address: str, request: WorkerRequest) -> AsyncIterator:
@@ -217,7 +228,7 @@ class StreamClient:
         try:
             connection = await self._connect(address)
             reader, writer = connection
-            writer.write(frame(request))
+            send(writer, request)
             await writer.drain()
             while not done:
                 item = await read_message(reader)

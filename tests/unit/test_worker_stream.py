@@ -127,3 +127,35 @@ def test_a_worker_that_goes_away_raises_worker_gone_and_a_refused_request_is_one
             await stream.__anext__()
 
     serving(test)
+
+
+def test_a_connection_lost_between_two_items_ends_the_request_quietly_under_uvloop():
+    """uvloop raises RuntimeError, not ConnectionError, on a write to a closed transport: a
+    connection lost while the worker has its next item ready must end the request quietly,
+    never as a traceback in the worker's log (it once failed CI that way)."""
+    uvloop = pytest.importorskip("uvloop")
+    errors: list[dict] = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        worker = Worker()
+        server = StreamServer(worker.serve, TOKEN)
+        await server.start("127.0.0.1")
+        client = StreamClient(TOKEN)
+        try:
+            worker.gate.clear()
+            stream = client.generate(server.address, request("a", 3))
+            assert (await stream.__anext__()).token_ids == [0]
+            (connection,) = server._writers
+            connection.transport.abort()  # lost, and in the same tick the next item is ready
+            worker.gate.set()
+            await until(lambda: "a" in worker.ended and not server._writers, "the worker to end the request")
+            assert worker.ended["a"] == "closed early"
+            with pytest.raises(WorkerGone):
+                await stream.__anext__()
+        finally:
+            client.close()
+            server.close()
+
+    uvloop.run(main())
+    assert errors == []
