@@ -78,6 +78,15 @@ def hash_token_blocks(
     return hashes
 
 
+def chain_key(parent: BlockHash | None, extra_keys: Sequence[ExtraKey] = ()) -> BlockHash:
+    """What a block's cached KV depends on besides its own tokens: its parent's hash, or for a
+    prompt's first block its extra keys (a tenant's salt keeps its first blocks its own). Blocks
+    under one chain key whose tokens begin alike hold the same KV for those tokens."""
+    if parent is not None:
+        return parent
+    return hashlib.sha256(_ROOT + b"chain" + _extra_keys_bytes(extra_keys)).digest()
+
+
 def request_hash_keys(extra_keys: Sequence[ExtraKey], cache_salt: str | None = None) -> tuple[ExtraKey, ...]:
     """The extra keys of a request's blocks: the engine's (model), then its tenant salt if any."""
     return tuple(extra_keys) + ((cache_salt,) if cache_salt else ())

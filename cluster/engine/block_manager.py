@@ -34,6 +34,12 @@ tier down (the registry moves it, never dropping it); a hash the host tier drops
 ``BlockRemoved(host)``. A hash held in both tiers (loaded back: the host copy stays) is held until
 both have dropped it. One allocation's events come as its device removals, then its host stores,
 then its host drops, each hash's net change only (order within a hash is what counts).
+
+Partial hits (``lookup_partial``): a cached block registered with its chain key and tokens can
+also serve a prompt whose next tokens are only its first few (a prompt that ends inside a block,
+or leaves a shared prefix there): the caller copies that block's KV into a fresh block and
+computes only the tokens after the match. Token-granular reuse as SGLang's radix cache gives, at
+the cost of one block copy; vLLM reuses full blocks only.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ from typing import Sequence
 
 from cluster.engine.kv_tiers.host_pool import HostBlockPool, Load, Offload, TierMove
 from cluster.engine.kv_tiers.tier import DEVICE, HOST
+
+
+PARTIAL_SCAN = 32  # cached blocks compared per partial lookup at most (the newest first)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -98,6 +107,9 @@ class BlockManager:
         self._copying: set[int] = set()  # blocks whose write-back is not known done
         self._loading: dict[int, int] = {}  # block -> the host slot its load in flight reads
         self._reused_while_copying = False
+        # chain key -> first token -> {block: its tokens}, newest last (the partial-hit index)
+        self._children: dict[bytes, dict[int, OrderedDict[int, tuple[int, ...]]]] = {}
+        self._indexed: dict[int, tuple[bytes, int]] = {}  # block -> (chain key, first token)
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,6 +144,25 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def lookup_partial(self, chain: bytes, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """The cached block under ``chain`` whose tokens begin with most of ``token_ids`` (at
+        least the first), as (block id, tokens matched); None when none does. No side effects."""
+        if not token_ids or not self.enable_prefix_caching:
+            return None
+        candidates = self._children.get(chain, {}).get(token_ids[0])
+        if not candidates:
+            return None
+        best: tuple[int, int] | None = None
+        for block_id, held in islice(reversed(candidates.items()), PARTIAL_SCAN):
+            if block_id in self._loading:
+                continue
+            matched = next((i for i, (a, b) in enumerate(zip(held, token_ids)) if a != b), min(len(held), len(token_ids)))
+            if best is None or matched > best[1]:
+                best = (block_id, matched)
+                if matched == len(token_ids):
+                    break
+        return best
 
     def lookup_host_prefix(self, block_hashes: Sequence[bytes]) -> int:
         """How many leading hashes of block_hashes the host tier holds; no side effects."""
@@ -173,6 +204,7 @@ class BlockManager:
             if failed and block_hash is not None:
                 self._hashes[block_id] = None
                 del self._cached[block_hash]
+                self._unindex(block_id)
                 self._record(BlockRemoved, block_hash)
         self.free(block_ids)
 
@@ -225,12 +257,12 @@ class BlockManager:
         return sum(1 for block_id in set(block_ids) if block_id in self._free)
 
     def touch(self, block_ids: Sequence[int]) -> None:
-        """Take a reference on cached blocks (a prefix hit).
+        """Take a reference on cached blocks (a prefix hit, or a partial hit's source).
 
         A block at ref 0 leaves the free list but keeps its hash, so it can no longer be evicted.
         """
         for block_id in block_ids:
-            if self._hashes[self._check_id(block_id)] is None:
+            if self._hashes[self._check_id(block_id)] is None and block_id not in self._indexed:
                 raise ValueError(f"block {block_id} is not cached; only cached blocks are touched")
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
@@ -277,8 +309,10 @@ class BlockManager:
             if self._ref_counts[block_id] == 0:
                 self._free[block_id] = None
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Mark a full, referenced block as holding block_hash.
+    def cache_block(self, block_id: int, block_hash: bytes, chain: bytes | None = None,
+                    token_ids: Sequence[int] = ()) -> None:
+        """Mark a full, referenced block as holding block_hash; with its ``chain`` key and
+        ``token_ids``, it may also serve partial hits (``lookup_partial``).
 
         If another block already caches this hash, the existing mapping stays and this block
         remains an uncached duplicate (it is reused like any fresh block once freed).
@@ -298,6 +332,17 @@ class BlockManager:
         self._hashes[block_id] = block_hash
         self._cached[block_hash] = block_id
         self._record(BlockStored, block_hash)
+        if chain is not None and token_ids:
+            self._index(block_id, chain, token_ids)
+
+    def keep_partial(self, block_id: int, chain: bytes, token_ids: Sequence[int]) -> None:
+        """Indexes a block that is not full, whose first ``token_ids`` hold KV (a finished
+        request's last block, about to be freed), for partial hits until it is reallocated.
+        No-op for a block that is cached, shared, or when caching is off."""
+        if (not self.enable_prefix_caching or not token_ids or self._hashes[self._check_id(block_id)] is not None
+                or self._ref_counts[block_id] != 1 or block_id in self._indexed):
+            return
+        self._index(block_id, chain, token_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash if no block is referenced and record AllBlocksCleared.
@@ -308,6 +353,8 @@ class BlockManager:
             return False
         self._cached.clear()
         self._hashes = [None] * self.num_blocks
+        self._children.clear()
+        self._indexed.clear()
         if self.host is not None:
             self.host.clear()
         if self.enable_prefix_caching:
@@ -329,14 +376,36 @@ class BlockManager:
     def _evict(self, block_id: int, on_host: dict[bytes, bool]) -> None:
         block_hash = self._hashes[block_id]
         if block_hash is None:
+            self._unindex(block_id)  # a request's last block, kept for partial hits only
             return
         self._hashes[block_id] = None
         del self._cached[block_hash]
+        self._unindex(block_id)
         self._record(BlockRemoved, block_hash)
         if self.host is not None:
             slot = self._store_on_host(block_hash, on_host)
             if slot is not None:
                 self._moves.append(Offload(block_id, slot))
+
+    def _index(self, block_id: int, chain: bytes, token_ids: Sequence[int]) -> None:
+        """Enters a block in the partial-hit index (the newest last under its first token)."""
+        self._unindex(block_id)
+        first = token_ids[0]
+        self._children.setdefault(chain, {}).setdefault(first, OrderedDict())[block_id] = tuple(token_ids)
+        self._indexed[block_id] = (chain, first)
+
+    def _unindex(self, block_id: int) -> None:
+        """Drops a block uncached from the partial-hit index."""
+        where = self._indexed.pop(block_id, None)
+        if where is None:
+            return
+        chain, first = where
+        by_first = self._children[chain]
+        del by_first[first][block_id]
+        if not by_first[first]:
+            del by_first[first]
+            if not by_first:
+                del self._children[chain]
 
     def _store_on_host(self, block_hash: bytes, on_host: dict[bytes, bool]) -> int | None:
         """The host slot to copy block_hash into (None: held already), noting in ``on_host`` the

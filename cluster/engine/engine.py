@@ -240,6 +240,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             extra_hash_keys=(self.model_config.architecture, source.name),
+            partial_hits=self.draft is None,  # a draft's cache holds the same blocks: copied alike, or not at all
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.speculative = config.speculative  # None: one token per decode step

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -67,6 +67,7 @@ class StepPlan:
     prefills: list[PrefillPlan]
     sample_rows: list[int]
     streams: tuple[KVStream, ...] = ()  # KV to send layer by layer during this step
+    block_copies: tuple[tuple[int, int], ...] = ()  # (source, destination): KV copied before the forward
 
 
 @dataclass
@@ -294,7 +295,8 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             sample_rows.extend(range(len(input_ids) - count, len(input_ids)))
             sampling.extend([request] * count)
-        plan = StepPlan(input_ids, positions, slots, decode_lens, decode_table, prefills, sample_rows, tuple(streams))
+        plan = StepPlan(input_ids, positions, slots, decode_lens, decode_table, prefills, sample_rows, tuple(streams),
+                        tuple(out.block_copies))
         return plan, sampling
 
     def build_inputs(self, plan: StepPlan, sampling: list[Request] | None = None) -> StepInputs:
@@ -404,6 +406,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Runs the model; returns logits for the rows that sample a token."""
+        if inputs.plan.block_copies:
+            self.copy_blocks(inputs.plan.block_copies)
         if inputs.decode_graph:
             plan = inputs.plan
             hidden = self.graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens,
@@ -420,6 +424,13 @@ class ModelRunner:
             inputs.transfer_errors = self.transfers.finish(inputs.senders)
             inputs.transfer_tail_s = time.perf_counter() - started
         return logits
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies whole blocks' KV (every layer, keys and values, an 8-bit cache's scales with
+        them) from each source block to its destination: a partial prefix hit."""
+        sources = torch.tensor([source for source, _ in copies], device=self.kv_cache.device)
+        destinations = torch.tensor([destination for _, destination in copies], device=self.kv_cache.device)
+        self.kv_cache.index_copy_(2, destinations, self.kv_cache.index_select(2, sources))
 
     def _native_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Each row's context length and block table for the fused CPU step (None for an empty

@@ -12,6 +12,13 @@ request's it shares: ``BlockManager.is_loading``) holds its blocks and a seat bu
 waiting queue, passed over (``RequestStatus.LOADING``), while the others' steps run; once its
 blocks are in it joins the running requests with that prefix computed, before the step's
 scheduling, as one whose prompt is part done.
+
+Past its full-block hits, an admitted prompt's next tokens may be a partial hit
+(``BlockManager.lookup_partial``): the step copies that cached block's KV into the request's own
+next block before its forward (``SchedulerOutput.block_copies``, the source held until
+``update``) and computes only what follows. A repeated prompt then computes one token, as
+llama.cpp's server does; with whole blocks only, up to a block's worth (a 20-token prompt's
+first step took 6.2 ms here against 5.3 for one token: 2-core EPYC, the default model).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-from cluster.engine.block_hash import ExtraKey, cacheable_prefix_blocks, hash_token_blocks, request_hash_keys
+from cluster.engine.block_hash import ExtraKey, cacheable_prefix_blocks, chain_key, hash_token_blocks, request_hash_keys
 from cluster.engine.block_manager import BlockManager
 from cluster.engine.request import FinishReason, Request, RequestStatus
 from cluster.engine.request_limits import InvalidRequestError, quote
@@ -35,6 +42,9 @@ class SchedulerOutput:
     prefills: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     verifies: list[tuple[Request, int]] = field(default_factory=list)  # (request, 1 + guesses)
+    # (cached block, fresh block): partial hits whose KV the step copies before its forward; each
+    # source is held until ``Scheduler.update``
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +73,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         extra_hash_keys: Sequence[ExtraKey] = (),
+        partial_hits: bool = True,
     ):
         self.blocks = block_manager
         self.block_size = block_manager.block_size
@@ -71,6 +82,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.extra_hash_keys = tuple(extra_hash_keys)
+        # A prompt's tokens in the block after its full hits may come from a cached block that
+        # begins with them (copied: ``SchedulerOutput.block_copies``). Off where another cache
+        # (a draft model's) would have to be copied alike.
+        self.partial_hits = partial_hits
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.receiving: dict[str, Request] = {}
@@ -283,6 +298,9 @@ class Scheduler:
             on_host = self._host_prefix(request, len(hits),
                                         cacheable_prefix_blocks(request.num_tokens, self.block_size))
             start = (len(hits) + on_host) * self.block_size
+            partial = None if on_host or self.blocks.is_loading(hits) else self._partial_hit(request, len(hits))
+            if partial is not None:
+                start += partial[1]
             remaining = request.num_tokens - start
             count = min(remaining, budget)
             if count < remaining and not self.enable_chunked_prefill:
@@ -290,10 +308,13 @@ class Scheduler:
                     return
                 count = remaining
             new_blocks = _cdiv(start + count, self.block_size) - len(hits)  # the host hits' blocks too
-            if new_blocks + self.blocks.num_blocks_to_touch(hits) > self.blocks.num_free_blocks:
+            held = hits + [partial[0]] if partial is not None else hits  # a copy's source: until the step's update
+            if new_blocks + self.blocks.num_blocks_to_touch(held) > self.blocks.num_free_blocks:
                 return
-            self.blocks.touch(hits)
+            self.blocks.touch(held)
             fresh = self.blocks.allocate(new_blocks)
+            if partial is not None:
+                out.block_copies.append((partial[0], fresh[0]))
             if on_host:
                 loaded = self.blocks.load_from_host(request.block_hashes[len(hits):len(hits) + on_host], fresh)
                 if loaded < on_host:  # the allocation's own offloads evicted the rest: computed instead
@@ -325,6 +346,20 @@ class Scheduler:
     def _prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks of the longest known prefix, leaving at least the last token to compute."""
         return self._cached_prefix(request, cacheable_prefix_blocks(request.num_tokens, self.block_size))
+
+    def _partial_hit(self, request: Request, block: int) -> tuple[int, int] | None:
+        """A cached block that begins with the request's tokens in its block ``block`` (the one
+        after its full hits), as (block id, tokens matched); the last token is left to compute."""
+        if not self.partial_hits or not self.blocks.enable_prefix_caching:
+            return None
+        begin = block * self.block_size
+        tokens = request.token_ids[begin:min(begin + self.block_size, request.num_tokens - 1)]
+        if not tokens:
+            return None
+        self._extend_hashes(request, block)
+        parent = request.block_hashes[block - 1] if block else None
+        return self.blocks.lookup_partial(chain_key(parent, request_hash_keys(self.extra_hash_keys, request.cache_salt)),
+                                          tokens)
 
     def _host_prefix(self, request: Request, device_hits: int, limit: int) -> int:
         """How many blocks after the device cache's ``device_hits`` the host tier holds, among
@@ -379,6 +414,8 @@ class Scheduler:
         its step emits (``speculative.verify``): the KV of its last token and of the guesses kept
         is computed, and the blocks held for the others go back (as do look-ahead blocks held for
         guesses the budget left out). Returns the requests that finished."""
+        if out.block_copies:  # the step made its copies: their sources go back
+            self.blocks.free([source for source, _ in out.block_copies])
         finished = []
         verifying = {id(r) for r, _ in out.verifies}
         for request, count in out.scheduled():
@@ -427,8 +464,12 @@ class Scheduler:
         if full <= request.num_registered_blocks:
             return
         self._extend_hashes(request, full)
+        keys = request_hash_keys(self.extra_hash_keys, request.cache_salt)
+        bs = self.block_size
         for i in range(request.num_registered_blocks, full):
-            self.blocks.cache_block(request.block_ids[i], request.block_hashes[i])
+            chain = chain_key(request.block_hashes[i - 1] if i else None, keys)
+            self.blocks.cache_block(request.block_ids[i], request.block_hashes[i], chain,
+                                    request.token_ids[i * bs:(i + 1) * bs])
         request.num_registered_blocks = full
 
     def tokens_before_stop(self, request: Request, tokens: Sequence[int]) -> int:
@@ -463,12 +504,28 @@ class Scheduler:
             if request.status is RequestStatus.LOADING:
                 self.num_loading -= 1
         if request.block_ids:
+            if request.status is RequestStatus.RUNNING and request.load_failure is None:
+                self._keep_last_block(request)
             self.blocks.free(request.block_ids)
             request.block_ids = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
         self.requests.pop(request.request_id, None)
+
+    def _keep_last_block(self, request: Request) -> None:
+        """Offers a finished request's last block, when not full, to later prompts that begin with
+        its tokens (a chat's next turn): the tokens whose KV it holds, for partial hits."""
+        if not self.partial_hits or not self.blocks.enable_prefix_caching:
+            return
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        full, held = divmod(computed, self.block_size)
+        if not held or full >= len(request.block_ids):
+            return
+        self._extend_hashes(request, full)
+        parent = request.block_hashes[full - 1] if full else None
+        chain = chain_key(parent, request_hash_keys(self.extra_hash_keys, request.cache_salt))
+        self.blocks.keep_partial(request.block_ids[full], chain, request.token_ids[full * self.block_size:computed])
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

@@ -219,7 +219,10 @@ class KVSpec:
     num_blocks: int | None = key(None, checks.integer(1, null=True), """
         Exact number of KV blocks per worker, a positive integer; overrides the fraction.""")
     prefix_caching: bool = key(True, checks.boolean, """
-        Keep the KV of finished prompts' full blocks for reuse.""")
+        Keep the KV of finished requests for reuse: full blocks by their hash (shared by every
+        request that begins with them, and published to the registry for the router), and, by a
+        copy into a block of its own, a prompt's next tokens where a cached block or a finished
+        request's last block begins with them (a partial hit; off with a draft model).""")
     cache_dtype: str = key("auto", checks.choice(KV_CACHE_DTYPES), """
         How keys and values are held: ``auto`` (the model's dtype), ``int8`` or ``fp8_e4m3``
         (codes and a float32 scale per token and KV head: 68 bytes a 64-wide head row against

@@ -187,6 +187,7 @@ def measure(engine, role: str) -> None:
     for i, n in enumerate(PROMPT_TOKENS * PROMPT_ROUNDS):
         if time.monotonic() >= deadline:
             break
+        engine.block_manager.reset_prefix_cache()  # every token computed: no hit, not even a partial one
         engine.add_request(f"profile-prefill-{i}", prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
         _step_until_done(engine, deadline)
     if role != "prefill":
@@ -196,6 +197,7 @@ def measure(engine, role: str) -> None:
         width = min(DECODE_BATCH, engine.config.max_num_seqs)
         while width > 1 and sum(lengths[i] + i + 2 for i in range(width)) > limit:
             width -= 1
+        engine.block_manager.reset_prefix_cache()
         for i in range(width):
             engine.add_request(f"profile-decode-{i}", prompt(lengths[i]),
                                SamplingParams(max_tokens=i + 2, ignore_eos=True))

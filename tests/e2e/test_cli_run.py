@@ -366,7 +366,7 @@ def test_python_api_second_identical_prompt_hits_the_prefix_cache(reference):
     second = llm.generate([LONG_TEXT], params)[0]
     n = first.usage.prompt_tokens
     assert n >= 33
-    assert second.usage.cached_tokens == (n - 1) // 16 * 16 > 0
+    assert second.usage.cached_tokens == n - 1  # full blocks, then a partial hit: all but the last token
     assert second.token_ids == first.token_ids == reference["text"].token_ids[:2]
 
 

@@ -107,8 +107,8 @@ def test_a_second_turn_reports_its_cached_tokens(client):
                    {"role": "user", "content": "and then?"}]
     second = client.chat.completions.create(model="tiny-chat", messages=turn, max_tokens=4, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 16 <= cached < second.usage.prompt_tokens  # the first turn's full blocks
-    assert cached % 16 == 0
+    # the first turn's full blocks, and where its tokens go on, a part of the next (a partial hit)
+    assert 16 <= cached < second.usage.prompt_tokens
 
 
 def test_n_choices_seeds_stop_strings_and_logprobs(client):

@@ -221,8 +221,9 @@ def test_second_turn_sends_only_the_blocks_the_decode_worker_lacks(checkpoint):
         # The second prompt (50 + 15 + 20 = 85 tokens) needs 6 blocks, so 2 travel.
         assert (turn2.blocks_cached_on_decode, turn2.blocks_sent) == (4, 2)
         # Its cached tokens are those it did not compute: the prefill worker held the first
-        # prompt's 3 full blocks and computed the rest (the decode worker's 4 spared only their transfer).
-        assert turn2.prefill_cached_tokens == 48 and second.usage.cached_tokens == 48
+        # prompt's 3 full blocks and its last block's 2 tokens (a partial hit), and computed the
+        # rest (the decode worker's 4 spared only their transfer).
+        assert turn2.prefill_cached_tokens == 50 and second.usage.cached_tokens == 50
         assert_no_leaks(llm)
     from cluster.offline.llm import LLM
 

@@ -96,8 +96,8 @@ def test_a_pulled_prefix_gives_the_tokens_of_recomputation_and_of_transformers(c
     # Nothing stays referenced: every block is free (cached) on both sides.
     assert peer.block_manager.num_free_blocks == here.block_manager.num_free_blocks == BLOCKS
     # The pulled blocks are cached on the receiver now: the same prompt hits them there.
-    again = generate(here, "again", prompt)
-    assert again.usage.cached_tokens == 64 and again.token_ids == expected
+    again = generate(here, "again", prompt)  # and 5 tokens after them, from the pulled request's last block
+    assert again.usage.cached_tokens == 69 and again.token_ids == expected
 
 
 def test_a_peer_sends_only_the_blocks_the_receiver_lacks_and_loads_its_host_tier_ones(checkpoint):

@@ -326,3 +326,64 @@ def test_events_in_order():
 def test_invalid_sizes_are_rejected(num_blocks, block_size):
     with pytest.raises(ValueError):
         BlockManager(num_blocks, block_size)
+
+
+# -- partial hits ---------------------------------------------------------------------------
+
+CHAIN = b"c" * 32
+
+
+def test_lookup_partial_finds_the_longest_common_start_under_the_chain():
+    bm = BlockManager(6, block_size=4)
+    a, b = bm.allocate(2)
+    bm.cache_block(a, H[0], CHAIN, [5, 6, 7, 8])
+    bm.cache_block(b, H[1], CHAIN, [5, 6, 9, 9])
+    assert bm.lookup_partial(CHAIN, [5, 6, 7]) == (a, 3)
+    assert bm.lookup_partial(CHAIN, [5, 6, 9, 1]) == (b, 3)
+    assert bm.lookup_partial(CHAIN, [5, 1]) in ((a, 1), (b, 1))
+    assert bm.lookup_partial(CHAIN, [4, 6]) is None  # no block begins with 4
+    assert bm.lookup_partial(b"d" * 32, [5, 6]) is None  # another parent
+    assert bm.lookup_partial(CHAIN, []) is None
+    bm.free([a, b])
+    assert bm.lookup_partial(CHAIN, [5, 6, 7]) == (a, 3)  # free but still cached
+
+
+def test_an_evicted_block_leaves_the_partial_index():
+    bm = BlockManager(2, block_size=4)
+    a, b = bm.allocate(2)
+    bm.cache_block(a, H[0], CHAIN, [5, 6, 7, 8])
+    bm.keep_partial(b, CHAIN, [5, 6])  # a finished request's last block: 2 tokens of KV
+    assert bm.lookup_partial(CHAIN, [5, 6, 7]) == (a, 3)
+    bm.free([a, b])
+    assert bm.allocate(1) == [b]  # the least recently freed (a request's blocks are freed tail first)
+    assert bm.lookup_partial(CHAIN, [5, 6, 7]) == (a, 3)
+    bm.allocate(1)
+    assert bm.lookup_partial(CHAIN, [5, 6, 7]) is None
+    assert (bm._children, bm._indexed) == ({}, {})
+
+
+def test_keep_partial_skips_a_cached_or_shared_block_and_touch_takes_a_kept_one():
+    bm = BlockManager(4, block_size=4)
+    a, b = bm.allocate(2)
+    bm.cache_block(a, H[0])
+    bm.keep_partial(a, CHAIN, [1])  # cached already: its hash says what it holds
+    bm.touch([a])
+    bm.keep_partial(b, CHAIN, [2, 3])
+    assert bm.lookup_partial(CHAIN, [1]) is None
+    bm.free([b])
+    assert bm.lookup_partial(CHAIN, [2, 3, 4]) == (b, 2)
+    bm.touch([b])  # a partial hit's source, held until its copy is made
+    assert bm.ref_count(b) == 1 and b not in bm.free_block_ids()
+    bm.free([b])
+    c = bm.allocate(1)[0]
+    with pytest.raises(ValueError, match="not cached"):
+        bm.touch([c])
+
+
+def test_reset_prefix_cache_empties_the_partial_index():
+    bm = BlockManager(2, block_size=4)
+    a = bm.allocate(1)[0]
+    bm.cache_block(a, H[0], CHAIN, [1, 2, 3, 4])
+    bm.free([a])
+    assert bm.reset_prefix_cache()
+    assert bm.lookup_partial(CHAIN, [1, 2]) is None

@@ -324,12 +324,85 @@ def test_prompt_of_exactly_n_full_blocks_recomputes_its_last_block():
     b = req("b", prompt, max_tokens=1)
     s.add(b)
     out = s.schedule()
-    # Only 1 of the 2 cached blocks is usable: the last token must be computed to sample.
-    assert shape(out) == ([], [("b", 4)])
-    assert (b.num_cached_tokens, b.num_computed_tokens) == (4, 4)
+    # Only 1 of the 2 cached blocks is shared: the last token must be computed to sample. The
+    # second block's first 3 tokens are a partial hit: copied into b's own block 2.
+    assert shape(out) == ([], [("b", 1)])
+    assert (b.num_cached_tokens, b.num_computed_tokens) == (7, 7)
     assert b.block_ids == [0, 2]
+    assert out.block_copies == [(1, 2)]
+    assert [s.blocks.ref_count(i) for i in range(3)] == [1, 1, 1]  # the copy's source held for the step
     assert s.update(out, {"b": 99}) == [b]
     assert_all_free(s)
+
+
+def test_without_partial_hits_a_prompt_of_n_full_blocks_recomputes_its_last_block():
+    s = make_scheduler(num_blocks=8)
+    s.partial_hits = False
+    prompt = list(range(10, 18))
+    a = req("a", prompt, max_tokens=1)
+    s.add(a)
+    step(s)
+    b = req("b", prompt, max_tokens=1)
+    s.add(b)
+    out = s.schedule()
+    assert shape(out) == ([], [("b", 4)])
+    assert (b.num_cached_tokens, b.num_computed_tokens, b.block_ids, out.block_copies) == (4, 4, [0, 2], [])
+    assert s.update(out, {"b": 99}) == [b]
+    assert_all_free(s)
+
+
+def test_a_finished_requests_last_block_serves_a_prompt_that_begins_with_its_tokens():
+    """A chat's next turn: the prompt is the last one and its answer and more. The last request's
+    last block was not full, so not cached; it still offers the tokens whose KV it holds."""
+    s = make_scheduler(num_blocks=8)
+    a = req("a", [10, 11, 12, 13, 14], max_tokens=2)  # 5 prompt tokens + 2 out: KV for 6 when it ends
+    s.add(a)
+    run_until_done(s)
+    assert a.output_token_ids == [1005, 1006] and a.num_computed_tokens == 6
+    assert s.blocks.block_hash_of(1) is None  # block 1 holds tokens 4 and 5 only
+    b = req("b", [10, 11, 12, 13, 14, 1005, 1006, 40, 41])
+    s.add(b)
+    out = s.schedule()
+    # block 0 is a full hit; block 1's tokens 14 and 1005 are copied; 1006, 40, 41 are computed
+    assert shape(out) == ([], [("b", 3)])
+    assert (b.num_cached_tokens, b.block_ids, out.block_copies) == (6, [0, 2, 3], [(1, 2)])
+    s.update(out, {"b": 99})
+    s.abort("b")
+    assert_all_free(s)
+
+
+def test_a_partial_hit_keeps_to_its_tenant_and_its_parent():
+    s = make_scheduler(num_blocks=8)
+    a = Request("a", [10, 11, 12, 13, 14, 15], SamplingParams(max_tokens=1), cache_salt="t1")
+    s.add(a)
+    run_until_done(s)
+    for other in (Request("b", [10, 11, 12, 13, 14, 15, 16], SamplingParams(max_tokens=1), cache_salt="t2"),
+                  Request("c", [99, 11, 12, 13, 14, 15, 16], SamplingParams(max_tokens=1), cache_salt="t1")):
+        s.add(other)
+        out = s.schedule()
+        assert (out.block_copies, other.num_cached_tokens) == ([], 0)
+        s.update(out, {other.request_id: 99})
+        s.abort(other.request_id)
+    d = Request("d", [10, 11, 12, 13, 14, 15, 16], SamplingParams(max_tokens=1), cache_salt="t1")
+    s.add(d)
+    out = s.schedule()
+    assert (d.num_cached_tokens, len(out.block_copies)) == (6, 1)
+    s.update(out, {"d": 99})
+    s.abort("d")
+    assert_all_free(s)
+
+
+def test_a_reallocated_block_serves_no_partial_hit():
+    s = make_scheduler(num_blocks=4)
+    a = req("a", [10, 11, 12, 13, 14], max_tokens=1)
+    s.add(a)
+    run_until_done(s)
+    s.blocks.allocate(4)  # every block taken (the kept last block among them): its KV is gone
+    s.blocks.free(list(range(4)))
+    b = req("b", [10, 11, 12, 13, 14, 1005, 7], max_tokens=1)
+    s.add(b)
+    out = s.schedule()
+    assert (out.block_copies, b.num_cached_tokens) == ([], 0)
 
 
 def test_prompt_one_token_past_a_cached_prefix_is_a_prefill_chunk():
@@ -708,6 +781,10 @@ def _check_kv(sched: Scheduler, out: SchedulerOutput, kv: dict[int, int]) -> Non
     """Writes the scheduled tokens into a fake KV cache (slot -> token id) as the model would,
     then checks every request's view of its context through its block table."""
     bm = sched.blocks
+    for source, destination in out.block_copies:  # partial hits: the step copies these blocks first
+        assert bm.ref_count(source) >= 1 and bm.ref_count(destination) == 1
+        for offset in range(BS):
+            kv[destination * BS + offset] = kv.get(source * BS + offset)
     for r, n in out.scheduled():
         assert len(r.block_ids) == -(-(r.num_computed_tokens + n) // BS)
         for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
@@ -745,7 +822,7 @@ def test_random_workload_keeps_the_books(seed, chunked, prefix_caching):
     expected: dict[str, int] = {}
     all_requests: list[Request] = []
     aborted: set[str] = set()
-    preemptions = 0
+    preemptions = copies = 0
     for i in range(40 * 10):
         if i < 200 and rng.random() < 0.3:
             n = rng.randrange(1, 20)
@@ -761,6 +838,7 @@ def test_random_workload_keeps_the_books(seed, chunked, prefix_caching):
             _check_refs(s)
         out = s.schedule()
         preemptions += len(out.preempted)
+        copies += len(out.block_copies)
         if chunked:
             assert out.num_tokens <= budget
         elif out.num_tokens > budget:  # a prompt too long for the budget runs whole and alone
@@ -788,6 +866,7 @@ def test_random_workload_keeps_the_books(seed, chunked, prefix_caching):
     assert aborted
     if prefix_caching:
         assert any(r.num_cached_tokens for r in all_requests)
+        assert copies  # partial hits, their copies checked through every block table (_check_kv)
 
 
 # -- decode side of disaggregation ---------------------------------------------------------
