@@ -62,6 +62,9 @@ GOODPUT_BUFFER = 10_000
 GAUGES_EVERY_S = 2.0  # goodput, attainment and queue gauges, and the published status: busy or idle
 STATUS_KEPT_S = 15.0  # a published status not rewritten for this long is a router that is gone
 MEMBERSHIP_POLL_S = 0.2  # how often the deployment's membership record is read
+# A placement's deferred refits wait this long: past its request's first step, which on a machine
+# whose cores the worker's threads fill would share them with the refit (``_refit_after``).
+REFIT_DELAY_S = 0.03
 
 
 class RouterService:
@@ -86,6 +89,7 @@ class RouterService:
         self._waiters: dict[str, asyncio.Future] = {}
         self._changed: asyncio.Event | None = None
         self._retrier: asyncio.Task | None = None
+        self._refit_timer: asyncio.TimerHandle | None = None
 
     async def place(self, request: RouteRequest) -> Decision:
         """``place`` or ``reject``, answered once the request can be placed. ``request.arrival``
@@ -168,6 +172,8 @@ class RouterService:
         for task in (self._gauges, self._housekeeping, self._retrier, self._probe, self._membership):
             if task is not None:
                 task.cancel()
+        if self._refit_timer is not None:
+            self._refit_timer.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self._leave)
 
     def _leave(self) -> None:
@@ -269,10 +275,15 @@ class RouterService:
                                    output_tokens=output_tokens or 0))
 
     def _refit_after(self) -> None:
-        """The step-time models a placement found out of date are refitted once the loop is free
-        (after the request has gone to its worker), not while it waits (``Router.defer_refits``)."""
-        if self.router.refits_due:
-            asyncio.get_running_loop().call_soon(self.router.refit_deferred)
+        """The step-time models a placement found out of date are refitted ``REFIT_DELAY_S``
+        later, not while the request waits (``Router.defer_refits``), nor while its first step
+        runs."""
+        if self.router.refits_due and self._refit_timer is None:
+            self._refit_timer = asyncio.get_running_loop().call_later(REFIT_DELAY_S, self._refit_now)
+
+    def _refit_now(self) -> None:
+        self._refit_timer = None
+        self.router.refit_deferred()
 
     def _told(self) -> None:
         if self._changed is not None and len(self.router.waiting):

@@ -157,7 +157,8 @@ class BlockManager:
         for block_id, held in islice(reversed(candidates.items()), PARTIAL_SCAN):
             if block_id in self._loading:
                 continue
-            matched = next((i for i, (a, b) in enumerate(zip(held, token_ids)) if a != b), min(len(held), len(token_ids)))
+            matched = next((i for i, (a, b) in enumerate(zip(held, token_ids)) if a != b),
+                           min(len(held), len(token_ids)))
             if best is None or matched > best[1]:
                 best = (block_id, matched)
                 if matched == len(token_ids):
