@@ -81,10 +81,27 @@ class WorkerLoad:
     @classmethod
     def from_json(cls, raw: str | bytes) -> "WorkerLoad":
         data = json.loads(raw)
-        data["steps"] = tuple(StepSample(**s) for s in data.get("steps", ()))
+        data["steps"] = tuple(_step(s) for s in data.get("steps", ()))
         data["unpaired"] = tuple(data.get("unpaired", ()))
         data["pull_from"] = tuple(data.get("pull_from", ()))
         return cls(**data)
+
+
+_STEPS_KEPT = 4096
+_steps_seen: dict[tuple, StepSample] = {}
+
+
+def _step(fields: dict) -> StepSample:
+    """A reported step, the one made before when a report held the same (a report's steps are a
+    window that slides by a few steps: building 88 anew took 179 us of a placement's read, the
+    lookups 19, 2 cores)."""
+    key = tuple(fields.items())
+    step = _steps_seen.get(key)
+    if step is None:
+        if len(_steps_seen) >= _STEPS_KEPT:
+            _steps_seen.clear()
+        step = _steps_seen[key] = StepSample(**fields)
+    return step
 
 
 def publish_load(client: redis.Redis, cluster: str, load: WorkerLoad, ttl_s: float) -> None:

@@ -64,3 +64,14 @@ def test_wide_batches_older_than_the_window_are_reported_two_per_width():
         stats.record(step)
     # widths 2-3: 3, 2; 4-7: 5; 8-15: 9; 16-31: the latest two of 30, 20, 17; 32-63: 32
     assert reported_steps(stats) == [wide[6], wide[7], wide[5], wide[4], wide[2], wide[3], wide[0]] + narrow[-STEPS_REPORTED:]
+
+
+def test_a_report_read_back_gives_its_steps_and_shares_those_an_earlier_report_held():
+    from cluster.registry.load import StepSample, WorkerLoad
+
+    steps = tuple(StepSample(16 * i, 256 * i, i % 3, 40 * i, 0.001 * i) for i in range(1, 9))
+    first = WorkerLoad("d0", "decode", 0, 1, 0, 0, 0, 90, 100, 16, 2048, 8, steps[:6], 1.0)
+    later = WorkerLoad("d0", "decode", 0, 1, 0, 0, 0, 90, 100, 16, 2048, 8, steps[2:], 2.0)  # the window slid by 2
+    read_first, read_later = WorkerLoad.from_json(first.to_json()), WorkerLoad.from_json(later.to_json())
+    assert (read_first, read_later) == (first, later)
+    assert all(a is b for a, b in zip(read_first.steps[2:], read_later.steps[:4]))  # built once, not per report
