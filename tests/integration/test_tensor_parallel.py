@@ -172,3 +172,21 @@ def test_gguf_rank_dequantizes_only_the_rows_it_keeps(checkpoint, tmp_path, monk
     assert attention.qkv_proj.weight.shape[0] == (q + 2 * kv) // 2
     assert attention.o_proj.weight.shape[1] == q // 2
     assert model.model.embed_tokens.weight.shape[0] == config.vocab_size // 2
+
+
+def test_tp2_partial_prefix_hits_copy_every_ranks_kv(checkpoint):
+    """A partial hit's block copy travels in the step's plan: each rank copies its own shard, so
+    a repeated prompt (all of it but its last token from the cache) gives TP 1's tokens."""
+    from cluster.engine.sampling_params import SamplingParams
+    from conftest import random_prompts
+
+    model_dir = str(checkpoint("llama"))
+    prompt = random_prompts([45], seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(model_dir, verbose=False, num_kv_blocks=64, enable_prefix_caching=False) as alone:
+        expected = alone.generate([prompt], params)[0].token_ids
+    with LLM(model_dir, verbose=False, num_kv_blocks=64, **tp_args(2)) as llm:
+        first = llm.generate([prompt], params)[0]
+        again = llm.generate([prompt], params)[0]
+    assert (first.usage.cached_tokens, again.usage.cached_tokens) == (0, 44)
+    assert first.token_ids == again.token_ids == expected
