@@ -155,8 +155,6 @@ class BlockManager:
             return None
         best: tuple[int, int] | None = None
         for block_id, held in islice(reversed(candidates.items()), PARTIAL_SCAN):
-            if block_id in self._loading:
-                continue
             matched = next((i for i, (a, b) in enumerate(zip(held, token_ids)) if a != b),
                            min(len(held), len(token_ids)))
             if best is None or matched > best[1]:
@@ -341,7 +339,7 @@ class BlockManager:
         request's last block, about to be freed), for partial hits until it is reallocated.
         No-op for a block that is cached, shared, or when caching is off."""
         if (not self.enable_prefix_caching or not token_ids or self._hashes[self._check_id(block_id)] is not None
-                or self._ref_counts[block_id] != 1 or block_id in self._indexed):
+                or self._ref_counts[block_id] != 1):
             return
         self._index(block_id, chain, token_ids)
 

@@ -356,10 +356,13 @@ class Scheduler:
         tokens = request.token_ids[begin:min(begin + self.block_size, request.num_tokens - 1)]
         if not tokens:
             return None
+        return self.blocks.lookup_partial(self._chain(request, block), tokens)
+
+    def _chain(self, request: Request, block: int) -> bytes:
+        """The chain key of the request's block ``block`` (``block_hash.chain_key``)."""
         self._extend_hashes(request, block)
         parent = request.block_hashes[block - 1] if block else None
-        return self.blocks.lookup_partial(chain_key(parent, request_hash_keys(self.extra_hash_keys, request.cache_salt)),
-                                          tokens)
+        return chain_key(parent, request_hash_keys(self.extra_hash_keys, request.cache_salt))
 
     def _host_prefix(self, request: Request, device_hits: int, limit: int) -> int:
         """How many blocks after the device cache's ``device_hits`` the host tier holds, among
@@ -464,11 +467,9 @@ class Scheduler:
         if full <= request.num_registered_blocks:
             return
         self._extend_hashes(request, full)
-        keys = request_hash_keys(self.extra_hash_keys, request.cache_salt)
         bs = self.block_size
         for i in range(request.num_registered_blocks, full):
-            chain = chain_key(request.block_hashes[i - 1] if i else None, keys)
-            self.blocks.cache_block(request.block_ids[i], request.block_hashes[i], chain,
+            self.blocks.cache_block(request.block_ids[i], request.block_hashes[i], self._chain(request, i),
                                     request.token_ids[i * bs:(i + 1) * bs])
         request.num_registered_blocks = full
 
@@ -522,10 +523,8 @@ class Scheduler:
         full, held = divmod(computed, self.block_size)
         if not held or full >= len(request.block_ids):
             return
-        self._extend_hashes(request, full)
-        parent = request.block_hashes[full - 1] if full else None
-        chain = chain_key(parent, request_hash_keys(self.extra_hash_keys, request.cache_salt))
-        self.blocks.keep_partial(request.block_ids[full], chain, request.token_ids[full * self.block_size:computed])
+        self.blocks.keep_partial(request.block_ids[full], self._chain(request, full),
+                                 request.token_ids[full * self.block_size:computed])
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

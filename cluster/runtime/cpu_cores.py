@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from types import MappingProxyType
 
-NO_CORES = {"cpus": "", "threads": 0}  # the load fields of a worker that computes on a GPU
+NO_CORES = MappingProxyType({"cpus": "", "threads": 0})  # the load fields of a worker that computes on a GPU
 
 
 def format_cpulist(cpus) -> str:
