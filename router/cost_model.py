@@ -101,6 +101,14 @@ def fit_robust(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tup
     return coef
 
 
+def _prefill_only(step: StepSample) -> bool:
+    return bool(step.prefill_tokens and not step.decodes)
+
+
+def _decode_only(step: StepSample) -> bool:
+    return bool(step.decodes and not step.prefill_tokens)
+
+
 @dataclass(frozen=True)
 class StepTimeModel:
     prefill: tuple[float, float, float] | None  # (a, b per token, c per attention unit)
@@ -114,8 +122,8 @@ class StepTimeModel:
 
     @classmethod
     def fit(cls, steps: Sequence[StepSample], max_num_batched_tokens: int) -> "StepTimeModel":
-        prefill = [s for s in steps if s.prefill_tokens and not s.decodes]
-        decode = [s for s in steps if s.decodes and not s.prefill_tokens]
+        prefill = [s for s in steps if _prefill_only(s)]
+        decode = [s for s in steps if _decode_only(s)]
         sent = [s for s in steps if s.kv_blocks_sent]
         blocks = sum(s.kv_blocks_sent for s in sent)
         sequences = sum(s.decodes for s in decode)
@@ -135,6 +143,14 @@ class StepTimeModel:
                                    else DEFAULT_HOST_LOAD_S_PER_BLOCK),
             draft_s_per_token=sum(s.draft_s for s in drafted) / draft_tokens if draft_tokens else 0.0,
         )
+
+    def gap_filled_by(self, steps: Sequence[StepSample]) -> bool:
+        """Whether ``steps`` hold enough samples to fit a phase this model has no fit for."""
+        if self.prefill is not None and self.decode is not None:
+            return False
+        prefills = sum(1 for s in steps if _prefill_only(s)) if self.prefill is None else 0
+        decodes = sum(1 for s in steps if _decode_only(s)) if self.decode is None else 0
+        return prefills >= MIN_SAMPLES or decodes >= MIN_SAMPLES
 
     def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
         """Time to compute ``tokens`` prompt tokens after ``cached`` ones, in budget-sized chunks."""

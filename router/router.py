@@ -388,14 +388,18 @@ class Router:
         report behind, at most ``load_refresh_s`` plus a report's period and the delay. The
         ingress waits ``REFIT_DELAY_S`` (``router/service.py``), past the request's first step,
         whose cores on the quick start the refit would share: one stream's TTFT p50 11.4 ms
-        against 12.9 refitting at once (6 runs each, alternating)."""
+        against 12.9 refitting at once (6 runs each, alternating). A model with no fit for a
+        phase the new steps have samples of is refitted at once: deferred, a decode worker
+        first fitted before it decoded was predicted to decode in no time, so with no rate at
+        which its sequences end (CI: a request refused as waiting "with no end in sight" beside
+        two running sequences)."""
         cached = self._models.get(load.worker)
         if cached is not None and self._refits.get(load.worker) is load:  # found changed earlier in this placement
             return cached[1]
         if cached is None or cached[0] is not load.steps:  # a report read since (steps compared once)
             if cached is not None and cached[0] == load.steps:
                 fitted = cached[1]
-            elif cached is not None and self.defer_refits:
+            elif cached is not None and self.defer_refits and not cached[1].gap_filled_by(load.steps):
                 self._refits[load.worker] = load
                 return cached[1]
             else:
@@ -714,14 +718,14 @@ class Router:
         why = explain(cls, best, never, spent, full=not with_room(candidates))
         wait = forecast(best)
         retry_after = wait.retry_after_s(cls.ttft_s)
-        if not math.isfinite(retry_after):  # nothing decodes and nothing has room: no rate to go by
+        if not math.isfinite(retry_after):  # nothing decodes (at a measured pace) and nothing has room: no rate
             retry_after = cls.wait_bound_s
         if cls.on_overload == "reject":
             return self._reject(request, cls, why, now, best, retry_after)
         bound = cls.wait_bound_s
         if bound is not None and spent + wait.wait_s > bound:
             more = (f"{wait.wait_s * 1000:.0f} ms more" if math.isfinite(wait.wait_s) else
-                    "with no end in sight (no decoding sequence to free one)")
+                    "with no end in sight (no sequence decoding at a measured pace to free one)")
             return self._reject(request, cls, f"predicted to wait {more} for a decode slot (after {spent * 1000:.0f} "
                                 f"ms), past its bound of {bound * 1000:.0f} ms; " + why, now, best, retry_after)
         if never or (cls.ttft_s is not None and wait.first_token_s(spent) > cls.ttft_s):

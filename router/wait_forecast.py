@@ -31,6 +31,9 @@ from cluster.registry.load import WorkerLoad
 from router.cost_model import StepTimeModel
 
 
+FIT_ROUNDING = 1e-9  # of a sequence: below any step the fits resolve
+
+
 @dataclass(frozen=True)
 class DecodeSlots:
     """What one generating worker offers a request that waits for a slot."""
@@ -56,7 +59,10 @@ def decode_slots(load: WorkerLoad, model: StepTimeModel, pending_prompt_tokens: 
         a, b, c = model.decode
         per_sequence = b * (1.0 + model.guesses_per_sequence) + c * (context / sequences if sequences else 0.0)
         budget = tpot_objective_s / step_scale * model.tokens_per_step - a  # a step within the objective
-        capacity = min(capacity, max(0, math.floor(budget / per_sequence)) if per_sequence > 0 else capacity)
+        # A batch that meets the objective exactly fits: the fit's rounding (a scale of 1 + 4e-15)
+        # is not a sequence less, which is what the same fit on another CPU's BLAS gave.
+        capacity = min(capacity, max(0, math.floor(budget / per_sequence + FIT_ROUNDING)) if per_sequence > 0
+                       else capacity)
     free_blocks = load.free_blocks - sum(-(-tokens // load.block_size) for tokens in pending_prompt_tokens)
     by_blocks = max(0, free_blocks) // max(1, blocks_per_request)
     room = max(0, min(capacity - sequences, by_blocks))

@@ -79,7 +79,7 @@ def test_a_request_that_would_wait_past_its_bound_is_refused_at_once_with_retry_
         predicted = re.search(r"predicted to wait (\d+) ms more", error["message"])
         if predicted is not None:
             assert abs(retry_ms - int(predicted.group(1))) <= 1  # the wait it predicted (the message rounds it)
-        else:  # a report that shows no sequence decoding yet (seen on a starved machine): no rate to go by
+        else:  # the router's latest report predates the streams' decode steps: no pace to go by
             assert error["message"].startswith("rejected by admission control: predicted to wait with no end in sight")
             assert retry_ms == 300  # the class's bound
         assert int(refused.headers["Retry-After"]) == -(-retry_ms // 1000)

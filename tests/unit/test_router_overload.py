@@ -13,7 +13,7 @@ from router.config import RouterConfig, RouterConfigError
 from router.cost_model import measured_step_scale
 from router.router import RouteRequest, Router
 from router.wait_forecast import DecodeSlots, WaitForecast, decode_slots, slot_wait_s
-from test_router import NOW, PROMPT, TOPOLOGY, FakeRegistry, config, full_decode, load
+from test_router import NOW, PREFILL_STEPS, PROMPT, TOPOLOGY, FakeRegistry, config, full_decode, load
 
 pytestmark = pytest.mark.unit
 
@@ -69,6 +69,31 @@ def test_a_held_request_is_told_its_predicted_wait_behind_those_ahead():
         router.submit(RouteRequest(f"b{i}", PROMPT, 8, "standard"), now=NOW)
     last = router.submit(RouteRequest("c", PROMPT, 8, "standard"), now=NOW)
     assert last.predicted_wait_s == pytest.approx(42 / 40)  # 41 ahead and itself, 40 slots a second
+
+
+def test_a_decode_fit_missing_when_the_model_was_made_is_fitted_at_once_not_deferred():
+    """The ingress's router defers refits, but a model made from reports with no decode steps
+    (placed before the workers decoded) is refitted as soon as a report has them: deferred, the
+    full workers were predicted to decode in no time, so never to free a slot, and the request
+    was refused as waiting "with no end in sight" (CI). A report still without decode samples
+    leaves the deferral as it was."""
+    no_decodes = {d: load(d, steps=PREFILL_STEPS, updated_at=NOW) for d in ("d0", "d1")}
+    router = Router(TOPOLOGY, FakeRegistry(no_decodes), config(), defer_refits=True)
+    assert router.route(RouteRequest("first", PROMPT, 8, "batch"), now=NOW).action == "place"
+    assert model_of(router, "d0").decode is None
+    router.finished("first", now=NOW)
+    still = {d: replace(load(d, steps=PREFILL_STEPS + PREFILL_STEPS[:1], updated_at=NOW + 0.5)) for d in ("d0", "d1")}
+    router.registry.state.update(still)
+    router._loads_read_at = -1e9
+    assert router.route(RouteRequest("second", PROMPT, 8, "batch"), now=NOW + 1).action == "place"
+    assert router.refits_due  # nothing to fill the gap with: deferred as before
+    router.refit_deferred()
+    router.finished("second", now=NOW + 1)
+    router.registry.state.update({d: replace(w, updated_at=NOW + 1.5) for d, w in full_decode().items()})
+    router._loads_read_at = -1e9
+    held = router.submit(RouteRequest("a", PROMPT, 8, "standard"), now=NOW + 1.5)
+    assert (held.action, held.predicted_wait_s) == ("queue", pytest.approx(0.4))  # as test_..._predicted_wait
+    assert model_of(router, "d0").decode == pytest.approx((0.020, 0.005, 0.0001))
 
 
 def test_the_learned_output_length_sets_how_fast_slots_free():
