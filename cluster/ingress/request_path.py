@@ -167,6 +167,11 @@ class RequestPath:
         self.info = info
         self.metrics = metrics
         self.api = api
+        # The offline API (``DisaggregatedLLM.generate``) answers every prompt it is given, as an
+        # engine's ``generate`` does: its requests are ranked by their class's objectives but
+        # never refused by admission control, only held for room. Refused, an offline batch on
+        # a busy machine (4 processes on 2 cores) lost prompts to "predicted to wait 5171 ms more".
+        self.refuses = api != "offline"
         self.tracer = tracer  # cluster.ingress.tracing.RequestTracer: each request's trace, when tracing is on
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(info.model_dir)
@@ -384,7 +389,7 @@ class RequestPath:
             decision: Decision = await self.router.place(RouteRequest(
                 request_id=request.request_id, prompt_token_ids=prompt, max_tokens=planned,
                 slo_class=journey.slo_class, ttft_s=checked.ttft_s, tpot_s=checked.tpot_s,
-                priority=checked.priority, arrival=arrival, avoid=tuple(avoid), admitted=bool(journey.attempts)))
+                priority=checked.priority, arrival=arrival, avoid=tuple(avoid), admitted=bool(journey.attempts) or not self.refuses))
         except Exception as exc:  # noqa: BLE001 - a fault of the router's own: one line to the caller
             journey.outcome = "unavailable"
             return RequestFailed("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")

@@ -75,7 +75,9 @@ class _Requests:
 
 class DisaggregatedLLM(LLM):
     """Serves a topology's deployment in this process: ``DisaggregatedLLM(spec)``, or
-    :meth:`from_args` with ``tandem run --disaggregated``'s arguments."""
+    :meth:`from_args` with ``tandem run --disaggregated``'s arguments. Every prompt given is
+    answered: the router ranks its placements by the request's SLO class but never refuses one
+    (admission control is the serving APIs'); a prompt waits for room instead."""
 
     def __init__(self, spec: ClusterSpec, engine: EngineOverrides = EngineOverrides(), verbose: bool = True):
         """``engine`` holds the EngineConfig fields the topology does not (``--seed``, ``--device``...)."""

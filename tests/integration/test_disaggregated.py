@@ -25,6 +25,7 @@ from cluster.registry.load import read_loads
 from cluster.registry.reporter import connect
 from cluster.runtime.ray_runtime import ensure_ray
 from conftest import random_prompts, wait_for
+from router.config import RouterConfig
 from reference_checks import PROMPT_LENGTHS, colocated_tokens, greedy, run_batch
 
 pytestmark = pytest.mark.integration
@@ -148,6 +149,22 @@ def test_a_decode_worker_with_a_draft_model_gives_the_tokens_of_decoding_without
             assert fed["decode"] >= sum(len(p) for p in prompts) and received == 0
             assert workers["prefill"]["draft"] is None
             assert all(t.draft_bytes == 0 for t in llm.transfers)
+        assert_no_leaks(llm)
+
+
+def test_an_offline_batch_is_answered_whole_never_refused_by_admission_control(checkpoint):
+    """The offline API answers every prompt, as an engine's ``generate`` does: 6 prompts for a
+    decode worker of one slot, under a ``standard`` class that may wait 1 ms (in the ingress,
+    each prompt behind the first is refused at once), all come back with the colocated
+    engine's tokens."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([20, 24, 28, 32, 36, 40], seed=19)
+    expected = colocated_tokens(model_dir, prompts, greedy(6))
+    impatient = RouterConfig.from_mapping({"slo_classes": {
+        "standard": {"ttft_ms": 5000, "tpot_ms": 250, "on_overload": "queue", "max_wait_ms": 1}}})
+    with disaggregated(model_dir, max_num_seqs=1, router_config=impatient) as llm:
+        outputs = llm.generate(prompts, greedy(6))
+        assert [(o.error, o.token_ids) for o in outputs] == [(None, e) for e in expected]
         assert_no_leaks(llm)
 
 
