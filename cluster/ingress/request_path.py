@@ -389,7 +389,8 @@ class RequestPath:
             decision: Decision = await self.router.place(RouteRequest(
                 request_id=request.request_id, prompt_token_ids=prompt, max_tokens=planned,
                 slo_class=journey.slo_class, ttft_s=checked.ttft_s, tpot_s=checked.tpot_s,
-                priority=checked.priority, arrival=arrival, avoid=tuple(avoid), admitted=bool(journey.attempts) or not self.refuses))
+                priority=checked.priority, arrival=arrival, avoid=tuple(avoid),
+                admitted=bool(journey.attempts) or not self.refuses))
         except Exception as exc:  # noqa: BLE001 - a fault of the router's own: one line to the caller
             journey.outcome = "unavailable"
             return RequestFailed("unavailable", f"the router failed to place the request: {str(exc).splitlines()[0]}")
