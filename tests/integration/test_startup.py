@@ -31,7 +31,16 @@ def disaggregated(model_dir, **kwargs) -> DisaggregatedLLM:
 
 
 def redis_servers() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.name() == "redis-server"}
+    """The redis-servers under this process; a child that exits while they are listed is none
+    (a suite once caught one gone between the listing and its name)."""
+    servers = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() == "redis-server":
+                servers.add(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return servers
 
 
 @pytest.fixture(autouse=True)
