@@ -82,7 +82,7 @@ def test_a_decode_fit_missing_when_the_model_was_made_is_fitted_at_once_not_defe
     assert router.route(RouteRequest("first", PROMPT, 8, "batch"), now=NOW).action == "place"
     assert model_of(router, "d0").decode is None
     router.finished("first", now=NOW)
-    still = {d: replace(load(d, steps=PREFILL_STEPS + PREFILL_STEPS[:1], updated_at=NOW + 0.5)) for d in ("d0", "d1")}
+    still = {d: load(d, steps=PREFILL_STEPS + PREFILL_STEPS[:1], updated_at=NOW + 0.5) for d in ("d0", "d1")}
     router.registry.state.update(still)
     router._loads_read_at = -1e9
     assert router.route(RouteRequest("second", PROMPT, 8, "batch"), now=NOW + 1).action == "place"
