@@ -77,7 +77,7 @@ class Profile:
     def save(self, path: str | Path) -> Path:
         data = {"source": self.source, "hop_s": self.hop_s,
                 "roles": {role: {**{k: v for k, v in asdict(p).items() if k != "steps"},
-                                 "steps": [list(asdict(s).values()) for s in p.steps]}
+                                 "steps": [s.row() for s in p.steps]}
                           for role, p in self.roles.items()}}
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,11 @@ recent steps' shapes and times.
 
 A report is one JSON string per worker under ``worker:<w>:load``, rewritten a few times a
 second and expiring with the heartbeat, so a dead worker's load disappears with it. The steps
-are raw measurements; the router fits its cost model to them (``router/cost_model.py``).
+are raw measurements; the router fits its cost model to them (``router/cost_model.py``). Each step
+goes as a row of its fields' values, in ``StepSample``'s field order, not as an object: a
+placement reads every worker's report, and the quick start's two reports (76 steps) were 20.6 KB
+and parsed in 0.29-0.42 ms as objects, 5.3 KB and 0.14 ms as rows (2 cores). A report whose
+steps are objects (a worker of an earlier version) is read as well.
 
 A worker Ray finds dead has its report replaced at once by its deployment with one marked
 ``lost`` (``mark_lost``): routers keep placing for a while on a worker whose report merely
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 import redis
@@ -44,6 +48,10 @@ class StepSample:
     host_load_s: float = 0.0  # ... and those loads' waits, each from queued to copied (not in ``seconds``)
     draft_tokens: int = 0  # prompt tokens a prefill worker's draft model was fed (prompts' draft KV to send) ...
     draft_s: float = 0.0  # ... and, of ``seconds``, the draft's forwards
+
+    def row(self) -> list:
+        """Its fields' values in field order: how reports and kept step models write a step."""
+        return list(self.__dict__.values())
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,8 @@ class WorkerLoad:
     threads: int = 0  # ... and its compute threads, every rank's ("", 0: it computes on a GPU)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        data = {**self.__dict__, "steps": [step.row() for step in self.steps]}
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> "WorkerLoad":
@@ -91,16 +100,16 @@ _STEPS_KEPT = 4096
 _steps_seen: dict[tuple, StepSample] = {}
 
 
-def _step(fields: dict) -> StepSample:
-    """A reported step, the one made before when a report held the same (a report's steps are a
-    window that slides by a few steps: building 88 anew took 179 us of a placement's read, the
-    lookups 19, 2 cores)."""
-    key = tuple(fields.items())
+def _step(fields: list | dict) -> StepSample:
+    """A reported step (a row, or an object as an earlier version wrote it), the one made before
+    when a report held the same (a report's steps are a window that slides by a few steps:
+    building 88 anew took 179 us of a placement's read, the lookups 19, 2 cores)."""
+    key = tuple(fields) if isinstance(fields, list) else tuple(fields.items())
     step = _steps_seen.get(key)
     if step is None:
         if len(_steps_seen) >= _STEPS_KEPT:
             _steps_seen.clear()
-        step = _steps_seen[key] = StepSample(**fields)
+        step = _steps_seen[key] = StepSample(*fields) if isinstance(fields, list) else StepSample(**fields)
     return step
 
 

@@ -75,3 +75,18 @@ def test_a_report_read_back_gives_its_steps_and_shares_those_an_earlier_report_h
     read_first, read_later = WorkerLoad.from_json(first.to_json()), WorkerLoad.from_json(later.to_json())
     assert (read_first, read_later) == (first, later)
     assert all(a is b for a, b in zip(read_first.steps[2:], read_later.steps[:4]))  # built once, not per report
+
+
+def test_a_report_writes_each_step_as_a_row_and_still_reads_steps_written_as_objects():
+    import json
+    from dataclasses import asdict
+
+    from cluster.registry.load import StepSample, WorkerLoad
+
+    step = StepSample(32, 512, 2, 80, 0.004, kv_blocks_sent=3, guess_tokens=5, accepted_tokens=4, draft_s=0.001)
+    load = WorkerLoad("d0", "decode", 1, 2, 0, 32, 80, 90, 100, 16, 2048, 8, (step,), 3.0, unpaired=("p1",))
+    written = json.loads(load.to_json())
+    assert written["steps"] == [[32, 512, 2, 80, 0.004, 3, 0.0, 5, 4, 0, 0.0, 0, 0.001]]
+    assert written["unpaired"] == ["p1"] and written["worker"] == "d0"
+    earlier = json.dumps({**written, "steps": [asdict(step)]})  # as a worker of the version before wrote it
+    assert WorkerLoad.from_json(earlier) == WorkerLoad.from_json(load.to_json()) == load
