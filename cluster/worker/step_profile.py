@@ -10,6 +10,12 @@ where they took about 30). A fresh profile is bounded by time: prompts stop bein
 batches measured first); the router gets what was measured by then. It is measured on a warm
 engine (after the warm-up request), so its first prompt is not the model's first step.
 
+Its two parts, the prompts and the decode batch, are kept apart, each under a key without the
+worker's role (:func:`parts_of` says which a role needs): a worker whose engine settings match
+one that started before it takes the parts that one measured. The quick start's workers share
+their settings, so the second to measure measures only the decode batch, or nothing: the default
+model's two profiles took 9.4-10.0 s measured whole, 6.9-7.0 s in parts (2 cores, in process).
+
 Its steps are kept as JSON under ``<tandem cache>/step-profiles/``, keyed by everything that
 sets a step's time and is known before a step runs (:func:`profile_key`): the checkpoint's files
 (path, size, modification time), the engine settings that shape a step (dtype, quantization,
@@ -73,34 +79,47 @@ WARM_UP_TOKENS = 16  # the warm-up's prompt: the profile's first prompt shape, s
 # probe found, and measured again for 18 to 28 s; a profile off by less only misleads the router
 # until the live steps its worker reports replace the profile's in its fit (a few dozen steps).
 PROBE_TOLERANCE = 4.0
-PROFILE_FORMAT = 2  # 2: measured on a warm engine, checked by a probe (1 was keyed by the engine's code)
+PROFILE_FORMAT = 3  # 3: kept in parts (2 kept a worker's whole profile; 1 was keyed by the engine's code)
+PARTS = ("prompts", "decode")  # a profile's parts, each kept on its own (``parts_of``)
 KEPT_PROFILES = 64  # the most recently used are kept
 ALONE_WAIT_S = 2 * (PROMPTS_TIME_LIMIT_S + DECODE_TIME_LIMIT_S) + 30  # another worker's profile, and its start
 
 
+def parts_of(role: str) -> tuple[str, ...]:
+    """The parts of the profile a worker of ``role`` needs: the prompts, and the decode batch
+    where it generates."""
+    return ("prompts",) if role == "prefill" else PARTS
+
+
 def start_up(engine: LLMEngine, role: str) -> bool:
-    """Gives the engine its start-up profile in ``engine.stats.steps``: the kept one for this
-    key while a probe confirms it, or one measured now (then kept). True when it was measured."""
-    key = profile_key(engine, role)
-    kept = kept_steps(key)
-    if kept is not None:
-        with measuring_alone():  # alone: a cold engine's first steps would slow another worker's profile
-            _warm_up(engine, role)
-            probed = probe(engine, role)
-        if profile_holds(kept, probed):
-            _forget_requests(engine, kept)
-            return False
-        _log(f"{engine.config.engine_name or role}: the kept step profile does not hold here any more "
-             f"({_probe_summary(kept, probed)}); measuring it again")
-    wait = getattr(engine.runner, "wait_for_kv_memory", None)
-    if wait is not None:  # measured alone, not beside the KV cache's pages being faulted in
-        wait()
+    """Gives the engine its start-up profile in ``engine.stats.steps`` (its prompts' steps, then
+    its decode batch's): each part the one kept for its key while a probe confirms what is kept,
+    or measured now (then kept). True when any part was measured."""
+    keys = {part: profile_key(engine, part) for part in parts_of(role)}
+    if any(kept_steps(key) is None for key in keys.values()):
+        wait = getattr(engine.runner, "wait_for_kv_memory", None)
+        if wait is not None:  # measured alone, not beside the KV cache's pages being faulted in
+            wait()
+    # Alone: a cold engine's first steps would slow another worker's profile. The kept parts are
+    # read once the lock is held: a worker beside this one may have just measured a part they share.
     with measuring_alone():
+        kept = {part: kept_steps(key) for part, key in keys.items()}
         _warm_up(engine, role)
+        held = [step for steps in kept.values() if steps is not None for step in steps]
+        if held:
+            probed = probe(engine, role)
+            if not profile_holds(held, probed):
+                _log(f"{engine.config.engine_name or role}: the kept step profile does not hold here any more "
+                     f"({_probe_summary(held, probed)}); measuring it again")
+                kept = dict.fromkeys(keys)
         _forget_requests(engine, ())
-        measure(engine, role)
-    keep_steps(key, list(engine.stats.steps))
-    return True
+        missing = tuple(part for part, steps in kept.items() if steps is None)
+        measured = measure_parts(engine, missing) if missing else {}
+    for part, steps in measured.items():
+        keep_steps(keys[part], steps)
+    _forget_requests(engine, [step for part in keys
+                              for step in (kept[part] if kept[part] is not None else measured[part])])
+    return bool(missing)
 
 
 def probe(engine, role: str) -> list[StepRecord]:
@@ -174,8 +193,15 @@ def measuring_alone(wait_s: float = ALONE_WAIT_S):
 
 
 def measure(engine, role: str) -> None:
-    """Runs the profile on ``engine`` (an LLMEngine, or the planner's simulated one): its steps
-    stay in ``engine.stats.steps``; its requests' blocks and every other counter are dropped."""
+    """Runs the profile of a worker of ``role`` on ``engine`` (an LLMEngine, or the planner's
+    simulated one): its steps stay in ``engine.stats.steps``; its requests' blocks and every
+    other counter are dropped."""
+    measure_parts(engine, parts_of(role))
+
+
+def measure_parts(engine, parts: tuple[str, ...]) -> dict[str, list[StepRecord]]:
+    """Measures ``parts`` of the profile, in order: each part's steps, also left in
+    ``engine.stats.steps``, with every other trace of its requests dropped."""
     rng = random.Random(0)
     limit = min(engine.max_model_len - 16, engine.block_manager.num_blocks * engine.config.block_size // 2)
     vocab = engine.model_config.vocab_size
@@ -183,14 +209,19 @@ def measure(engine, role: str) -> None:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(min(n, limit))]
 
-    deadline = time.monotonic() + PROMPTS_TIME_LIMIT_S
-    for i, n in enumerate(PROMPT_TOKENS * PROMPT_ROUNDS):
-        if time.monotonic() >= deadline:
-            break
-        engine.block_manager.reset_prefix_cache()  # every token computed: no hit, not even a partial one
-        engine.add_request(f"profile-prefill-{i}", prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
-        _step_until_done(engine, deadline)
-    if role != "prefill":
+    spans = {}  # part -> (first, end) of its steps in engine.stats.steps
+    if "prompts" in parts:
+        first = len(engine.stats.steps)
+        deadline = time.monotonic() + PROMPTS_TIME_LIMIT_S
+        for i, n in enumerate(PROMPT_TOKENS * PROMPT_ROUNDS):
+            if time.monotonic() >= deadline:
+                break
+            engine.block_manager.reset_prefix_cache()  # every token computed: no hit, not even a partial one
+            engine.add_request(f"profile-prefill-{i}", prompt(n), SamplingParams(max_tokens=1, ignore_eos=True))
+            _step_until_done(engine, deadline)
+        spans["prompts"] = (first, len(engine.stats.steps))
+    if "decode" in parts:
+        first = len(engine.stats.steps)
         # Request i asks for i + 2 tokens, so the batch loses one sequence a step; prompt
         # lengths vary so that context and batch size are not one measurement.
         lengths = [16 + (37 * i) % 112 for i in range(DECODE_BATCH)]
@@ -202,7 +233,10 @@ def measure(engine, role: str) -> None:
             engine.add_request(f"profile-decode-{i}", prompt(lengths[i]),
                                SamplingParams(max_tokens=i + 2, ignore_eos=True))
         _step_until_done(engine, time.monotonic() + DECODE_TIME_LIMIT_S)
-    _forget_requests(engine, list(engine.stats.steps))
+        spans["decode"] = (first, len(engine.stats.steps))
+    steps = list(engine.stats.steps)
+    _forget_requests(engine, steps)
+    return {part: steps[first:end] for part, (first, end) in spans.items()}
 
 
 def _step_until_done(engine, deadline: float) -> None:
@@ -238,13 +272,16 @@ def _forget_requests(engine, steps: Iterable[StepRecord]) -> None:
 
 # -- keeping profiles -------------------------------------------------------------------------
 
-def profile_key(engine: LLMEngine, role: str) -> dict:
-    """Everything a step's time depends on (see the module's docstring), as plain values."""
+def profile_key(engine: LLMEngine, part: str) -> dict:
+    """Everything a step's time depends on (see the module's docstring), as plain values, and
+    the part of the profile (``prompts`` or ``decode``) with its recipe."""
     config, model = engine.config, engine.model_config
     device = torch.device(config.device)
+    recipe = ({"prompt_tokens": list(PROMPT_TOKENS), "rounds": PROMPT_ROUNDS, "prompts_s": PROMPTS_TIME_LIMIT_S}
+              if part == "prompts" else {"decode_batch": DECODE_BATCH, "decode_s": DECODE_TIME_LIMIT_S})
     return {
         "format": PROFILE_FORMAT,
-        "role": role,
+        "part": part,
         "model": _checkpoint_identity(config.model),
         "engine": {"dtype": str(model.dtype), "quantization": model.quantization, "device": str(device),
                    "cpu_matmul_dtype": model.cpu_matmul_dtype,
@@ -257,14 +294,13 @@ def profile_key(engine: LLMEngine, role: str) -> dict:
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(),
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "software": {"torch": torch.__version__},  # the engine's own code is checked by the probe
-        "recipe": {"prompt_tokens": list(PROMPT_TOKENS), "rounds": PROMPT_ROUNDS, "decode_batch": DECODE_BATCH,
-                   "prompts_s": PROMPTS_TIME_LIMIT_S, "decode_s": DECODE_TIME_LIMIT_S},
+        "recipe": recipe,
     }
 
 
 def profile_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "step-profiles" / f"{key['model']['name'][:40]}-{key['role']}-{digest}.json"
+    return cache_dir() / "step-profiles" / f"{key['model']['name'][:40]}-{key['part']}-{digest}.json"
 
 
 def kept_steps(key: dict) -> list[StepRecord] | None:

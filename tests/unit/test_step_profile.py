@@ -31,20 +31,23 @@ def model(checkpoint, tmp_path):
 
 @pytest.fixture
 def measured(monkeypatch, tmp_path):
-    """A private cache, and the roles of the profiles measured (the real measurement runs). Any
-    probe confirms a kept profile here (a profile measured while the machine was busy must not
-    fail these tests); the probe's rule has tests of its own."""
+    """A private cache, and the parts of the profiles measured, a tuple a start (the real
+    measurement runs). Any probe confirms a kept profile here (a profile measured while the
+    machine was busy must not fail these tests); the probe's rule has tests of its own."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(step_profile, "PROBE_TOLERANCE", math.inf)
-    roles = []
-    measure = step_profile.measure
+    starts = []
+    measure_parts = step_profile.measure_parts
 
-    def counting(engine, role):
-        roles.append(role)
-        measure(engine, role)
+    def counting(engine, parts):
+        starts.append(parts)
+        return measure_parts(engine, parts)
 
-    monkeypatch.setattr(step_profile, "measure", counting)
-    return roles
+    monkeypatch.setattr(step_profile, "measure_parts", counting)
+    return starts
+
+
+PROMPTS, BOTH = ("prompts",), ("prompts", "decode")
 
 
 def engine(model, **overrides) -> LLMEngine:
@@ -64,10 +67,10 @@ def test_a_second_start_of_a_worker_reuses_its_kept_profile(model, measured):
     first = PrefillWorker(config)
     kept = list(first.engine.stats.steps)
     first.shutdown()
-    assert measured == ["prefill"] and kept
+    assert measured == [PROMPTS] and kept
     second = PrefillWorker(config)
     try:
-        assert measured == ["prefill"]  # not measured again
+        assert measured == [PROMPTS]  # not measured again
         assert list(second.engine.stats.steps) == kept
         _, load = second._report_snapshot()  # the engine is free: the reporter's snapshot now
         assert [s.seconds for s in load.steps] == [s.seconds for s in kept[-len(load.steps):]]
@@ -76,15 +79,13 @@ def test_a_second_start_of_a_worker_reuses_its_kept_profile(model, measured):
         second.shutdown()
 
 
-@pytest.mark.parametrize("change", ["settings", "role", "checkpoint", "machine"])
+@pytest.mark.parametrize("change", ["settings", "checkpoint", "machine"])
 def test_a_changed_key_measures_afresh(model, measured, monkeypatch, change):
     assert step_profile.start_up(engine(model), "decode") is True
     assert step_profile.start_up(engine(model), "decode") is False
-    role, overrides = "decode", {}
+    overrides = {}
     if change == "settings":
         overrides = {"max_num_seqs": 8}
-    elif change == "role":
-        role = "prefill"
     elif change == "checkpoint":
         weights = model / "model.safetensors"
         stat = weights.stat()
@@ -92,9 +93,27 @@ def test_a_changed_key_measures_afresh(model, measured, monkeypatch, change):
     else:
         monkeypatch.setattr(step_profile, "cpu_model", lambda: "model name\t: another CPU")
     again = engine(model, **overrides)
-    assert step_profile.start_up(again, role) is True
-    assert measured == ["decode", role]
+    assert step_profile.start_up(again, "decode") is True
+    assert measured == [BOTH, BOTH]
     assert_nothing_left(again)
+
+
+def test_a_decode_worker_takes_the_prompts_a_prefill_worker_of_its_settings_measured(model, measured):
+    """The quick start's two workers have one engine's settings: the second to start measures
+    only its decode batch, and its profile's prompts are the first one's, as kept."""
+    prefill = engine(model)
+    assert step_profile.start_up(prefill, "prefill") is True
+    prompts = list(prefill.stats.steps)
+    decode = engine(model, engine_name="decode-0")
+    assert step_profile.start_up(decode, "decode") is True
+    assert measured == [PROMPTS, ("decode",)]
+    steps = list(decode.stats.steps)
+    assert steps[:len(prompts)] == prompts
+    assert steps[len(prompts):] == step_profile.kept_steps(step_profile.profile_key(decode, "decode"))
+    assert steps[len(prompts):] and all(s.num_decode_tokens and not s.num_prefill_tokens for s in steps[-3:])
+    assert step_profile.start_up(engine(model), "colocated") is False  # both parts kept: nothing measured
+    assert measured == [PROMPTS, ("decode",)]
+    assert_nothing_left(decode)
 
 
 def test_the_key_does_not_hold_the_engine_code(model, measured):
@@ -103,7 +122,7 @@ def test_the_key_does_not_hold_the_engine_code(model, measured):
 
     key = step_profile.profile_key(engine(model), "decode")
     assert key["software"] == {"torch": torch.__version__}
-    assert sorted(key) == ["engine", "format", "machine", "model", "recipe", "role", "software"]
+    assert sorted(key) == ["engine", "format", "machine", "model", "part", "recipe", "software"]
 
 
 def step(prefill: int, decode: int, seconds: float) -> StepRecord:
@@ -152,9 +171,10 @@ def test_a_kept_profile_its_probe_contradicts_is_measured_again(model, measured,
     monkeypatch.setattr(step_profile, "PROBE_TOLERANCE", PROBE_TOLERANCE)
     again = engine(model)
     assert step_profile.start_up(again, "decode") is True
-    assert measured == ["decode", "decode"]
+    assert measured == [BOTH, BOTH]  # both parts again, though only the decode batch's were off
     assert "prefill-0: the kept step profile does not hold here any more" in capsys.readouterr().err
-    assert step_profile.kept_steps(key) == list(again.stats.steps)  # the fresh profile replaced it
+    fresh = step_profile.kept_steps(key)  # the fresh profile replaced it
+    assert fresh and list(again.stats.steps)[-len(fresh):] == fresh
     assert_nothing_left(again)
 
 
@@ -165,7 +185,7 @@ def test_an_unreadable_kept_profile_is_measured_again(model, measured):
     path.write_text('{"key": {"format": 1}, "steps": [{"num_decode')
     assert step_profile.start_up(engine(model), "decode") is True
     assert step_profile.start_up(engine(model), "decode") is False
-    assert measured == ["decode", "decode"]
+    assert measured == [BOTH, ("decode",)]  # the prompts' part was still readable
 
 
 def test_the_profile_measures_prompts_then_a_shrinking_decode_batch(model, measured):
