@@ -185,7 +185,7 @@ class LLMEngine:
                  fault_kv_in_background: bool = False):
         """``make_runner`` builds the model runner (see :data:`RunnerFactory`); without it the
         engine runs one rank and moves no KV. ``fault_kv_in_background``: the engine is ready
-        while a CPU KV cache's pages are still being faulted in (``runner.wait_for_kv_memory``)."""
+        while a CPU KV cache's pages are still being faulted in."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

@@ -162,8 +162,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, fault_in_background: bool = False) -> None:
         """``fault_in_background``: a CPU cache's pages are faulted in by a thread while the
-        engine already runs (:class:`~cluster.engine.memory.HugePagedZeros`); see
-        :meth:`wait_for_kv_memory`."""
+        engine already runs (:class:`~cluster.engine.memory.HugePagedZeros`)."""
         attention = self.model.attention_layers()
         first, fmt = attention[0], self.kv_format
         shape = (len(attention), 2, num_blocks, self.block_size, first.num_kv_heads, fmt.row_width(first.head_dim))
@@ -186,12 +185,6 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, capture_sizes(self.max_num_seqs), blocks_per_seq, self._kv_heads,
                                        self.device)
             self.graphs.capture()
-
-    def wait_for_kv_memory(self) -> None:
-        """Until the KV cache's memory is all faulted in (at once unless it is being faulted in
-        the background)."""
-        if self._kv_memory is not None:
-            self._kv_memory.wait()
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:

@@ -90,9 +90,6 @@ class TPFollower:
     def allocate_kv_cache(self, num_blocks: int, fault_in_background: bool = False) -> None:
         self.runner.allocate_kv_cache(num_blocks, fault_in_background)
 
-    def wait_for_kv_memory(self) -> None:
-        self.runner.wait_for_kv_memory()
-
     def execute(self, plan: StepPlan) -> dict[str, str | None]:
         inputs = self.runner.build_inputs(plan)
         self.runner.execute(inputs)
@@ -195,11 +192,6 @@ class TensorParallelRunner(ModelRunner):
         refs = [f.allocate_kv_cache.remote(num_blocks, fault_in_background) for f in self.followers]
         super().allocate_kv_cache(num_blocks, fault_in_background)
         self._wait(refs, "allocating its KV cache")
-
-    def wait_for_kv_memory(self) -> None:
-        refs = [f.wait_for_kv_memory.remote() for f in self.followers]
-        super().wait_for_kv_memory()
-        self._wait(refs, "faulting its KV cache's memory in")
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:

@@ -15,6 +15,8 @@ worker's role (:func:`parts_of` says which a role needs): a worker whose engine 
 one that started before it takes the parts that one measured. The quick start's workers share
 their settings, so the second to measure measures only the decode batch, or nothing: the default
 model's two profiles took 9.4-10.0 s measured whole, 6.9-7.0 s in parts (2 cores, in process).
+A profile does not wait for its worker's KV cache to be faulted in: the fault-ins of the
+machine pause while one is measured (``cluster/engine/node_quiet.py``).
 
 Its steps are kept as JSON under ``<tandem cache>/step-profiles/``, keyed by everything that
 sets a step's time and is known before a step runs (:func:`profile_key`): the checkpoint's files
@@ -44,7 +46,6 @@ import hashlib
 import json
 import os
 import random
-import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -56,6 +57,7 @@ from typing import Iterable
 import torch
 
 from cluster.engine.engine import EngineStats, LLMEngine, StepRecord
+from cluster.engine import node_quiet
 from cluster.engine.kernels import native_kernels_enabled
 from cluster.engine.kernels.build import cpu_model
 from cluster.engine.models.source import resolve_model_source
@@ -96,10 +98,6 @@ def start_up(engine: LLMEngine, role: str) -> bool:
     its decode batch's): each part the one kept for its key while a probe confirms what is kept,
     or measured now (then kept). True when any part was measured."""
     keys = {part: profile_key(engine, part) for part in parts_of(role)}
-    if any(kept_steps(key) is None for key in keys.values()):
-        wait = getattr(engine.runner, "wait_for_kv_memory", None)
-        if wait is not None:  # measured alone, not beside the KV cache's pages being faulted in
-            wait()
     # Alone: a cold engine's first steps would slow another worker's profile. The kept parts are
     # read once the lock is held: a worker beside this one may have just measured a part they share.
     with measuring_alone():
@@ -171,10 +169,11 @@ def measuring_alone(wait_s: float = ALONE_WAIT_S):
     """Holds this machine's profiling lock while a profile is measured, so that workers starting
     together on one node measure one after the other: measured side by side on 2 cores, the quick
     start's two workers put a 16-token prompt at 82 ms against 20 alone, and the router then
-    predicted a 4-token local prefill at 105 ms and never chose it. Waits at most ``wait_s`` for
-    the lock (a profile is bounded by its time limits; a holder that died let go with its
-    process), then measures anyway."""
-    path = cache_dir() / "step-profiles" / f".measuring-{socket.gethostname()}.lock"
+    predicted a 4-token local prefill at 105 ms and never chose it. While it is held, every
+    engine's KV cache fault-in on the machine pauses (``cluster/engine/node_quiet.py``). Waits at
+    most ``wait_s`` for the lock (a profile is bounded by its time limits; a holder that died let
+    go with its process), then measures anyway."""
+    path = node_quiet.lock_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a")

@@ -37,3 +37,32 @@ def test_small_tensors_are_plain_zeros():
     memory = HugePagedZeros((4, 4), torch.bfloat16, background=True)
     memory.wait()
     assert torch.equal(memory.tensor, torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="faulted in by madvise on Linux only")
+def test_the_fault_in_pauses_while_a_start_up_profile_is_measured_on_the_machine(monkeypatch, tmp_path):
+    """Not a chunk is faulted in by the thread while the machine's profiling lock is held (it
+    looks again and again), and every chunk once it is let go."""
+    import time
+
+    from cluster.engine import memory as memory_module
+    from cluster.engine import node_quiet
+    from cluster.worker.step_profile import measuring_alone
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(memory_module, "QUIET_POLL_S", 0.001)
+    populated, looked = [], []
+    populate, held = HugePagedZeros._populate_chunk, node_quiet.held
+    monkeypatch.setattr(HugePagedZeros, "_populate_chunk", lambda self: populated.append(populate(self)) or populated[-1])
+    monkeypatch.setattr(node_quiet, "held", lambda descriptor: looked.append(held(descriptor)) or looked[-1])
+    with measuring_alone():
+        memory = HugePagedZeros(SHAPE, torch.float32, background=True)
+        if populated != [True]:
+            pytest.skip("this kernel does not fault pages in by madvise")  # every page touched in the constructor
+        deadline = time.monotonic() + 60  # a hang guard only
+        while looked.count(True) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert looked.count(True) >= 3 and populated == [True]  # the thread looked three times and waited
+    memory._thread.join(timeout=60)
+    assert not memory._thread.is_alive()
+    assert populated == [True] * 4 + [False]  # the constructor's chunk, then the other three, then none left
