@@ -173,22 +173,21 @@ def measuring_alone(wait_s: float = ALONE_WAIT_S):
     engine's KV cache fault-in on the machine pauses (``cluster/engine/node_quiet.py``). Waits at
     most ``wait_s`` for the lock (a profile is bounded by its time limits; a holder that died let
     go with its process), then measures anyway."""
-    path = node_quiet.lock_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a")
-    except OSError:
+    descriptor = node_quiet.open_lock()
+    if descriptor is None:
         yield
         return
-    with handle:  # closing it lets go of the lock
+    try:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError:
                 time.sleep(0.05)
         yield
+    finally:
+        os.close(descriptor)  # closing it lets go of the lock
 
 
 def measure(engine, role: str) -> None:
