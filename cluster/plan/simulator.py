@@ -181,6 +181,22 @@ class SimEngine:
             self.sending[request_id] = send_from_block
         return request
 
+    def reserve_transfer(self, request_id: str, prompt: list[int], params: SamplingParams,
+                         priority: int = 0) -> tuple[int, list[int]] | None:
+        """As the engine's: holds blocks for a prompt whose KV a prefill worker will send.
+        (blocks already cached here, block ids the KV goes to), or None when blocks are short."""
+        request = self.make_request(request_id, prompt, params, priority)
+        first_block = self.scheduler.reserve_for_transfer(request)
+        if first_block is None:
+            return None
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        self.stats.cached_prompt_tokens += request.num_cached_tokens
+        return first_block, request.block_ids[first_block:]
+
+    def admit_transfer(self, request_id: str, first_token: int) -> Request:
+        """As the engine's: the KV arrived with the prefill worker's ``first_token``; the request joins the batch."""
+        return self.scheduler.admit_transferred(request_id, first_token)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -543,21 +559,18 @@ class Simulator:
             return
 
         def reserve() -> None:
-            request = worker.engine.make_request(rid, flight.prompt, params, priority)
             try:
-                first_block = worker.engine.scheduler.reserve_for_transfer(request)
+                reserved = worker.engine.reserve_transfer(rid, flight.prompt, params, priority)
             except InvalidRequestError as exc:
                 worker.on_token.pop(rid, None)
                 self._after_router(flight, failed=True)
                 self._fail(flight, f"INVALID_ARGUMENT: {exc}")
                 return
-            if first_block is None:
+            if reserved is None:
                 worker.on_token.pop(rid, None)
                 self.after(self.config.hop_s, lambda: self._no_room(flight))
                 return
-            worker.engine.stats.prompt_tokens += request.num_prompt_tokens
-            worker.engine.stats.cached_prompt_tokens += request.num_cached_tokens
-            self.after(self.config.hop_s, lambda: self._prefill(flight, first_block))
+            self.after(self.config.hop_s, lambda: self._prefill(flight, reserved[0]))
 
         worker.call(reserve)
 
@@ -567,7 +580,7 @@ class Simulator:
 
         def first_token(request: Request, token: int) -> None:
             def admit() -> None:
-                admitted = decode.engine.scheduler.admit_transferred(rid, token)
+                admitted = decode.engine.admit_transfer(rid, token)
                 self._generated(flight, admitted, token)
                 if admitted.finished:
                     decode.on_token.pop(rid, None)

@@ -99,7 +99,7 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, ray.exceptions.RayActorError):
         text = _ANSI.sub("", getattr(exc, "error_msg", "") or str(exc))
         if exc.actor_init_failed:
-            line = _last_exception_line(text)
+            line = last_exception_line(text)
         elif _RAY_MEMORY_KILL.search(text):
             return "memory", "Ray's memory monitor killed it: the node ran low on memory"
         else:
@@ -118,7 +118,8 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     return ("memory" if memory else "raised"), line
 
 
-def _last_exception_line(text: str) -> str:
+def last_exception_line(text: str) -> str:
+    """The last line of a traceback's text, its exception's message (user input clipped)."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     if not lines:
         return "it failed while starting"

@@ -116,6 +116,41 @@ def test_a_decode_worker_takes_the_prompts_a_prefill_worker_of_its_settings_meas
     assert_nothing_left(decode)
 
 
+def test_a_worker_keeps_what_it_measured_before_it_lets_the_next_one_measure(model, measured, monkeypatch):
+    """Parts are written while the machine's profiling lock is held: a worker waiting for the
+    lock reads them once it has it (written after, the quick start's decode worker measured the
+    prompts again in one start of two)."""
+    from cluster.engine import node_quiet
+
+    probe = node_quiet.open_lock()
+    kept_while_held = []
+    keep_steps = step_profile.keep_steps
+    monkeypatch.setattr(step_profile, "keep_steps",
+                        lambda key, steps: (kept_while_held.append((key["part"], node_quiet.held(probe))),
+                                            keep_steps(key, steps)))
+    try:
+        assert step_profile.start_up(engine(model), "decode") is True
+    finally:
+        os.close(probe)
+    assert kept_while_held == [("prompts", True), ("decode", True)]
+
+
+def test_the_decode_batch_joins_as_sent_prompts_and_narrows_by_two_sequences_a_step(checkpoint, measured):
+    """No prompt of the decode batch is computed; its steps are 32, 30, ..., 2 then 1 sequences
+    wide, each attending to its sequences' prompts and the tokens decoded so far."""
+    llm = engine(checkpoint("llama", max_position_embeddings=4096), num_kv_blocks=512, max_model_len=4096)
+    steps = step_profile.measure_parts(llm, ("decode",))["decode"]
+    widths = list(range(32, 0, -2)) + [1]
+    lengths = [16 + (37 * i) % 112 for i in range(32)]  # the profile's prompt lengths
+    assert [s.num_decode_tokens for s in steps] == widths
+    assert all(s.num_prefill_tokens == 0 for s in steps)
+    assert [s.context_tokens for s in steps] == [sum(lengths[i] + k + 1 for i in range(width))
+                                                 for k, width in enumerate(widths)]
+    assert step_profile.decode_steps_of(5) == [3, 2, 2, 1, 1]  # widths 5, 3, 1
+    assert step_profile.decode_steps_of(1) == [1]
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 def test_the_key_does_not_hold_the_engine_code(model, measured):
     """An edit of the engine's sources (a development checkout) keeps the key: the probe judges it."""
     import torch
