@@ -24,7 +24,7 @@ HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in, writable, without changing what they hold
 POPULATE_CHUNK = HUGE_PAGE  # one at a time: the fault holds the process's memory map (a thread or an allocation waits)
-QUIET_POLL_S = 0.05  # how often a paused fault-in looks again whether the machine's profile is done
+QUIET_POLL_S = 0.05  # how often a paused fault-in looks again whether the machine is quiet
 
 
 @cache
@@ -51,8 +51,9 @@ class HugePagedZeros:
     seconds: measured 3 to 10 s for 3 GiB on a 2-core VM. With ``background`` a thread at the
     lowest CPU priority faults them in (``MADV_POPULATE_WRITE``, which never changes what a page
     holds, so the tensor is usable at once and a page written meanwhile keeps its bytes; a page
-    used first is faulted in by its user), taking only CPU time nothing else wants, and none while
-    a start-up profile is measured on the machine (``node_quiet.py``); :meth:`wait`
+    used first is faulted in by its user), and none while a start-up profile is measured or an
+    engine serves on the machine (``node_quiet.py``): an engine's requests never share the CPU
+    with it, and pages a busy engine uses first come in as it uses them; :meth:`wait`
     faults the rest in at the caller's priority. So memory the machine cannot back after all
     (the kernel's overcommit lets a map through) shows seconds later, when it is faulted in,
     not in the constructor. Without ``background``, or where the kernel lacks that advice, every
@@ -98,21 +99,22 @@ class HugePagedZeros:
 
     def _populate_idly(self) -> None:
         """Faults chunks in at the lowest CPU priority, pausing while a start-up profile is
-        measured on this machine (``node_quiet.py``)."""
+        measured or an engine serves on this machine (``node_quiet.py``)."""
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread's priority alone
         except OSError:
             pass
-        quiet = node_quiet.open_lock()
+        quiet, serving = node_quiet.open_lock(), node_quiet.open_lock(node_quiet.serving_lock_path())
         try:
             while True:
-                while node_quiet.held(quiet):
+                while node_quiet.held(quiet) or node_quiet.serving(serving):
                     time.sleep(QUIET_POLL_S)
                 if not self._populate_chunk():
                     return
         finally:
-            if quiet is not None:
-                os.close(quiet)
+            for descriptor in (quiet, serving):
+                if descriptor is not None:
+                    os.close(descriptor)
 
     def _populate_chunk(self) -> bool:
         """Faults the next chunk in; False when none is left, or the kernel refused."""

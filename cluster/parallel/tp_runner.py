@@ -26,6 +26,7 @@ from cluster.engine.engine import RunnerFactory, single_rank_runner
 from cluster.engine.kv_port import KVPortFactory
 from cluster.engine.model_runner import ModelRunner, StepInputs, StepPlan
 from cluster.engine.models.config import ModelConfig
+from cluster.engine.node_quiet import ServingMark
 from cluster.parallel.group import GroupSpec, join_group
 from cluster.runtime.ray_runtime import ensure_ray
 from cluster.runtime.startup import exception_line, guarded
@@ -78,6 +79,7 @@ class TPFollower:
         group = join_group(spec, rank, torch.device(device))
         self.runner = ModelRunner(config, Path(model_dir), block_size, max_model_len, device, group,
                                   attention_backend=attention_backend, load_format=load_format, kv_port=kv_port)
+        self._serving = ServingMark()
 
     def ready(self) -> int:
         return self.runner.weight_bytes
@@ -91,8 +93,12 @@ class TPFollower:
         self.runner.allocate_kv_cache(num_blocks, fault_in_background)
 
     def execute(self, plan: StepPlan) -> dict[str, str | None]:
-        inputs = self.runner.build_inputs(plan)
-        self.runner.execute(inputs)
+        self._serving.mark(True)  # for the step: this node's KV fault-ins pause (rank 0 marks its own node)
+        try:
+            inputs = self.runner.build_inputs(plan)
+            self.runner.execute(inputs)
+        finally:
+            self._serving.mark(False)
         return inputs.transfer_errors
 
     def join_transfer(self, layout, spec: GroupSpec, prefill_side: bool) -> None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from cluster.engine.block_manager import KVEvent
 from cluster.engine.config import EngineConfig
+from cluster.engine.node_quiet import ServingMark
 from cluster.engine.sampling_params import SamplingParams
 from cluster.observability.metrics import WorkerMetrics
 from cluster.registry.load import STEPS_REPORTED, StepSample, WorkerLoad
@@ -161,6 +162,7 @@ class EngineWorker:
                                      generates=not self.prefill_side)
         self.reporter = (WorkerReporter(registry_url, config.cluster_name, self.name, self._report_snapshot)
                          if registry_url else None)
+        self._serving = ServingMark()  # while it steps requests, the machine's KV fault-ins pause
         self._stepper = threading.Thread(target=self._run, name=f"{type(self).__name__}-loop", daemon=True)
         self._stepper.start()
 
@@ -319,6 +321,7 @@ class EngineWorker:
     def shutdown(self) -> None:
         self._stop.set()
         self._stepper.join(timeout=10)
+        self._serving.close()
         if self.reporter is not None:
             self.reporter.stop()
         self.engine.shutdown()
@@ -354,6 +357,7 @@ class EngineWorker:
             while not self._stop.is_set():
                 with self._lock.step_turn():
                     busy = self._has_work()
+                    self._serving.mark(busy)
                     if busy:
                         self._on_outputs(self.engine.step())
                 if not busy:  # idle: asleep until a call has used the engine (the timeout is only a backstop)

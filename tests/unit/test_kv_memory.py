@@ -66,3 +66,40 @@ def test_the_fault_in_pauses_while_a_start_up_profile_is_measured_on_the_machine
     memory._thread.join(timeout=60)
     assert not memory._thread.is_alive()
     assert populated == [True] * 4 + [False]  # the constructor's chunk, then the other three, then none left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="faulted in by madvise on Linux only")
+def test_the_fault_in_pauses_while_an_engine_serves_on_the_machine(monkeypatch, tmp_path):
+    """Not a chunk is faulted in by the thread while an engine marks itself serving (here, in
+    another descriptor of this process), and every chunk once it marks itself idle; marking the
+    same state again takes no lock call."""
+    import fcntl
+    import time
+
+    from cluster.engine import memory as memory_module
+    from cluster.engine import node_quiet
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(memory_module, "QUIET_POLL_S", 0.001)
+    populated, looked = [], []
+    populate, serving = HugePagedZeros._populate_chunk, node_quiet.serving
+    monkeypatch.setattr(HugePagedZeros, "_populate_chunk", lambda self: populated.append(populate(self)) or populated[-1])
+    monkeypatch.setattr(node_quiet, "serving", lambda descriptor: looked.append(serving(descriptor)) or looked[-1])
+    mark = node_quiet.ServingMark()
+    mark.mark(True)
+    locks, flock = [], fcntl.flock
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: locks.append(op) or flock(fd, op))
+    mark.mark(True)  # already serving: no call
+    assert locks == []
+    memory = HugePagedZeros(SHAPE, torch.float32, background=True)
+    if populated != [True]:
+        pytest.skip("this kernel does not fault pages in by madvise")  # every page touched in the constructor
+    deadline = time.monotonic() + 60  # a hang guard only
+    while looked.count(True) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert looked.count(True) >= 3 and populated == [True]  # the thread looked three times and waited
+    mark.mark(False)
+    memory._thread.join(timeout=60)
+    assert not memory._thread.is_alive()
+    assert populated == [True] * 4 + [False]  # the constructor's chunk, then the other three, then none left
+    mark.close()
