@@ -39,67 +39,70 @@ def test_small_tensors_are_plain_zeros():
     assert torch.equal(memory.tensor, torch.zeros(4, 4, dtype=torch.bfloat16))
 
 
+class WatchedFaultIn:
+    """A background fault-in under watch: ``populated``, each chunk's outcome; ``looked``, each
+    test of the machine's ``check`` (``held`` or ``serving``) the thread made, polled every ms."""
+
+    def __init__(self, monkeypatch, tmp_path, check: str):
+        from cluster.engine import memory as memory_module
+        from cluster.engine import node_quiet
+
+        monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+        monkeypatch.setattr(memory_module, "QUIET_POLL_S", 0.001)
+        self.populated, self.looked = [], []
+        populate, test = HugePagedZeros._populate_chunk, getattr(node_quiet, check)
+        monkeypatch.setattr(HugePagedZeros, "_populate_chunk",
+                            lambda memory: self.populated.append(populate(memory)) or self.populated[-1])
+        monkeypatch.setattr(node_quiet, check, lambda descriptor: self.looked.append(test(descriptor)) or self.looked[-1])
+        self.memory = None
+
+    def start_and_see_it_wait(self) -> None:
+        """Makes the tensor, then waits until its thread has looked three times, finding the machine busy."""
+        import time
+
+        self.memory = HugePagedZeros(SHAPE, torch.float32, background=True)
+        if self.populated != [True]:
+            pytest.skip("this kernel does not fault pages in by madvise")  # every page touched in the constructor
+        deadline = time.monotonic() + 60  # a hang guard only
+        while self.looked.count(True) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert self.looked.count(True) >= 3 and self.populated == [True]  # the thread looked three times and waited
+
+    def assert_all_faulted_in(self) -> None:
+        self.memory._thread.join(timeout=60)
+        assert not self.memory._thread.is_alive()
+        assert self.populated == [True] * 4 + [False]  # the constructor's chunk, then the other three, then none left
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="faulted in by madvise on Linux only")
 def test_the_fault_in_pauses_while_a_start_up_profile_is_measured_on_the_machine(monkeypatch, tmp_path):
     """Not a chunk is faulted in by the thread while the machine's profiling lock is held (it
     looks again and again), and every chunk once it is let go."""
-    import time
-
-    from cluster.engine import memory as memory_module
-    from cluster.engine import node_quiet
     from cluster.worker.step_profile import measuring_alone
 
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(memory_module, "QUIET_POLL_S", 0.001)
-    populated, looked = [], []
-    populate, held = HugePagedZeros._populate_chunk, node_quiet.held
-    monkeypatch.setattr(HugePagedZeros, "_populate_chunk", lambda self: populated.append(populate(self)) or populated[-1])
-    monkeypatch.setattr(node_quiet, "held", lambda descriptor: looked.append(held(descriptor)) or looked[-1])
+    fault_in = WatchedFaultIn(monkeypatch, tmp_path, "held")
     with measuring_alone():
-        memory = HugePagedZeros(SHAPE, torch.float32, background=True)
-        if populated != [True]:
-            pytest.skip("this kernel does not fault pages in by madvise")  # every page touched in the constructor
-        deadline = time.monotonic() + 60  # a hang guard only
-        while looked.count(True) < 3 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert looked.count(True) >= 3 and populated == [True]  # the thread looked three times and waited
-    memory._thread.join(timeout=60)
-    assert not memory._thread.is_alive()
-    assert populated == [True] * 4 + [False]  # the constructor's chunk, then the other three, then none left
+        fault_in.start_and_see_it_wait()
+    fault_in.assert_all_faulted_in()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="faulted in by madvise on Linux only")
 def test_the_fault_in_pauses_while_an_engine_serves_on_the_machine(monkeypatch, tmp_path):
-    """Not a chunk is faulted in by the thread while an engine marks itself serving (here, in
+    """Not a chunk is faulted in by the thread while an engine marks itself serving (here, through
     another descriptor of this process), and every chunk once it marks itself idle; marking the
-    same state again takes no lock call."""
+    same state again makes no lock call."""
     import fcntl
-    import time
 
-    from cluster.engine import memory as memory_module
     from cluster.engine import node_quiet
 
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(memory_module, "QUIET_POLL_S", 0.001)
-    populated, looked = [], []
-    populate, serving = HugePagedZeros._populate_chunk, node_quiet.serving
-    monkeypatch.setattr(HugePagedZeros, "_populate_chunk", lambda self: populated.append(populate(self)) or populated[-1])
-    monkeypatch.setattr(node_quiet, "serving", lambda descriptor: looked.append(serving(descriptor)) or looked[-1])
+    fault_in = WatchedFaultIn(monkeypatch, tmp_path, "serving")
     mark = node_quiet.ServingMark()
     mark.mark(True)
     locks, flock = [], fcntl.flock
     monkeypatch.setattr(fcntl, "flock", lambda fd, op: locks.append(op) or flock(fd, op))
     mark.mark(True)  # already serving: no call
     assert locks == []
-    memory = HugePagedZeros(SHAPE, torch.float32, background=True)
-    if populated != [True]:
-        pytest.skip("this kernel does not fault pages in by madvise")  # every page touched in the constructor
-    deadline = time.monotonic() + 60  # a hang guard only
-    while looked.count(True) < 3 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert looked.count(True) >= 3 and populated == [True]  # the thread looked three times and waited
+    fault_in.start_and_see_it_wait()
     mark.mark(False)
-    memory._thread.join(timeout=60)
-    assert not memory._thread.is_alive()
-    assert populated == [True] * 4 + [False]  # the constructor's chunk, then the other three, then none left
+    fault_in.assert_all_faulted_in()
     mark.close()
