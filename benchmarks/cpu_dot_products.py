@@ -10,7 +10,14 @@ same codes) and what bfloat16's rounding costs in the outputs. Two bfloat16 kern
 the float32-widened weights, one (the engine's, ``cpu_matmul_dtype: bfloat16``) makes the same
 bfloat16 weights from a 16-entry table per group; the run checks that their outputs are equal.
 
-Needs a C compiler and a CPU with AVX512_BF16; without them it says so in one line.
+Beside them, int8 dot products (AVX512_VNNI's vpdpbusd), as llama.cpp multiplies these weights:
+each activation row quantized to int8 per group of 32, two groups of codes a vector. And the
+default model's q8 output layer (49,152 x 576), which the engine's ``cpu_matmul_dtype: auto``
+multiplies in float32: float32, int16 activations (vpmaddwd: the weight exact, the activations
+rounded to 1/32767 of their group's largest) and int8 activations. A decode step of one stream
+spent 49% of its worker's CPU in the q4 kernel and 24% in that layer (``perf``, 2026-11-28).
+
+Needs a C compiler and a CPU with AVX512_BF16 and AVX512_VNNI; without them it says so in one line.
 
     .venv/bin/python benchmarks/cpu_dot_products.py
 """
@@ -40,7 +47,7 @@ def cpu_flags() -> set[str]:
 
 def main() -> int:
     compiler = c_compiler()
-    missing = {"avx512f", "avx512bw", "avx512_bf16"} - cpu_flags()
+    missing = {"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"} - cpu_flags()
     if compiler is None or missing:
         why = ("no C compiler (cc, gcc or clang; or set CC)" if compiler is None
                else f"this CPU lacks {', '.join(sorted(missing))}")
@@ -51,15 +58,23 @@ def main() -> int:
         subprocess.run([compiler, "-O3", "-march=native", "-o", str(binary), str(SOURCE), "-lm"], check=True)
         print("[bench] one thread, best of 30 calls per kernel and shape", file=sys.stderr, flush=True)
         lines = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split("\n")
-    rows = []
+    rows, head = [], []
     for line in filter(None, lines):
-        n, k, m, f32_ms, bf16_ms, table_ms, diff, same = line.split()
-        rows.append((f"{n} x {k}", m, f32_ms, bf16_ms, table_ms, f"{float(f32_ms) / float(table_ms):.2f}x", diff,
-                     "yes" if same == "1" else "NO"))
+        if line.startswith("head "):
+            n, k, m, f32_ms, int16_ms, int8_ms, int16_diff, int8_diff = line.split()[1:]
+            head.append((f"{n} x {k}", m, f32_ms, int16_ms, int8_ms, f"{float(f32_ms) / float(int16_ms):.2f}x",
+                         f"{float(f32_ms) / float(int8_ms):.2f}x", int16_diff, int8_diff))
+            continue
+        n, k, m, f32_ms, bf16_ms, table_ms, diff, same, int8_ms, int8_diff = line.split()
+        rows.append((f"{n} x {k}", m, f32_ms, bf16_ms, table_ms, int8_ms, f"{float(f32_ms) / float(table_ms):.2f}x",
+                     f"{float(table_ms) / float(int8_ms):.2f}x", diff, int8_diff, "yes" if same == "1" else "NO"))
     print_table("machine", machine_rows())
     print_table("a q4 weight times activation rows (the min term left out), one thread",
-                rows, ("weight", "rows", "f32 FMA ms", "bf16 dot ms", "bf16 table ms", "f32 / table",
-                       "mean |diff| / mean |out|", "table = bf16"))
+                rows, ("weight", "rows", "f32 FMA ms", "bf16 dot ms", "bf16 table ms", "int8 dot ms", "f32 / table",
+                       "table / int8", "bf16 |diff| / |out|", "int8 |diff| / |out|", "table = bf16"))
+    print_table("the q8 output layer times activation rows, one thread (differences against float32)",
+                head, ("weight", "rows", "f32 FMA ms", "int16 act. ms", "int8 act. ms", "f32 / int16",
+                       "f32 / int8", "int16 |diff| / |out|", "int8 |diff| / |out|"))
     return 0
 
 

@@ -38,6 +38,8 @@ def failing_worker(error: BaseException) -> tuple[EngineWorker, list]:
     worker.outputs = []
     worker._on_outputs = worker.outputs.append
     worker._exit = exit_
+    worker.marks = []  # what the loop told the machine's serving mark, step by step
+    worker._serving = SimpleNamespace(mark=worker.marks.append)
     return worker, exits
 
 
@@ -48,6 +50,7 @@ def test_a_step_that_raises_ends_the_process_with_one_line(capsys):
         worker._run()
     assert exits == [EXIT_STEP_FAILED] == [70]
     assert worker.outputs == [["out"]]  # the step before it was delivered
+    assert worker.marks == [True, True]  # serving at each step (the machine's KV fault-ins pause meanwhile)
     assert capsys.readouterr().err == (
         "[tandem] worker decode-3: its engine failed (tensor-parallel rank decode-3-tp1 failed while running a step: "
         "the actor died unexpectedly); the worker exits to be started again\n")
@@ -64,6 +67,7 @@ def test_an_idle_worker_whose_engine_is_broken_exits():
     with pytest.raises(Exited):
         worker._run()
     assert exits == [EXIT_STEP_FAILED]
+    assert worker.marks == [False]  # idle: not serving
 
 
 def test_a_stop_ends_the_loop_without_exiting():
