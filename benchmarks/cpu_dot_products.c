@@ -114,15 +114,22 @@ AI void tile_int8(const int MB, const int NB, const int8_t *xq, const float *dx,
     }
     for (int r = 0; r < MB; ++r) for (int j = 0; j < NB; ++j) out[r * n + n0 + j] = _mm512_reduce_add_ps(acc[r][j]);
 }
+/* The scale of a group of 32 activations quantized to integers up to `top` (max|v| / top), and
+ * into *inverse its reciprocal (0 for a group of zeros). */
+static float group_scale(const float *v, float top, float *inverse) {
+    float most = 0;
+    for (int i = 0; i < 32; ++i) most = fmaxf(most, fabsf(v[i]));
+    const float d = most / top;
+    *inverse = d ? 1 / d : 0;
+    return d;
+}
 /* x's rows quantized per group of 32 to int8 for tile_int8 (its layout), their scales into dx. */
 static void quantize_rows_int8(const float *x, int m, int64_t k, int8_t *xq, float *dx) {
     for (int r = 0; r < m; ++r)
         for (int64_t g = 0; g < k / 32; ++g) {
             const float *v = x + r * k + g * 32;
-            float most = 0;
-            for (int i = 0; i < 32; ++i) most = fmaxf(most, fabsf(v[i]));
-            const float d = most / 127, inverse = d ? 1 / d : 0;
-            dx[r * (k / 32) + g] = d;
+            float inverse;
+            dx[r * (k / 32) + g] = group_scale(v, 127, &inverse);
             int8_t *pair = xq + r * k + (g & ~1) * 32; /* [low of g, low of g+1, high of g, high of g+1] */
             for (int i = 0; i < 32; ++i) pair[(i / 16) * 32 + (g & 1) * 16 + i % 16] = (int8_t)lrintf(v[i] * inverse);
         }
@@ -210,10 +217,8 @@ static void mm_q8(int kind, int m, const float *x, int16_t *x16, uint8_t *xu, fl
         for (int r = 0; r < m; ++r)
             for (int64_t g = 0; g < k / 32; ++g) {
                 const float *v = x + r * k + g * 32;
-                float most = 0;
-                for (int i = 0; i < 32; ++i) most = fmaxf(most, fabsf(v[i]));
-                const float d = most / (kind == 1 ? 32767 : 127), inverse = d ? 1 / d : 0;
-                dx[r * (k / 32) + g] = d;
+                float inverse;
+                dx[r * (k / 32) + g] = group_scale(v, kind == 1 ? 32767 : 127, &inverse);
                 for (int i = 0; i < 32; ++i) {
                     if (kind == 1) x16[r * k + g * 32 + i] = (int16_t)lrintf(v[i] * inverse);
                     else xu[r * k + g * 32 + i] = (uint8_t)(lrintf(v[i] * inverse) + 128);

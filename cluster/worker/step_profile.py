@@ -1,17 +1,17 @@
 """A worker's start-up profile: measured step times for the router's cost model before the
 first request, measured once per model, settings and machine and then kept.
 
-The profile (:func:`measure`) runs a few prompts of growing length, twice over, then (for a worker that
-generates) a decode batch that shrinks by two sequences a step, from up to ``DECODE_BATCH``
-sequences down to two, then one, so the cost model sees the batch sizes it will predict rather than a
-handful to extrapolate from (a fit from batches of 1 to 4 put 16 sequences at 111 ms a step
-where they took about 30). The batch's sequences join it as a decode worker's do, with their
-prompts' KV as if sent (blocks held, a first token given, nothing computed): a step's time does
-not depend on the values in its KV, and the prompts are the other part's to measure. In process
-on 2 cores, the default model's decode batch took 4.6 s with its prompts prefilled and one
-sequence fewer a step, 0.95-1.1 s now (its prompts part: 2.3-3.1 s). A fresh profile is bounded by time: prompts stop being added after
-``PROMPTS_TIME_LIMIT_S``, and the decode batch is cut after ``DECODE_TIME_LIMIT_S`` (its widest
-batches measured first); the router gets what was measured by then. It is measured on a warm
+The profile (:func:`measure`) runs a few prompts of growing length, twice over, then (for a worker
+that generates) a decode batch that shrinks by two sequences a step, from up to ``DECODE_BATCH``
+sequences down to two, then one, so the cost model sees the batch sizes it will predict rather than
+a handful to extrapolate from (a fit from batches of 1 to 4 put 16 sequences at 111 ms a step where
+they took about 30). The batch's sequences join it as a decode worker's do, with their prompts' KV
+as if sent (blocks held, a first token given, nothing computed): a step's time does not depend on
+the values in its KV, and the prompts are the other part's to measure. In process on 2 cores, the
+default model's decode batch took 4.6 s with its prompts prefilled and one sequence fewer a step,
+0.95-1.1 s now (its prompts part: 2.3-3.1 s). A fresh profile is bounded by time: prompts stop being
+added after ``PROMPTS_TIME_LIMIT_S``, and the decode batch is cut after ``DECODE_TIME_LIMIT_S`` (its
+widest batches measured first); the router gets what was measured by then. It is measured on a warm
 engine (after the warm-up request), so its first prompt is not the model's first step.
 
 Its two parts, the prompts and the decode batch, are kept apart, each under a key without the
