@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,75 @@ def test_reporter_publishes_events_and_load_and_survives_redis_restart():
                 reporter.stop()
                 assert reader.alive_workers() == set()
                 assert reader.sweep() == ["w0"] and reader.prefix_blocks(hashes) == {}
+            finally:
+                restarted.stop()
+        finally:
+            reporter.stop()
+
+
+def test_a_report_that_says_what_the_last_said_is_not_sent_until_the_heartbeat_needs_it():
+    """Driven by hand (the reporter's own thread waits an hour): an unchanged load is not written
+    again while the last write is fresh; a changed load, or KV events, are written at once; once
+    ``quiet_resend_s`` has passed the unchanged load is written with its new time."""
+    with LocalRedis() as server:
+        blocks = BlockManager(8, 4)
+        hashes = hash_token_blocks(list(range(8)), 4, ("m",))
+        state = {"waiting": 0}
+
+        def snapshot():
+            return blocks.drain_events(), WorkerLoad("w0", "decode", state["waiting"], 0, 0, 0, 0,
+                                                     blocks.num_free_blocks, 8, 4, 64, 4)
+
+        reporter = WorkerReporter(server.url, "quiet", "w0", snapshot, interval_s=3600, heartbeat_ttl_s=3600)
+        client = redis.Redis.from_url(server.url)
+
+        def written() -> WorkerLoad:
+            return read_loads(client, "quiet", ["w0"])["w0"]
+
+        try:
+            assert reporter.quiet_resend_s == 1.0
+            assert reporter.report_now() and reporter.unsent == 0
+            first = written()
+            assert reporter.report_now() and reporter.report_now() and reporter.unsent == 2
+            assert written() == first  # its time too: not written again
+            state["waiting"] = 1
+            assert reporter.report_now() and reporter.unsent == 2
+            changed = written()
+            assert changed.waiting == 1 and changed.updated_at > first.updated_at
+            blocks.cache_block(blocks.allocate(1)[0], hashes[0])  # an event, the load as it was
+            assert reporter.report_now() and reporter.unsent == 2
+            assert KVIndexReader(client, "quiet").prefix_blocks(hashes[:1]) == {"w0": 1}
+            again = written()
+            assert again.free_blocks == blocks.num_free_blocks
+            assert reporter.report_now() and reporter.unsent == 3
+            reporter.quiet_resend_s = 0.0  # the last write has aged past it
+            assert reporter.report_now() and reporter.unsent == 3
+            renewed = written()
+            assert renewed.updated_at > again.updated_at
+            assert replace(renewed, updated_at=0) == replace(again, updated_at=0)
+        finally:
+            reporter.stop()
+
+
+def test_an_unchanged_report_is_sent_again_after_redis_was_unreachable():
+    """A write that failed leaves nothing to repeat: the next report goes out whole."""
+    with LocalRedis() as server:
+        port = server.port
+
+        def snapshot():
+            return [], WorkerLoad("w0", "decode", 0, 0, 0, 0, 0, 8, 8, 4, 64, 4)
+
+        reporter = WorkerReporter(server.url, "quiet", "w0", snapshot, interval_s=3600, heartbeat_ttl_s=3600)
+        try:
+            assert reporter.report_now()
+            server.stop()
+            reporter._sent_at -= 3600  # the unchanged report is due again ...
+            assert not reporter.report_now() and not reporter.connected  # ... and fails
+            restarted = LocalRedis(port=port)
+            try:
+                assert reporter.report_now() and reporter.connected and reporter.unsent == 0
+                client = redis.Redis.from_url(restarted.url)
+                assert read_loads(client, "quiet", ["w0"])["w0"].free_blocks == 8
             finally:
                 restarted.stop()
         finally:
