@@ -17,6 +17,10 @@ multiplies in float32: float32, int16 activations (vpmaddwd: the weight exact, t
 rounded to 1/32767 of their group's largest) and int8 activations. A decode step of one stream
 spent 49% of its worker's CPU in the q4 kernel and 24% in that layer (``perf``, 2026-11-28).
 
+The kernels here compare arithmetic, not memory traffic: they do not prefetch, and the engine's
+kernel has prefetched the next tile's rows since 5df14eb. Its output layer, read from memory, takes
+about half the float32 time shown here (one thread, 2026-11-28: 2.05 against 4.55 ms at one row).
+
 Needs a C compiler and a CPU with AVX512_BF16 and AVX512_VNNI; without them it says so in one line.
 
     .venv/bin/python benchmarks/cpu_dot_products.py
