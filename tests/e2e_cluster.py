@@ -19,8 +19,11 @@ TANDEM = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "cluste
 
 
 def tandem(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    # Without what ``ray_environment`` put into this process (an earlier test's ``ensure_ray``):
+    # the command must set it for the Ray it starts.
+    inherited = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
     return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                          env={**inherited, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 class Cluster:

@@ -38,7 +38,7 @@ from pathlib import Path
 from cluster.deployment.state_file import process_alive, read_state, state_file
 from cluster.paths import cache_dir
 from cluster.runtime.ports import free_port
-from cluster.runtime.ray_runtime import auth_summary, quiet_auth_notice, silence_ray_output
+from cluster.runtime.ray_runtime import auth_summary, quiet_auth_notice, ray_environment, silence_ray_output
 from cluster.topology import ClusterSpec
 
 READY_TIMEOUT_S = 600.0
@@ -56,7 +56,7 @@ def _log(message: str) -> None:
 def start_ray(spec: ClusterSpec):
     """Joins ``ray.address``, or starts a local Ray on 127.0.0.1 (with the dashboard only when
     the topology asks for it); returns ``ray`` and the dashboard's URL (None without one)."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray_environment()
     import ray
 
     obs = spec.observability

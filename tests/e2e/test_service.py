@@ -329,6 +329,15 @@ def test_status_and_metrics(default_cluster):
     assert 'cluster="e2e-default"' in text and 'outcome="length"' in text
 
 
+def test_tandem_up_runs_its_workers_at_nice_0(default_cluster):
+    """Ray starts worker processes at nice 15, behind its own daemons and the API's clients,
+    which then preempt every decode step; ``tandem up`` starts its Ray with workers at 0."""
+    workers = default_cluster.status()["workers"]
+    assert {w["role"] for w in workers} == {"prefill", "decode"}
+    for worker in workers:
+        assert os.getpriority(os.PRIO_PROCESS, worker["pid"]) == 0, worker
+
+
 def test_gauges_stay_while_idle_with_the_values_status_shows(default_cluster):
     """Ray drops a gauge that is not set again within two report intervals (20 s): Tandem's are
     set on timers, so after 30 s without a request every one is still exported, and those that
