@@ -66,7 +66,9 @@ def auth_summary() -> str:
 
 def ray_environment() -> None:
     """What Ray reads from the environment, set (where the caller left it unset) before ``import
-    ray`` and before a local Ray starts: every way this project starts or joins Ray calls it.
+    ray`` and before a local Ray starts, by the two ways this project starts one: ``tandem up``
+    (``cluster/deployment/launcher.py``) and ``ensure_ray`` (a deployment built in process: the
+    offline disaggregated API, the tests, the benchmarks).
 
     Ray starts worker processes at nice 15 so that its driver stays responsive. Here the workers
     are the service: at 15 every process at 0 (the API's clients, Ray's own daemons) preempted the
