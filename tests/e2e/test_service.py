@@ -262,8 +262,11 @@ def test_a_thousand_requests_with_a_third_cancelled_leave_no_block_in_use(defaul
 
 def test_deadline_and_cancellation_free_every_block(default_cluster):
     """Calls ended by their deadline (server side) or cancelled by the client leave no block in
-    use. Whether a given call beats its 0.3 s deadline is the machine's business: both endings
-    are accepted, and every block must be free afterwards either way."""
+    use. Whether a given call beats its 0.3 s deadline is the machine's business, and so is a
+    refusal up front (RESOURCE_EXHAUSTED: the router refuses a call whose predicted wait passes
+    its class's bound; 8 calls of 900 tokens share 64 blocks, and one of them was refused in a
+    full suite on a busy machine): every ending is accepted, and every block must be free
+    afterwards either way."""
     def until_deadline(prompt):
         with TandemClient(default_cluster.api) as client:
             try:
@@ -273,7 +276,7 @@ def test_deadline_and_cancellation_free_every_block(default_cluster):
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         endings = list(pool.map(until_deadline, [PROMPTS[2]] * 8))
-    assert set(endings) <= {"length", grpc.StatusCode.DEADLINE_EXCEEDED}, endings
+    assert set(endings) <= {"length", grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}, endings
     with TandemClient(default_cluster.api) as client:
         stream = client.generate(PROMPTS[2], max_tokens=900, ignore_eos=True)
         first = next(iter(stream))
