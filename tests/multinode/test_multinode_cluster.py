@@ -36,6 +36,7 @@ from cluster.registry.kv_index import KVIndexReader
 from cluster.registry.load import read_loads
 from cluster.registry.reporter import connect
 from cluster.registry.worker_events import read_events
+from cluster.runtime.ray_runtime import ray_environment
 from conftest import random_prompts, wait_for
 from reference_checks import (
     MAX_TOKENS, PROMPT_LENGTHS, assert_equivalent, colocated_tokens, greedy, reference_greedy, run_batch,
@@ -57,7 +58,7 @@ def ray_cluster():
     """A head node (the driver's: no worker is pinned to it) and a node for prefill workers
     (resource ``prefill_node``); tests add and remove the other nodes. Token authentication is
     on, as on every Ray that Tandem starts."""
-    os.environ.setdefault("RAY_worker_niceness", "0")  # read by each raylet started here (as ensure_ray does)
+    ray_environment()  # workers at nice 0: read by each raylet started here
     import ray
     from ray._private.authentication.authentication_token_setup import enable_token_auth_by_default
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
