@@ -3,15 +3,22 @@ file and the same CPU cores, through the same OpenAI-compatible HTTP API, side b
 
 llama.cpp is what a user with a GGUF file and a CPU would run instead of Tandem, so it is the
 bar a quantized CPU path has to clear. Both servers load the default model (SmolLM2-135M-Instruct,
-Q4_1, ``cluster/default_model``) from the same file; they run one at a time, never together
-(Tandem first unless ``--first llama.cpp``), each stopped before the other starts:
+Q4_1, ``cluster/default_model``) from the same file; they run one at a time, never together,
+each stopped before the other starts, in ``--rounds`` rounds (default 2): each round starts and
+measures both, the first server of a round being the second of the round before (Tandem first in
+the first round unless ``--first llama.cpp``). This machine's speed drifts by 10-15% from minute
+to minute, so one server measured after the other is measured at another speed; with the order
+reversed each round (A B, B A), a drift that holds through the run weighs on both alike. Figures
+are given per round, and pooled over the rounds (medians over every request of every round; the
+aggregate: every token over every round's seconds) for the goals.
 
 - Tandem: ``tandem up --detach`` of the quick-start topology (the embedded default: 1 prefill +
   1 decode worker, each with the torch threads a worker takes by default, a private Redis), in a
   private cache folder, on free ports; only the model path is given, so the cached file is used.
   The folder starts as the quick start's first run finds the user's: no step profile yet, the
-  native kernels compiled (by ``scripts/bootstrap.sh``). After the load, Tandem is started once
-  more on the same folder (its step profiles kept), and both start-ups are reported.
+  native kernels compiled (by ``scripts/bootstrap.sh``). Later rounds start it on the same folder
+  (its step profiles kept; with one round, it is started once more for that start-up alone), and
+  both start-ups are reported.
 - llama.cpp: ``llama-server`` on 127.0.0.1 with ``--threads`` the usable cores, as many slots
   as the most concurrent streams and a context of ``--parallel`` x (``max_tokens`` + 64).
 
@@ -139,9 +146,20 @@ class ServerRun:
     levels: list[Level] = field(default_factory=list)
     placements: str = ""  # Tandem: where its router placed the requests (local or remote prefill)
     restart_s: float | None = None  # Tandem: started again on the same cache (its step profiles kept)
+    round: int = 1
 
     def level(self, concurrency: int) -> Level:
         return next(x for x in self.levels if x.concurrency == concurrency)
+
+
+def pooled(runs: list[ServerRun]) -> ServerRun:
+    """One server's rounds as one run: each level's requests of every round together (their
+    medians), and its seconds summed (the aggregate: every token over every round's seconds)."""
+    first = runs[0]
+    levels = [Level(level.concurrency, sum(run.level(level.concurrency).seconds for run in runs),
+                    [reply for run in runs for reply in run.level(level.concurrency).replies])
+              for level in first.levels]
+    return ServerRun(first.name, first.startup_s, first.threads, levels, first.placements, first.restart_s, 0)
 
 
 def completion_body(model: str, max_tokens: int) -> dict:
@@ -407,8 +425,12 @@ def llama_server(binary: Path, model: Path, threads: int, slots: int, max_tokens
 
 # -- the report -------------------------------------------------------------------------------
 
+def round_name(run: ServerRun) -> str:
+    return "pooled" if run.round == 0 else str(run.round)
+
+
 def level_rows(runs: list[ServerRun]) -> list[tuple]:
-    return [(run.name, level.concurrency, len(level.done), level.failed, f"{level.seconds:.1f}",
+    return [(run.name, round_name(run), level.concurrency, len(level.done), level.failed, f"{level.seconds:.1f}",
              f"{level.ttft_p50 * 1e3:.1f}", f"{level.decode_rate:.1f}", f"{level.aggregate_rate:.1f}")
             for run in runs for level in run.levels]
 
@@ -416,7 +438,7 @@ def level_rows(runs: list[ServerRun]) -> list[tuple]:
 def ratio_rows(tandem: ServerRun, llama: ServerRun) -> list[tuple]:
     rows = []
     for ours, theirs in zip(tandem.levels, llama.levels):
-        rows.append((ours.concurrency, f"{ours.ttft_p50 / theirs.ttft_p50:.2f}x",
+        rows.append((round_name(tandem), ours.concurrency, f"{ours.ttft_p50 / theirs.ttft_p50:.2f}x",
                      f"{ours.decode_rate / theirs.decode_rate:.2f}x",
                      f"{ours.aggregate_rate / theirs.aggregate_rate:.2f}x"))
     return rows
@@ -446,50 +468,61 @@ def goal_lines(tandem: ServerRun, llama: ServerRun) -> list[str]:
     ]
 
 
-def startup_rows(runs: list[ServerRun]) -> list[tuple[str, str, str]]:
-    """Each server's start-up; Tandem's twice, on one cache: first (its step profiles measured,
-    the quick start's first run after ``scripts/bootstrap.sh``) and again (the profiles kept)."""
+def startup_rows(runs: list[ServerRun]) -> list[tuple[str, str, str, str]]:
+    """Each server's start-up in each round; Tandem's on one cache: first (its step profiles
+    measured, the quick start's first run after ``scripts/bootstrap.sh``), then again (the
+    profiles kept: a later round's start, or with one round a start for that alone)."""
     rows = []
     for run in runs:
-        if run.restart_s is None:
-            rows.append((run.name, f"{run.startup_s:.1f}", STARTUP_SPANS[run.name]))
+        if run.name != TANDEM:
+            rows.append((run.name, round_name(run), f"{run.startup_s:.1f}", STARTUP_SPANS[run.name]))
             continue
-        rows += [(run.name, f"{seconds:.1f}", f"{STARTUP_SPANS[run.name]} ({start})")
-                 for seconds, start in zip((run.startup_s, run.restart_s), STARTS)]
+        rows.append((run.name, round_name(run), f"{run.startup_s:.1f}",
+                     f"{STARTUP_SPANS[run.name]} ({STARTS[0] if run.round == 1 else STARTS[1]})"))
+        if run.restart_s is not None:
+            rows.append((run.name, "after 1", f"{run.restart_s:.1f}", f"{STARTUP_SPANS[run.name]} ({STARTS[1]})"))
     return rows
 
 
 def report(runs: list[ServerRun], model: Path, args, llama_note: str) -> None:
-    prompt_tokens = ", ".join(f"{run.name} {run.levels[0].done[0].prompt_tokens}" for run in runs
+    firsts = [run for run in runs if run.round == 1]
+    prompt_tokens = ", ".join(f"{run.name} {run.levels[0].done[0].prompt_tokens}" for run in firsts
                               if run.levels[0].done)
     rows = machine_rows() + [
         ("model file", f"{model} ({model.stat().st_size / 2**20:.0f} MiB)"),
         ("Tandem's cpu_matmul_dtype", args.cpu_matmul_dtype),
-        *((f"threads, {run.name}", run.threads) for run in runs),
+        *((f"threads, {run.name}", run.threads) for run in firsts),
         ("workload", f"prompt tokens: {prompt_tokens or '?'}; {args.max_tokens} tokens out (greedy, ignore_eos), "
                      "streamed /v1/completions"),
-        *((f"placements, {run.name}", run.placements) for run in runs if run.placements),
+        *((f"placements, {run.name}, round {run.round}", run.placements) for run in runs if run.placements),
     ]
     print_table("machine", rows)
-    print_table("start-up", startup_rows(runs), ("server", "seconds", "from ... to ..."))
-    print_table(f"per server and level (closed loop; {args.requests_per_stream} requests per stream, "
-                f"at least {MIN_SINGLE_STREAM_REQUESTS} at one; rates in tokens/s at the client)", level_rows(runs),
-                ("server", "streams", "requests", "failed", "seconds", "TTFT p50 ms", "per-stream decode tok/s",
-                 "aggregate tok/s"))
-    by_name = {run.name: run for run in runs}
-    if LLAMA_CPP not in by_name:
+    print_table("start-up", startup_rows(runs), ("server", "round", "seconds", "from ... to ..."))
+    names = sorted({run.name for run in runs}, key=lambda name: name != TANDEM)
+    rounds = {name: [run for run in runs if run.name == name] for name in names}
+    together = {name: pooled(rounds[name]) if len(rounds[name]) > 1 else rounds[name][0] for name in names}
+    shown = runs + [together[name] for name in names if len(rounds[name]) > 1]
+    print_table(f"per server, round and level (closed loop; {args.requests_per_stream} requests per stream, "
+                f"at least {MIN_SINGLE_STREAM_REQUESTS} at one; rates in tokens/s at the client)", level_rows(shown),
+                ("server", "round", "streams", "requests", "failed", "seconds", "TTFT p50 ms",
+                 "per-stream decode tok/s", "aggregate tok/s"))
+    if LLAMA_CPP not in rounds:
         print(f"\n{llama_note}")
         return
-    tandem, llama = by_name[TANDEM], by_name[LLAMA_CPP]
-    print_table("Tandem / llama.cpp (TTFT: lower is better; rates: higher is better)", ratio_rows(tandem, llama),
-                ("streams", "TTFT p50", "per-stream decode tok/s", "aggregate tok/s"))
-    print("\n" + "\n".join(goal_lines(tandem, llama)))
+    pairs = list(zip(rounds[TANDEM], rounds[LLAMA_CPP]))
+    if len(pairs) > 1:
+        pairs.append((together[TANDEM], together[LLAMA_CPP]))
+    print_table("Tandem / llama.cpp (TTFT: lower is better; rates: higher is better)",
+                [row for tandem, llama in pairs for row in ratio_rows(tandem, llama)],
+                ("round", "streams", "TTFT p50", "per-stream decode tok/s", "aggregate tok/s"))
+    print(f"\ngoals{' (pooled over the rounds)' if len(rounds[TANDEM]) > 1 else ''}:\n"
+          + "\n".join(goal_lines(together[TANDEM], together[LLAMA_CPP])))
 
 
-def run_server(name: str, server, threads: str, args, placed: dict | None = None) -> ServerRun:
+def run_server(name: str, server, threads: str, args, placed: dict | None = None, round_: int = 1) -> ServerRun:
     with server as (base, startup_s):
-        log(f"{name} answering at {base} after {startup_s:.1f}s")
-        run = ServerRun(name, startup_s, threads)
+        log(f"{name} answering at {base} after {startup_s:.1f}s (round {round_})")
+        run = ServerRun(name, startup_s, threads, round=round_)
         asyncio.run(measure(run, base, args))
     if placed is not None:
         run.placements = placements_line(placed)
@@ -512,10 +545,16 @@ def main() -> int:
                              "cores)")
     parser.add_argument("--llama-threads", type=int, default=num_cores(),
                         help="llama-server's --threads (default: the usable cores)")
-    parser.add_argument("--first", choices=[TANDEM, LLAMA_CPP], default=TANDEM, help="which server runs first")
+    parser.add_argument("--first", choices=[TANDEM, LLAMA_CPP], default=TANDEM,
+                        help="which server runs first (in the first round; each round after reverses the order)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds, each starting and measuring both servers, in reversed order each round "
+                             "(default 2)")
     parser.add_argument("--cpu-matmul-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="Tandem's model.cpu_matmul_dtype (default auto, the quick start's)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     stop_on_sigterm()
 
     from cluster.default_model import default_model_path
@@ -528,24 +567,30 @@ def main() -> int:
     placed: dict = {}
     cache = tandem_cache()
 
-    def run_tandem() -> ServerRun:
+    def run_tandem(round_: int) -> ServerRun:
+        placed.clear()
         run = run_server(TANDEM, tandem_server(model, cache, placed=placed, cpu_matmul_dtype=args.cpu_matmul_dtype),
-                         tandem_threads(), args, placed)
-        log("Tandem: started again on the same cache, for its start-up with the step profiles kept")
-        run.restart_s = restart_seconds(model, cache, args.cpu_matmul_dtype)
-        shutil.rmtree(cache, ignore_errors=True)
+                         tandem_threads(), args, placed, round_)
+        if args.rounds == 1:
+            log("Tandem: started again on the same cache, for its start-up with the step profiles kept")
+            run.restart_s = restart_seconds(model, cache, args.cpu_matmul_dtype)
         return run
 
     servers = {TANDEM: run_tandem}
     if binary:
-        servers[LLAMA_CPP] = lambda: run_server(
+        servers[LLAMA_CPP] = lambda round_: run_server(
             LLAMA_CPP, llama_server(binary, model, args.llama_threads, slots, args.max_tokens),
-            f"--threads {args.llama_threads} (--threads-batch the same), --parallel {slots}", args)
+            f"--threads {args.llama_threads} (--threads-batch the same), --parallel {slots}", args, round_=round_)
     else:
         log(llama_note)
     order = sorted(servers, key=lambda name: name != args.first)
-    runs = [servers[name]() for name in order]
-    report(sorted(runs, key=lambda run: run.name != TANDEM), model, args, llama_note)
+    runs = []
+    try:
+        for round_ in range(1, args.rounds + 1):
+            runs += [servers[name](round_) for name in (order if round_ % 2 else order[::-1])]
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    report(sorted(runs, key=lambda run: (run.name != TANDEM, run.round)), model, args, llama_note)
     return 0
 
 
