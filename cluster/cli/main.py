@@ -187,7 +187,17 @@ def _load_spec(args: argparse.Namespace):
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from cluster.deployment.launcher import up
+    from cluster.topology import spec_before_model_check
 
+    # Ray starts while the topology is checked against its model (that check imports torch):
+    # the spec without that check, where it has no errors, is what Ray starts with.
+    early = None if args.detach else spec_before_model_check(args.topology)
+    if early is not None and getattr(args, "address", None):
+        from dataclasses import replace
+
+        early = replace(early, ray=replace(early.ray, address=args.address))
+    if early is not None:
+        return up(early, early.to_yaml(), False, args.argv, model_check=lambda: _load_spec(args))
     spec = _load_spec(args)
     if spec is None:
         return 2

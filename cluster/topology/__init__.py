@@ -15,6 +15,7 @@ from cluster.topology.load import (
     default_topology,
     load_topology,
     parse_topology,
+    spec_before_model_check,
     validate_file,
 )
 from cluster.topology.spec import (
@@ -38,5 +39,6 @@ from cluster.topology.spec import (
 __all__ = [
     "DEFAULT_MODEL_NAME", "DTYPES", "ROLES", "ClusterSpec", "KVSpec", "ModelSpec", "NodeConstraints",
     "ObservabilitySpec", "PoolSpec", "RaySpec", "RegistrySpec", "ServerSpec", "SpeculativeSpec", "TLSSpec", "TopologyError",
-    "TopologyIssue", "TracingSpec", "default_topology", "load_topology", "parse_topology", "validate_file",
+    "TopologyIssue", "TracingSpec", "default_topology", "load_topology", "parse_topology", "spec_before_model_check",
+    "validate_file",
 ]

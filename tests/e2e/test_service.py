@@ -600,8 +600,6 @@ def test_up_on_a_busy_port_is_one_line_naming_server_port(model_dir, tmp_path):
 def test_up_whose_worker_cannot_start_is_one_line_and_leaves_nothing(model_dir, tmp_path):
     """A KV cache far beyond the machine: `tandem up` ends with one line naming the worker and
     kv.num_blocks, no traceback, no state file, and no Ray or Redis left behind."""
-    import psutil
-
     path = tmp_path / "huge.yaml"
     path.write_text(yaml.safe_dump(topology("e2e-nostart", model_dir, kv={"num_blocks": 10**9})))
     cache = tmp_path / "cache"
@@ -613,14 +611,36 @@ def test_up_whose_worker_cannot_start_is_one_line_and_leaves_nothing(model_dir, 
     assert last.startswith("[tandem] cluster 'e2e-nostart' did not start: ") and " ran out of memory while " in last
     assert last.endswith("lower kv.num_blocks (now 1000000000)")
     assert not (cache / "clusters" / "e2e-nostart.json").exists()
+    wait_for(lambda: not orphans_since(began), timeout_s=30, what="no orphaned Ray or Redis process")
 
-    def orphans() -> list[str]:
-        """Ray's or Redis's processes started during this test whose parent is gone."""
-        return [f"{p.info['name']} ({p.pid})" for p in psutil.process_iter(["name", "create_time", "ppid"])
-                if p.info["create_time"] >= began - 1 and p.info["ppid"] == 1
-                and p.info["name"] in ("redis-server", "raylet", "gcs_server")]
 
-    wait_for(lambda: not orphans(), timeout_s=30, what="no orphaned Ray or Redis process")
+def test_up_whose_model_check_fails_while_ray_starts_says_so_and_leaves_nothing(model_dir, tmp_path):
+    """`tandem up` starts Ray while it checks the topology against the model: a context longer
+    than the model's is the topology's error, exit status 2, and the Ray it started is stopped."""
+    path = tmp_path / "long.yaml"
+    path.write_text(yaml.safe_dump(topology("e2e-long", model_dir, model={"max_model_len": 10**7})))
+    cache = tmp_path / "cache"
+    began = time.time()
+    result = tandem("up", "--topology", str(path), env={"TANDEM_CACHE_DIR": str(cache)}, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-2:] == [
+        "tandem up: the topology has errors:",
+        f"{path}:{_line_of(path, 'max_model_len')}: model.max_model_len: 10000000 exceeds the model's "
+        f"max_position_embeddings {json.loads((model_dir / 'config.json').read_text())['max_position_embeddings']}"]
+    assert not (cache / "clusters" / "e2e-long.json").exists()
+    wait_for(lambda: not orphans_since(began), timeout_s=30, what="no orphaned Ray process")
+
+
+def _line_of(path: Path, key: str) -> int:
+    return next(n for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip().startswith(f"{key}:"))
+
+
+def orphans_since(began: float) -> list[str]:
+    """Ray's or Redis's processes started since ``began`` whose parent is gone."""
+    return [f"{p.info['name']} ({p.pid})" for p in psutil.process_iter(["name", "create_time", "ppid"])
+            if p.info["create_time"] >= began - 1 and p.info["ppid"] == 1
+            and p.info["name"] in ("redis-server", "raylet", "gcs_server")]
 
 
 def test_tandem_up_starts_a_killed_decode_worker_again(model_dir, reference, tmp_path):

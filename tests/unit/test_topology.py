@@ -27,6 +27,7 @@ from cluster.topology import (
     default_topology,
     load_topology,
     parse_topology,
+    spec_before_model_check,
     validate_file,
 )
 from router.config import RouterConfig, SloClass
@@ -875,3 +876,27 @@ def test_the_live_planner_s_keys_are_checked():
     ):
         with pytest.raises(TopologyError, match=re.escape(message)):
             parse_topology(text)
+
+
+# -- the spec `tandem up` starts Ray with, before the model's check -------------------------------
+
+def test_spec_before_model_check_is_the_checked_spec_less_the_models_errors(tmp_path, monkeypatch):
+    """`tandem up` starts Ray with it while the model is checked (that check imports torch):
+    the same spec the full check gives; errors only the model shows are left to that check; a
+    missing model path, an unreadable file or any other error gives None (checked at once)."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "empty-cache"))
+    assert spec_before_model_check(None) == default_topology()
+    long = tmp_path / "long.yaml"
+    long.write_text("cluster:\n  name: t\nmodel:\n  max_model_len: 16384\n")
+    with pytest.raises(TopologyError, match="16384 exceeds the model's max_position_embeddings 8192"):
+        load_topology(long)
+    early = spec_before_model_check(long)
+    assert (early.name, early.model.max_model_len) == ("t", 16384)
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(f"model:\n  path: {tmp_path / 'no-model'}\n")
+    assert spec_before_model_check(missing) is None
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode:\n  tp: zero\n")
+    assert spec_before_model_check(bad) is None
+    assert spec_before_model_check(tmp_path / "absent.yaml") is None
+    assert not (tmp_path / "empty-cache").exists()  # nothing was fetched
