@@ -29,7 +29,7 @@ from cluster.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-fPIC", "-std=c11", "-D_POSIX_C_SOURCE=200809L")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-fPIC", "-std=c11", "-D_GNU_SOURCE")
 LINK_FLAGS = ("-shared", "-pthread")
 
 
