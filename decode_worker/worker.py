@@ -53,6 +53,7 @@ from cluster.worker.engine_worker import EngineWorker
 from cluster.protocol.messages import (FailureKind, Finished, PrefillResult, PullReport, RequestFailed, TokenDelta,
                                        TransferReport, Usage, WorkerFailure, WorkerRequest)
 from cluster.protocol.stream import StreamServer
+from cluster.runtime.short_slice import serve_with_short_slices
 from decode_worker.call_overhead import CallOverhead
 from decode_worker.peer_pull import TAG_LIMIT, PeerPulls
 from decode_worker.draft_prompt_kv import DraftPromptPlacement
@@ -226,6 +227,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
             import ray
 
             self._loop = asyncio.get_running_loop()
+            serve_with_short_slices()  # this loop's thread takes requests and sends their tokens; the compute threads keep the default
             stream = StreamServer(self.generate, token)
             await stream.start(ray.util.get_node_ip_address())
             self._stream = stream

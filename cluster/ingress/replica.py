@@ -27,6 +27,7 @@ from cluster.ingress.request_path import RequestPath
 from cluster.ingress.status import read_status
 from cluster.topology import ClusterSpec
 from cluster.ingress.tracing import request_tracer
+from cluster.runtime.short_slice import serve_with_short_slices
 
 INGRESS = "grpc-ingress"
 
@@ -51,6 +52,7 @@ class GrpcIngress:
         self._checks = self.server.submit(self.monitor.run())
         host = spec.server.host
         self.address_text = host_port(host, self.server.port)
+        serve_with_short_slices(whole_process=True)  # every thread of the replica serves requests
 
     def address(self) -> str:
         return self.address_text
