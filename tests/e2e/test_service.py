@@ -600,11 +600,8 @@ def test_up_on_a_busy_port_is_one_line_naming_server_port(model_dir, tmp_path):
 def test_up_whose_worker_cannot_start_is_one_line_and_leaves_nothing(model_dir, tmp_path):
     """A KV cache far beyond the machine: `tandem up` ends with one line naming the worker and
     kv.num_blocks, no traceback, no state file, and no Ray or Redis left behind."""
-    path = tmp_path / "huge.yaml"
-    path.write_text(yaml.safe_dump(topology("e2e-nostart", model_dir, kv={"num_blocks": 10**9})))
-    cache = tmp_path / "cache"
     began = time.time()
-    result = tandem("up", "--topology", str(path), env={"TANDEM_CACHE_DIR": str(cache)}, timeout=300)
+    _, cache, result = up_in_the_foreground("e2e-nostart", model_dir, tmp_path, kv={"num_blocks": 10**9})
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr and "Exception raised in creation task" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
@@ -617,11 +614,8 @@ def test_up_whose_worker_cannot_start_is_one_line_and_leaves_nothing(model_dir, 
 def test_up_whose_model_check_fails_while_ray_starts_says_so_and_leaves_nothing(model_dir, tmp_path):
     """`tandem up` starts Ray while it checks the topology against the model: a context longer
     than the model's is the topology's error, exit status 2, and the Ray it started is stopped."""
-    path = tmp_path / "long.yaml"
-    path.write_text(yaml.safe_dump(topology("e2e-long", model_dir, model={"max_model_len": 10**7})))
-    cache = tmp_path / "cache"
     began = time.time()
-    result = tandem("up", "--topology", str(path), env={"TANDEM_CACHE_DIR": str(cache)}, timeout=300)
+    path, cache, result = up_in_the_foreground("e2e-long", model_dir, tmp_path, model={"max_model_len": 10**7})
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-2:] == [
@@ -630,6 +624,15 @@ def test_up_whose_model_check_fails_while_ray_starts_says_so_and_leaves_nothing(
         f"max_position_embeddings {json.loads((model_dir / 'config.json').read_text())['max_position_embeddings']}"]
     assert not (cache / "clusters" / "e2e-long.json").exists()
     wait_for(lambda: not orphans_since(began), timeout_s=30, what="no orphaned Ray process")
+
+
+def up_in_the_foreground(name: str, model_dir: Path, tmp_path: Path, **overrides):
+    """`tandem up` (not detached) of a test topology that must not start: (its file, the cache
+    folder it used, the finished command)."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(topology(name, model_dir, **overrides)))
+    cache = tmp_path / "cache"
+    return path, cache, tandem("up", "--topology", str(path), env={"TANDEM_CACHE_DIR": str(cache)}, timeout=300)
 
 
 def _line_of(path: Path, key: str) -> int:
