@@ -21,7 +21,8 @@
  * when the caller is found on another CPU). A guest kernel wakes a sleeping thread on the waker's
  * own CPU when the other vCPUs are halted (it reads them as preempted): after the engine idled
  * ~200 ms, every run of a step then woke its worker onto the caller's CPU, where it spun while the
- * caller waited, and the 2-core VM's 4-token prefill took 20 ms (p50; 35-45 ms p90) against 7 ms.
+ * caller waited, and on the 2-core VM a seen 20-token prompt's first token took 18-20 ms (p50;
+ * 30-45 ms p90) against 7 ms.
  *
  * One run at a time: a call made while another thread's run is in progress runs its tasks on the
  * calling thread alone.
