@@ -178,11 +178,16 @@ def _load_spec(args: argparse.Namespace):
     except TopologyError as exc:
         print(f"tandem {args.command}: the topology has errors:\n{exc}", file=sys.stderr)
         return None
-    if getattr(args, "address", None):
-        from dataclasses import replace
+    return _joining(spec, args)
 
-        spec = replace(spec, ray=replace(spec.ray, address=args.address))
-    return spec
+
+def _joining(spec, args: argparse.Namespace):
+    """``spec`` joining the Ray cluster at ``--address``, where one is given."""
+    if not getattr(args, "address", None):
+        return spec
+    from dataclasses import replace
+
+    return replace(spec, ray=replace(spec.ray, address=args.address))
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -192,11 +197,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     # Ray starts while the topology is checked against its model (that check imports torch):
     # the spec without that check, where it has no errors, is what Ray starts with.
     early = None if args.detach else spec_before_model_check(args.topology)
-    if early is not None and getattr(args, "address", None):
-        from dataclasses import replace
-
-        early = replace(early, ray=replace(early.ray, address=args.address))
     if early is not None:
+        early = _joining(early, args)
         return up(early, early.to_yaml(), False, args.argv, model_check=lambda: _load_spec(args))
     spec = _load_spec(args)
     if spec is None:
