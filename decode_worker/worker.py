@@ -227,7 +227,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
             import ray
 
             self._loop = asyncio.get_running_loop()
-            serve_with_short_slices()  # this loop's thread takes requests and sends their tokens; the compute threads keep the default
+            serve_with_short_slices()  # this loop's thread takes requests and sends their tokens (the compute threads take theirs in the stepping loop)
             stream = StreamServer(self.generate, token)
             await stream.start(ray.util.get_node_ip_address())
             self._stream = stream

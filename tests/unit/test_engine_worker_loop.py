@@ -40,6 +40,7 @@ def failing_worker(error: BaseException) -> tuple[EngineWorker, list]:
     worker._exit = exit_
     worker.marks = []  # what the loop told the machine's serving mark, step by step
     worker._serving = SimpleNamespace(mark=worker.marks.append)
+    worker._compute_with_short_slices = lambda: 0  # the test's thread keeps its slice
     return worker, exits
 
 

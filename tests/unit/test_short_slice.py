@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 
 import pytest
 
@@ -81,3 +82,52 @@ def test_a_whole_process_takes_it_on_every_thread():
         pytest.skip("this kernel has no slices to ask for (Linux 6.12+ reads sched_runtime)")
     assert took >= 2
     assert (caller, before, later) == (SERVING_SLICE_NS, SERVING_SLICE_NS, SERVING_SLICE_NS)
+
+
+def _compute_threads_in_child(queue) -> None:
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # packed_weights, beside this test
+    from packed_weights import packed
+
+    from cluster.engine.kernels.quantized_matmul import native_quantized_matmul
+    from cluster.engine.kernels.threads import pool_worker_tids
+    from cluster.worker.engine_worker import EngineWorker
+
+    weight = packed("q4", 301, 256)
+    torch.set_num_threads(3)
+
+    def warm_up():  # the pool's workers start here, as a worker's warm-up starts them off its stepping thread
+        native_quantized_matmul()(torch.randn(4, 256), weight, torch.empty(4, weight.rows))
+
+    warmer = threading.Thread(target=warm_up)
+    warmer.start()
+    warmer.join()
+    workers, deadline = pool_worker_tids(), time.monotonic() + 30
+    while len(workers) < 2 and time.monotonic() < deadline:  # a worker writes its id once it first runs
+        time.sleep(0.01)
+        workers = pool_worker_tids()
+    before = [slice_of(tid) for tid in workers]
+    took = EngineWorker._compute_with_short_slices()  # as the stepping loop calls it, on its own thread
+    queue.put((sorted(workers), sorted(int(t) for t in os.listdir("/proc/self/task")), before, took,
+               slice_of(threading.get_native_id()), [slice_of(tid) for tid in workers],
+               slice_of(warmer.native_id) if warmer.native_id in workers else None))
+
+
+def test_an_engine_workers_stepping_thread_and_the_kernels_pool_workers_take_it():
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_compute_threads_in_child, args=(queue,))
+    child.start()
+    try:
+        workers, tasks, before, took, stepping, after, _ = queue.get(timeout=300)
+    finally:
+        child.join(timeout=60)
+    if not workers:
+        pytest.skip("no native kernels here (no C compiler), or not Linux: the pool has no thread ids to read")
+    assert len(workers) == 2 and set(workers) <= set(tasks)  # 3 threads: the caller and 2 workers of this process
+    if stepping is None or took == 0:
+        pytest.skip("this kernel has no slices to ask for (Linux 6.12+ reads sched_runtime)")
+    assert SERVING_SLICE_NS not in before  # the warm-up's thread did not have it
+    assert took == 3
+    assert stepping == SERVING_SLICE_NS and after == [SERVING_SLICE_NS] * 2

@@ -94,6 +94,14 @@ def _compile_once(compiler: str, source_path: Path, target: Path) -> None:
 LIBRARIES = ("decode_step",)  # every CPU kernel is in one library (one thread pool: thread_pool.c)
 
 
+_loaded: list[ctypes.CDLL] = []  # every library this process loaded, in order
+
+
+def loaded_libraries() -> tuple[ctypes.CDLL, ...]:
+    """The kernel libraries this process has loaded so far (none is loaded by asking)."""
+    return tuple(_loaded)
+
+
 @cache
 def load_library(name: str) -> ctypes.CDLL | None:
     """The compiled ``<name>.c`` of this folder, or None (with one warning) when it cannot be
@@ -109,7 +117,9 @@ def load_library(name: str) -> ctypes.CDLL | None:
         target = cache_dir() / "kernels" / f"{name}-{_build_key(compiler, source_path.read_bytes())}.so"
         if not target.is_file():
             _compile_once(compiler, source_path, target)
-        return ctypes.CDLL(str(target))
+        library = ctypes.CDLL(str(target))
+        _loaded.append(library)
+        return library
     except (OSError, NativeKernelError) as exc:
         logger.warning("native kernel %s unavailable, using plain torch: %s", name, exc)
         return None

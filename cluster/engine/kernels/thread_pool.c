@@ -35,6 +35,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -68,6 +72,9 @@ static struct {
     int active; /* threads that take tasks in this run, the caller included */
 } pool = {.run = PTHREAD_MUTEX_INITIALIZER, .sleep = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER,
           .caller_cpu = -1};
+
+/* Each worker's kernel thread id, once it has started (0 before): pool_worker_tids. */
+static atomic_int worker_tids[POOL_MAX_WORKERS];
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -137,6 +144,9 @@ static void *worker_main(void *arg) {
     free(arg);
     const int slot = start.slot;
     unsigned seen = start.generation;
+#ifdef __linux__
+    atomic_store_explicit(&worker_tids[slot - 1], (int)syscall(SYS_gettid), memory_order_release);
+#endif
     for (;;) {
         seen = wait_for_run(seen);
         /* The caller waits for every worker that joined, so none is still in this run when the
@@ -154,6 +164,7 @@ static void forget_workers(void) {
     pthread_mutex_init(&pool.sleep, NULL);
     pthread_cond_init(&pool.wake, NULL);
     pool.workers = pool.sleeping = 0;
+    for (int w = 0; w < POOL_MAX_WORKERS; ++w) atomic_store_explicit(&worker_tids[w], 0, memory_order_relaxed);
     pool.caller_cpu = -1;
 }
 
@@ -227,6 +238,17 @@ static void pool_run(int64_t count, pool_task fn, void *ctx, int threads) {
         state = atomic_load_explicit(&pool.state, memory_order_acquire);
     }
     pthread_mutex_unlock(&pool.run);
+}
+
+/* The kernel thread ids of the workers started so far (at most `max`, into `out`); how many. A
+ * worker just started may not have written its id yet: it is left out. Linux only (0 elsewhere). */
+int pool_worker_tids(int *out, int max) {
+    int found = 0;
+    for (int w = 0; w < pool.workers && found < max; ++w) {
+        const int tid = atomic_load_explicit(&worker_tids[w], memory_order_acquire);
+        if (tid > 0) out[found++] = tid;
+    }
+    return found;
 }
 
 /* The number of tasks of at most `per_task` items each that cover `items`, for pool_run. */

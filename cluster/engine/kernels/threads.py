@@ -14,11 +14,14 @@ logits takes 1.6 ms on one thread against 0.9 on two: far less than the spinning
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+
+from cluster.engine.kernels.build import loaded_libraries
 
 _local = threading.local()
 
@@ -43,3 +46,17 @@ def torch_ops_single_threaded() -> Iterator[None]:
     finally:
         torch.set_num_threads(threads)
         _local.threads = None
+
+
+def pool_worker_tids() -> list[int]:
+    """The kernel thread ids of the native kernels' pool workers started so far, in every kernel
+    library loaded (each holds its own pool); empty where none is loaded, or off Linux."""
+    tids: list[int] = []
+    for library in loaded_libraries():
+        read = getattr(library, "pool_worker_tids", None)
+        if read is None:
+            continue
+        out = (ctypes.c_int * 256)()
+        read.restype, read.argtypes = ctypes.c_int, [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        tids.extend(out[:read(out, len(out))])
+    return tids
