@@ -110,8 +110,7 @@ def _compute_threads_in_child(queue) -> None:
     before = [slice_of(tid) for tid in workers]
     took = EngineWorker._compute_with_short_slices()  # as the stepping loop calls it, on its own thread
     queue.put((sorted(workers), sorted(int(t) for t in os.listdir("/proc/self/task")), before, took,
-               slice_of(threading.get_native_id()), [slice_of(tid) for tid in workers],
-               slice_of(warmer.native_id) if warmer.native_id in workers else None))
+               slice_of(threading.get_native_id()), [slice_of(tid) for tid in workers]))
 
 
 def test_an_engine_workers_stepping_thread_and_the_kernels_pool_workers_take_it():
@@ -120,7 +119,7 @@ def test_an_engine_workers_stepping_thread_and_the_kernels_pool_workers_take_it(
     child = context.Process(target=_compute_threads_in_child, args=(queue,))
     child.start()
     try:
-        workers, tasks, before, took, stepping, after, _ = queue.get(timeout=300)
+        workers, tasks, before, took, stepping, after = queue.get(timeout=300)
     finally:
         child.join(timeout=60)
     if not workers:
