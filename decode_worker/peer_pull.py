@@ -137,9 +137,12 @@ class PeerPulls:
     # -- under the engine's lock (``_tracked``) ------------------------------------------------
 
     def _reserve_pull(self, request: WorkerRequest) -> tuple[int, list[int]] | None:
-        return self.engine.reserve_pull(request.request_id, request.prompt_token_ids, request.params,
-                                        request.kv_source_blocks, request.priority,
-                                        resumed_tokens=request.resumed_tokens)
+        reserved = self.engine.reserve_pull(request.request_id, request.prompt_token_ids, request.params,
+                                            request.kv_source_blocks, request.priority,
+                                            resumed_tokens=request.resumed_tokens)
+        if reserved is not None:
+            self.arrivals.took(request.request_id)
+        return reserved
 
     def _admit_pull(self, request_id: str, pulled: int) -> None:
         self.engine.admit_pull(request_id, pulled)

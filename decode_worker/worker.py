@@ -486,6 +486,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
     def _add_local(self, request: WorkerRequest) -> None:
         self.engine.add_request(request.request_id, request.prompt_token_ids, request.params, request.priority,
                                 resumed_tokens=request.resumed_tokens)
+        self.arrivals.took(request.request_id)
 
     def _reserve(self, request: WorkerRequest):
         """(blocks cached here, the blocks the KV goes to, the draft's destination or None, what
@@ -495,6 +496,7 @@ class DecodeWorker(PeerPulls, EngineWorker):
                                            request.priority, resumed_tokens=request.resumed_tokens)
         if reserved is None:
             return None
+        self.arrivals.took(request.request_id)
         return (*reserved, engine.draft_destination(request.request_id), engine.draft_catch_up_s_per_token())
 
     def _admit(self, request_id: str, first_token: int, logprob, top_logprobs, draft_first_block: int | None) -> None:

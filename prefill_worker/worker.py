@@ -57,6 +57,7 @@ class PrefillWorker(EngineWorker):
                 return PrefillResult(request_id=request_id, first_token=None, prompt_tokens=len(prompt_token_ids),
                                      cached_tokens=0, blocks_sent=0, error=str(exc))
             self._done[request_id] = done
+            self.arrivals.took(request_id)
         if not done.wait(target.timeout_s + 30):
             with self._lock:
                 self.engine.abort_request(request_id)

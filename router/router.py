@@ -207,11 +207,12 @@ def _less_ended(load: WorkerLoad, ended: Sequence["_Ended"]) -> WorkerLoad:
 
 class _Ended(NamedTuple):
     """A placement that ended: its decode worker's reports from before ``ended_at`` may still
-    count it (as running, with ``context_tokens`` of KV), those from before ``placed_at`` do not."""
+    count it (as running, with ``context_tokens`` of KV) if they show it (``WorkerLoad.shows``)."""
 
     placed_at: float
     ended_at: float
     context_tokens: int
+    request_id: str
 
 
 @dataclass
@@ -618,17 +619,17 @@ class Router:
                 self._ended.pop(worker)
                 continue
             self._ended[worker] = ended
-            counted = [e for e in ended if e.placed_at < load.updated_at]
+            counted = [e for e in ended if load.shows(e.request_id, e.placed_at)]
             if counted:
                 out[worker] = _less_ended(load, counted)
         return out
 
     def _pending(self, loads: dict[str, WorkerLoad], workers: Sequence[str]) -> dict[str, list[_Placed]]:
-        """For each worker, the placements on it that its last report cannot show yet."""
+        """For each worker, the placements on it that its last report does not show (``WorkerLoad.shows``)."""
         pending: dict[str, list[_Placed]] = {w: [] for w in workers}
         for placed in self.inflight.values():
             for w in {placed.decision.prefill, placed.decision.decode}:
-                if w in pending and placed.placed_at >= loads[w].updated_at:
+                if w in pending and not loads[w].shows(placed.decision.request_id, placed.placed_at):
                     pending[w].append(placed)
         return pending
 
@@ -708,26 +709,26 @@ class Router:
                                             lambda c: serves_in_time(c, cls, spent))
         best = fastest(ranked)
         if cls.on_overload == "admit" or (cls.on_overload == "queue" and never_meets(candidates, cls, 0.0)):
+            never = never_meets(candidates, cls, 0.0 if cls.on_overload == "queue" else spent)
+            why = explain(cls, best, never, spent, full=not with_room(candidates))
             chosen = without_room(ranked[0], ranked)
+            waits = chosen is None or (not chosen.decode_has_room and chosen.decode_room_later)  # here, or in a queue
+            if waits and cls.on_overload == "queue":  # within its class's bound only
+                refused = self._past_wait_bound(request, cls, best, forecast(best), spent, why, now)
+                if refused is not None:
+                    return refused
             if chosen is None:
                 return self._hold_for_room(request, cls, best, spent, forecast)
-            never = never_meets(candidates, cls, 0.0 if cls.on_overload == "queue" else spent)
-            return self._place(request, cls, chosen, now,
-                               reason="best effort: " + explain(cls, best, never, spent, full=not with_room(candidates)))
+            return self._place(request, cls, chosen, now, reason="best effort: " + why)
         never = never_meets(candidates, cls, spent)
         why = explain(cls, best, never, spent, full=not with_room(candidates))
         wait = forecast(best)
-        retry_after = wait.retry_after_s(cls.ttft_s)
-        if not math.isfinite(retry_after):  # nothing decodes (at a measured pace) and nothing has room: no rate
-            retry_after = cls.wait_bound_s
         if cls.on_overload == "reject":
-            return self._reject(request, cls, why, now, best, retry_after)
-        bound = cls.wait_bound_s
-        if bound is not None and spent + wait.wait_s > bound:
-            more = (f"{wait.wait_s * 1000:.0f} ms more" if math.isfinite(wait.wait_s) else
-                    "with no end in sight (no sequence decoding at a measured pace to free one)")
-            return self._reject(request, cls, f"predicted to wait {more} for a decode slot (after {spent * 1000:.0f} "
-                                f"ms), past its bound of {bound * 1000:.0f} ms; " + why, now, best, retry_after)
+            return self._reject(request, cls, why, now, best, _retry_after(wait, cls))
+        refused = self._past_wait_bound(request, cls, best, wait, spent, why, now)
+        if refused is not None:
+            return refused
+        retry_after = _retry_after(wait, cls)
         if never or (cls.ttft_s is not None and wait.first_token_s(spent) > cls.ttft_s):
             return self._reject(request, cls, f"its first token is predicted "
                                 f"{wait.first_token_s(spent) * 1000:.0f} ms after arrival however long it waits "
@@ -738,6 +739,20 @@ class Router:
                         tpot_objective_s=cls.tpot_s, predicted_ttft_s=best.ttft_s,
                         predicted_tpot_s=best.tpot_s, reason=why, waited_s=spent,
                         predicted_wait_s=wait.wait_s, retry_after_s=retry_after)
+
+    def _past_wait_bound(self, request: RouteRequest, cls: SloClass, best: Candidate, wait: WaitForecast,
+                         spent: float, why: str, now: float) -> Decision | None:
+        """The refusal of a request predicted to wait for a decode slot past its class's bound
+        (``SloClass.wait_bound_s``); None when it may wait. Even one whose objective no idle pair
+        meets (placed best effort where there is room) waits no longer: one with a 300 ms bound
+        went into a full decode worker's queue, thousands of steps from a free slot."""
+        bound = cls.wait_bound_s
+        if bound is None or spent + wait.wait_s <= bound:
+            return None
+        more = (f"{wait.wait_s * 1000:.0f} ms more" if math.isfinite(wait.wait_s) else
+                "with no end in sight (no sequence decoding at a measured pace to free one)")
+        return self._reject(request, cls, f"predicted to wait {more} for a decode slot (after {spent * 1000:.0f} "
+                            f"ms), past its bound of {bound * 1000:.0f} ms; " + why, now, best, _retry_after(wait, cls))
 
     def _hold_for_room(self, request: RouteRequest, cls: SloClass, best: Candidate, spent: float,
                        forecast: Callable[[Candidate], WaitForecast]) -> Decision:
@@ -892,7 +907,7 @@ class Router:
         if decision.decode is not None and not decision.load_only:
             ended_at = time.time() if now is None else now
             ended = self._ended.setdefault(decision.decode, [])
-            ended.append(_Ended(placed.placed_at, ended_at, placed.prompt_tokens + (output_tokens or 0)))
+            ended.append(_Ended(placed.placed_at, ended_at, placed.prompt_tokens + (output_tokens or 0), request_id))
             del ended[:-ENDED_KEPT]
         if output_tokens:
             mean = self._output_tokens
@@ -988,3 +1003,10 @@ class Router:
 
 def _waited(request: RouteRequest, now: float) -> float:
     return max(0.0, now - request.arrival) if request.arrival is not None else 0.0
+
+
+def _retry_after(wait: WaitForecast, cls: SloClass) -> float | None:
+    """When a refused request could come back: when a fresh one could be placed in time, or where
+    nothing decodes at a measured pace and nothing has room (no rate to go by), its class's bound."""
+    retry_after = wait.retry_after_s(cls.ttft_s)
+    return retry_after if math.isfinite(retry_after) else cls.wait_bound_s

@@ -51,6 +51,7 @@ from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.plan.shared_cores import SharedCores
 from cluster.runtime.cpu_cores import NO_CORES, compute_cores_of
 from cluster.worker import step_profile
+from cluster.worker.arrivals import RecentArrivals
 from cluster.worker.engine_worker import EngineWorker
 from cluster.registry.kv_index import TierHits
 from cluster.registry.load import WorkerLoad
@@ -265,13 +266,14 @@ class _NoMetrics:
 class SimWorker:
     """A worker of the simulated cluster: a ``SimEngine`` stepped on the simulator's clock.
     It has what ``step_profile.measure`` and ``EngineWorker._snapshot_held`` use (``engine``, ``name``,
-    ``role``, ``_lock``, ``metrics``, ``node``, ``incarnation``), so the real ones run on it."""
+    ``role``, ``_lock``, ``arrivals``, ``metrics``, ``node``, ``incarnation``), so the real ones run on it."""
 
     def __init__(self, name: str, role: str, spec: WorkerSpec, sim: "Simulator"):
         self.name, self.role, self.spec, self.sim = name, role, spec, sim
         self.node, self.incarnation = NodePlace(), name
         self.engine = SimEngine(spec, sim.now)
         self._lock = nullcontext()
+        self.arrivals = RecentArrivals(sim.now)
         self.metrics = _NoMetrics()
         cores = sim.config.shared_cores  # the machine's cores, all of them open to every worker's threads
         self._compute_cores = (compute_cores_of(range(math.ceil(cores)), spec.threads * spec.tp) if cores
@@ -554,6 +556,8 @@ class Simulator:
                     worker.on_token.pop(rid, None)
                     self._after_router(flight, failed=True)
                     self._fail(flight, f"INVALID_ARGUMENT: {exc}")
+                    return
+                worker.arrivals.took(rid)
 
             worker.call(add)
             return
@@ -570,6 +574,7 @@ class Simulator:
                 worker.on_token.pop(rid, None)
                 self.after(self.config.hop_s, lambda: self._no_room(flight))
                 return
+            worker.arrivals.took(rid)
             self.after(self.config.hop_s, lambda: self._prefill(flight, reserved[0]))
 
         worker.call(reserve)
@@ -591,6 +596,7 @@ class Simulator:
             prefill.on_token[rid] = first_token
             prefill.engine.add_request(rid, flight.prompt, SamplingParams(max_tokens=1, ignore_eos=True),
                                        send_from_block=first_block)
+            prefill.arrivals.took(rid)
 
         prefill.call(add)
 

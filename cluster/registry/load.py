@@ -29,6 +29,7 @@ from cluster.registry.keys import Keys
 
 STEPS_REPORTED = 64
 LOST_MARK_S = 30.0  # how long a lost worker's report says so (longer than a router's grace for a lapsed one)
+ARRIVALS_KEPT_S = 1.0  # a report names the requests its worker took this long before it (``WorkerLoad.arrived``)
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,26 @@ class WorkerLoad:
     draft_prompt_share: float = 0.0  # of a decode worker's remote prefills, those asked for the draft's KV too
     cpus: str = ""  # where it computes on the CPU: the cores its threads may run on (a Linux cpulist, "0-3") ...
     threads: int = 0  # ... and its compute threads, every rank's ("", 0: it computes on a GPU)
+    # The requests it took within ``ARRIVALS_KEPT_S`` before ``updated_at`` (``cluster/worker/arrivals.py``):
+    # a placement made just before the report is in it only if named here (``shows``). None: a
+    # worker of an earlier version, which does not say.
+    arrived: frozenset[str] | None = None
+
+    def shows(self, request_id: str, placed_at: float) -> bool:
+        """Whether this report counts a request placed on the worker at ``placed_at`` (a router's
+        clock against the worker's): placed before it, and taken by the worker by then, which
+        the report says for placements less than ``ARRIVALS_KEPT_S`` before it (earlier ones,
+        and every one where it does not say, count as taken)."""
+        if placed_at >= self.updated_at:
+            return False
+        if self.arrived is None or self.updated_at - placed_at >= ARRIVALS_KEPT_S:
+            return True
+        return request_id in self.arrived
 
     def to_json(self) -> str:
         data = {**self.__dict__, "steps": [step.row() for step in self.steps]}
+        if self.arrived is not None:
+            data["arrived"] = sorted(self.arrived)
         return json.dumps(data, separators=(",", ":"))
 
     @classmethod
@@ -93,6 +111,8 @@ class WorkerLoad:
         data["steps"] = tuple(_step(s) for s in data.get("steps", ()))
         data["unpaired"] = tuple(data.get("unpaired", ()))
         data["pull_from"] = tuple(data.get("pull_from", ()))
+        if data.get("arrived") is not None:
+            data["arrived"] = frozenset(data["arrived"])
         return cls(**data)
 
 

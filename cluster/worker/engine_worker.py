@@ -37,6 +37,7 @@ from cluster.registry.reporter import WorkerReporter
 from cluster.runtime.cpu_cores import compute_cores
 from cluster.runtime.ray_node import this_incarnation, this_node
 from cluster.runtime.short_slice import serve_with_short_slices, short_slices_for
+from cluster.worker.arrivals import RecentArrivals
 
 if TYPE_CHECKING:
     from cluster.engine.engine import RequestOutput
@@ -156,6 +157,7 @@ class EngineWorker:
         self.incarnation = this_incarnation()
         self.started_at = time.time()
         self._lock = StepLock()
+        self.arrivals = RecentArrivals()  # the requests it took lately, named in its load reports
         self._stop = threading.Event()
         if profile:
             step_profile.start_up(self.engine, self.role)
@@ -213,7 +215,7 @@ class EngineWorker:
             unpaired=self._unpaired_prefill(), node_id=self.node.node_id, node_address=self.node.address,
             incarnation=self.incarnation, prefill_call_s=self._prefill_call_s(), pull_from=self._pull_from(),
             pull_s_per_block=self._pull_s_per_block(), draft_prompt_share=self._draft_prompt_share(),
-            **self._compute_cores,
+            arrived=self.arrivals.ids(), **self._compute_cores,
         )
         stats = engine.stats
         self.metrics.blocks(load.num_blocks - load.free_blocks, load.free_blocks, stats.prefix_cache_hit_rate,

@@ -69,7 +69,7 @@ def test_a_request_that_would_wait_past_its_bound_is_refused_at_once_with_retry_
         probe = random_prompts([12], seed=6)[0]
         refused = httpx.post(f"{url}/completions", timeout=60, json={
             **completion(probe, 8), "model": model, "slo_class": "standard", "ttft_ms": 300})
-        assert refused.status_code == 429
+        assert refused.status_code == 429, f"placed, the router's view: {cluster.status()['router']}"
         error = refused.json()["error"]
         assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
         assert "\n" not in error["message"]

@@ -382,6 +382,24 @@ def test_an_objective_no_idle_pair_can_meet_is_known_at_once_from_the_same_predi
         assert decision.predicted_ttft_s == pytest.approx(0.143)
 
 
+def test_a_queued_request_no_idle_pair_serves_in_time_still_waits_no_longer_than_its_bound():
+    """Every decode slot taken, the slot nearest 4 steps away. A ``standard`` request whose 1 ms
+    TTFT no idle pair meets is placed best effort where there is room; with none, waiting for a
+    slot, in the router or in a decode worker's queue (a local prefill), is bounded by its class
+    as for any other: refused now when the wait is predicted past it, held when within it."""
+    for local_prefill in (0, 64):  # waits in the router / would wait in the decode worker's queue
+        router = Router(TOPOLOGY, FakeRegistry(full_decode()), config(local_prefill_max_tokens=local_prefill))
+        refused = route(router, "tight", slo_class="standard", ttft_s=0.001)
+        assert refused.action == "reject"
+        assert refused.reason.startswith("predicted to wait 400 ms more for a decode slot (after 0 ms), past its "
+                                         "bound of 1 ms; even an idle cluster cannot meet")
+        assert refused.retry_after_s == pytest.approx(4 * (0.020 + 16 * 0.005))  # 4 steps of the 16-sequence batch
+        patient = Router(TOPOLOGY, FakeRegistry(full_decode()), config(
+            local_prefill_max_tokens=local_prefill, slo_classes={"standard": {"max_wait_ms": 1000}}))
+        held = route(patient, "tight", slo_class="standard", ttft_s=0.001)
+        assert (held.action, held.decode) == (("queue", None) if local_prefill == 0 else ("place", "d0"))
+
+
 def test_a_class_that_may_not_wait_counts_the_time_it_already_spent():
     router = Router(TOPOLOGY, FakeRegistry(), config())
     on_time = route(router, "a", slo_class="interactive", arrival=NOW - 0.9)  # 0.9 + 0.043 <= 1 s
@@ -707,6 +725,30 @@ def test_a_report_from_before_a_request_ended_does_not_count_it():
     registry.state["d0"] = load("d0", updated_at=NOW + 0.07)  # the next report shows it ended
     assert route(busy, "e", now=NOW + 0.12).predicted_ttft_s == pytest.approx(0.043)
     assert busy._ended == {}  # what the reports show ended is forgotten
+
+
+def test_a_placement_its_worker_had_not_taken_when_it_reported_still_takes_a_slot():
+    """The decode worker has one free slot (15 of 16 running). Its next report is written after
+    ``a`` was placed there but before ``a`` reached it: the report names the requests it took
+    lately, and not ``a``, so ``a`` still counts, and ``b`` waits for a slot rather than being
+    placed into a full worker. A report that names ``a`` counts it as it counts the rest."""
+    topology = Topology(prefill=("p0",), decode=("d0",), block_size=BS, hash_keys=("m",))
+    one_slot = replace(load("d0", running=15, updated_at=NOW - 0.3), next_slot_tokens=4, arrived=frozenset())
+    registry = FakeRegistry({"d0": one_slot})
+    router = Router(topology, registry, config())
+    assert route(router, "a", now=NOW - 0.2).action == "place"
+    registry.state["d0"] = replace(one_slot, updated_at=NOW - 0.1)  # written before a arrived
+    held = route(router, "b", now=NOW)
+    assert held.action == "queue" and held.reason.startswith("no decode worker has a free slot")
+    assert [p.decision.request_id for p in router._pending(registry.state, ["d0"])["d0"]] == ["a"]
+    registry.state["d0"] = replace(one_slot, running=16, updated_at=NOW + 0.05, arrived=frozenset({"a"}))
+    assert router._pending(registry.state, ["d0"])["d0"] == []
+    assert route(router, "c", now=NOW + 0.1).action == "queue"
+    # The same report from a worker that does not name what it took: a counts as in it, b is placed.
+    registry.state["d0"] = replace(one_slot, updated_at=NOW - 0.1, arrived=None)
+    earlier = Router(topology, registry, config())
+    assert route(earlier, "a", now=NOW - 0.2).action == "place"
+    assert route(earlier, "b", now=NOW).action == "place"
 
 
 def test_a_report_from_before_a_burst_ended_does_not_fill_the_idle_worker():
