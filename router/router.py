@@ -709,17 +709,19 @@ class Router:
                                             lambda c: serves_in_time(c, cls, spent))
         best = fastest(ranked)
         if cls.on_overload == "admit" or (cls.on_overload == "queue" and never_meets(candidates, cls, 0.0)):
-            never = never_meets(candidates, cls, 0.0 if cls.on_overload == "queue" else spent)
-            why = explain(cls, best, never, spent, full=not with_room(candidates))
+            def why() -> str:  # not for a request held for room (offered again on every change)
+                never = never_meets(candidates, cls, 0.0 if cls.on_overload == "queue" else spent)
+                return explain(cls, best, never, spent, full=not with_room(candidates))
+
             chosen = without_room(ranked[0], ranked)
             waits = chosen is None or (not chosen.decode_has_room and chosen.decode_room_later)  # here, or in a queue
             if waits and cls.on_overload == "queue":  # within its class's bound only
-                refused = self._past_wait_bound(request, cls, best, forecast(best), spent, why, now)
+                refused = self._past_wait_bound(request, cls, best, forecast(best), spent, why(), now)
                 if refused is not None:
                     return refused
             if chosen is None:
                 return self._hold_for_room(request, cls, best, spent, forecast)
-            return self._place(request, cls, chosen, now, reason="best effort: " + why)
+            return self._place(request, cls, chosen, now, reason="best effort: " + why())
         never = never_meets(candidates, cls, spent)
         why = explain(cls, best, never, spent, full=not with_room(candidates))
         wait = forecast(best)

@@ -23,16 +23,16 @@ from cluster.registry.load import ARRIVALS_KEPT_S
 class RecentArrivals:
     """Request ids with the time the worker took them (``clock``: its report's clock)."""
 
-    def __init__(self, clock: Callable[[], float] = time.time, kept_s: float = ARRIVALS_KEPT_S):
-        self._clock, self._kept_s = clock, kept_s
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self._clock = clock
         self._taken: deque[tuple[float, str]] = deque()
 
     def took(self, request_id: str) -> None:
         self._taken.append((self._clock(), request_id))
 
     def ids(self) -> frozenset[str]:
-        """Those taken within ``kept_s`` of now (older ones are forgotten)."""
-        taken, oldest = self._taken, self._clock() - self._kept_s
+        """Those taken within ``ARRIVALS_KEPT_S`` of now (older ones are forgotten)."""
+        taken, oldest = self._taken, self._clock() - ARRIVALS_KEPT_S
         while taken and taken[0][0] < oldest:
             taken.popleft()
         return frozenset(request_id for _, request_id in taken)
