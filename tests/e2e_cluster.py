@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
+from cluster.paths import cache_dir
 from cluster.runtime.ports import free_port  # noqa: F401 - the tests' ports, as the launcher picks them
 
 _SCRIPT = Path(sys.executable).parent / "tandem"
@@ -26,12 +28,36 @@ def tandem(*args: str, env: dict | None = None, timeout: float = 300) -> subproc
                           env={**inherited, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
+def cache_sharing_builds(cache: Path) -> Path:
+    """A cluster's own Tandem cache folder (its state file, its log), whose compiled kernels and
+    start-up profiles are the test session's. A fresh cache compiles the CPU kernels again
+    (22-24 s on this project's 2 cores) and measures the workers' profiles again; shared, only
+    the first cluster of a session pays. The session's kernels start as those already built in
+    the user's cache (``scripts/bootstrap.sh`` builds them), copied, so a test never writes there.
+    Both are keyed as in any user's cache (the source, compiler and CPU; the checkpoint's files
+    and settings) and checked at start as there. The session's folder is the pytest base
+    temp directory: every test's ``tmp_path`` (and ``mktemp`` folder) is a child of it."""
+    shared = cache.parent.parent / "tandem-shared-cache"
+    kernels = shared / "kernels"
+    if not kernels.is_dir():
+        kernels.mkdir(parents=True)
+        built = cache_dir() / "kernels"
+        for library in built.glob("*.so") if built.is_dir() else ():
+            shutil.copy2(library, kernels / library.name)
+    cache.mkdir(parents=True, exist_ok=True)
+    for name in ("kernels", "step-profiles"):
+        (shared / name).mkdir(parents=True, exist_ok=True)
+        if not (cache / name).exists():
+            (cache / name).symlink_to(shared / name, target_is_directory=True)
+    return cache
+
+
 class Cluster:
     def __init__(self, name: str, topology: dict, tmp: Path, env: dict | None = None):
         self.name, self.env = name, env or {}
         self.path = tmp / f"{name}.yaml"
         self.path.write_text(yaml.safe_dump(topology))
-        self.cache = tmp / "cache"
+        self.cache = cache_sharing_builds(tmp / "cache")
         self.env["TANDEM_CACHE_DIR"] = str(self.cache)
         result = tandem("up", "--topology", str(self.path), "--detach", env=self.env, timeout=600)
         assert result.returncode == 0, result.stderr

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from e2e_cluster import cache_sharing_builds
+
 pytestmark = pytest.mark.e2e
 
 _SCRIPT = Path(sys.executable).parent / "tandem"
@@ -31,7 +33,7 @@ def tandem(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedP
 @pytest.fixture(scope="module")
 def cluster(checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench-plan")
-    env = {"TANDEM_CACHE_DIR": str(tmp / "cache")}
+    env = {"TANDEM_CACHE_DIR": str(cache_sharing_builds(tmp / "cache"))}
     topology = {"cluster": {"name": NAME}, "model": {"path": str(checkpoint("llama"))},
                 "server": {"port": 0, "http_port": 0},
                 "kv": {"num_blocks": 256}, "prefill": {"max_num_seqs": 8}, "decode": {"max_num_seqs": 8},

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from conftest import random_prompts, wait_for
-from e2e_cluster import Cluster, free_port, tandem, topology
+from e2e_cluster import Cluster, free_port, tandem, cache_sharing_builds, topology
 from node_client import run_node_generate
 from tandem.client import TandemClient, TandemError
 
@@ -631,7 +631,7 @@ def up_in_the_foreground(name: str, model_dir: Path, tmp_path: Path, **overrides
     folder it used, the finished command)."""
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(topology(name, model_dir, **overrides)))
-    cache = tmp_path / "cache"
+    cache = cache_sharing_builds(tmp_path / "cache")
     return path, cache, tandem("up", "--topology", str(path), env={"TANDEM_CACHE_DIR": str(cache)}, timeout=300)
 
 
