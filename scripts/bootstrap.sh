@@ -23,7 +23,7 @@ if [ ! -f "$stamp" ]; then
     [ -n "$extras" ] && target="$TANDEM_ROOT[$extras]"
     echo "[bootstrap] installing tandem${extras:+ [$extras]}" >&2
     "${pip[@]}" install -e "$target"
-    echo "[bootstrap] compiling the native CPU kernels (once per machine and source, ~10 s)" >&2
+    echo "[bootstrap] compiling the native CPU kernels (once per machine and source, ~25 s on 2 cores)" >&2
     "$TANDEM_VENV/bin/python" -m cluster.engine.kernels.prebuild
     touch "$stamp"
 fi
