@@ -19,7 +19,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "(AVX512_BF16: faster, a bfloat16 engine's rounding); auto: bfloat16 for 4-bit "
                              "weights where the CPU has it (default: auto)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="token budget of one step (default: 512 on a CPU, 2048 on a GPU)")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     kv = parser.add_mutually_exclusive_group()

@@ -120,7 +120,8 @@ def pools_of(spec: ClusterSpec, spec_for: Callable[[str, int], WorkerSpec | None
         worker = spec_for(role, p.tp)
         if worker is None:
             raise ValueError(f"{role}: no step-time model for TP {p.tp}")
-        return (p.replicas, replace(worker, max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_num_batched_tokens,
+        return (p.replicas, replace(worker, max_num_seqs=p.max_num_seqs,
+                                    max_num_batched_tokens=p.max_num_batched_tokens or worker.max_num_batched_tokens,
                                     block_size=spec.kv.block_size, prefix_caching=spec.kv.prefix_caching,
                                     num_blocks=spec.kv.num_blocks or worker.num_blocks))
 

@@ -184,8 +184,11 @@ class PoolSpec:
         Ray CPUs reserved by each rank, a number > 0.""")
     node: NodeConstraints = section(NodeConstraints, """
         What the nodes that host this pool offer.""")
-    max_num_batched_tokens: int = key(2048, checks.integer(1), """
-        Token budget of one engine step, a positive integer.""")
+    max_num_batched_tokens: int | None = key(None, checks.integer(1, null=True), """
+        Token budget of one engine step, a positive integer. Null: 512 on CPU ranks (a CPU
+        step of prompt tokens is compute-bound well below that, so a larger budget only puts
+        waiting prompts into one step, which delays the first to the last one's TTFT), 2048 on
+        a GPU.""")
     max_num_seqs: int = key(128, checks.integer(1), """
         Most requests in a worker's running batch, a positive integer.""")
     threads: int | None = key(None, checks.integer(1, null=True), """

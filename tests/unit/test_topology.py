@@ -148,13 +148,13 @@ def test_default_topology():
     assert spec == ClusterSpec() == parse_topology("{}") == parse_topology("# nothing here\n")
     assert spec.name == "tandem"
     assert spec.model == ModelSpec(None, "tandem-default", None, None)
-    assert spec.prefill == spec.decode == PoolSpec(1, 1, 0, 0.25, NodeConstraints(None, {}), 2048, 128, None)
+    assert spec.prefill == spec.decode == PoolSpec(1, 1, 0, 0.25, NodeConstraints(None, {}), None, 128, None)
     assert spec.kv == KVSpec()
     assert spec.router == RouterConfig()
     assert spec.server == ServerSpec("127.0.0.1", 50051, None, None, None)
     assert spec.observability.dashboard is False
     assert spec.registry.url is None and spec.ray.address is None
-    assert spec.colocated == PoolSpec(0, 1, 0, 0.25, NodeConstraints(None, {}), 2048, 128, None)
+    assert spec.colocated == PoolSpec(0, 1, 0, 0.25, NodeConstraints(None, {}), None, 128, None)
     assert list(spec.to_dict()) == ["cluster", "model", "prefill", "decode", "colocated", "kv", "router", "registry",
                                     "server", "observability", "ray"]
     assert parse_topology(spec.to_yaml()) == spec
