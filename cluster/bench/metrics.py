@@ -175,16 +175,21 @@ def goodput(results: Sequence[RequestResult], objectives_of, duration_s: float |
 
 
 def summarize(results: Sequence[RequestResult], objectives: Objectives | None = None,
-              class_objectives: Mapping[str, Objectives] | None = None) -> dict:
+              class_objectives: Mapping[str, Objectives] | None = None, default_class: str | None = None) -> dict:
     """Every figure of a run. ``objectives`` (from the command line) apply to every request;
-    without them each request is judged by its SLO class's (``class_objectives``), and a
-    request of no known class meets everything."""
+    without them each request is judged by its SLO class's (``class_objectives``): one sent
+    without a class by ``default_class``'s, the class the server gives it (a Tandem router's
+    ``default_class``; None where it is not known), and a request of no known class meets
+    everything."""
     class_objectives = dict(class_objectives or {})
+
+    def class_of(result: RequestResult) -> str:
+        return result.slo_class or default_class or ""
 
     def objectives_of(result: RequestResult) -> Objectives:
         if objectives is not None:
             return objectives
-        return class_objectives.get(result.slo_class or "", Objectives())
+        return class_objectives.get(class_of(result), Objectives())
 
     ok = [r for r in results if r.ok]
     duration = span_s(results)
@@ -196,7 +201,7 @@ def summarize(results: Sequence[RequestResult], objectives: Objectives | None = 
         if r.failed:
             key = (r.error or "unfinished").split(":")[0][:60]
             errors[key] = errors.get(key, 0) + 1
-    classes = sorted({r.slo_class or "" for r in results})
+    classes = sorted({class_of(r) for r in results})
     summary = {
         "requests": len(results),
         "completed": len(ok),
@@ -222,7 +227,7 @@ def summarize(results: Sequence[RequestResult], objectives: Objectives | None = 
         "goodput": goodput(results, objectives_of, duration),
     }
     if len(classes) > 1 or (classes and classes[0]):
-        summary["classes"] = {name or "(none)": goodput([r for r in results if (r.slo_class or "") == name],
+        summary["classes"] = {name or "(none)": goodput([r for r in results if class_of(r) == name],
                                                         objectives_of, duration) for name in classes}
     return summary
 

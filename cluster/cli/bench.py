@@ -333,6 +333,9 @@ async def _measure(args, backend, label: str, state: dict | None, objectives: Ob
         encode = await _server_tokenizer(args, backend)
     spec = cluster_topology(state)
     classes = class_objectives(spec.router if spec is not None else RouterConfig())
+    # A request sent without a class is the cluster's default class's, judged by its objectives
+    # (a cluster whose topology is not known here: by none).
+    default_class = spec.router.default_class if spec is not None else None
     options = SendOptions(ignore_eos=not args.no_ignore_eos, send_objectives=objectives if args.send_objectives
                           else None, timeout_s=args.timeout)
     points, runs, out = [], {}, {"target": label, "model": info.get("name"), "rates": []}
@@ -343,7 +346,7 @@ async def _measure(args, backend, label: str, state: dict | None, objectives: Ob
         arrivals = arrivals_of(args, rate, index)
         progress = None if args.quiet else Progress(workload.requests, args.duration, label=f"bench {arrivals.describe()}")
         results = await run(backend, workload, arrivals, Limits(args.duration), options, progress)
-        summary = summarize(results, objectives, classes)
+        summary = summarize(results, objectives, classes, default_class)
         title = f"{label}: {workload.describe}; {arrivals.describe()}"
         print(report.format_summary(summary, title), flush=True)
         print(flush=True)
