@@ -39,7 +39,7 @@ GPU_BATCHED_TOKENS = 2048
 def default_batched_tokens(device: str) -> int:
     """A step's token budget where none is set. On a CPU a step of prompt tokens is
     compute-bound well below 512 of them: one thread prefilled a 1,000-token prompt of the
-    default model in 2.32-2.39 s with a budget of 256 or 512, 2.33-3.17 s with 2048
+    default model in 2.32-2.39 s with a budget of 256 or 512, 2.44-3.17 s with 2048
     (2026-11-29). A larger budget gains nothing there, and it puts the prompts that waited
     together into one step, which gives the first the last one's TTFT: two 1,000-token prompts
     that met in a prefill worker's queue both had their first token after 7.5-7.9 s, where one
