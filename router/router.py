@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import cache
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Protocol, Sequence
 
@@ -709,7 +710,8 @@ class Router:
                                             lambda c: serves_in_time(c, cls, spent))
         best = fastest(ranked)
         if cls.on_overload == "admit" or (cls.on_overload == "queue" and never_meets(candidates, cls, 0.0)):
-            def why() -> str:  # not for a request held for room (offered again on every change)
+            @cache
+            def why() -> str:  # once, and not for a request held for room (offered again on every change)
                 never = never_meets(candidates, cls, 0.0 if cls.on_overload == "queue" else spent)
                 return explain(cls, best, never, spent, full=not with_room(candidates))
 
